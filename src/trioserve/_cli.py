@@ -1,0 +1,120 @@
+"""``trioserve run``: command-line flags -> ``ServerConfig`` -> ``trio.run``.
+
+Flags follow tritonserver's names where one exists (``--model-repository``,
+``--http-port``, ``--grpc-port``, ``--exit-timeout-secs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+from ._config import ServerConfig
+from ._loader import RepositoryError, load_repository
+from ._server import open_server
+from ._version import __version__
+from .rest._limits import HttpLimits
+
+logger = logging.getLogger("trioserve")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trioserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"trioserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="serve a model repository (or the built-in models)")
+    run.add_argument(
+        "--model-repository",
+        type=Path,
+        help="folder of models defined in model.py files; without it, the built-in examples",
+    )
+    run.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    run.add_argument("--http-port", type=int, default=8000)
+    run.add_argument("--grpc-port", type=int, default=8001)
+    run.add_argument("--allow-http", type=_boolean, default=True, metavar="BOOL")
+    run.add_argument("--allow-grpc", type=_boolean, default=True, metavar="BOOL")
+    run.add_argument(
+        "--http-server",
+        choices=("stdlib", "hypercorn"),
+        default="stdlib",
+        help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS",
+    )
+    run.add_argument("--tls-certfile", help="with --http-server hypercorn: serve HTTPS")
+    run.add_argument("--tls-keyfile")
+    defaults = HttpLimits()
+    run.add_argument("--http-max-body-bytes", type=int, default=defaults.max_body_bytes)
+    run.add_argument("--http-max-header-bytes", type=int, default=defaults.max_header_bytes)
+    run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
+    run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
+    run.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    run.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error")
+    )
+    return parser
+
+
+def _boolean(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.model_repository is None:
+        from .models import builtin_models
+
+        models = builtin_models()
+    else:
+        models = load_repository(args.model_repository)
+    return ServerConfig(
+        models=models,
+        host=args.host,
+        http_port=args.http_port if args.allow_http else None,
+        grpc_port=args.grpc_port if args.allow_grpc else None,
+        http_server=args.http_server,
+        tls_certfile=args.tls_certfile,
+        tls_keyfile=args.tls_keyfile,
+        http_limits=HttpLimits(
+            max_body_bytes=args.http_max_body_bytes,
+            max_header_bytes=args.http_max_header_bytes,
+            max_header_count=args.http_max_header_count,
+            idle_timeout_s=args.http_idle_timeout_secs,
+        ),
+        exit_timeout_s=args.exit_timeout_secs,
+    )
+
+
+async def run_until_signalled(config: ServerConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_server(config) as server:
+            for kind, addresses in (("HTTP", server.http_addresses), ("gRPC", server.grpc_addresses)):
+                for host, port in addresses:
+                    logger.info("%s service listening on %s:%d", kind, host, port)
+            logger.info("serving models: %s", ", ".join(server.repository.names()))
+            async for signum in signals:
+                logger.info("received %s: draining (up to %.0f s)",
+                            signal.Signals(signum).name, config.exit_timeout_s)
+                break
+            await server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except (RepositoryError, ValueError) as exc:
+        sys.exit(f"trioserve: {exc}")
+    trio.run(run_until_signalled, config)

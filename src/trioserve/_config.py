@@ -1,0 +1,40 @@
+"""The server's configuration: frozen and validated when built."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ._model import Model
+from .rest._limits import HttpLimits
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything ``serve`` needs. Ports of 0 bind a free port; ``None`` turns a front end off."""
+
+    models: Sequence[Model] = ()
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    grpc_port: int | None = 8001
+    http_server: Literal["stdlib", "hypercorn"] = "stdlib"
+    tls_certfile: str | None = None  # hypercorn only
+    tls_keyfile: str | None = None
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    grpc_max_message_bytes: int = 2**31 - 1  # tritonclient's own limit: INT32_MAX
+    exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        for port in (self.http_port, self.grpc_port):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"invalid port {port}")
+        if self.http_server not in ("stdlib", "hypercorn"):
+            raise ValueError(f"http_server must be 'stdlib' or 'hypercorn', not {self.http_server!r}")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("TLS needs both a certificate and a key file")
+        if self.tls_certfile is not None and self.http_server != "hypercorn":
+            raise ValueError("TLS is served by the hypercorn HTTP server (http_server='hypercorn')")
+        if self.exit_timeout_s < 0:
+            raise ValueError("exit_timeout_s must be >= 0")

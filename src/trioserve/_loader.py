@@ -1,0 +1,63 @@
+"""Loading models defined in Python from a model repository folder.
+
+Layout (Triton's, with ``model.py`` in place of ``config.pbtxt`` + backend)::
+
+    DIR/<model name>/model.py            one model; its versions as it declares them
+    DIR/<model name>/<version>/model.py  one model.py per numeric version
+
+Each ``model.py`` defines a module-level ``model``: a ``trioserve.Model`` (for example one
+made with ``@trioserve.model``). The folder names the model, as in Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ._model import Model
+
+
+class RepositoryError(Exception):
+    """The repository folder does not describe servable models."""
+
+
+def load_repository(root: Path) -> list[Model]:
+    if not root.is_dir():
+        raise RepositoryError(f"model repository {str(root)!r} is not a directory")
+    models = []
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if (folder / "model.py").is_file():
+            models.append(_load(folder / "model.py", folder.name, None))
+            continue
+        versions = sorted(
+            (v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()), key=lambda v: int(v.name)
+        )
+        if not versions:
+            raise RepositoryError(f"{folder}: no model.py and no numeric version folders")
+        for version in versions:
+            if not (version / "model.py").is_file():
+                raise RepositoryError(f"{version}: missing model.py")
+            models.append(_load(version / "model.py", folder.name, version.name))
+    if not models:
+        raise RepositoryError(f"model repository {str(root)!r} holds no models")
+    return models
+
+
+def _load(path: Path, name: str, version: str | None) -> Model:
+    module_name = f"trioserve_repository.{name}.v{version or 'default'}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RepositoryError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise RepositoryError(f"{path}: failed to import: {exc!r}") from exc
+    loaded = getattr(module, "model", None)
+    if not isinstance(loaded, Model):
+        raise RepositoryError(f"{path}: defines no module-level 'model' that is a trioserve.Model")
+    loaded.name = name
+    if version is not None:
+        loaded.versions = (version,)
+    return loaded
+

@@ -1,0 +1,183 @@
+"""The model API users implement.
+
+The simple case is one function::
+
+    @trioserve.model(
+        name="add",
+        inputs=[trioserve.TensorSpec("A", "FP32", [4]), trioserve.TensorSpec("B", "FP32", [4])],
+        outputs=[trioserve.TensorSpec("SUM", "FP32", [4])],
+        max_batch_size=8,
+        dynamic_batching=trioserve.DynamicBatching(max_queue_delay_microseconds=500),
+    )
+    def add(A, B):
+        return {"SUM": A + B}
+
+The function receives each input as a numpy array (batched requests stacked along the
+first axis) and returns a mapping of output name to array. ``async def`` functions run
+in trio; plain functions run in a worker thread so they never block the event loop.
+
+The full case subclasses ``Model`` and implements ``execute(requests)``, which sees each
+request of a batch with its parameters and returns one output mapping per request.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from ._errors import InvalidArgumentError
+from ._tensor import Datatype, datatype
+from ._types import InferenceRequest
+
+Outputs = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared input or output. ``dims`` excludes the batch dimension; -1 is variable."""
+
+    name: str
+    datatype: str
+    dims: Sequence[int]
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        datatype(self.datatype)  # raises for an unknown name
+        if not all(type(d) is int and d >= -1 for d in self.dims):
+            raise ValueError(f"tensor {self.name!r}: dims must be integers >= -1")
+        object.__setattr__(self, "dims", tuple(self.dims))
+
+    @property
+    def wire_datatype(self) -> Datatype:
+        return datatype(self.datatype)
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    """Triton's dynamic batcher settings (same names and meanings as config.pbtxt)."""
+
+    preferred_batch_size: Sequence[int] = ()
+    max_queue_delay_microseconds: int = 0
+    max_queue_size: int = 0  # 0: unbounded
+    default_timeout_microseconds: int = 0  # 0: requests wait as long as needed
+    priority_levels: int = 0  # 0: one level
+    default_priority_level: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "preferred_batch_size", tuple(sorted(self.preferred_batch_size)))
+        if self.priority_levels and not 1 <= self.default_priority_level <= self.priority_levels:
+            raise ValueError("default_priority_level must be within 1..priority_levels")
+
+
+@dataclass(eq=False)  # models compare by identity
+class Model:
+    """A served model. Subclass it and implement ``execute`` (sync or ``async``).
+
+    ``execute`` receives the requests of one batch (one request when the model does not
+    batch) and returns one mapping of output name to array per request. With
+    ``instance_count > 1`` it runs concurrently, so it must be thread-safe.
+    """
+
+    name: str
+    inputs: Sequence[TensorSpec]
+    outputs: Sequence[TensorSpec]
+    max_batch_size: int = 0
+    dynamic_batching: DynamicBatching | None = None
+    instance_count: int = 1
+    device: Literal["cpu", "gpu"] = "cpu"
+    versions: Sequence[str] = ("1",)
+    platform: str = "python"
+    parameters: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 0 or self.instance_count < 1:
+            raise ValueError("max_batch_size must be >= 0 and instance_count >= 1")
+        if not self.versions or not all(v.isdigit() for v in self.versions):
+            raise ValueError("versions must be non-empty numeric strings")
+        names = [t.name for t in (*self.inputs, *self.outputs)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model {self.name!r}: tensor names must be unique")
+
+    def load(self) -> None | Awaitable[None]:
+        """Called once before the model serves; may be ``async``."""
+        return None
+
+    def unload(self) -> None | Awaitable[None]:
+        """Called once after the model stopped serving; may be ``async``."""
+        return None
+
+    def execute(
+        self, requests: Sequence[InferenceRequest]
+    ) -> Sequence[Outputs] | Awaitable[Sequence[Outputs]]:
+        raise NotImplementedError(f"{type(self).__name__} must implement execute()")
+
+    @property
+    def batches(self) -> bool:
+        """Whether inputs carry a leading batch dimension."""
+        return self.max_batch_size > 0
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.execute)
+
+
+class FunctionModel(Model):
+    """A model whose ``execute`` stacks the batch, calls one function and splits the result."""
+
+    def __init__(self, function: Callable[..., Any], **settings: Any) -> None:
+        super().__init__(**settings)
+        self.function = function
+        if inspect.iscoroutinefunction(function):
+            self.execute = self._execute_async  # type: ignore[method-assign]
+        else:
+            self.execute = self._execute_sync  # type: ignore[method-assign]
+
+    def _execute_sync(self, requests: Sequence[InferenceRequest]) -> Sequence[Outputs]:
+        return self._split(requests, self.function(**self._stack(requests)))
+
+    async def _execute_async(self, requests: Sequence[InferenceRequest]) -> Sequence[Outputs]:
+        return self._split(requests, await self.function(**self._stack(requests)))
+
+    def _stack(self, requests: Sequence[InferenceRequest]) -> dict[str, np.ndarray[Any, Any]]:
+        if len(requests) == 1:
+            return {name: t.data for name, t in requests[0].inputs.items()}
+        # The batcher only groups requests whose inputs match in name and shape.
+        return {
+            name: np.concatenate([r.inputs[name].data for r in requests])
+            for name in requests[0].inputs
+        }
+
+    def _split(self, requests: Sequence[InferenceRequest], outputs: Any) -> list[Outputs]:
+        if not isinstance(outputs, Mapping):
+            raise TypeError(f"model {self.name!r} returned {type(outputs).__name__}, not a mapping")
+        if len(requests) == 1:
+            return [outputs]
+        bounds = np.cumsum([batch_size(r) for r in requests])[:-1]
+        pieces = {name: np.split(np.asarray(array), bounds) for name, array in outputs.items()}
+        return [{name: parts[i] for name, parts in pieces.items()} for i in range(len(requests))]
+
+
+def batch_size(request: InferenceRequest) -> int:
+    """The batch elements a request of a batching model carries (first input's first dim)."""
+    for tensor in request.inputs.values():
+        return tensor.shape[0] if tensor.shape else 1
+    raise InvalidArgumentError("request has no inputs")
+
+
+def model(
+    *,
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    **settings: Any,
+) -> Callable[[Callable[..., Any]], FunctionModel]:
+    """Declare a model from one function; see the module docstring."""
+
+    def wrap(function: Callable[..., Any]) -> FunctionModel:
+        return FunctionModel(function, name=name, inputs=inputs, outputs=outputs, **settings)
+
+    return wrap

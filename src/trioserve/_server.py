@@ -1,0 +1,157 @@
+"""The root of a server instance: one nursery that owns models and front ends.
+
+    open_server(config)                 async context manager (the root nursery)
+    ├── repository.run                  one task tree per model version
+    ├── REST front end                  our HTTP/1.1 core, or Hypercorn
+    └── gRPC front end                  grpclib through trio-asyncio
+
+``serve(config, task_status=...)`` follows trio's start protocol: it reports the running
+``Server`` (with its bound ports) once every model is loaded and every port listens.
+Graceful shutdown (``Server.shutdown``) stops the front ends accepting, lets requests in
+flight finish for up to ``exit_timeout_s``, then cancels everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import trio
+
+from ._config import ServerConfig
+from ._repository import ModelRepository
+from ._version import __version__
+
+Address = tuple[str, int]
+
+# What works today, by Triton's extension names; listed in server metadata.
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "parameters", "schedule_policy")
+
+
+def server_metadata() -> dict[str, Any]:
+    return {"name": "trioserve", "version": __version__, "extensions": list(EXTENSIONS)}
+
+
+@dataclass
+class Server:
+    """A running server instance."""
+
+    config: ServerConfig
+    repository: ModelRepository
+    http_addresses: list[Address]
+    grpc_addresses: list[Address]
+    _stop_accepting: trio.Event
+    _front_ends_done: trio.Event
+    _root: trio.CancelScope
+    _stopped: trio.Event
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http_addresses[0][1] if self.http_addresses else None
+
+    @property
+    def grpc_port(self) -> int | None:
+        return self.grpc_addresses[0][1] if self.grpc_addresses else None
+
+    async def shutdown(self) -> None:
+        """Stop accepting, drain requests in flight (bounded by exit_timeout_s), then stop."""
+        self._stop_accepting.set()
+        with trio.move_on_after(self.config.exit_timeout_s):
+            await self._front_ends_done.wait()
+        self._root.cancel()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+class _FrontEnds:
+    """Starts front ends and tells when all of them have returned after draining."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.done = trio.Event()
+
+    async def run(
+        self,
+        serve: Callable[..., Awaitable[None]],
+        *,
+        task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        self.running += 1
+        try:
+            await serve(task_status=task_status)
+        finally:
+            self.running -= 1
+            if self.running == 0:
+                self.done.set()
+
+
+@asynccontextmanager
+async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
+    """Run a server for the duration of the block; leaving it cancels everything."""
+    repository = ModelRepository(config.models)
+    stop_accepting = trio.Event()
+    front_ends = _FrontEnds()
+    async with trio.open_nursery() as root:
+        await root.start(repository.run)
+        http: list[Address] = []
+        grpc: list[Address] = []
+        if config.http_port is not None:
+            http = await root.start(front_ends.run, _rest(config, repository, stop_accepting))
+        if config.grpc_port is not None:
+            grpc = await root.start(front_ends.run, _grpc(config, repository, stop_accepting))
+        if front_ends.running == 0:
+            front_ends.done.set()
+        server = Server(
+            config, repository, http, grpc, stop_accepting, front_ends.done,
+            root.cancel_scope, trio.Event(),
+        )
+        try:
+            yield server
+        finally:
+            root.cancel_scope.cancel()
+
+
+async def serve(
+    config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve until cancelled or until ``Server.shutdown`` completes."""
+    async with open_server(config) as server:
+        task_status.started(server)
+        await server.wait_stopped()
+
+
+def _rest(
+    config: ServerConfig, repository: ModelRepository, stop: trio.Event
+) -> Callable[..., Awaitable[None]]:
+    from .rest._endpoints import build_app
+
+    app = build_app(repository, server_metadata(), config.http_limits.max_body_bytes)
+    if config.http_server == "hypercorn":
+        from .rest._hypercorn import serve_hypercorn  # imported only when chosen
+
+        return partial(
+            serve_hypercorn, app, config.host, config.http_port, config.http_limits,
+            certfile=config.tls_certfile, keyfile=config.tls_keyfile, shutdown_trigger=stop.wait,
+        )
+    from .rest._http11 import serve_http11
+
+    return partial(
+        serve_http11, app, config.host, config.http_port, config.http_limits,
+        shutdown_trigger=stop.wait,
+    )
+
+
+def _grpc(
+    config: ServerConfig, repository: ModelRepository, stop: trio.Event
+) -> Callable[..., Awaitable[None]]:
+    from .grpc import serve_grpc
+
+    return partial(
+        serve_grpc, repository, server_metadata(), config.host, config.grpc_port,
+        max_message_bytes=config.grpc_max_message_bytes, shutdown_trigger=stop.wait,
+    )

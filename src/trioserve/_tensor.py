@@ -1,0 +1,297 @@
+"""Tensor datatypes and the codecs between numpy and the wire.
+
+Wire facts (Open Inference Protocol plus Triton's binary extension):
+- Fixed-size types travel little-endian, row-major, unpadded; BOOL is one byte.
+- BYTES elements travel as a 4-byte little-endian length followed by the bytes.
+- BF16 has no numpy dtype: it is carried as 2-byte words (``<u2``), opaque to us.
+
+Raw buffers become arrays without copying (``np.frombuffer``); the arrays are then
+read-only views of the received body, which is what models get.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import InvalidArgumentError
+
+
+@dataclass(frozen=True, slots=True)
+class Datatype:
+    """One wire datatype: its protocol name, numpy dtype and Triton config name."""
+
+    name: str
+    dtype: np.dtype[Any]
+    config_name: str  # the enum name in Triton's ModelConfig (TYPE_FP32, TYPE_STRING, ...)
+    json_kinds: str  # numpy kinds accepted from JSON data ("" = not allowed in JSON)
+
+    @property
+    def is_bytes(self) -> bool:
+        return self.name == "BYTES"
+
+
+def _fixed(name: str, dtype: str, kinds: str, config: str | None = None) -> Datatype:
+    return Datatype(name, np.dtype(dtype), config or f"TYPE_{name}", kinds)
+
+
+_INTEGER_KINDS = "iu"
+_NUMBER_KINDS = "iuf"
+
+DATATYPES: dict[str, Datatype] = {
+    t.name: t
+    for t in (
+        _fixed("BOOL", "?", "b"),
+        _fixed("UINT8", "<u1", _INTEGER_KINDS),
+        _fixed("UINT16", "<u2", _INTEGER_KINDS),
+        _fixed("UINT32", "<u4", _INTEGER_KINDS),
+        _fixed("UINT64", "<u8", _INTEGER_KINDS),
+        _fixed("INT8", "<i1", _INTEGER_KINDS),
+        _fixed("INT16", "<i2", _INTEGER_KINDS),
+        _fixed("INT32", "<i4", _INTEGER_KINDS),
+        _fixed("INT64", "<i8", _INTEGER_KINDS),
+        _fixed("FP16", "<f2", _NUMBER_KINDS),
+        _fixed("FP32", "<f4", _NUMBER_KINDS),
+        _fixed("FP64", "<f8", _NUMBER_KINDS),
+        _fixed("BF16", "<u2", ""),
+        Datatype("BYTES", np.dtype(object), "TYPE_STRING", "U"),
+    )
+}
+
+_BY_CONFIG_NAME = {t.config_name: t for t in DATATYPES.values()}
+_BY_DTYPE = {t.dtype: t for t in DATATYPES.values() if t.name not in ("BF16", "BYTES")}
+
+
+def datatype(name: str) -> Datatype:
+    """The datatype called ``name`` on the wire; INVALID_ARG if there is none."""
+    try:
+        return DATATYPES[name]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"invalid datatype '{name}'") from None
+
+
+def datatype_from_config(config_name: str) -> Datatype:
+    """The datatype of a Triton config enum name such as ``TYPE_FP32``."""
+    try:
+        return _BY_CONFIG_NAME[config_name]
+    except KeyError:
+        raise InvalidArgumentError(f"invalid config datatype '{config_name}'") from None
+
+
+def datatype_of(array: np.ndarray[Any, Any]) -> Datatype:
+    """The wire datatype for a numpy array a model produced (object/str/bytes -> BYTES)."""
+    kind = array.dtype.kind
+    if kind in "OSU":
+        return DATATYPES["BYTES"]
+    found = _BY_DTYPE.get(array.dtype.newbyteorder("<") if kind != "b" else array.dtype)
+    if found is None:
+        raise InvalidArgumentError(f"numpy dtype {array.dtype} has no wire datatype")
+    return found
+
+
+def element_count(shape: Sequence[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def check_shape(shape: Any, what: str) -> tuple[int, ...]:
+    """A client-sent shape as a tuple of non-negative ints, or INVALID_ARG."""
+    if not isinstance(shape, list | tuple) or not all(
+        type(d) is int and d >= 0 for d in shape
+    ):
+        raise InvalidArgumentError(
+            f"{what}: shape must be a list of non-negative integers, got {shape!r}"
+        )
+    return tuple(shape)
+
+
+# --- BYTES -------------------------------------------------------------------------
+
+_LENGTH = struct.Struct("<I")
+
+
+def serialize_bytes(array: np.ndarray[Any, Any]) -> bytes:
+    """BYTES elements, C order, each as a 4-byte LE length then its bytes."""
+    parts: list[bytes] = []
+    for item in array.reshape(-1):
+        data = _element_bytes(item)
+        parts.append(_LENGTH.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def _element_bytes(item: Any) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode()
+    if isinstance(item, np.bytes_ | bytearray | memoryview):
+        return bytes(item)
+    # Numbers and other scalars become their decimal text, as Triton's clients do.
+    return str(item).encode()
+
+
+def deserialize_bytes(buffer: bytes | bytearray | memoryview, count: int, what: str) -> np.ndarray[Any, Any]:
+    """Exactly ``count`` length-prefixed elements filling ``buffer``, as an object array."""
+    view = memoryview(buffer).cast("B")
+    items: list[bytes] = []
+    offset = 0
+    end = len(view)
+    for _ in range(count):
+        if offset + 4 > end:
+            raise InvalidArgumentError(
+                f"{what}: BYTES data holds fewer than the {count} elements its shape declares"
+            )
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += 4
+        if offset + length > end:
+            raise InvalidArgumentError(f"{what}: BYTES element length runs past the data")
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    if offset != end:
+        raise InvalidArgumentError(
+            f"{what}: BYTES data holds more than the {count} elements its shape declares"
+        )
+    result = np.empty(count, dtype=object)
+    result[:] = items
+    return result
+
+
+# --- raw (binary extension, gRPC raw contents, shared memory) ------------------------
+
+
+def array_from_raw(
+    dt: Datatype, shape: Sequence[int], buffer: bytes | bytearray | memoryview, what: str
+) -> np.ndarray[Any, Any]:
+    """The tensor ``buffer`` holds, without copying fixed-size data."""
+    count = element_count(shape)
+    if dt.is_bytes:
+        return deserialize_bytes(buffer, count, what).reshape(shape)
+    expected = count * dt.dtype.itemsize
+    size = memoryview(buffer).nbytes
+    if size != expected:
+        raise InvalidArgumentError(
+            f"{what}: got {size} bytes of {dt.name} data, shape {list(shape)} needs {expected}"
+        )
+    array = np.frombuffer(buffer, dtype=dt.dtype, count=count)
+    if dt.name == "BOOL" and count and array.view(np.uint8).max() > 1:
+        raise InvalidArgumentError(f"{what}: BOOL data must be bytes 0 or 1")
+    return array.reshape(shape)
+
+
+def raw_size(array: np.ndarray[Any, Any], dt: Datatype) -> int:
+    """Bytes the raw form of ``array`` takes (BYTES: its serialized length)."""
+    if dt.is_bytes:
+        return sum(4 + len(_element_bytes(x)) for x in array.reshape(-1))
+    return int(array.size) * dt.dtype.itemsize
+
+
+def array_to_raw(array: np.ndarray[Any, Any], dt: Datatype) -> bytes | memoryview:
+    """The raw form of ``array``; a view (no copy) when it is already contiguous LE."""
+    if dt.is_bytes:
+        return serialize_bytes(array)
+    wire = np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1)
+    return memoryview(wire.view(np.uint8))
+
+
+# --- JSON --------------------------------------------------------------------------
+
+
+def array_from_json(dt: Datatype, shape: Sequence[int], data: Any, what: str) -> np.ndarray[Any, Any]:
+    """The tensor that JSON ``data`` (flat or nested) holds, with strict type checks."""
+    if not dt.json_kinds:
+        raise InvalidArgumentError(f"{what}: {dt.name} data can only be sent as binary")
+    if not isinstance(data, list):
+        data = [data]
+    count = element_count(shape)
+    if dt.is_bytes:
+        return _bytes_from_json(data, count, what).reshape(shape)
+    try:
+        parsed = np.array(data)
+    except ValueError:
+        raise InvalidArgumentError(f"{what}: data is not a rectangular array") from None
+    if parsed.size != count:
+        raise InvalidArgumentError(
+            f"{what}: data holds {parsed.size} elements, shape {list(shape)} needs {count}"
+        )
+    if count == 0:
+        return np.zeros(shape, dtype=dt.dtype)
+    if dt.dtype.kind in "iu" and parsed.dtype.kind in "fO":
+        parsed = _big_integers(data, parsed.shape)
+    if parsed.dtype.kind not in dt.json_kinds:
+        raise InvalidArgumentError(f"{what}: data must be {_json_kind_words(dt)} for {dt.name}")
+    if dt.dtype.kind in "iu":
+        info = np.iinfo(dt.dtype)
+        low, high = parsed.min(), parsed.max()
+        if low < info.min or high > info.max:
+            raise InvalidArgumentError(f"{what}: value out of range for {dt.name}")
+    return parsed.astype(dt.dtype, copy=False).reshape(shape)
+
+
+def _big_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """Integers past int64 make numpy guess float64; keep them exact for UINT64."""
+    flat = _flatten(data)
+    if not all(type(x) is int for x in flat):
+        return np.array(flat, dtype=object)  # not all integers: fails the kind check
+    exact = np.empty(len(flat), dtype=object)
+    exact[:] = flat
+    return exact.reshape(shape).astype(np.uint64) if min(flat) >= 0 else exact.reshape(shape)
+
+
+def _json_kind_words(dt: Datatype) -> str:
+    if dt.name == "BOOL":
+        return "true/false"
+    return "integers" if dt.json_kinds == _INTEGER_KINDS else "numbers"
+
+
+def _bytes_from_json(data: list[Any], count: int, what: str) -> np.ndarray[Any, Any]:
+    flat = _flatten(data)
+    if len(flat) != count:
+        raise InvalidArgumentError(
+            f"{what}: data holds {len(flat)} elements, its shape needs {count}"
+        )
+    result = np.empty(count, dtype=object)
+    for i, item in enumerate(flat):
+        if not isinstance(item, str):
+            raise InvalidArgumentError(f"{what}: BYTES data must be strings")
+        result[i] = item.encode()
+    return result
+
+
+def _flatten(data: list[Any]) -> list[Any]:
+    flat: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+    return flat
+
+
+def array_to_json(array: np.ndarray[Any, Any], dt: Datatype, what: str) -> list[Any]:
+    """Flat JSON data for ``array`` (the OIP response form)."""
+    if not dt.json_kinds:
+        raise InvalidArgumentError(
+            f"{what}: {dt.name} output can only be returned as binary; request binary_data"
+        )
+    if not dt.is_bytes:
+        return array.reshape(-1).tolist()  # type: ignore[no-any-return]
+    out: list[str] = []
+    for item in array.reshape(-1):
+        try:
+            out.append(_element_bytes(item).decode())
+        except UnicodeDecodeError:
+            raise InvalidArgumentError(
+                f"{what}: BYTES output is not UTF-8 text; request it as binary_data"
+            ) from None
+    return out

@@ -1,0 +1,85 @@
+"""The transport-neutral values that travel between the front ends and the models.
+
+A front end (REST or gRPC) decodes its wire form into an ``InferenceRequest``; the
+model's scheduler answers with an ``InferenceResponse``. Neither knows any transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._errors import InvalidArgumentError
+from ._tensor import Datatype
+
+Parameters = Mapping[str, Any]
+
+
+@dataclass(slots=True)
+class InputTensor:
+    """One request input: its declared datatype and shape, and the data as numpy."""
+
+    name: str
+    datatype: Datatype
+    shape: tuple[int, ...]
+    data: np.ndarray[Any, Any]
+    parameters: Parameters = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for, with the parameters it attached (binary_data...)."""
+
+    name: str
+    parameters: Parameters = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    model_name: str
+    model_version: str  # "" when the client named no version
+    inputs: dict[str, InputTensor]
+    outputs: list[RequestedOutput] = field(default_factory=list)  # empty: all outputs
+    id: str = ""
+    parameters: Parameters = field(default_factory=dict)
+
+    @property
+    def priority(self) -> int:
+        """Requested priority level; 0 means the model's default."""
+        return _int_parameter(self.parameters, "priority")
+
+    @property
+    def timeout_us(self) -> int:
+        """Queue timeout in microseconds; 0 means the model's default."""
+        return _int_parameter(self.parameters, "timeout")
+
+
+def _int_parameter(parameters: Parameters, key: str) -> int:
+    value = parameters.get(key, 0)
+    if type(value) is not int or value < 0:
+        raise InvalidArgumentError(f"parameter '{key}' must be a non-negative integer")
+    return value
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    name: str
+    datatype: Datatype
+    data: np.ndarray[Any, Any]
+    parameters: Parameters = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    model_name: str
+    model_version: str
+    outputs: list[OutputTensor]
+    id: str = ""
+    parameters: Parameters = field(default_factory=dict)

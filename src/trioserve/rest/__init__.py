@@ -1,0 +1,1 @@
+"""The REST (HTTP/JSON) front end: HTTP servers, ASGI app and routing."""

@@ -1,0 +1,195 @@
+"""The REST front end as one hand-written ASGI app.
+
+It reads the body (bounded, decompressed), routes, calls an endpoint and writes its
+``Response``; every ``InferenceServerError`` becomes ``{"error": ...}`` with the status
+from ``_errors.HTTP_STATUS``. It runs unchanged on our HTTP/1.1 core and on Hypercorn.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import trio
+
+from .._errors import InferenceServerError, InvalidArgumentError
+from ._asgi import Receive, Scope, Send
+from ._errors import error_body, error_status
+from ._router import MethodNotAllowed, Router
+
+logger = logging.getLogger("trioserve.rest")
+
+JSON = b"application/json"
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Request:
+    method: str
+    path: str
+    params: dict[str, str]
+    headers: dict[bytes, bytes]
+    body: bytes
+    receive: Receive
+
+
+@dataclass(slots=True)
+class Response:
+    status: int = 200
+    body: bytes = b""
+    content_type: bytes | None = JSON
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    compressible: bool = False  # honour Accept-Encoding (inference responses)
+
+
+Endpoint = Callable[[Request], Awaitable[Response | None]]
+
+
+class RestApp:
+    """The ASGI application; endpoints register on ``router``."""
+
+    def __init__(self, router: Router[Endpoint], max_body_bytes: int) -> None:
+        self.router = router
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        headers = dict(scope["headers"])
+        try:
+            endpoint, params = self.router.resolve(scope["method"], scope["path"])
+            body = await self._read_body(receive, headers)
+            if body is None:
+                return  # the client went away
+            response = await endpoint(
+                Request(scope["method"], scope["path"], params, headers, body, receive)
+            )
+        except MethodNotAllowed as exc:
+            response = _error(405, exc.message)
+            response.headers.append((b"allow", ", ".join(exc.allow).encode()))
+        except _TooLarge as exc:
+            response = _error(413, exc.message)
+        except InferenceServerError as exc:
+            response = _error(error_status(exc), exc.message)
+        if response is None:
+            return  # cancelled by a client disconnect: nobody to answer
+        await _send(send, response, headers)
+
+    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | None:
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body_bytes:
+                raise _TooLarge(self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        encoding = headers.get(b"content-encoding")
+        if encoding is None or encoding == b"identity":
+            return body
+        return _decompress(body, encoding, self.max_body_bytes)
+
+
+async def until_disconnect(receive: Receive, call: Callable[[], Awaitable[T]]) -> T | None:
+    """``call()``'s result, or None if the client disconnected first (the call is cancelled).
+
+    The body must already be read: the next ``receive`` then only reports a disconnect.
+    """
+    error: Exception | None = None
+    result: T | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+        try:
+            result = await call()
+        except Exception as exc:  # re-raised below, outside the nursery's exception group
+            error = exc
+        nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class _TooLarge(InferenceServerError):
+    """The body (or what it inflates to) is over the limit: 413, outside the kind table."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds the limit of {limit} bytes")
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(status, error_body(message))
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    if encoding == b"gzip":
+        wbits = 16 + zlib.MAX_WBITS
+    elif encoding == b"deflate":
+        wbits = zlib.MAX_WBITS
+    else:
+        raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InvalidArgumentError(f"malformed {encoding.decode()} body: {exc}") from None
+    if len(data) > limit:
+        raise _TooLarge(limit)
+    if not inflater.eof:
+        raise InvalidArgumentError(f"truncated {encoding.decode()} body")
+    return data
+
+
+def _compression(headers: dict[bytes, bytes]) -> bytes | None:
+    accepted = headers.get(b"accept-encoding")
+    if not accepted:
+        return None
+    names = {part.split(b";")[0].strip() for part in accepted.split(b",")}
+    for name in (b"gzip", b"deflate"):
+        if name in names:
+            return name
+    return None
+
+
+async def _send(send: Send, response: Response, request_headers: dict[bytes, bytes]) -> None:
+    headers = list(response.headers)
+    body = response.body
+    if response.content_type is not None:
+        headers.append((b"content-type", response.content_type))
+    encoding = _compression(request_headers) if response.compressible else None
+    if encoding is not None:
+        body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
+        headers.append((b"content-encoding", encoding))
+    headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    # The server starts and stops models itself; lifespan events only need an answer.
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+

@@ -1,0 +1,100 @@
+"""The Open Inference Protocol endpoints over REST: health, metadata, config, infer."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+from .._errors import InvalidArgumentError
+from .._model_config import model_config, model_metadata
+from .._repository import ModelRepository
+from ._app import Endpoint, Request, Response, RestApp, until_disconnect
+from ._infer_codec import decode_request, encode_response
+from ._router import Router
+
+_MODEL = "/v2/models/{model}"
+_VERSION = "/v2/models/{model}/versions/{version}"
+
+# Health answers carry no body: 200 for true, 400 for false (what Triton's clients read).
+_TRUE = Response(200, content_type=None)
+_FALSE = Response(400, content_type=None)
+
+
+def _json(document: Any) -> Response:
+    return Response(200, json.dumps(document, separators=(",", ":")).encode())
+
+
+class _Endpoints:
+    def __init__(self, repository: ModelRepository, server_metadata: dict[str, Any]) -> None:
+        self.repository = repository
+        self.server_metadata = _json(server_metadata)
+
+    async def live(self, request: Request) -> Response:
+        return _TRUE
+
+    async def ready(self, request: Request) -> Response:
+        return _TRUE if self.repository.ready() else _FALSE
+
+    async def model_ready(self, request: Request) -> Response:
+        params = request.params
+        ready = self.repository.model_ready(params["model"], params.get("version", ""))
+        return _TRUE if ready else _FALSE
+
+    async def metadata(self, request: Request) -> Response:
+        return self.server_metadata
+
+    async def model_metadata(self, request: Request) -> Response:
+        name = request.params["model"]
+        runner = self.repository.get(name, request.params.get("version", ""))
+        return _json(model_metadata(runner.model, self.repository.versions(name)))
+
+    async def model_config(self, request: Request) -> Response:
+        runner = self.repository.get(request.params["model"], request.params.get("version", ""))
+        return _json(model_config(runner.model))
+
+    async def infer(self, request: Request) -> Response | None:
+        name = request.params["model"]
+        version = request.params.get("version", "")
+        runner = self.repository.get(name, version)
+        inference = decode_request(
+            request.body, _header_length(request.headers), runner.model, name, version
+        )
+        result = await until_disconnect(request.receive, partial(runner.infer, inference))
+        if result is None:
+            return None
+        body, header_length = encode_response(result, inference)
+        if header_length is None:
+            return Response(200, body, compressible=True)
+        return Response(
+            200,
+            body,
+            b"application/octet-stream",
+            [(b"inference-header-content-length", str(header_length).encode())],
+            compressible=True,
+        )
+
+
+def _header_length(headers: dict[bytes, bytes]) -> int | None:
+    value = headers.get(b"inference-header-content-length")
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise InvalidArgumentError("Inference-Header-Content-Length must be a non-negative integer")
+    return int(value)
+
+
+def build_app(
+    repository: ModelRepository, server_metadata: dict[str, Any], max_body_bytes: int
+) -> RestApp:
+    e = _Endpoints(repository, server_metadata)
+    router: Router[Endpoint] = Router()
+    router.add("GET", "/v2/health/live", e.live)
+    router.add("GET", "/v2/health/ready", e.ready)
+    router.add("GET", "/v2", e.metadata)
+    for base in (_MODEL, _VERSION):
+        router.add("GET", base, e.model_metadata)
+        router.add("GET", f"{base}/ready", e.model_ready)
+        router.add("GET", f"{base}/config", e.model_config)
+        router.add("POST", f"{base}/infer", e.infer)
+    return RestApp(router, max_body_bytes)

@@ -1,0 +1,239 @@
+"""HTTP inference bodies: JSON and Triton's binary tensor data extension.
+
+A request body is a JSON header, optionally followed by raw tensors (its length given by
+``Inference-Header-Content-Length``), in the order the inputs that carry
+``binary_data_size`` appear in the JSON. A header length of 0 means the whole body is the
+raw data of the model's single input. Raw input data becomes numpy views of the body.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import InvalidArgumentError, UnsupportedError
+from .._model import Model
+from .._tensor import (
+    Datatype,
+    array_from_json,
+    array_from_raw,
+    array_to_json,
+    array_to_raw,
+    check_shape,
+    datatype,
+    deserialize_bytes,
+    element_count,
+)
+from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+
+_JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+
+
+def decode_request(
+    body: bytes | bytearray,
+    header_length: int | None,
+    model: Model,
+    model_name: str,
+    model_version: str,
+) -> InferenceRequest:
+    """The request a body holds; ``header_length`` is the binary extension's header."""
+    if header_length == 0:
+        return _decode_raw_body(body, model, model_name, model_version)
+    view = memoryview(body)
+    if header_length is None:
+        header, binary = view, view[:0]
+    else:
+        if header_length > len(body):
+            raise InvalidArgumentError(
+                f"Inference-Header-Content-Length {header_length} exceeds the body length {len(body)}"
+            )
+        header, binary = view[:header_length], view[header_length:]
+    document = _parse_json(header)
+    inputs, used = _decode_inputs(document.get("inputs"), binary)
+    if used != len(binary):
+        raise InvalidArgumentError(
+            f"the body carries {len(binary)} bytes of binary data, the inputs declare {used}"
+        )
+    return InferenceRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=inputs,
+        outputs=_decode_outputs(document.get("outputs")),
+        id=_decode_id(document.get("id")),
+        parameters=_parameters(document.get("parameters"), "request"),
+    )
+
+
+def _parse_json(header: memoryview) -> dict[str, Any]:
+    try:
+        document = json.loads(bytes(header))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidArgumentError("the request must be a JSON object")
+    unknown = document.keys() - _JSON_KEYS
+    if unknown:
+        raise InvalidArgumentError(f"unexpected keys in the request: {sorted(unknown)}")
+    return document
+
+
+def _decode_id(value: Any) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidArgumentError("request 'id' must be a string")
+    return value
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"{where} 'parameters' must be a JSON object")
+    return value
+
+
+def _decode_inputs(
+    value: Any, binary: memoryview
+) -> tuple[dict[str, InputTensor], int]:
+    if not isinstance(value, list) or not value:
+        raise InvalidArgumentError("the request must have a non-empty 'inputs' list")
+    inputs: dict[str, InputTensor] = {}
+    offset = 0
+    for entry in value:
+        if not isinstance(entry, dict):
+            raise InvalidArgumentError("each input must be a JSON object")
+        name = entry.get("name")
+        if not isinstance(name, str):
+            raise InvalidArgumentError("each input needs a string 'name'")
+        if name in inputs:
+            raise InvalidArgumentError(f"input '{name}' appears twice")
+        what = f"input '{name}'"
+        dt = datatype(entry.get("datatype"))
+        shape = check_shape(entry.get("shape"), what)
+        parameters = _parameters(entry.get("parameters"), what)
+        size = parameters.get("binary_data_size")
+        if size is not None:
+            if "data" in entry:
+                raise InvalidArgumentError(f"{what} has both 'data' and binary_data_size")
+            if type(size) is not int or size < 0 or offset + size > len(binary):
+                raise InvalidArgumentError(f"{what}: binary_data_size {size!r} runs past the body")
+            array = array_from_raw(dt, shape, binary[offset : offset + size], what)
+            offset += size
+        elif "data" in entry:
+            array = array_from_json(dt, shape, entry["data"], what)
+        else:
+            raise InvalidArgumentError(f"{what} has no data")
+        inputs[name] = InputTensor(name, dt, shape, array, parameters)
+    return inputs, offset
+
+
+def _decode_outputs(value: Any) -> list[RequestedOutput]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise InvalidArgumentError("'outputs' must be a list")
+    outputs = []
+    for entry in value:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise InvalidArgumentError("each requested output needs a string 'name'")
+        parameters = _parameters(entry.get("parameters"), f"output '{entry['name']}'")
+        if "classification" in parameters:
+            raise UnsupportedError("the classification extension is not supported")
+        outputs.append(RequestedOutput(entry["name"], parameters))
+    return outputs
+
+
+def _decode_raw_body(
+    body: bytes | bytearray, model: Model, model_name: str, model_version: str
+) -> InferenceRequest:
+    """Inference-Header-Content-Length: 0: the body is the single input's raw bytes."""
+    if len(model.inputs) != 1:
+        raise InvalidArgumentError(
+            f"a raw binary request needs a model with one input; '{model.name}' has "
+            f"{len(model.inputs)}"
+        )
+    spec = model.inputs[0]
+    dt = spec.wire_datatype
+    shape = _raw_shape(spec.dims, dt, body, model.batches, spec.name)
+    array = array_from_raw(dt, shape, body, f"input '{spec.name}'")
+    return InferenceRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs={spec.name: InputTensor(spec.name, dt, shape, array)},
+        parameters={"binary_data_output": True},
+    )
+
+
+def _raw_shape(
+    dims: Sequence[int], dt: Datatype, body: bytes | bytearray, batches: bool, name: str
+) -> tuple[int, ...]:
+    shape = ([1] if batches else []) + list(dims)
+    variable = [i for i, d in enumerate(shape) if d == -1]
+    if not variable:
+        return tuple(shape)
+    if len(variable) > 1:
+        raise InvalidArgumentError(
+            f"a raw binary request cannot infer the shape of input '{name}' with "
+            f"{len(variable)} variable dimensions"
+        )
+    if dt.is_bytes:
+        count = _count_bytes_elements(body)
+    else:
+        count, rest = divmod(len(body), dt.dtype.itemsize)
+        if rest:
+            raise InvalidArgumentError(f"input '{name}': {len(body)} bytes is not whole {dt.name}s")
+    known = element_count([d for d in shape if d != -1])
+    if known == 0 or count % known:
+        raise InvalidArgumentError(f"input '{name}': {count} elements do not fit its shape")
+    shape[variable[0]] = count // known
+    return tuple(shape)
+
+
+def _count_bytes_elements(body: bytes | bytearray) -> int:
+    count = offset = 0
+    while offset + 4 <= len(body):
+        offset += 4 + int.from_bytes(body[offset : offset + 4], "little")
+        count += 1
+    if offset != len(body):
+        raise InvalidArgumentError("raw BYTES data is not a sequence of length-prefixed elements")
+    # Parse once more for real so malformed data gets the codec's own checks.
+    deserialize_bytes(body, count, "raw BYTES input")
+    return count
+
+
+def encode_response(
+    response: InferenceResponse, request: InferenceRequest
+) -> tuple[bytes, int | None]:
+    """The body, and the JSON header length when any output is binary (else None)."""
+    default_binary = bool(request.parameters.get("binary_data_output", False))
+    outputs = []
+    raw_parts: list[bytes | memoryview] = []
+    for tensor in response.outputs:
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype.name,
+            "shape": list(tensor.shape),
+        }
+        what = f"output '{tensor.name}'"
+        if bool(tensor.parameters.get("binary_data", default_binary)):
+            raw = array_to_raw(tensor.data, tensor.datatype)
+            entry["parameters"] = {"binary_data_size": len(memoryview(raw).cast("B"))}
+            raw_parts.append(raw)
+        else:
+            entry["data"] = array_to_json(tensor.data, tensor.datatype, what)
+        outputs.append(entry)
+    document: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    if response.id:
+        document["id"] = response.id
+    if response.parameters:
+        document["parameters"] = dict(response.parameters)
+    document["outputs"] = outputs
+    header = json.dumps(document, separators=(",", ":")).encode()
+    if not raw_parts:
+        return header, None
+    return b"".join([header, *raw_parts]), len(header)

@@ -1,0 +1,1 @@
+"""Schedulers: the dynamic batcher for tensor models (and later the LLM engine)."""

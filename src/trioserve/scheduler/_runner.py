@@ -1,0 +1,255 @@
+"""Serves one version of one tensor model: admission, the batcher task, executions.
+
+A front end calls ``ModelRunner.infer``, which validates the request, sends it down the
+runner's memory channel and waits for its outcome. The batcher task (``run``) is the only
+owner of the queue; it applies ``decide`` from ``_batching`` and starts executions,
+each holding one token of the instance group's ``CapacityLimiter``.
+
+Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
+why (model failure, full queue, timeout in queue, cancellation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+import numpy as np
+import trio
+
+from .._errors import (
+    CancelledError,
+    InferenceServerError,
+    InternalError,
+    UnavailableError,
+)
+from .._model import Model, Outputs, batch_size
+from .._tensor import datatype_of
+from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from .._validation import batch_key, validate_request
+from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
+from ._clock import now_ns, ns_to_seconds
+from ._model_calls import call_hook
+
+logger = logging.getLogger("trioserve.scheduler")
+
+
+def policy_for(model: Model) -> BatchingPolicy:
+    batching = model.dynamic_batching
+    if batching is None:
+        return BatchingPolicy(batching=False)
+    if not model.batches:  # the queue settings still apply, one request per execution
+        return BatchingPolicy(
+            batching=False,
+            max_queue_size=batching.max_queue_size,
+            default_timeout_ns=batching.default_timeout_microseconds * 1000,
+        )
+    levels = max(batching.priority_levels, 1)
+    return BatchingPolicy(
+        batching=True,
+        max_batch_size=model.max_batch_size,
+        preferred_batch_sizes=tuple(batching.preferred_batch_size),
+        max_queue_delay_ns=batching.max_queue_delay_microseconds * 1000,
+        max_queue_size=batching.max_queue_size,
+        default_timeout_ns=batching.default_timeout_microseconds * 1000,
+        priority_levels=levels,
+        default_priority_level=batching.default_priority_level or levels,
+    )
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    request: InferenceRequest
+    item: QueuedItem
+    done: trio.Event = field(default_factory=trio.Event)
+    response: InferenceResponse | None = None
+    error: InferenceServerError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Withdraw:
+    """A waiting request was cancelled by its client: take it out of the queue."""
+
+    pending: _Pending
+
+
+_WAKE = None  # an instance came free: decide again
+
+
+class ModelRunner:
+    """One model version's task tree and the front ends' way into it."""
+
+    def __init__(self, model: Model, version: str) -> None:
+        self.model = model
+        self.version = version
+        self.policy = policy_for(model)
+        self.ready = False
+        self._send, self._receive = trio.open_memory_channel[_Pending | _Withdraw | None](math.inf)
+        self._limiter = trio.CapacityLimiter(model.instance_count)
+        self._queue = RequestQueue(self.policy.priority_levels)
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
+        if not self.ready:
+            raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
+        validate_request(self.model, request)
+        arrival = now_ns()
+        item = QueuedItem(
+            batch_size=batch_size(request) if self.model.batches else 1,
+            batch_key=batch_key(request),
+            arrival_ns=arrival,
+            level=self.policy.level(request.priority),
+            deadline_ns=self.policy.deadline(arrival, request.timeout_us),
+        )
+        pending = _Pending(request, item)
+        item.payload = pending
+        self._send.send_nowait(pending)
+        try:
+            await pending.done.wait()
+        except trio.Cancelled:
+            if self._finish(pending, error=CancelledError("request cancelled")):
+                self._send.send_nowait(_Withdraw(pending))
+            raise
+        if pending.error is not None:
+            raise pending.error
+        assert pending.response is not None
+        return pending.response
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model, serve until cancelled, then fail what waits and unload."""
+        await call_hook(self.model.load)
+        self.ready = True
+        task_status.started()
+        try:
+            async with trio.open_nursery() as executions:
+                await self._batch_loop(executions)
+        finally:
+            self.ready = False
+            for item in self._queue.pop_front(len(self._queue)):
+                self._finish(_payload(item), error=_shutting_down())
+            with trio.CancelScope(shield=True):
+                await call_hook(self.model.unload)
+
+    async def _batch_loop(self, executions: trio.Nursery) -> None:
+        while True:
+            now = now_ns()
+            for item in self._queue.pop_expired(now):
+                self._finish(_payload(item), error=UnavailableError("Request timeout expired"))
+            decision = decide(self._queue, now, int(self._limiter.available_tokens), self.policy)
+            if isinstance(decision, Dispatch):
+                items = self._queue.pop_front(decision.count)
+                batch = [p for p in map(_payload, items) if not p.done.is_set()]
+                if not batch:
+                    continue  # all withdrawn; their _Withdraw messages find nothing
+                token = object()
+                self._limiter.acquire_on_behalf_of_nowait(token)
+                executions.start_soon(self._execute, batch, token)
+                continue
+            until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
+            with trio.move_on_at(until):
+                self._handle(await self._receive.receive())
+            while True:  # take everything that arrived meanwhile before deciding again
+                try:
+                    message = self._receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                self._handle(message)
+
+    def _handle(self, message: _Pending | _Withdraw | None) -> None:
+        if isinstance(message, _Pending):
+            if message.done.is_set():
+                return  # cancelled before the batcher saw it
+            if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
+                self._finish(message, error=UnavailableError("Exceeds maximum queue size"))
+            else:
+                self._queue.push(message.item)
+        elif isinstance(message, _Withdraw):
+            self._queue.remove(message.pending.item)
+
+    async def _execute(self, batch: list[_Pending], token: object) -> None:
+        try:
+            requests = [p.request for p in batch]
+            try:
+                results = await self._call_model(requests)
+                responses = [
+                    self._response(p.request, out) for p, out in zip(batch, results, strict=True)
+                ]
+            except Exception as exc:
+                error = _model_error(self.name, exc)
+                for pending in batch:
+                    self._finish(pending, error=error)
+            else:
+                for pending, response in zip(batch, responses, strict=True):
+                    self._finish(pending, response=response)
+        finally:
+            for pending in batch:  # no-op unless the execution itself was cancelled
+                self._finish(pending, error=_shutting_down())
+            self._limiter.release_on_behalf_of(token)
+            self._send.send_nowait(_WAKE)
+
+    async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
+        if self.model.is_async:
+            results = await self.model.execute(requests)  # type: ignore[misc]
+        else:
+            results = await trio.to_thread.run_sync(self.model.execute, requests)
+        if len(results) != len(requests):
+            raise InternalError(
+                f"model returned {len(results)} results for {len(requests)} requests"
+            )
+        return results  # type: ignore[no-any-return]
+
+    def _response(self, request: InferenceRequest, outputs: Outputs) -> InferenceResponse:
+        declared = {spec.name: spec for spec in self.model.outputs}
+        wanted = request.outputs or None
+        names = [o.name for o in wanted] if wanted else list(declared)
+        parameters = {o.name: o.parameters for o in wanted} if wanted else {}
+        tensors = []
+        for name in names:
+            if name not in outputs:
+                raise InternalError(f"model did not produce output '{name}'")
+            dt = declared[name].wire_datatype
+            array = np.asarray(outputs[name])
+            if not dt.is_bytes and array.dtype != dt.dtype:
+                array = array.astype(dt.dtype)
+            elif dt.is_bytes and datatype_of(array) is not dt:
+                raise InternalError(f"output '{name}' is declared BYTES but is {array.dtype}")
+            tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
+        return InferenceResponse(self.name, self.version, tensors, id=request.id)
+
+    def _finish(
+        self,
+        pending: _Pending,
+        *,
+        response: InferenceResponse | None = None,
+        error: InferenceServerError | None = None,
+    ) -> bool:
+        """Record a request's one outcome; False if it already had one."""
+        if pending.done.is_set():
+            return False
+        pending.response = response
+        pending.error = error
+        pending.done.set()
+        return True
+
+
+def _shutting_down() -> UnavailableError:
+    return UnavailableError("server is shutting down")
+
+
+def _payload(item: QueuedItem) -> _Pending:
+    payload = item.payload
+    assert isinstance(payload, _Pending)
+    return payload
+
+
+def _model_error(name: str, exc: Exception) -> InferenceServerError:
+    if isinstance(exc, InferenceServerError):
+        return exc
+    logger.warning("model %r failed: %r", name, exc)
+    return InternalError(f"model '{name}' failed: {exc}")
+

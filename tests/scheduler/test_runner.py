@@ -1,0 +1,225 @@
+"""The batcher task driven by trio's MockClock: exact batch compositions and times."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from trioserve import (
+    CancelledError,
+    DynamicBatching,
+    InferenceRequest,
+    InputTensor,
+    InternalError,
+    InvalidArgumentError,
+    TensorSpec,
+    UnavailableError,
+    model,
+)
+from trioserve._tensor import datatype
+from trioserve.scheduler._runner import ModelRunner
+
+COMPUTE_S = 0.010
+
+
+class Recorder:
+    """A model whose executions take COMPUTE_S and are logged as (start, request ids)."""
+
+    def __init__(self, max_batch_size=4, instances=1, fail=False, **batching):
+        self.executions: list[tuple[float, list[int]]] = []
+        self.fail = fail
+
+        @model(
+            name="recorder",
+            inputs=[TensorSpec("X", "INT32", [1])],
+            outputs=[TensorSpec("Y", "INT32", [1])],
+            max_batch_size=max_batch_size,
+            instance_count=instances,
+            dynamic_batching=DynamicBatching(**batching),
+        )
+        async def recorder(X):
+            self.executions.append((trio.current_time(), X.reshape(-1).tolist()))
+            await trio.sleep(COMPUTE_S)
+            if self.fail:
+                raise RuntimeError("boom")
+            return {"Y": X * 10}
+
+        self.runner = ModelRunner(recorder, "1")
+
+
+def request(i: int, rows: int = 1, **parameters) -> InferenceRequest:
+    data = np.full((rows, 1), i, dtype=np.int32)
+    tensor = InputTensor("X", datatype("INT32"), data.shape, data)
+    return InferenceRequest("recorder", "", {"X": tensor}, parameters=parameters)
+
+
+async def submit_at(nursery, runner, schedule, results):
+    """Submit request i at time schedule[i] (seconds from now); results[i] = (time, outcome)."""
+    start = trio.current_time()
+
+    async def one(i, at, parameters):
+        await trio.sleep_until(start + at)
+        try:
+            response = await runner.infer(request(i, **parameters))
+            outcome = int(response.outputs[0].data.reshape(-1)[0])
+        except Exception as exc:
+            outcome = exc
+        results[i] = (round(trio.current_time() - start, 6), outcome)
+
+    for i, entry in enumerate(schedule):
+        at, parameters = entry if isinstance(entry, tuple) else (entry, {})
+        nursery.start_soon(one, i, at, parameters)
+
+
+async def run(recorder, schedule):
+    results: dict[int, tuple[float, object]] = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorder.runner.run)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as clients:
+            await submit_at(clients, recorder.runner, schedule, results)
+        nursery.cancel_scope.cancel()
+    executions = [(round(t - t0, 6), ids) for t, ids in recorder.executions]
+    return executions, results
+
+
+async def test_burst_fills_a_batch_and_the_rest_waits_for_a_free_instance(autojump_clock):
+    rec = Recorder(max_batch_size=4, max_queue_delay_microseconds=2000)
+    executions, results = await run(rec, [0, 0.0001, 0.0002, 0.0003, 0.0004])
+    # The 4th request fills the batch at 0.3 ms; the 5th waits for the instance.
+    assert executions == [(0.0003, [0, 1, 2, 3]), (0.0103, [4])]
+    assert results == {
+        0: (0.0103, 0), 1: (0.0103, 10), 2: (0.0103, 20), 3: (0.0103, 30), 4: (0.0203, 40)
+    }
+
+
+async def test_a_lone_request_waits_exactly_the_queue_delay(autojump_clock):
+    rec = Recorder(max_batch_size=4, max_queue_delay_microseconds=2000)
+    executions, results = await run(rec, [0, 0.0015])
+    assert executions == [(0.002, [0, 1])]
+    assert results[1] == (0.012, 10)
+
+
+async def test_preferred_batch_size_goes_before_the_delay(autojump_clock):
+    rec = Recorder(max_batch_size=8, max_queue_delay_microseconds=5000, preferred_batch_size=[2])
+    executions, _ = await run(rec, [0, 0.001, 0.002])
+    assert executions == [(0.001, [0, 1]), (0.011, [2])]
+
+
+async def test_batch_sizes_count_rows_not_requests(autojump_clock):
+    rec = Recorder(max_batch_size=4, max_queue_delay_microseconds=2000)
+    results: dict[int, tuple[float, object]] = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rec.runner.run)
+
+        async def one(i, rows):
+            response = await rec.runner.infer(request(i, rows))
+            results[i] = (trio.current_time(), response.outputs[0].data.reshape(-1).tolist())
+
+        async with trio.open_nursery() as clients:
+            clients.start_soon(one, 1, 3)
+            await trio.sleep(0.0001)
+            clients.start_soon(one, 2, 2)  # 3 + 2 > 4: cannot join, the first goes alone
+        nursery.cancel_scope.cancel()
+    assert [ids for _, ids in rec.executions] == [[1, 1, 1], [2, 2]]
+    assert results[1][1] == [10, 10, 10] and results[2][1] == [20, 20]
+
+
+async def test_queue_timeout_rejects_at_the_deadline(autojump_clock):
+    rec = Recorder(max_batch_size=1, max_queue_delay_microseconds=0)
+    # Request 1 waits behind request 0's execution and gives up after 3 ms.
+    executions, results = await run(rec, [0, (0.001, {"timeout": 3000})])
+    assert executions == [(0.0, [0])]
+    time, outcome = results[1]
+    assert time == 0.004  # arrived at 1 ms
+    assert isinstance(outcome, UnavailableError) and "timeout" in outcome.message
+
+
+async def test_default_queue_timeout(autojump_clock):
+    rec = Recorder(max_batch_size=1, default_timeout_microseconds=4000)
+    _, results = await run(rec, [0, 0.001])
+    assert results[1][0] == 0.005 and isinstance(results[1][1], UnavailableError)
+
+
+async def test_full_queue_rejects_at_once(autojump_clock):
+    rec = Recorder(max_batch_size=1, max_queue_size=1)
+    executions, results = await run(rec, [0, 0.001, 0.002])
+    assert [ids for _, ids in executions] == [[0], [1]]
+    time, outcome = results[2]
+    assert time == 0.002
+    assert isinstance(outcome, UnavailableError) and "maximum queue size" in outcome.message
+
+
+async def test_cancelled_request_leaves_the_queue_and_frees_its_slot(autojump_clock):
+    rec = Recorder(max_batch_size=1, max_queue_size=1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rec.runner.run)
+        async with trio.open_nursery() as clients:
+            clients.start_soon(rec.runner.infer, request(0))  # executes 0..10 ms
+            await trio.sleep(0.001)
+            with trio.move_on_after(0.002) as scope:  # queued, then given up at 3 ms
+                await rec.runner.infer(request(1))
+            assert scope.cancelled_caught
+            # The slot is free again: this one is queued, not rejected.
+            response = await rec.runner.infer(request(2))
+            assert response.outputs[0].data.item() == 20
+            assert trio.current_time() == pytest.approx(0.020, abs=1e-9)
+        nursery.cancel_scope.cancel()
+    assert [ids for _, ids in rec.executions] == [[0], [2]]
+
+
+async def test_higher_priority_overtakes(autojump_clock):
+    rec = Recorder(max_batch_size=1, priority_levels=2, default_priority_level=2)
+    executions, _ = await run(rec, [0, (0.001, {}), (0.002, {"priority": 1})])
+    assert [ids for _, ids in executions] == [[0], [2], [1]]
+
+
+async def test_instances_execute_concurrently(autojump_clock):
+    rec = Recorder(max_batch_size=1, instances=2)
+    executions, results = await run(rec, [0, 0, 0])
+    assert sorted(t for t, _ in executions) == [0.0, 0.0, 0.01]
+    assert sorted(t for t, _ in results.values()) == [0.01, 0.01, 0.02]
+
+
+async def test_model_failure_fails_every_request_of_the_batch(autojump_clock):
+    rec = Recorder(max_batch_size=4, max_queue_delay_microseconds=1000, fail=True)
+    _, results = await run(rec, [0, 0])
+    for _, outcome in results.values():
+        assert isinstance(outcome, InternalError) and "boom" in outcome.message
+
+
+async def test_invalid_requests_never_reach_the_queue(autojump_clock):
+    rec = Recorder(max_batch_size=4)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rec.runner.run)
+        too_big = request(0, rows=5)
+        with pytest.raises(InvalidArgumentError, match="batch size 5"):
+            await rec.runner.infer(too_big)
+        with pytest.raises(InvalidArgumentError, match="priority"):
+            await rec.runner.infer(request(0, priority=-1))
+        nursery.cancel_scope.cancel()
+    assert rec.executions == []
+
+
+async def test_stopping_the_runner_fails_what_is_queued_or_executing(autojump_clock):
+    rec = Recorder(max_batch_size=1)
+    outcomes: dict[int, str] = {}
+
+    async def client(i):
+        try:
+            await rec.runner.infer(request(i))
+            outcomes[i] = "ok"
+        except UnavailableError as exc:
+            outcomes[i] = exc.message
+
+    async with trio.open_nursery() as clients:
+        async with trio.open_nursery() as runner_nursery:
+            await runner_nursery.start(rec.runner.run)
+            clients.start_soon(client, 0)  # executing when the runner stops
+            await trio.sleep(0.001)
+            clients.start_soon(client, 1)  # queued when the runner stops
+            await trio.sleep(0.001)
+            runner_nursery.cancel_scope.cancel()
+    assert outcomes == {0: "server is shutting down", 1: "server is shutting down"}
+    assert rec.runner.ready is False
