@@ -61,7 +61,8 @@ def test_json_round_trip(name, data):
 
 @given(st.lists(st.binary(max_size=20), max_size=10))
 def test_bytes_round_trip(items):
-    array = np.array(items + [b""], dtype=object)[:-1] if items else np.empty(0, dtype=object)
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
     raw = serialize_bytes(array)
     assert len(raw) == sum(4 + len(i) for i in items)
     back = deserialize_bytes(raw, len(items), "x")

@@ -102,11 +102,11 @@ class Model:
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name!r}: tensor names must be unique")
 
-    def load(self) -> None | Awaitable[None]:
+    def load(self) -> Awaitable[None] | None:
         """Called once before the model serves; may be ``async``."""
         return None
 
-    def unload(self) -> None | Awaitable[None]:
+    def unload(self) -> Awaitable[None] | None:
         """Called once after the model stopped serving; may be ``async``."""
         return None
 

@@ -3,29 +3,43 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import trio
 
 from ._errors import NotFoundError, unknown_model
 from ._model import Model
-from .scheduler._runner import ModelRunner
+from ._types import InferenceRequest, InferenceResponse
+
+
+class ServedModel(Protocol):
+    """One model version being served (a scheduler's runner)."""
+
+    model: Model
+    version: str
+    ready: bool
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = ...) -> None: ...
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
 
 
 class ModelRepository:
-    """Owns one ``ModelRunner`` per model version; ``run`` is their task tree."""
+    """The served model versions by name; ``run`` is their task tree."""
 
-    def __init__(self, models: Iterable[Model]) -> None:
-        self._models: dict[str, dict[str, ModelRunner]] = {}
-        for model in models:
+    def __init__(self, served: Iterable[ServedModel]) -> None:
+        self._models: dict[str, dict[str, ServedModel]] = {}
+        for entry in served:
             # Several Model objects may share a name when each serves other versions
             # (one model.py per version folder).
-            versions = self._models.setdefault(model.name, {})
-            for version in model.versions:
-                if version in versions:
-                    raise ValueError(f"model {model.name!r} version {version} is defined twice")
-                versions[version] = ModelRunner(model, version)
+            versions = self._models.setdefault(entry.model.name, {})
+            if entry.version in versions:
+                raise ValueError(
+                    f"model {entry.model.name!r} version {entry.version} is defined twice"
+                )
+            versions[entry.version] = entry
 
-    def __iter__(self) -> Iterator[ModelRunner]:
+    def __iter__(self) -> Iterator[ServedModel]:
         for versions in self._models.values():
             yield from versions.values()
 
@@ -36,7 +50,7 @@ class ModelRepository:
         """Version strings of ``name``, oldest first."""
         return sorted(self._versions(name), key=int)
 
-    def get(self, name: str, version: str = "") -> ModelRunner:
+    def get(self, name: str, version: str = "") -> ServedModel:
         """The runner for ``name`` at ``version`` ("" picks the latest version)."""
         versions = self._versions(name)
         if not version:
@@ -64,7 +78,7 @@ class ModelRepository:
                 await nursery.start(runner.run)
             task_status.started()
 
-    def _versions(self, name: str) -> dict[str, ModelRunner]:
+    def _versions(self, name: str) -> dict[str, ServedModel]:
         versions = self._models.get(name)
         if versions is None:
             raise unknown_model(name)

@@ -24,6 +24,7 @@ import trio
 from ._config import ServerConfig
 from ._repository import ModelRepository
 from ._version import __version__
+from .scheduler._runner import ModelRunner
 
 Address = tuple[str, int]
 
@@ -93,7 +94,9 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
-    repository = ModelRepository(config.models)
+    repository = ModelRepository(
+        ModelRunner(model, version) for model in config.models for version in model.versions
+    )
     stop_accepting = trio.Event()
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
@@ -101,9 +104,11 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         http: list[Address] = []
         grpc: list[Address] = []
         if config.http_port is not None:
-            http = await root.start(front_ends.run, _rest(config, repository, stop_accepting))
+            rest = _rest(config, config.http_port, repository, stop_accepting)
+            http = await root.start(front_ends.run, rest)
         if config.grpc_port is not None:
-            grpc = await root.start(front_ends.run, _grpc(config, repository, stop_accepting))
+            grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting)
+            grpc = await root.start(front_ends.run, grpc_front_end)
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
@@ -126,7 +131,7 @@ async def serve(
 
 
 def _rest(
-    config: ServerConfig, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
@@ -135,23 +140,23 @@ def _rest(
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
         return partial(
-            serve_hypercorn, app, config.host, config.http_port, config.http_limits,
+            serve_hypercorn, app, config.host, port, config.http_limits,
             certfile=config.tls_certfile, keyfile=config.tls_keyfile, shutdown_trigger=stop.wait,
         )
     from .rest._http11 import serve_http11
 
     return partial(
-        serve_http11, app, config.host, config.http_port, config.http_limits,
+        serve_http11, app, config.host, port, config.http_limits,
         shutdown_trigger=stop.wait,
     )
 
 
 def _grpc(
-    config: ServerConfig, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
 ) -> Callable[..., Awaitable[None]]:
     from .grpc import serve_grpc
 
     return partial(
-        serve_grpc, repository, server_metadata(), config.host, config.grpc_port,
+        serve_grpc, repository, server_metadata(), config.host, port,
         max_message_bytes=config.grpc_max_message_bytes, shutdown_trigger=stop.wait,
     )

@@ -66,12 +66,12 @@ _BY_CONFIG_NAME = {t.config_name: t for t in DATATYPES.values()}
 _BY_DTYPE = {t.dtype: t for t in DATATYPES.values() if t.name not in ("BF16", "BYTES")}
 
 
-def datatype(name: str) -> Datatype:
+def datatype(name: object) -> Datatype:
     """The datatype called ``name`` on the wire; INVALID_ARG if there is none."""
-    try:
-        return DATATYPES[name]
-    except (KeyError, TypeError):
-        raise InvalidArgumentError(f"invalid datatype '{name}'") from None
+    found = DATATYPES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise InvalidArgumentError(f"invalid datatype '{name}'")
+    return found
 
 
 def datatype_from_config(config_name: str) -> Datatype:
@@ -197,7 +197,7 @@ def array_to_raw(array: np.ndarray[Any, Any], dt: Datatype) -> bytes | memoryvie
     if dt.is_bytes:
         return serialize_bytes(array)
     wire = np.ascontiguousarray(array, dtype=dt.dtype).reshape(-1)
-    return memoryview(wire.view(np.uint8))
+    return wire.view(np.uint8).data
 
 
 # --- JSON --------------------------------------------------------------------------
@@ -285,7 +285,7 @@ def array_to_json(array: np.ndarray[Any, Any], dt: Datatype, what: str) -> list[
             f"{what}: {dt.name} output can only be returned as binary; request binary_data"
         )
     if not dt.is_bytes:
-        return array.reshape(-1).tolist()  # type: ignore[no-any-return]
+        return array.reshape(-1).tolist()
     out: list[str] = []
     for item in array.reshape(-1):
         try:

@@ -7,7 +7,6 @@ import pytest
 import trio
 
 from trioserve import (
-    CancelledError,
     DynamicBatching,
     InferenceRequest,
     InputTensor,
@@ -213,13 +212,12 @@ async def test_stopping_the_runner_fails_what_is_queued_or_executing(autojump_cl
         except UnavailableError as exc:
             outcomes[i] = exc.message
 
-    async with trio.open_nursery() as clients:
-        async with trio.open_nursery() as runner_nursery:
-            await runner_nursery.start(rec.runner.run)
-            clients.start_soon(client, 0)  # executing when the runner stops
-            await trio.sleep(0.001)
-            clients.start_soon(client, 1)  # queued when the runner stops
-            await trio.sleep(0.001)
-            runner_nursery.cancel_scope.cancel()
+    async with trio.open_nursery() as clients, trio.open_nursery() as runner_nursery:
+        await runner_nursery.start(rec.runner.run)
+        clients.start_soon(client, 0)  # executing when the runner stops
+        await trio.sleep(0.001)
+        clients.start_soon(client, 1)  # queued when the runner stops
+        await trio.sleep(0.001)
+        runner_nursery.cancel_scope.cancel()
     assert outcomes == {0: "server is shutting down", 1: "server is shutting down"}
     assert rec.runner.ready is False

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 
-async def call_hook(hook: Callable[[], None | Awaitable[None]]) -> None:
+async def call_hook(hook: Callable[[], Awaitable[None] | None]) -> None:
     """Run a load/unload hook: ``async`` ones in trio, plain ones in a worker thread."""
     if inspect.iscoroutinefunction(hook):
         await hook()

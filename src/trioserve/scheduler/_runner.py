@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
 import numpy as np
 import trio
 
@@ -58,6 +59,14 @@ def policy_for(model: Model) -> BatchingPolicy:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerStatistics:
+    """A snapshot of a runner's load."""
+
+    queued: int  # waiting in the queue
+    executing: int  # model instances busy
+
+
 @dataclass(eq=False, slots=True)
 class _Pending:
     request: InferenceRequest
@@ -88,10 +97,20 @@ class ModelRunner:
         self._send, self._receive = trio.open_memory_channel[_Pending | _Withdraw | None](math.inf)
         self._limiter = trio.CapacityLimiter(model.instance_count)
         self._queue = RequestQueue(self.policy.priority_levels)
+        self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
 
     @property
     def name(self) -> str:
         return self.model.name
+
+    def statistics(self) -> RunnerStatistics:
+        busy = self.model.instance_count - int(self._limiter.available_tokens)
+        return RunnerStatistics(queued=len(self._queue), executing=busy)
+
+    async def wait_until(self, predicate: Callable[[RunnerStatistics], bool]) -> None:
+        """Return once ``predicate(self.statistics())`` holds (checked on every change)."""
+        while not predicate(self.statistics()):
+            await self._changes.park()
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
@@ -149,6 +168,7 @@ class ModelRunner:
                 token = object()
                 self._limiter.acquire_on_behalf_of_nowait(token)
                 executions.start_soon(self._execute, batch, token)
+                self._changes.unpark_all()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
             with trio.move_on_at(until):
@@ -170,6 +190,7 @@ class ModelRunner:
                 self._queue.push(message.item)
         elif isinstance(message, _Withdraw):
             self._queue.remove(message.pending.item)
+        self._changes.unpark_all()
 
     async def _execute(self, batch: list[_Pending], token: object) -> None:
         try:
@@ -190,6 +211,7 @@ class ModelRunner:
             for pending in batch:  # no-op unless the execution itself was cancelled
                 self._finish(pending, error=_shutting_down())
             self._limiter.release_on_behalf_of(token)
+            self._changes.unpark_all()
             self._send.send_nowait(_WAKE)
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
@@ -234,6 +256,7 @@ class ModelRunner:
         pending.response = response
         pending.error = error
         pending.done.set()
+        self._changes.unpark_all()
         return True
 
 

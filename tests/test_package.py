@@ -1,0 +1,191 @@
+"""The package's shape: public API, import direction, CLI, model repository loading."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+import trioserve
+from trioserve._cli import _parser, config_from_args
+from trioserve._loader import RepositoryError, load_repository
+
+SRC = Path(trioserve.__file__).parent
+
+
+def test_public_api_is_what_we_mean():
+    assert sorted(trioserve.__all__) == sorted(
+        [
+            "AlreadyExistsError", "CancelledError", "DynamicBatching", "ErrorKind",
+            "FunctionModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
+            "InferenceServerError", "InputTensor", "InternalError", "InvalidArgumentError",
+            "Model", "NotFoundError", "OutputTensor", "RequestedOutput", "Server",
+            "ServerConfig", "TensorSpec", "UnavailableError", "UnsupportedError",
+            "__version__", "model", "open_server", "serve",
+        ]
+    )
+    for name in trioserve.__all__:
+        assert getattr(trioserve, name) is not None
+
+
+# Which top-level parts of the package may not import which (DESIGN.md's direction:
+# _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
+_ABOVE_CORE = {"rest", "grpc", "testing", "_cli", "_server", "scheduler", "metrics", "shm", "models"}
+FORBIDDEN = {
+    "__init__": {"testing"},
+    "__main__": {"testing"},
+    "_cli": {"testing"},
+    "_server": {"testing", "_cli"},
+    "rest": {"grpc", "testing", "_cli", "_server"},
+    "grpc": {"rest", "testing", "_cli", "_server"},
+    "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models"},
+    "metrics": {"rest", "grpc", "testing", "_cli", "_server", "models"},
+    "shm": _ABOVE_CORE,
+    "models": {"rest", "grpc", "testing", "_cli", "_server"},
+    "testing": set(),
+}
+# Third-party libraries that one place alone may import.
+OWNERS = {
+    "hypercorn": "rest/_hypercorn.py",
+    "grpclib": "grpc/",
+    "trio_asyncio": "grpc/_bridge.py",
+    "asyncio": "grpc/_bridge.py",
+}
+
+
+def _imports(path: Path) -> list[str]:
+    """Absolute module names this file imports (relative imports resolved)."""
+    package = path.relative_to(SRC.parent).with_suffix("").parts[:-1]
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.append(module)
+            names.extend(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "trioserve" and len(parts) > 1 else None
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in SRC.rglob("*.py") if "_generated" not in p.parts), ids=str
+)
+def test_import_direction(path):
+    relative = path.relative_to(SRC)
+    own = relative.parts[0].removesuffix(".py")
+    imported = _imports(path)
+    parts = {p for p in map(_part, imported) if p is not None}
+    forbidden = FORBIDDEN.get(own, _ABOVE_CORE)  # the private top-level modules are the core
+    assert not parts & forbidden, f"{relative} imports {parts & forbidden}"
+    top_level = {m.split(".")[0] for m in imported}
+    for library, owner in OWNERS.items():
+        if library in top_level:
+            assert str(relative).startswith(owner), f"only {owner} may import {library}"
+
+
+def test_cli_builds_a_config_for_the_builtin_models():
+    args = _parser().parse_args(["run", "--http-port", "0", "--allow-grpc", "false"])
+    config = config_from_args(args)
+    assert config.grpc_port is None and config.http_port == 0
+    assert {m.name for m in config.models} >= {"simple", "simple_string", "identity_fp32",
+                                                "identity_bytes", "delay", "fail"}
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["run", "--allow-http", "maybe"])
+
+
+MODEL_PY = """
+import trioserve
+
+@trioserve.model(
+    name="ignored",
+    inputs=[trioserve.TensorSpec("X", "FP32", [-1])],
+    outputs=[trioserve.TensorSpec("Y", "FP32", [-1])],
+)
+def model(X):
+    return {"Y": X * SCALE}
+
+SCALE = %d
+"""
+
+
+def _write_repository(root: Path) -> None:
+    (root / "double").mkdir()
+    (root / "double" / "model.py").write_text(MODEL_PY % 2)
+    for version in (1, 2):
+        (root / "scaled" / str(version)).mkdir(parents=True)
+        (root / "scaled" / str(version) / "model.py").write_text(MODEL_PY % (10 * version))
+
+
+def test_load_repository(tmp_path):
+    _write_repository(tmp_path)
+    models = load_repository(tmp_path)
+    assert [(m.name, tuple(m.versions)) for m in models] == [
+        ("double", ("1",)), ("scaled", ("1",)), ("scaled", ("2",))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({}, "holds no models"),
+        ({"m/readme.txt": ""}, "no model.py"),
+        ({"m/model.py": "x = 1"}, "no module-level 'model'"),
+        ({"m/model.py": "raise ValueError('bad')"}, "failed to import"),
+    ],
+)
+def test_bad_repositories(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    with pytest.raises(RepositoryError, match=message):
+        load_repository(tmp_path)
+
+
+def test_trioserve_run_serves_a_repository_until_sigterm(tmp_path):
+    """The real command line in a subprocess: serve, answer tritonclient, stop on SIGTERM."""
+    (tmp_path / "repo").mkdir()
+    _write_repository(tmp_path / "repo")
+    script = textwrap.dedent(
+        """
+        import socket, sys
+        s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()
+        """
+    )
+    port = int(subprocess.check_output([sys.executable, "-c", script]).decode())
+    command = [
+        sys.executable, "-m", "trioserve", "run", "--model-repository", str(tmp_path / "repo"),
+        "--host", "127.0.0.1", "--http-port", str(port), "--allow-grpc", "false",
+    ]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            assert process.stderr is not None
+            for line in process.stderr:  # wait for the listening line, not for a time
+                if "serving models" in line:
+                    break
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+            tensor = httpclient.InferInput("X", [3], "FP32")
+            tensor.set_data_from_numpy(np.ones(3, np.float32))
+            scaled = client.infer("scaled", [tensor], model_version="2")
+            assert scaled.as_numpy("Y").tolist() == [20.0] * 3
+            latest = client.infer("scaled", [tensor])
+            assert latest.as_numpy("Y").tolist() == [20.0] * 3
+            assert client.infer("double", [tensor]).as_numpy("Y").tolist() == [2.0] * 3
+            client.close()
+        finally:
+            process.terminate()
+            assert process.wait(timeout=30) == 0

@@ -1,0 +1,243 @@
+"""Load generator for trioserve (or any server speaking the same protocol, e.g. Triton).
+
+    python tools/bench.py                          # start trioserve pinned to core 0, run all
+    python tools/bench.py --modes http-json --concurrency 8 --duration 10
+    python tools/bench.py --url 127.0.0.1:8000 --grpc-url 127.0.0.1:8001   # existing server
+
+HTTP is driven by wrk (a C load generator: a Python client on one core saturates before
+the server does); gRPC by grpc.aio clients in worker processes. The server and the load
+are pinned to different cores. Prints requests/s, p50 and p99 per mode and concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("http-json", "http-binary", "grpc")
+
+
+@dataclass
+class Result:
+    mode: str
+    concurrency: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+
+    def row(self) -> str:
+        return (
+            f"{self.mode:<12} c={self.concurrency:<4} {self.requests_per_s:>10.0f} req/s"
+            f"   p50 {self.p50_ms:7.2f} ms   p99 {self.p99_ms:7.2f} ms"
+        )
+
+
+# --- the workload: `simple`, one row --------------------------------------------------
+
+def simple_inputs() -> tuple[np.ndarray, np.ndarray]:
+    x = np.arange(16, dtype=np.int32).reshape(1, 16)
+    return x, np.ones((1, 16), dtype=np.int32)
+
+
+def http_body(mode: str) -> tuple[bytes, dict[str, str]]:
+    x, y = simple_inputs()
+    if mode == "http-json":
+        inputs = [
+            {"name": n, "shape": [1, 16], "datatype": "INT32", "data": a.reshape(-1).tolist()}
+            for n, a in (("INPUT0", x), ("INPUT1", y))
+        ]
+        return json.dumps({"inputs": inputs}).encode(), {"Content-Type": "application/json"}
+    inputs = [
+        {"name": n, "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}}
+        for n in ("INPUT0", "INPUT1")
+    ]
+    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    return header + x.tobytes() + y.tobytes(), {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+
+
+# --- HTTP through wrk ------------------------------------------------------------------
+
+_LUA = """
+local f = io.open("{body}", "rb")
+wrk.method = "POST"
+wrk.body = f:read("*all")
+f:close()
+{headers}
+"""
+
+
+def _ms(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s)", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
+
+
+def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -> Result:
+    body, headers = http_body(mode)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "body").write_bytes(body)
+        lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
+        script = Path(tmp) / "post.lua"
+        script.write_text(_LUA.format(body=Path(tmp) / "body", headers=lines))
+        command = [
+            "taskset", "-c", cpus, "wrk", "-t1", f"-c{concurrency}", f"-d{duration}s",
+            "--latency", "-s", str(script), f"http://{url}/v2/models/simple/infer",
+        ]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    if "Non-2xx" in out or "Socket errors" in out:
+        print(out, file=sys.stderr)
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"\s50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"\s99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    return Result(mode, concurrency, rps, p50, p99)
+
+
+# --- gRPC through grpc.aio in worker processes ------------------------------------------
+
+def _grpc_worker(url: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue) -> None:
+    os.sched_setaffinity(0, {cpu})
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    import grpc
+
+    x, y = simple_inputs()
+    request = service_pb2.ModelInferRequest(model_name="simple")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+    request.raw_input_contents.extend([x.tobytes(), y.tobytes()])
+
+    async def main() -> list[float]:
+        latencies: list[float] = []
+        async with grpc.aio.insecure_channel(url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            await stub.ModelInfer(request)  # warm the connection
+            deadline = time.perf_counter() + duration
+
+            async def loop() -> None:
+                while (start := time.perf_counter()) < deadline:
+                    await stub.ModelInfer(request)
+                    latencies.append(time.perf_counter() - start)
+
+            await asyncio.gather(*(loop() for _ in range(concurrency)))
+        return latencies
+
+    out.put(asyncio.run(main()))
+
+
+def run_grpc(url: str, concurrency: int, duration: float, cpus: list[int], processes: int) -> Result:
+    queue: multiprocessing.Queue = multiprocessing.Queue()
+    processes = min(processes, concurrency)
+    shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
+    workers = [
+        multiprocessing.Process(
+            target=_grpc_worker, args=(url, share, duration, cpus[i % len(cpus)], queue)
+        )
+        for i, share in enumerate(shares)
+    ]
+    for worker in workers:
+        worker.start()
+    latencies = np.concatenate([np.asarray(queue.get()) for _ in workers]) * 1e3
+    for worker in workers:
+        worker.join()
+    return Result(
+        "grpc", concurrency, len(latencies) / duration,
+        float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99)),
+    )
+
+
+# --- the server under test ------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)  # a tool polling a server it started; not a test
+    raise RuntimeError(f"server at {url} did not become ready")
+
+
+@contextmanager
+def trioserve_process(cpus: str, http_server: str) -> Iterator[tuple[str, str]]:
+    http, grpc = _free_port(), _free_port()
+    command = [
+        "taskset", "-c", cpus, sys.executable, "-m", "trioserve", "run", "--host", "127.0.0.1",
+        "--http-port", str(http), "--grpc-port", str(grpc), "--http-server", http_server,
+        "--log-level", "warning",
+    ]
+    process = subprocess.Popen(command)
+    try:
+        _wait_ready(f"127.0.0.1:{http}")
+        yield f"127.0.0.1:{http}", f"127.0.0.1:{grpc}"
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", help="HTTP host:port of a running server (else start trioserve)")
+    parser.add_argument("--grpc-url", help="gRPC host:port of a running server")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--server-cpus", default="0", help="cores for a server this tool starts")
+    parser.add_argument("--client-cpus", default="1", help="cores for the load generator")
+    parser.add_argument("--grpc-processes", type=int, default=1)
+    parser.add_argument("--http-server", default="stdlib", choices=("stdlib", "hypercorn"))
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if any(m.startswith("http") for m in modes) and shutil.which("wrk") is None:
+        sys.exit("wrk is needed for the HTTP modes (apt-get install wrk)")
+    client_cpus = [int(c) for c in args.client_cpus.split(",")]
+
+    @contextmanager
+    def target() -> Iterator[tuple[str, str]]:
+        if args.url or args.grpc_url:
+            yield args.url, args.grpc_url
+        else:
+            with trioserve_process(args.server_cpus, args.http_server) as urls:
+                yield urls
+
+    with target() as (http_url, grpc_url):
+        for mode in modes:
+            for concurrency in levels:
+                if mode == "grpc":
+                    result = run_grpc(grpc_url, concurrency, args.duration, client_cpus,
+                                      args.grpc_processes)
+                else:
+                    result = run_wrk(http_url, mode, concurrency, args.duration, args.client_cpus)
+                print(result.row(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
