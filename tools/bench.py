@@ -99,7 +99,7 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
         script = Path(tmp) / "post.lua"
         script.write_text(_LUA.format(body=Path(tmp) / "body", headers=lines))
         command = [
-            "taskset", "-c", cpus, "wrk", "-t1", f"-c{concurrency}", f"-d{duration}s",
+            "taskset", "-c", cpus, "wrk", "-t1", f"-c{concurrency}", f"-d{round(duration)}s",
             "--latency", "-s", str(script), f"http://{url}/v2/models/simple/infer",
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout

@@ -29,14 +29,20 @@ class Datatype:
     dtype: np.dtype[Any]
     config_name: str  # the enum name in Triton's ModelConfig (TYPE_FP32, TYPE_STRING, ...)
     json_kinds: str  # numpy kinds accepted from JSON data ("" = not allowed in JSON)
+    bounds: tuple[int, int] | None = None  # integer types: the values JSON data may hold
 
     @property
     def is_bytes(self) -> bool:
         return self.name == "BYTES"
 
 
-def _fixed(name: str, dtype: str, kinds: str, config: str | None = None) -> Datatype:
-    return Datatype(name, np.dtype(dtype), config or f"TYPE_{name}", kinds)
+def _fixed(name: str, dtype: str, kinds: str) -> Datatype:
+    numpy_dtype = np.dtype(dtype)
+    bounds = None
+    if kinds == _INTEGER_KINDS:
+        info = np.iinfo(numpy_dtype)
+        bounds = (int(info.min), int(info.max))
+    return Datatype(name, numpy_dtype, f"TYPE_{name}", kinds, bounds)
 
 
 _INTEGER_KINDS = "iu"
@@ -226,10 +232,9 @@ def array_from_json(dt: Datatype, shape: Sequence[int], data: Any, what: str) ->
         parsed = _big_integers(data, parsed.shape)
     if parsed.dtype.kind not in dt.json_kinds:
         raise InvalidArgumentError(f"{what}: data must be {_json_kind_words(dt)} for {dt.name}")
-    if dt.dtype.kind in "iu":
-        info = np.iinfo(dt.dtype)
-        low, high = parsed.min(), parsed.max()
-        if low < info.min or high > info.max:
+    if dt.bounds is not None and parsed.dtype != dt.dtype:
+        low, high = dt.bounds
+        if parsed.min() < low or parsed.max() > high:
             raise InvalidArgumentError(f"{what}: value out of range for {dt.name}")
     return parsed.astype(dt.dtype, copy=False).reshape(shape)
 

@@ -152,7 +152,7 @@ def test_compressed_request_and_response(http, encoding):
         (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "x", "data": [1]}]}', "shape"),
         (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1]}]}', "needs 16"),
         (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1099511627776], "data": [1]}]}', "needs 1099511627776"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": {"a": 1}}]}', "integers"),
+        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": {"a": 1}}]}', "integers"),
         (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": ["1"]}]}', "integers"),
         (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1]}]}', "no data"),
         (b'{"inputs": [{"name": "INPUT0", "datatype": "BF16", "shape": [1], "data": [1]}]}', "binary"),

@@ -1,6 +1,9 @@
 """The reference zoo: the example models ``trioserve run`` serves without a repository.
 
 Tests, examples and benchmarks use these names; each is version "1", one CPU instance.
+The arithmetic models are ``async def``: their work takes far less time than a hop to a
+worker thread, so they run in trio (a model with real compute should be a plain function,
+which runs in a thread).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def _pair(datatype: str, dims: list[int], prefix: str) -> list[TensorSpec]:
     max_batch_size=8,
     dynamic_batching=DynamicBatching(),
 )
-def simple(INPUT0: Array, INPUT1: Array) -> dict[str, Array]:
+async def simple(INPUT0: Array, INPUT1: Array) -> dict[str, Array]:
     return {"OUTPUT0": INPUT0 + INPUT1, "OUTPUT1": INPUT0 - INPUT1}
 
 
@@ -51,13 +54,13 @@ def _text(array: Array) -> Array:
     max_batch_size=8,
     dynamic_batching=DynamicBatching(),
 )
-def simple_string(INPUT0: Array, INPUT1: Array) -> dict[str, Array]:
+async def simple_string(INPUT0: Array, INPUT1: Array) -> dict[str, Array]:
     a, b = _decimal(INPUT0, "INPUT0"), _decimal(INPUT1, "INPUT1")
     return {"OUTPUT0": _text(a + b), "OUTPUT1": _text(a - b)}
 
 
 def _identity(name: str, datatype: str) -> Model:
-    def identity(INPUT0: Array) -> dict[str, Array]:
+    async def identity(INPUT0: Array) -> dict[str, Array]:
         return {"OUTPUT0": INPUT0}
 
     return model(

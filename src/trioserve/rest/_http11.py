@@ -1,0 +1,474 @@
+"""The built-in HTTP/1.1 server: hosts an ASGI 3 app on trio, tuned for the fast path.
+
+Design (why it is shaped like this):
+
+* One task per connection, and the app is awaited in that task: no task spawn, no channel
+  and no event per request. The connection drives non-blocking stdlib sockets directly
+  through ``trio.lowlevel.wait_readable``/``wait_writable``; a typical keep-alive request
+  costs one ``recv``, one ``send`` and one trio checkpoint (the wait for the next request).
+  ``trio.SocketStream`` would add a checkpoint per call and conflict detectors around each.
+* Disconnect detection is lazy: nobody reads the socket while the app runs unless the app
+  asks. Once the request body is complete, ``receive()`` waits for the socket to become
+  readable; bytes that arrive are buffered for the next (pipelined) request, EOF means the
+  client went away and ``receive()`` returns ``http.disconnect``. Finishing the response
+  cancels that wait and also returns ``http.disconnect``. Apps that never call
+  ``receive()`` after the body pay nothing.
+* Pipelined requests are answered in order for free: they stay in the connection's buffer
+  and are parsed after the current response is complete.
+* The response head is held back until the first body message so that head and body go
+  out in one ``send``, with ``content-length`` filled in when the app sent one message.
+
+Send after disconnect: once the server knows the client is gone (a write failed or stalled
+past ``idle_timeout_s``), or after the server itself answered the request (e.g. 413 for a
+chunked body that grew too large), ``send()`` silently drops messages; it never raises into
+the app for that. Apps learn of the disconnect from ``receive()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import socket
+from collections.abc import Awaitable, Callable
+
+import trio
+from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
+
+from ._asgi import ASGIApp
+from ._http11_exchange import RECV_SIZE, Exchange
+from ._http11_parser import (
+    CLOSE,
+    HttpError,
+    RequestHead,
+    check_partial_head,
+    date_line,
+    error_response,
+    parse_head,
+)
+from ._limits import HttpLimits
+
+logger = logging.getLogger("trioserve.http")
+
+_LINGER_S = 1.0
+_LINGER_BYTES = 1024 * 1024
+
+# Where a connection is, for the timeout sweeper: waiting for a request, reading a head, or
+# anything else (the app runs, a body is read, a response is written).
+_IDLE, _HEAD, _BUSY = range(3)
+
+
+class _Server:
+    __slots__ = ("app", "connections", "date", "limits", "shutting_down")
+
+    def __init__(self, app: ASGIApp, limits: HttpLimits) -> None:
+        self.app = app
+        self.limits = limits
+        self.connections: set[Connection] = set()
+        self.shutting_down = False
+        # The ``date`` line, refreshed by the sweeper (at least once a second) rather than
+        # formatted per response.
+        self.date = date_line()
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        for conn in list(self.connections):
+            if conn.phase == _IDLE:
+                conn.expire()
+
+    async def sweep_timeouts(self) -> None:
+        """Enforce idle and header timeouts for all connections from one task.
+
+        A cancel scope per wait would cost more than the rest of a small request's
+        handling, so connections only count phase changes (``epoch``) and this sweep counts
+        how many ticks each has spent in its current phase. A timeout therefore fires
+        between its value and one tick later; the tick is an eighth of the shorter timeout,
+        at most a second.
+        """
+        limits = self.limits
+        tick = min(1.0, limits.idle_timeout_s / 8, limits.header_timeout_s / 8)
+        idle_ticks = math.ceil(limits.idle_timeout_s / tick)
+        head_ticks = math.ceil(limits.header_timeout_s / tick)
+        while True:
+            await trio.sleep(tick)
+            self.date = date_line()
+            for conn in list(self.connections):
+                phase = conn.phase
+                if phase == _BUSY:
+                    continue
+                if conn.seen_epoch != conn.epoch:
+                    conn.seen_epoch = conn.epoch
+                    conn.ticks = 0
+                else:
+                    conn.ticks += 1
+                    if conn.ticks >= (idle_ticks if phase == _IDLE else head_ticks):
+                        conn.expire()
+
+    async def accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
+        while True:
+            await wait_readable(listener)
+            for _ in range(64):  # a burst of accepts per wakeup, then let others run
+                try:
+                    sock, addr = listener.accept()
+                except BlockingIOError:
+                    break
+                except OSError as exc:
+                    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        logger.error("accept failed (%s); pausing briefly", exc)
+                        await trio.sleep(0.1)
+                    break
+                sock.setblocking(False)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    local = sock.getsockname()
+                except OSError:  # reset before we got to it
+                    sock.close()
+                    continue
+                conn = Connection(self, sock, (addr[0], addr[1]), (local[0], local[1]))
+                self.connections.add(conn)
+                nursery.start_soon(conn.run)
+
+
+class Connection:
+    __slots__ = (
+        "buf",
+        "client",
+        "epoch",
+        "expired",
+        "fd",
+        "limits",
+        "local",
+        "peer_closed",
+        "phase",
+        "pos",
+        "scope",
+        "seen_epoch",
+        "server",
+        "sock",
+        "ticks",
+        "torn",
+    )
+
+    def __init__(
+        self,
+        server: _Server,
+        sock: socket.socket,
+        client: tuple[str, int],
+        local: tuple[str, int],
+    ) -> None:
+        self.server = server
+        self.limits = server.limits
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.client = client
+        self.local = local
+        # Unparsed input is buf[pos:]; bytes + offset so a whole request parses without copies.
+        self.buf = b""
+        self.pos = 0
+        self.peer_closed = False  # EOF or error seen on the read side
+        self.torn = False  # a write was interrupted part way: the byte stream is unusable
+        # Timeout bookkeeping (see _Server.sweep_timeouts).
+        self.phase = _IDLE
+        self.epoch = 0
+        self.seen_epoch = -1
+        self.ticks = 0
+        self.expired = -1  # the phase in which a timeout or shutdown ended the connection
+        self.scope = trio.CancelScope()
+
+    def expire(self) -> None:
+        self.expired = self.phase
+        self.scope.cancel()
+
+    async def run(self) -> None:
+        try:
+            with self.scope:
+                await self._serve()
+            if self.expired == _HEAD:
+                # Outside the cancelled scope, so the answer can still be written.
+                await self.write(error_response(408, "timed out reading the request head", CLOSE))
+                await self._linger_close()
+        except Exception:
+            logger.exception("HTTP connection from %s:%d failed", *self.client)
+        finally:
+            self.server.connections.discard(self)
+            notify_closing(self.sock)
+            self.sock.close()
+
+    async def _serve(self) -> None:
+        while True:
+            try:
+                head = await self._next_head()
+            except HttpError as exc:
+                self.phase = _BUSY  # answered: the sweeper must not add a 408 to this
+                await self.write(error_response(exc.status, exc.message, CLOSE))
+                await self._linger_close()
+                return
+            if head is None:
+                return
+            request = Exchange(self, head)
+            if not await request.run(self.server.app):
+                if not self.peer_closed:
+                    await self._linger_close()
+                return
+
+    async def _next_head(self) -> RequestHead | None:
+        """The next request head, or None when the connection should just close."""
+        buf = self.buf
+        pos = self.pos
+        waited = False
+        while True:
+            while buf.startswith(b"\r\n", pos):  # RFC 9112 2.2: ignore blank lines first
+                pos += 2
+            if pos < len(buf):
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    return await self._slow_head(buf[pos:])
+                if end + 4 == len(buf):
+                    self.buf = b""
+                    self.pos = 0
+                else:
+                    self.buf = buf
+                    self.pos = end + 4
+                self.phase = _BUSY
+                self.epoch += 1
+                if not waited:
+                    # Pipelined input: yield once per request so one connection's backlog
+                    # cannot starve the others.
+                    await checkpoint()
+                return parse_head(buf, pos, end, self.limits)
+            if self.server.shutting_down or self.peer_closed:
+                return None
+            self.phase = _IDLE
+            self.epoch += 1
+            # _wait_input() inlined: one frame less to suspend and resume per request.
+            await wait_readable(self.fd)
+            if self.expired >= 0:
+                return None  # idle timeout, or shutdown closing idle connections
+            try:
+                buf = self.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                buf = b""
+            if not buf:
+                self.peer_closed = True
+                return None
+            pos = 0
+            waited = True
+
+    async def _slow_head(self, partial: bytes) -> RequestHead | None:
+        """Collect a head that arrives in pieces, under the header timeout.
+
+        A bytearray and searches that resume where the last one stopped keep a head
+        trickled in byte by byte linear in its size, not quadratic.
+        """
+        limits = self.limits
+        head = bytearray(partial)
+        self.phase = _HEAD  # the header timeout runs from the first byte
+        self.epoch += 1
+        checked = 0
+        while True:
+            check_partial_head(head, checked, limits)
+            data = await self._wait_input()
+            if not data:  # None: header timeout, answered 408 by run(); b"": client closed
+                self.peer_closed = data is not None
+                return None
+            checked = len(head)
+            head += data
+            while head.startswith(b"\r\n"):
+                del head[:2]
+                checked = 0
+            end = head.find(b"\r\n\r\n", max(checked - 3, 0))
+            if end >= 0:
+                buf = bytes(head)
+                self.buf = buf
+                self.pos = end + 4
+                self.phase = _BUSY
+                self.epoch += 1
+                return parse_head(buf, 0, end, limits)
+
+    async def _wait_input(self) -> bytes | None:
+        """Wait for request-head input: the bytes, ``b""`` at EOF, None once expired.
+
+        Waits first: after a response the next request is rarely there yet, and a recv
+        that fails with EAGAIN would be a wasted system call. No deadline here: the
+        sweeper cancels ``self.scope``; ``expired`` covers a wakeup that raced with it.
+        """
+        while True:
+            await wait_readable(self.fd)
+            if self.expired >= 0:
+                return None
+            try:
+                return self.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return b""
+
+    async def _recv(self, deadline: float) -> bytes | None:
+        """Wait for input: the bytes, ``b""`` at EOF, None at ``deadline``."""
+        while True:
+            with trio.move_on_at(deadline) as scope:
+                await wait_readable(self.fd)
+            if scope.cancelled_caught:
+                return None
+            try:
+                return self.sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return b""
+
+    async def recv_body(self, max_bytes: int) -> bytes:
+        """Body bytes (at most ``max_bytes``); ``b""`` at EOF, error or a stalled upload."""
+        try:
+            data = self.sock.recv(max_bytes)  # a body is usually already in flight: try first
+        except BlockingIOError:
+            data = None
+        except OSError:
+            data = b""
+        if data is not None:
+            await checkpoint()  # got data without waiting: still be a checkpoint
+        else:
+            # No progress for idle_timeout_s counts as the client having gone.
+            data = await self._recv(trio.current_time() + self.limits.idle_timeout_s)
+            if data is None:
+                data = b""
+        if not data:
+            self.peer_closed = True
+        return data
+
+    async def write(self, data: bytes) -> bool:
+        """Send all of ``data``; False if the client is gone."""
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return False
+        if sent == len(data):
+            return True
+        return await self.write_rest(memoryview(data)[sent:])
+
+    async def write_parts(self, parts: list[bytes]) -> bool:
+        """Like ``write(b"".join(parts))`` without copying large bodies on the fast path."""
+        try:
+            sent = self.sock.sendmsg(parts)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return False
+        if sent == sum(map(len, parts)):
+            return True
+        return await self.write_rest(memoryview(b"".join(parts))[sent:])
+
+    async def write_rest(self, view: memoryview) -> bool:
+        # If this is cancelled part way, the response on the wire is cut; `torn` makes sure
+        # the connection is not reused for another request afterwards.
+        self.torn = True
+        while view:
+            with trio.move_on_after(self.limits.idle_timeout_s) as scope:
+                await wait_writable(self.fd)
+            if scope.cancelled_caught:
+                return False  # a reader that takes nothing for that long has gone
+            try:
+                sent = self.sock.send(view)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return False
+            view = view[sent:]
+        self.torn = False
+        return True
+
+    async def _linger_close(self) -> None:
+        """Half-close and drain input briefly, so unread request bytes do not make the kernel
+        answer with a RST that could destroy the response before the client reads it."""
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return
+        budget = _LINGER_BYTES
+        with trio.move_on_after(_LINGER_S):
+            while budget > 0:
+                await wait_readable(self.fd)
+                try:
+                    data = self.sock.recv(RECV_SIZE)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                budget -= len(data)
+
+
+async def _bind(host: str, port: int) -> list[socket.socket]:
+    infos = await trio.socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    seen: set[object] = set()
+    try:
+        for family, type_, proto, _, addr in infos:
+            if addr in seen:
+                continue
+            seen.add(addr)
+            sock = socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                # One ephemeral port for every address of the host name, not one each.
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock.bind(addr)
+            sock.listen(1024)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+async def serve_http11(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    limits: HttpLimits,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` over HTTP/1.1 on ``host:port`` until cancelled or shut down.
+
+    ``task_status.started`` gets the bound ``(host, port)`` pairs (port 0 picks one). When
+    ``shutdown_trigger`` returns, new connections are refused, idle keep-alive connections
+    are closed, requests in progress finish (their connection closes afterwards), and then
+    this returns; bound the drain by cancelling.
+    """
+    listeners = await _bind(host, port)
+    server = _Server(app, limits)
+    try:
+        async with trio.open_nursery() as sweeper:
+            sweeper.start_soon(server.sweep_timeouts)
+            async with trio.open_nursery() as connections:
+                async with trio.open_nursery() as acceptors:
+                    for listener in listeners:
+                        acceptors.start_soon(server.accept_loop, listener, connections)
+                    addresses = [(s.getsockname()[0], s.getsockname()[1]) for s in listeners]
+                    task_status.started(addresses)
+                    if shutdown_trigger is not None:
+                        await shutdown_trigger()
+                        acceptors.cancel_scope.cancel()
+                for listener in listeners:
+                    notify_closing(listener)
+                    listener.close()
+                server.begin_shutdown()
+            sweeper.cancel_scope.cancel()  # every connection has finished
+    finally:
+        for listener in listeners:
+            if listener.fileno() != -1:
+                notify_closing(listener)
+                listener.close()

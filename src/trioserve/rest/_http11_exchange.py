@@ -1,0 +1,467 @@
+"""One HTTP/1.1 request/response exchange: the ASGI ``receive`` and ``send`` of a request.
+
+The connection (``_http11.py``) parses a head, builds an ``Exchange`` and awaits
+``Exchange.run(app)`` in its own task. See ``_http11.py`` for the overall design; this
+module holds the per-request half:
+
+* ``receive()`` hands out the body (from the connection's buffer first, then the socket;
+  Content-Length or chunked), sends ``100 Continue`` on the first read of a body the
+  client is waiting to send, and once the body is complete waits for the client to go
+  away (or the response to finish) to return ``http.disconnect``.
+* ``send()`` holds the response head back until the first body message so head and body
+  go out in one ``send``, adds ``content-length`` when the app sent the body in one
+  message, and otherwise frames with chunked encoding (HTTP/1.1) or closes (HTTP/1.0).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+from trio.lowlevel import checkpoint, wait_readable
+
+from ._asgi import ASGIApp, Message
+from ._http11_parser import (
+    CLOSE,
+    STATUS_LINES,
+    ChunkedDecoder,
+    HttpError,
+    RequestHead,
+    error_response,
+    scan_response_headers,
+    status_line,
+)
+
+if TYPE_CHECKING:
+    from ._http11 import Connection
+
+logger = logging.getLogger("trioserve.http")
+
+RECV_SIZE = 65536
+_BODY_RECV_SIZE = 256 * 1024
+_BIG_WRITE = 64 * 1024  # above this, head and body go out with sendmsg instead of a join
+_SKIP_BODY_MAX = 64 * 1024  # unread body the server will read and drop to keep a connection
+_PIPELINE_CAP = 256 * 1024  # bytes buffered for later requests while the app runs
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+_KEEP_ALIVE = b"connection: keep-alive\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+# Response progress.
+_NO_RESPONSE, _HEAD_PENDING, _STREAMING, _DONE = range(4)
+# Body framing of the response.
+_LENGTH, _CHUNKED, _UNTILCLOSE, _NO_BODY = range(4)
+
+
+def _disconnect() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class Exchange:
+    """One request/response exchange; the app's ``receive``/``send`` are its methods, so a
+    stale reference kept by the app can never touch the next request on the connection."""
+
+    __slots__ = (
+        "body_done",
+        "body_left",
+        "conn",
+        "decoder",
+        "delivered",
+        "dropped",
+        "expect_continue",
+        "head",
+        "keep_alive",
+        "out_framing",
+        "out_left",
+        "plain",
+        "response",
+        "state",
+        "status",
+        "waiter",
+    )
+
+    # Set by http.response.start; read only after it.
+    status: int
+    plain: bool
+    response: tuple[bytes, int, bool, bool]  # see scan_response_headers
+    out_framing: int
+    out_left: int
+
+    def __init__(self, conn: Connection, head: RequestHead) -> None:
+        self.conn = conn
+        self.head = head
+        self.body_left = length = head[6]
+        if head[7]:
+            self.decoder: ChunkedDecoder | None = ChunkedDecoder(conn.limits)
+            self.body_done = False
+        else:
+            self.decoder = None
+            self.body_done = not length
+        self.delivered = False  # the last http.request message went to the app
+        self.keep_alive = head[8]
+        self.expect_continue = head[9]
+        self.state = _NO_RESPONSE
+        self.dropped = False  # sends are ignored: client gone or the server answered already
+        self.waiter: trio.CancelScope | None = None
+
+    async def run(self, app: ASGIApp) -> bool:
+        """Run the app for this request; True if the connection can carry another one."""
+        conn = self.conn
+        head = self.head
+        scope = {
+            "type": "http",
+            "asgi": _ASGI.copy(),
+            "http_version": head[1],
+            "method": head[0],
+            "scheme": "http",
+            "path": head[2],
+            "raw_path": head[3],
+            "query_string": head[4],
+            "root_path": "",
+            "headers": head[5],
+            "client": conn.client,
+            "server": conn.local,
+        }
+        try:
+            await app(scope, self.receive, self.send)
+        except Exception:
+            logger.exception("ASGI application failed on %s %s", head[0], head[2])
+            if self.state != _DONE:
+                await self._app_failed()
+        else:
+            if self.state != _DONE:
+                logger.error("ASGI application returned without completing its response")
+                await self._app_failed()
+        self.state = _DONE
+        if self.waiter is not None:
+            self.waiter.cancel()
+        if not self.keep_alive or self.dropped or conn.peer_closed or conn.torn:
+            return False
+        if not self.body_done:
+            return await self._skip_body()
+        return True
+
+    async def _app_failed(self) -> None:
+        if self.dropped:
+            return
+        if self.state < _STREAMING:
+            # Nothing written yet, so the client can still get a proper error.
+            self.state = _DONE
+            connection = self._connection_line(False)
+            if not await self.conn.write(error_response(500, "Internal Server Error", connection)):
+                self._client_gone()
+        else:
+            self.keep_alive = False  # response cut short; only closing tells the client
+
+    def _finish(self) -> None:
+        self.state = _DONE
+        if self.waiter is not None:
+            self.waiter.cancel()
+
+    # ------------------------------------------------------------------ receive
+
+    async def receive(self) -> Message:
+        if self.dropped:
+            return _disconnect()
+        if self.body_done:
+            if not self.delivered:  # e.g. a GET: one empty message before anything else
+                self.delivered = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            if self.state == _DONE or self.dropped or self.conn.peer_closed:
+                return _disconnect()
+            return await self._wait_disconnect()
+        if self.expect_continue:
+            self.expect_continue = False
+            if self.state < _STREAMING and not await self.conn.write(_CONTINUE):
+                self._client_gone()
+                return _disconnect()
+        try:
+            body = await self._next_body()
+        except HttpError as exc:
+            await self._reject_body(exc)
+            return _disconnect()
+        if body is None:
+            return _disconnect()
+        if self.body_done:
+            self.delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": body, "more_body": True}
+
+    async def _next_body(self) -> bytes | None:
+        """The next piece of the body; None if the client went away before its end."""
+        conn = self.conn
+        decoder = self.decoder
+        if decoder is None:
+            left = self.body_left
+            buf = conn.buf
+            pos = conn.pos
+            avail = len(buf) - pos
+            if avail >= left:
+                body = buf if pos == 0 and avail == left else buf[pos : pos + left]
+                conn.pos = pos + left
+                self.body_left = 0
+            elif avail:
+                body = buf[pos:] if pos else buf
+                conn.buf = b""
+                conn.pos = 0
+                self.body_left = left - avail
+            else:
+                body = await conn.recv_body(min(left, _BODY_RECV_SIZE))
+                if not body:
+                    return None
+                self.body_left = left - len(body)
+            if not self.body_left:
+                self.body_done = True
+            return body
+        while True:
+            buf = conn.buf
+            pos = conn.pos
+            if pos < len(buf):
+                body, pos = decoder.decode(buf, pos)
+                conn.pos = pos
+                if decoder.done:
+                    self.body_done = True
+                    return body
+                if body:
+                    return body
+            data = await conn.recv_body(_BODY_RECV_SIZE)
+            if not data:
+                return None
+            conn.buf = buf[conn.pos :] + data if conn.pos < len(buf) else data
+            conn.pos = 0
+
+    async def _wait_disconnect(self) -> Message:
+        """Block until the client goes away or the response is finished."""
+        conn = self.conn
+        pipelined = bytearray()  # input for later requests, kept for after this response
+        with trio.CancelScope() as scope:
+            self.waiter = scope
+            try:
+                while not (self.state == _DONE or self.dropped or conn.peer_closed):
+                    if len(pipelined) > _PIPELINE_CAP:
+                        await trio.sleep_forever()  # enough buffered; wait for the response
+                    await wait_readable(conn.fd)
+                    if self.state == _DONE:
+                        break  # the connection task owns the socket again
+                    try:
+                        data = conn.sock.recv(RECV_SIZE)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        # Could be a half-close from a client still waiting for the answer,
+                        # so sends keep going; the app is told and the connection will close.
+                        conn.peer_closed = True
+                        break
+                    pipelined += data
+            finally:
+                self.waiter = None
+                if pipelined:
+                    conn.buf = conn.buf[conn.pos :] + pipelined
+                    conn.pos = 0
+        return _disconnect()
+
+    async def _reject_body(self, exc: HttpError) -> None:
+        """A bad or oversized body: answer it ourselves if we still can, then close."""
+        self.keep_alive = False
+        if self.state < _STREAMING:
+            await self.conn.write(error_response(exc.status, exc.message, CLOSE))
+        self.dropped = True
+        self._finish()
+
+    async def _skip_body(self) -> bool:
+        """Read and drop what the app left of the body so the connection can be reused."""
+        with trio.move_on_after(self.conn.limits.header_timeout_s):
+            try:
+                while not self.body_done:
+                    if await self._next_body() is None:
+                        return False
+            except HttpError:
+                return False
+            return True
+        return False
+
+    def _skippable(self) -> bool:
+        """Whether an unread body is small enough to drop rather than close over it."""
+        if self.decoder is not None:
+            return False
+        buffered = len(self.conn.buf) - self.conn.pos
+        if self.expect_continue:
+            # The client waits for 100 Continue that will not come; it may never send.
+            return buffered >= self.body_left
+        return self.body_left - buffered <= _SKIP_BODY_MAX
+
+    # --------------------------------------------------------------------- send
+
+    async def send(self, message: Message) -> None:
+        if self.dropped:
+            return
+        kind = message["type"]
+        if kind == "http.response.body":
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            if self.state == _STREAMING:
+                await self._send_more(body, more)
+            elif self.state != _HEAD_PENDING:
+                if self.state == _DONE:
+                    raise RuntimeError("http.response.body after the response was complete")
+                raise RuntimeError("http.response.body before http.response.start")
+            elif more or not self.plain:
+                await self._send_first_general(body, more)
+            else:
+                # Nearly every response: the whole body in one message. One buffer, one
+                # send; kept inline here because it runs once per request.
+                block, length, close, has_date = self.response
+                if length < 0:
+                    extra = b"content-length: %d\r\n" % len(body)
+                elif len(body) == length:
+                    extra = b""
+                else:  # the app's content-length is wrong: the general path reports it
+                    await self._send_first_general(body, more)
+                    return
+                conn = self.conn
+                parts = (
+                    STATUS_LINES[self.status],
+                    block,
+                    b"" if has_date else conn.server.date,
+                    extra,
+                    self._connection_line(close),
+                    b"\r\n",
+                    body,
+                )
+                self.state = _DONE
+                if len(body) > _BIG_WRITE:
+                    ok = await conn.write_parts(list(parts))
+                else:
+                    data = b"".join(parts)
+                    try:
+                        sent = conn.sock.send(data)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError:
+                        sent = -1
+                    if sent == len(data):
+                        ok = True
+                    elif sent < 0:
+                        ok = False
+                    else:
+                        ok = await conn.write_rest(memoryview(data)[sent:])
+                if not ok:
+                    self._client_gone()
+                elif self.waiter is not None:
+                    self.waiter.cancel()
+        elif kind == "http.response.start":
+            if self.state != _NO_RESPONSE:
+                raise RuntimeError("http.response.start sent twice")
+            self.status = status = message["status"]
+            self.response = scan_response_headers(message.get("headers", ()))
+            # A standard status with a body: what the inline path above can answer.
+            self.plain = (
+                status in STATUS_LINES
+                and status >= 200
+                and status != 204
+                and status != 304
+                and self.head[0] != "HEAD"
+            )
+            if not self.plain:
+                status_line(status)  # validate now so the error lands in the app's call
+            self.state = _HEAD_PENDING
+        else:
+            raise RuntimeError(f"unexpected ASGI message type {kind!r}")
+
+    def _connection_line(self, close_asked: bool) -> bytes:
+        """Settle keep-alive as the head is written; the ``connection`` line saying so."""
+        conn = self.conn
+        if (
+            self.keep_alive
+            and not close_asked
+            and not conn.server.shutting_down
+            and not conn.peer_closed
+            and (self.body_done or self._skippable())
+        ):
+            return _KEEP_ALIVE if self.head[1] == "1.0" else b""
+        self.keep_alive = False
+        return CLOSE
+
+    async def _send_first_general(self, body: bytes, more: bool) -> None:
+        block, length, close, has_date = self.response
+        status = self.status
+        extra = b""  # framing header line the server adds
+        if self.head[0] == "HEAD" or status < 200 or status == 204 or status == 304:
+            framing = _NO_BODY
+            if length < 0 and self.head[0] == "HEAD" and not more:
+                extra = b"content-length: %d\r\n" % len(body)
+        elif length >= 0:
+            framing = _LENGTH
+        elif not more:
+            framing = _LENGTH
+            length = len(body)
+            extra = b"content-length: %d\r\n" % length
+        elif self.head[1] == "1.1":
+            framing = _CHUNKED
+            extra = b"transfer-encoding: chunked\r\n"
+        else:
+            framing = _UNTILCLOSE
+            self.keep_alive = False
+        self.out_framing = framing
+        self.out_left = length
+        payload = self._frame(body, more)  # may raise; nothing is written yet, so a 500 can
+        head = b"".join(
+            (
+                status_line(status),
+                block,
+                b"" if has_date else self.conn.server.date,
+                extra,
+                self._connection_line(close),
+                b"\r\n",
+            )
+        )
+        self.state = _STREAMING
+        if len(body) > _BIG_WRITE:
+            ok = await self.conn.write_parts([head, *payload])
+        else:
+            ok = await self.conn.write(b"".join((head, *payload)))
+        await self._after_write(ok, more)
+
+    async def _send_more(self, body: bytes, more: bool) -> None:
+        payload = self._frame(body, more)
+        ok = True
+        if payload:
+            ok = await self.conn.write(payload[0] if len(payload) == 1 else b"".join(payload))
+        await self._after_write(ok, more)
+
+    def _frame(self, body: bytes, more: bool) -> tuple[bytes, ...]:
+        framing = self.out_framing
+        if framing == _LENGTH:
+            left = self.out_left - len(body)
+            if left < 0:
+                raise RuntimeError("response body longer than its content-length")
+            self.out_left = left
+            if not more and left:
+                logger.error("response body shorter than its content-length; closing")
+                self.keep_alive = False
+            return (body,) if body else ()
+        if framing == _CHUNKED:
+            if body:
+                chunk = (b"%x\r\n" % len(body), body, b"\r\n")
+                return chunk if more else (*chunk, b"0\r\n\r\n")
+            return () if more else (b"0\r\n\r\n",)
+        if framing == _UNTILCLOSE:
+            return (body,) if body else ()
+        return ()
+
+    async def _after_write(self, ok: bool, more: bool) -> None:
+        if not ok:
+            self._client_gone()
+        elif not more:
+            self._finish()
+        else:
+            await checkpoint()  # a streaming app that only sends must still yield
+
+    def _client_gone(self) -> None:
+        self.dropped = True
+        self.keep_alive = False
+        self.conn.peer_closed = True
+        if self.waiter is not None:
+            self.waiter.cancel()

@@ -1,0 +1,731 @@
+"""The gRPC front end against real clients: tritonclient.grpc and grpcio stubs.
+
+Every test talks to a server running in-process over a real socket.
+Client calls block, so they run in threads; each test is bounded by ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import trio
+import trio.testing
+import tritonclient.grpc as grpcclient
+from google.protobuf.json_format import ParseDict
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
+
+import grpc
+import trioserve
+from trioserve import (
+    DynamicBatching,
+    InferenceRequest,
+    Model,
+    Server,
+    ServerConfig,
+    TensorSpec,
+)
+from trioserve._model_config import model_config
+from trioserve._server import server_metadata
+from trioserve.grpc._bridge import _listen
+from trioserve.grpc._generated import health_pb2
+from trioserve.models import reference_zoo
+
+# Every datatype of the protocol, each as an optional input echoed to its output.
+DATATYPES = [
+    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+    "FP16", "FP32", "FP64", "BF16", "BYTES",
+]  # fmt: skip
+
+_MAX = 2**31 - 1  # tritonclient's own message limit
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", _MAX),
+    ("grpc.max_receive_message_length", _MAX),
+]
+
+
+def all_types_model() -> Model:
+    @trioserve.model(
+        name="all_types",
+        inputs=[TensorSpec(f"IN_{dt}", dt, [-1], optional=True) for dt in DATATYPES],
+        outputs=[TensorSpec(f"OUT_{dt}", dt, [-1]) for dt in DATATYPES],
+    )
+    def all_types(**inputs: Any) -> dict[str, Any]:
+        return {f"OUT_{name[3:]}": array for name, array in inputs.items()}
+
+    return all_types
+
+
+class Gate:
+    """The ``gated`` model: it records each batch, and the first one waits for ``release``.
+
+    With one instance busy on that first batch, later requests wait in the queue, where
+    a test can cancel them and watch them leave.
+    """
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()
+        self.release = trio.Event()
+        self.batches: list[list[float]] = []
+
+    def model(self) -> Model:
+        @trioserve.model(
+            name="gated",
+            inputs=[TensorSpec("INPUT0", "FP32", [1])],
+            outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
+            max_batch_size=8,
+            dynamic_batching=DynamicBatching(),
+        )
+        async def gated(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
+            self.batches.append(INPUT0.reshape(-1).tolist())
+            self.entered.set()
+            await self.release.wait()
+            return {"OUTPUT0": INPUT0}
+
+        return gated
+
+
+class Recorder(Model):
+    """Echoes INPUT0 and keeps every request it executed, parameters included."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            name="recorder",
+            inputs=[TensorSpec("INPUT0", "INT32", [1])],
+            outputs=[TensorSpec("OUTPUT0", "INT32", [1])],
+        )
+        self.requests: list[InferenceRequest] = []
+
+    def execute(self, requests: Sequence[InferenceRequest]) -> list[dict[str, Any]]:
+        self.requests.extend(requests)
+        return [{"OUTPUT0": r.inputs["INPUT0"].data} for r in requests]
+
+
+@pytest.fixture
+def gate() -> Gate:
+    return Gate()
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def models(gate: Gate, recorder: Recorder) -> list[Model]:
+    return [*reference_zoo(), all_types_model(), gate.model(), recorder]
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery, models: list[Model]) -> Server:
+    # http_port=None: these tests must not depend on the REST front end.
+    config = ServerConfig(models=models, http_port=None, grpc_port=0)
+    started: Server = await nursery.start(trioserve.serve, config)
+    return started
+
+
+@pytest.fixture
+def url(server: Server) -> str:
+    return f"127.0.0.1:{server.grpc_port}"
+
+
+@pytest.fixture
+def client(url: str) -> Iterator[grpcclient.InferenceServerClient]:
+    triton = grpcclient.InferenceServerClient(url)
+    yield triton
+    triton.close()
+
+
+@pytest.fixture
+def channel(url: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(url, options=CHANNEL_OPTIONS) as opened:
+        yield opened
+
+
+@pytest.fixture
+def stub(channel: grpc.Channel) -> service_pb2_grpc.GRPCInferenceServiceStub:
+    """tritonclient's own generated stub, for messages its high-level client never sends."""
+    return service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+TIMEOUT = 20  # seconds; generous for a loaded machine, still fails a hung test
+
+Client = grpcclient.InferenceServerClient
+
+
+async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run a blocking client call in a thread; abandoned if the test times out."""
+    return await trio.to_thread.run_sync(partial(fn, *args, **kwargs), abandon_on_cancel=True)
+
+
+async def expect_error(status: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Call, expect tritonclient's exception with ``status``; return its message."""
+    with pytest.raises(InferenceServerException) as info:
+        await call(fn, *args, **kwargs)
+    assert info.value.status() == f"StatusCode.{status}", info.value
+    return str(info.value.message())
+
+
+async def expect_rpc_error(status: grpc.StatusCode, fn: Callable[..., Any], *args: Any) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        await call(fn, *args)
+    assert info.value.code() == status, info.value.details()
+    return str(info.value.details())
+
+
+async def wait_queued(server: Server, model: str, count: int) -> None:
+    await server.repository.get(model).wait_until(lambda stats: stats.queued == count)  # type: ignore[attr-defined]
+
+
+def infer_input(name: str, array: np.ndarray[Any, Any], datatype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def simple_inputs(rows: int) -> tuple[list[grpcclient.InferInput], np.ndarray[Any, Any]]:
+    a = np.arange(16 * rows, dtype=np.int32).reshape(rows, 16)
+    return [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", a * 3, "INT32")], a
+
+
+def gated_input(value: float) -> list[grpcclient.InferInput]:
+    return [infer_input("INPUT0", np.array([[value]], dtype=np.float32), "FP32")]
+
+
+# --- health, metadata, config --------------------------------------------------------
+
+
+async def test_health(client: Client) -> None:
+    with trio.fail_after(TIMEOUT):
+        assert await call(client.is_server_live)
+        assert await call(client.is_server_ready)
+        assert await call(client.is_model_ready, "simple")
+        assert await call(client.is_model_ready, "simple", "1")
+        # Unknown models and versions are not ready; that is not an error.
+        assert not await call(client.is_model_ready, "nope")
+        assert not await call(client.is_model_ready, "simple", "9")
+
+
+@pytest.mark.parametrize(
+    ("service", "expected"),
+    [("", "SERVING"), ("inference.GRPCInferenceService", "SERVING"), ("simple", "SERVING")],
+)
+async def test_health_check(channel: grpc.Channel, service: str, expected: str) -> None:
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    with trio.fail_after(TIMEOUT):
+        reply = await call(check, health_pb2.HealthCheckRequest(service=service))
+        assert health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status) == expected
+        message = await expect_rpc_error(
+            grpc.StatusCode.NOT_FOUND, check, health_pb2.HealthCheckRequest(service="nope")
+        )
+        assert message == "Request for unknown model: 'nope' is not found"
+
+
+async def test_server_metadata(client: Client) -> None:
+    with trio.fail_after(TIMEOUT):
+        metadata = await call(client.get_server_metadata, as_json=True)
+    expected = server_metadata()
+    assert metadata == {
+        "name": expected["name"],
+        "version": expected["version"],
+        "extensions": expected["extensions"],
+    }
+
+
+async def test_model_metadata(client: Client) -> None:
+    with trio.fail_after(TIMEOUT):
+        simple = await call(client.get_model_metadata, "simple", as_json=True)
+        identity = await call(client.get_model_metadata, "identity_fp32", "1", as_json=True)
+    assert simple["name"] == "simple"
+    assert simple["versions"] == ["1"]
+    assert simple["platform"] == "python"
+    # -1 for the batch dimension of a batching model.
+    assert simple["inputs"] == [
+        {"name": f"INPUT{i}", "datatype": "INT32", "shape": ["-1", "16"]} for i in (0, 1)
+    ]
+    assert [o["name"] for o in simple["outputs"]] == ["OUTPUT0", "OUTPUT1"]
+    assert identity["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": ["-1"]}]
+
+
+async def test_model_config(client: Client, models: list[trioserve.Model]) -> None:
+    with trio.fail_after(TIMEOUT):
+        simple = (await call(client.get_model_config, "simple")).config
+        identity = (await call(client.get_model_config, "identity_bytes", "1")).config
+    assert simple.max_batch_size == 8
+    assert [i.name for i in simple.input] == ["INPUT0", "INPUT1"]
+    assert [o.name for o in simple.output] == ["OUTPUT0", "OUTPUT1"]
+    assert model_config_pb2.DataType.Name(simple.input[0].data_type) == "TYPE_INT32"
+    assert list(simple.input[0].dims) == [16]
+    assert simple.HasField("dynamic_batching")
+    assert identity.max_batch_size == 0
+    assert not identity.HasField("dynamic_batching")
+    assert model_config_pb2.DataType.Name(identity.input[0].data_type) == "TYPE_STRING"
+    # Identical to what REST serves: the same dict, parsed by tritonclient's classes.
+    by_name = {m.name: m for m in models}
+    assert simple == ParseDict(model_config(by_name["simple"]), model_config_pb2.ModelConfig())
+
+
+@pytest.mark.parametrize("method", ["get_model_metadata", "get_model_config"])
+async def test_metadata_unknown_model(client: Client, method: str) -> None:
+    with trio.fail_after(TIMEOUT):
+        message = await expect_error("NOT_FOUND", getattr(client, method), "nope")
+        assert message == "Request for unknown model: 'nope' is not found"
+        await expect_error("NOT_FOUND", getattr(client, method), "simple", "9")
+
+
+# --- inference through tritonclient ----------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+async def test_simple(client: Client, rows: int) -> None:
+    inputs, a = simple_inputs(rows)
+    with trio.fail_after(TIMEOUT):
+        result = await call(client.infer, "simple", inputs, request_id=f"req-{rows}")
+    assert result.as_numpy("OUTPUT0").tolist() == (a + a * 3).tolist()
+    assert result.as_numpy("OUTPUT1").tolist() == (a - a * 3).tolist()
+    response = result.get_response()
+    assert (response.model_name, response.model_version, response.id) == (
+        "simple",
+        "1",
+        f"req-{rows}",
+    )
+
+
+async def test_requested_output_subset(client: Client) -> None:
+    inputs, a = simple_inputs(2)
+    with trio.fail_after(TIMEOUT):
+        result = await call(
+            client.infer, "simple", inputs, outputs=[grpcclient.InferRequestedOutput("OUTPUT1")]
+        )
+    assert [o.name for o in result.get_response().outputs] == ["OUTPUT1"]
+    assert result.as_numpy("OUTPUT1").tolist() == (a - a * 3).tolist()
+    assert result.as_numpy("OUTPUT0") is None
+
+
+async def test_simple_string(client: Client) -> None:
+    a = np.array([[str(i).encode() for i in range(16)]], dtype=object)
+    b = np.array([[b"1"] * 16], dtype=object)
+    inputs = [infer_input("INPUT0", a, "BYTES"), infer_input("INPUT1", b, "BYTES")]
+    with trio.fail_after(TIMEOUT):
+        result = await call(client.infer, "simple_string", inputs)
+    assert result.as_numpy("OUTPUT0").tolist() == [[str(i + 1).encode() for i in range(16)]]
+    assert result.as_numpy("OUTPUT1").tolist() == [[str(i - 1).encode() for i in range(16)]]
+
+
+async def test_identity_fp32_large(client: Client) -> None:
+    # 16 MiB each way: far over gRPC's customary 4 MiB default limit.
+    data = np.random.default_rng(0).standard_normal(4 * 2**20, dtype=np.float32)
+    with trio.fail_after(TIMEOUT):
+        result = await call(client.infer, "identity_fp32", [infer_input("INPUT0", data, "FP32")])
+    assert np.array_equal(result.as_numpy("OUTPUT0"), data)
+
+
+async def test_identity_bytes_edge_elements(client: Client) -> None:
+    data = np.array([b"", b"\x00", b"a\x00b", b"\xff\xfe\x80", "é".encode()], dtype=object)
+    with trio.fail_after(TIMEOUT):
+        result = await call(client.infer, "identity_bytes", [infer_input("INPUT0", data, "BYTES")])
+        empty = np.array([], dtype=object)
+        none = await call(client.infer, "identity_bytes", [infer_input("INPUT0", empty, "BYTES")])
+    assert result.as_numpy("OUTPUT0").tolist() == data.tolist()
+    assert none.as_numpy("OUTPUT0").shape == (0,)
+
+
+async def test_delay(client: Client) -> None:
+    data = np.array([[5.0]], dtype=np.float32)
+    with trio.fail_after(TIMEOUT):
+        result = await call(client.infer, "delay", [infer_input("INPUT0", data, "FP32")])
+    assert result.as_numpy("OUTPUT0").tolist() == [[5.0]]
+
+
+async def test_model_failure_reaches_client(client: Client) -> None:
+    data = np.array([1], dtype=np.int32)
+    with trio.fail_after(TIMEOUT):
+        message = await expect_error(
+            "INTERNAL", client.infer, "fail", [infer_input("INPUT0", data, "INT32")]
+        )
+    assert "the 'fail' model always fails" in message
+
+
+def _sample(datatype: str) -> np.ndarray[Any, Any]:
+    if datatype == "BOOL":
+        return np.array([True, False, True])
+    if datatype == "BYTES":
+        return np.array([b"x", b"", b"\x00\xff"], dtype=object)
+    if datatype == "BF16":  # tritonclient carries BF16 as ml_dtypes.bfloat16
+        return np.array([1.0, -2.5, 3.0e38], dtype=ml_dtypes.bfloat16)
+    dtype = np.dtype(datatype.lower().replace("fp", "float"))
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.array([info.min, 1, info.max], dtype=dtype)
+    return np.array([0.5, -1.25, np.finfo(dtype).max], dtype=dtype)
+
+
+async def test_every_datatype_raw(client: Client) -> None:
+    inputs = [infer_input(f"IN_{dt}", _sample(dt), dt) for dt in DATATYPES]
+    with trio.fail_after(TIMEOUT):
+        result = await call(client.infer, "all_types", inputs)
+    for dt in DATATYPES:
+        out = result.as_numpy(f"OUT_{dt}")
+        sent = _sample(dt)
+        if dt == "BF16":  # compare the 2-byte words: what travels
+            out, sent = out.view(np.uint16), sent.view(np.uint16)
+        assert out.dtype == sent.dtype, dt
+        assert out.tolist() == sent.tolist(), dt
+
+
+async def test_parameters_reach_the_model(client: Client, recorder: Recorder) -> None:
+    data = np.array([7], dtype=np.int32)
+    with trio.fail_after(TIMEOUT):
+        await call(
+            client.infer,
+            "recorder",
+            [infer_input("INPUT0", data, "INT32")],
+            priority=3,
+            timeout=5_000_000,
+            parameters={"s": "x", "b": True, "i": -4, "d": 0.5},
+        )
+    (request,) = recorder.requests
+    assert request.parameters == {
+        "priority": 3, "timeout": 5_000_000, "s": "x", "b": True, "i": -4, "d": 0.5
+    }  # fmt: skip
+    assert type(request.parameters["priority"]) is int
+    assert (request.priority, request.timeout_us) == (3, 5_000_000)
+
+
+# --- hand-built requests: typed contents and malformed messages ----------------------
+
+# The typed contents field of each datatype that has one, and values that fill it.
+TYPED = {
+    "BOOL": ("bool_contents", [True, False]),
+    "UINT8": ("uint_contents", [0, 255]),
+    "UINT16": ("uint_contents", [0, 65535]),
+    "UINT32": ("uint_contents", [0, 2**32 - 1]),
+    "UINT64": ("uint64_contents", [0, 2**64 - 1]),
+    "INT8": ("int_contents", [-128, 127]),
+    "INT16": ("int_contents", [-(2**15), 2**15 - 1]),
+    "INT32": ("int_contents", [-(2**31), 2**31 - 1]),
+    "INT64": ("int64_contents", [-(2**63), 2**63 - 1]),
+    "FP32": ("fp32_contents", [0.5, -1.25]),
+    "FP64": ("fp64_contents", [0.1, -1e300]),
+    "BYTES": ("bytes_contents", [b"\x00", b"\xff\xfe"]),
+}
+
+
+def typed_input(
+    request: Any, datatype: str, values: list[Any], name: str | None = None, shape: Any = None
+) -> Any:
+    tensor = request.inputs.add(
+        name=name or f"IN_{datatype}",
+        datatype=datatype,
+        shape=[len(values)] if shape is None else shape,
+    )
+    field = TYPED[datatype][0] if datatype in TYPED else "fp32_contents"
+    getattr(tensor.contents, field).extend(values)
+    return tensor
+
+
+def raw_output(response: Any, name: str) -> list[Any]:
+    index = [o.name for o in response.outputs].index(name)
+    output, raw = response.outputs[index], response.raw_output_contents[index]
+    if output.datatype == "BYTES":
+        return deserialize_bytes_tensor(raw).tolist()  # type: ignore[no-any-return]
+    dtype = "?" if output.datatype == "BOOL" else output.datatype.lower().replace("fp", "float")
+    return np.frombuffer(raw, dtype=dtype).tolist()  # type: ignore[no-any-return]
+
+
+async def test_typed_contents(stub: Any) -> None:
+    request = service_pb2.ModelInferRequest(model_name="all_types", id="typed")
+    for dt, (_, values) in TYPED.items():
+        typed_input(request, dt, values)
+        request.outputs.add(name=f"OUT_{dt}")
+    with trio.fail_after(TIMEOUT):
+        response = await call(stub.ModelInfer, request)
+    assert response.id == "typed"
+    assert len(response.raw_output_contents) == len(TYPED)
+    for dt, (_, values) in TYPED.items():
+        got = raw_output(response, f"OUT_{dt}")
+        if dt == "FP32":
+            values = np.array(values, dtype=np.float32).tolist()
+        assert got == values, dt
+
+
+def _malformed() -> list[Any]:
+    def case(build: Callable[[Any], None], id: str, says: str) -> Any:
+        request = service_pb2.ModelInferRequest(model_name="all_types")
+        build(request)
+        return pytest.param(request, says, id=id)
+
+    def both(r: Any) -> None:
+        typed_input(r, "INT32", [1])
+        r.raw_input_contents.append(b"\x01\x00\x00\x00")
+
+    def raw_count(r: Any) -> None:
+        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1])
+        r.inputs.add(name="IN_INT8", datatype="INT8", shape=[1])
+        r.raw_input_contents.append(b"\x01\x00\x00\x00")
+
+    def wrong_field(r: Any) -> None:
+        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1]).contents.fp32_contents.append(1)
+
+    def raw_size(r: Any) -> None:
+        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[2])
+        r.raw_input_contents.append(b"\x01\x00\x00\x00")
+
+    def bad_bool(r: Any) -> None:
+        r.inputs.add(name="IN_BOOL", datatype="BOOL", shape=[1])
+        r.raw_input_contents.append(b"\x02")
+
+    def extra_raw(r: Any) -> None:
+        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1])
+        r.raw_input_contents.extend([b"\x01\x00\x00\x00", b"\x02\x00\x00\x00"])
+
+    def negative_priority(r: Any) -> None:
+        typed_input(r, "INT32", [1])
+        r.parameters["priority"].int64_param = -1
+
+    def double_timeout(r: Any) -> None:
+        typed_input(r, "INT32", [1])
+        r.parameters["timeout"].double_param = 1.5
+
+    def empty_parameter(r: Any) -> None:
+        typed_input(r, "INT32", [1])
+        r.parameters["k"].SetInParent()  # an InferParameter with no value set
+
+    def duplicate(r: Any) -> None:
+        typed_input(r, "INT32", [1])
+        typed_input(r, "INT32", [2])
+
+    return [
+        case(lambda r: typed_input(r, "INT32", [1, 2], shape=[3]), "count-mismatch", "needs 3"),
+        case(
+            lambda r: typed_input(r, "FP16", [1.0]),
+            "fp16-typed",
+            "only be sent as raw_input_contents",
+        ),
+        case(lambda r: typed_input(r, "INT8", [300]), "int8-out-of-range", "out of range for INT8"),
+        case(lambda r: typed_input(r, "FP8", [1.0]), "bad-datatype", "invalid datatype 'FP8'"),
+        case(
+            lambda r: typed_input(r, "INT32", [1], shape=[-1]),
+            "negative-shape",
+            "non-negative integers",
+        ),
+        case(
+            lambda r: r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1]),
+            "no-data",
+            "unable to find data for input tensor 'IN_INT32'",
+        ),
+        case(both, "raw-and-contents", "contents field must not be specified"),
+        case(raw_count, "raw-count", "unable to find data for input tensor 'IN_INT8'"),
+        case(wrong_field, "wrong-contents-field", "fp32_contents does not carry INT32"),
+        case(raw_size, "raw-size", "needs 8"),
+        case(bad_bool, "bad-bool", "BOOL data must be bytes 0 or 1"),
+        case(extra_raw, "extra-raw", "2 raw_input_contents for 1 inputs"),
+        case(negative_priority, "negative-priority", "expected value >= 0"),
+        case(double_timeout, "double-timeout", "'timeout' parameter"),
+        case(empty_parameter, "empty-parameter", "parameter 'k' has no value"),
+        case(duplicate, "duplicate-input", "appears twice"),
+    ]
+
+
+@pytest.mark.parametrize(("request_message", "says"), _malformed())
+async def test_malformed_request(
+    stub: Any, client: Client, request_message: Any, says: str
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        message = await expect_rpc_error(
+            grpc.StatusCode.INVALID_ARGUMENT, stub.ModelInfer, request_message
+        )
+        assert says in message
+        assert await call(client.is_server_live)  # and the server carries on
+
+
+@pytest.mark.parametrize(
+    ("model", "version", "inputs", "outputs", "status"),
+    [
+        ("nope", "", "simple", None, "NOT_FOUND"),
+        ("simple", "9", "simple", None, "NOT_FOUND"),
+        ("simple", "", "unknown-input", None, "INVALID_ARGUMENT"),
+        ("simple", "", "wrong-shape", None, "INVALID_ARGUMENT"),
+        ("simple", "", "wrong-datatype", None, "INVALID_ARGUMENT"),
+        ("simple", "", "too-many-rows", None, "INVALID_ARGUMENT"),
+        ("simple", "", "simple", "NOPE", "INVALID_ARGUMENT"),
+        ("simple", "", "shared-memory", None, "UNIMPLEMENTED"),
+    ],
+)
+async def test_infer_errors(
+    client: Client, model: str, version: str, inputs: str, outputs: str | None, status: str
+) -> None:
+    built, a = simple_inputs(9 if inputs == "too-many-rows" else 1)
+    if inputs == "unknown-input":
+        built.append(infer_input("INPUT9", a, "INT32"))
+    elif inputs == "wrong-shape":
+        built[0] = infer_input("INPUT0", a[:, :15], "INT32")
+    elif inputs == "wrong-datatype":
+        built[0] = infer_input("INPUT0", a.astype(np.float32), "FP32")
+    elif inputs == "shared-memory":
+        built[0].set_shared_memory("region", 64)
+    requested = [grpcclient.InferRequestedOutput(outputs)] if outputs else None
+    with trio.fail_after(TIMEOUT):
+        message = await expect_error(
+            status, client.infer, model, built, model_version=version, outputs=requested
+        )
+    if model == "nope":
+        assert message == "Request for unknown model: 'nope' is not found"
+    assert message
+
+
+UNIMPLEMENTED = [
+    "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
+    "TraceSetting", "LogSettings",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rpc", UNIMPLEMENTED)
+async def test_unimplemented(stub: Any, rpc: str) -> None:
+    request = getattr(service_pb2, f"{rpc}Request")()
+    with trio.fail_after(TIMEOUT):
+        message = await expect_rpc_error(grpc.StatusCode.UNIMPLEMENTED, getattr(stub, rpc), request)
+    assert message == f"{rpc} is not supported by this server yet"
+
+
+async def test_stream_infer_unimplemented(stub: Any) -> None:
+    def stream() -> list[Any]:
+        return list(stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest()])))
+
+    with trio.fail_after(TIMEOUT):
+        await expect_rpc_error(grpc.StatusCode.UNIMPLEMENTED, stream)
+
+
+# --- cancellation ----------------------------------------------------------------------
+
+
+async def test_cancel_withdraws_queued_request(server: Server, client: Client, gate: Gate) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, client.infer, "gated", gated_input(1.0))
+            await gate.entered.wait()  # the one instance is busy until release
+            outcome: list[Any] = []
+            answered = trio.Event()
+            token = trio.lowlevel.current_trio_token()
+
+            def on_answer(result: Any, error: Any) -> None:  # on tritonclient's thread
+                outcome.append(error)
+                trio.from_thread.run_sync(answered.set, trio_token=token)
+
+            handle = client.async_infer("gated", gated_input(2.0), on_answer)
+            await wait_queued(server, "gated", 1)
+            handle.cancel()
+            await wait_queued(server, "gated", 0)  # withdrawn
+            gate.release.set()
+        result = await call(client.infer, "gated", gated_input(3.0))
+        assert result.as_numpy("OUTPUT0").tolist() == [[3.0]]
+        await answered.wait()
+    assert gate.batches == [[1.0], [3.0]]  # the cancelled request never ran
+    assert outcome[0].status() == "StatusCode.CANCELLED"
+
+
+async def test_deadline_withdraws_queued_request(
+    server: Server, client: Client, gate: Gate
+) -> None:
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, client.infer, "gated", gated_input(1.0))
+            await gate.entered.wait()
+            await expect_error(
+                "DEADLINE_EXCEEDED", client.infer, "gated", gated_input(2.0), client_timeout=0.2
+            )
+            await wait_queued(server, "gated", 0)
+            gate.release.set()
+        await call(client.infer, "gated", gated_input(3.0))
+    assert gate.batches == [[1.0], [3.0]]
+
+
+async def test_delay_cancelled_then_serves(client: Client) -> None:
+    slow = [infer_input("INPUT0", np.array([[500.0]], dtype=np.float32), "FP32")]
+    with trio.fail_after(TIMEOUT):
+        await expect_error("DEADLINE_EXCEEDED", client.infer, "delay", slow, client_timeout=0.05)
+        inputs, _ = simple_inputs(1)
+        await call(client.infer, "simple", inputs)
+        fast = [infer_input("INPUT0", np.array([[1.0]], dtype=np.float32), "FP32")]
+        result = await call(client.infer, "delay", fast)
+    assert result.as_numpy("OUTPUT0").tolist() == [[1.0]]
+
+
+# --- limits and shutdown ---------------------------------------------------------------
+
+
+async def test_message_size_limit(nursery: trio.Nursery) -> None:
+    config = ServerConfig(
+        models=reference_zoo(), http_port=None, grpc_port=0, grpc_max_message_bytes=64 * 1024
+    )
+    server = await nursery.start(trioserve.serve, config)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        with trio.fail_after(TIMEOUT):
+            big = np.zeros(32 * 1024, dtype=np.float32)  # 128 KiB
+            message = await expect_error(
+                "RESOURCE_EXHAUSTED",
+                client.infer,
+                "identity_fp32",
+                [infer_input("INPUT0", big, "FP32")],
+            )
+            assert "larger than max" in message
+            small = np.ones(8, dtype=np.float32)
+            result = await call(
+                client.infer, "identity_fp32", [infer_input("INPUT0", small, "FP32")]
+            )
+            assert result.as_numpy("OUTPUT0").tolist() == small.tolist()
+    finally:
+        client.close()
+
+
+async def test_graceful_shutdown_finishes_in_flight(models: list[Model], gate: Gate) -> None:
+    config = ServerConfig(models=models, http_port=None, grpc_port=0)
+    results: list[Any] = []
+    client: Client | None = None
+    try:
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(trioserve.serve, config)
+                client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+
+                async def in_flight() -> None:
+                    assert client is not None
+                    results.append(await call(client.infer, "gated", gated_input(1.0)))
+
+                nursery.start_soon(in_flight)
+                await gate.entered.wait()
+                nursery.start_soon(server.shutdown)
+                await trio.testing.wait_all_tasks_blocked()  # the front end saw the trigger
+                message = await expect_error("UNAVAILABLE", client.is_server_live)
+                assert message == "the server is shutting down"
+                gate.release.set()
+                await server.wait_stopped()
+            # The request in flight got its answer; then the front end stopped listening.
+            assert results[0].as_numpy("OUTPUT0").tolist() == [[1.0]]
+            await expect_error("UNAVAILABLE", client.is_server_live)
+    finally:
+        if client is not None:
+            client.close()
+
+
+def test_listener_is_tcp() -> None:
+    # Accepted sockets inherit the listener's protocol number, and asyncio and grpclib
+    # turn Nagle off (TCP_NODELAY) only on sockets that say IPPROTO_TCP: without it each
+    # small reply waits for the client's delayed ACK, about 40 ms.
+    with _listen("127.0.0.1", 0) as listener, socket.create_connection(listener.getsockname()):
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.proto == socket.IPPROTO_TCP

@@ -1,0 +1,38 @@
+import pytest
+
+from trioserve import NotFoundError
+from trioserve.rest._router import MethodNotAllowed, Router
+
+
+@pytest.fixture
+def router():
+    r: Router[str] = Router()
+    r.add("GET", "/v2", "server")
+    r.add("GET", "/v2/models/{model}", "metadata")
+    r.add("GET", "/v2/models/{model}/versions/{version}", "versioned")
+    r.add("POST", "/v2/models/{model}/infer", "infer")
+    r.add("GET", "/v2/models/{model}/ready", "ready")
+    return r
+
+
+def test_exact_and_parameterised_paths(router):
+    assert router.resolve("GET", "/v2") == ("server", {})
+    assert router.resolve("GET", "/v2/models/m") == ("metadata", {"model": "m"})
+    assert router.resolve("POST", "/v2/models/m/infer") == ("infer", {"model": "m"})
+    assert router.resolve("GET", "/v2/models/m/versions/3") == (
+        "versioned", {"model": "m", "version": "3"}
+    )
+
+
+@pytest.mark.parametrize(
+    "path", ["/v2/", "/v2/models", "/v2/models//infer", "/v2/models/m/explode", "/v3", "/v2/models/m/versions"]
+)
+def test_unknown_paths(router, path):
+    with pytest.raises(NotFoundError):
+        router.resolve("GET", path)
+
+
+def test_wrong_method_lists_the_allowed_ones(router):
+    with pytest.raises(MethodNotAllowed) as info:
+        router.resolve("GET", "/v2/models/m/infer")
+    assert info.value.allow == ["POST"]
