@@ -25,7 +25,7 @@ from ._types import (
     RequestedOutput,
 )
 from ._version import __version__
-from .rest._limits import HttpLimits
+from ._limits import HttpLimits
 
 __all__ = [
     "AlreadyExistsError",

@@ -18,7 +18,7 @@ from ._config import ServerConfig
 from ._loader import RepositoryError, load_repository
 from ._server import open_server
 from ._version import __version__
-from .rest._limits import HttpLimits
+from ._limits import HttpLimits
 
 logger = logging.getLogger("trioserve")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._model import Model
-from .rest._limits import HttpLimits
+from ._limits import HttpLimits
 
 
 @dataclass(frozen=True)

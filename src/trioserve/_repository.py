@@ -23,6 +23,19 @@ class ServedModel(Protocol):
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
 
+    def submit(self, request: InferenceRequest) -> Ticket: ...
+
+
+class Ticket(Protocol):
+    """A submitted request whose outcome is known once ``done`` is set."""
+
+    @property
+    def done(self) -> trio.Event: ...
+
+    def outcome(self) -> InferenceResponse: ...
+
+    def withdraw(self) -> None: ...
+
 
 class ModelRepository:
     """The served model versions by name; ``run`` is their task tree."""

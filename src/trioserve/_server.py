@@ -46,7 +46,7 @@ class Server:
     grpc_addresses: list[Address]
     _stop_accepting: trio.Event
     _front_ends_done: trio.Event
-    _root: trio.CancelScope
+    _services: trio.CancelScope
     _stopped: trio.Event
 
     @property
@@ -62,7 +62,7 @@ class Server:
         self._stop_accepting.set()
         with trio.move_on_after(self.config.exit_timeout_s):
             await self._front_ends_done.wait()
-        self._root.cancel()
+        self._services.cancel()
         self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -100,25 +100,34 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     stop_accepting = trio.Event()
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
-        await root.start(repository.run)
+        # The services get a nursery of their own, so that shutdown() stops them without
+        # cancelling the caller's block, which runs in ``root``.
+        services: trio.Nursery = await root.start(_hold_nursery)
+        await services.start(repository.run)
         http: list[Address] = []
         grpc: list[Address] = []
         if config.http_port is not None:
             rest = _rest(config, config.http_port, repository, stop_accepting)
-            http = await root.start(front_ends.run, rest)
+            http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
             grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting)
-            grpc = await root.start(front_ends.run, grpc_front_end)
+            grpc = await services.start(front_ends.run, grpc_front_end)
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
             config, repository, http, grpc, stop_accepting, front_ends.done,
-            root.cancel_scope, trio.Event(),
+            services.cancel_scope, trio.Event(),
         )
         try:
             yield server
         finally:
             root.cancel_scope.cancel()
+
+
+async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
+    async with trio.open_nursery() as nursery:
+        task_status.started(nursery)
+        await trio.sleep_forever()
 
 
 async def serve(

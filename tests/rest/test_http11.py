@@ -25,8 +25,9 @@ import trio.testing
 
 from trioserve.rest._asgi import ASGIApp, Receive, Scope, Send
 from trioserve.rest._http11 import serve_http11
+from trioserve.rest._http11_parser import ChunkedDecoder, HttpError, parse_head
 from trioserve.rest._hypercorn import serve_hypercorn
-from trioserve.rest._limits import HttpLimits
+from trioserve._limits import HttpLimits
 
 TIMEOUT = 10
 
@@ -941,12 +942,36 @@ async def test_response_header_injection_is_refused(serve11: Serve) -> None:
         assert "set-cookie" not in response.headers
 
 
+# ------------------------------------------------------------------ sans-IO parser units
+
+
+async def test_chunked_decoder_at_every_split_point() -> None:
+    wire = b"4;ext=1\r\nwiki\r\n6\r\npedia \r\nE\r\nin \r\n\r\nchunks.\r\n0\r\nT: v\r\n\r\nNEXT"
+    for split in range(len(wire) + 1):
+        decoder = ChunkedDecoder(HttpLimits())
+        body, pos = decoder.decode(wire[:split], 0)
+        rest = wire[pos:]  # the connection keeps what was not consumed
+        more, end = decoder.decode(rest, 0)
+        assert decoder.done, split
+        assert body + more == b"wikipedia in \r\n\r\nchunks.", split
+        assert rest[end:] == b"NEXT", split
+
+
+async def test_cached_request_line_still_obeys_smaller_limits() -> None:
+    raw = b"GET /" + b"a" * 100 + b" HTTP/1.1\r\nHost: t\r\n\r\n"
+    end = raw.index(b"\r\n\r\n")
+    assert parse_head(raw, 0, end, HttpLimits())[2] == "/" + "a" * 100  # now cached
+    with pytest.raises(HttpError) as error:
+        parse_head(raw, 0, end, HttpLimits(max_request_line_bytes=50))
+    assert error.value.status == 414
+
+
 # ------------------------------------------------------------------------ HTTP/2 (h2c)
 
 
 async def test_h2c_prior_knowledge_with_httpx(nursery: trio.Nursery) -> None:
-    port = await starter("hypercorn", nursery)(echo_app)
     with trio.fail_after(TIMEOUT):
+        port = await starter("hypercorn", nursery)(echo_app)
         async with httpx.AsyncClient(http1=False, http2=True) as client:
             response = await client.post(f"http://127.0.0.1:{port}/h2?q=1", content=b"two")
         assert response.http_version == "HTTP/2"
@@ -965,9 +990,9 @@ async def test_h2c_disconnect_reaches_app(nursery: trio.Nursery) -> None:
         if (await receive())["type"] == "http.disconnect":
             disconnected.set()
 
-    port = await starter("hypercorn", nursery)(app)
     with trio.fail_after(TIMEOUT):
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        port = await starter("hypercorn", nursery)(app)
+        stream = (await Client.connect(port)).stream  # closed by close_clients on failure
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
         conn.send_headers(
@@ -984,14 +1009,14 @@ async def test_h2c_disconnect_reaches_app(nursery: trio.Nursery) -> None:
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 async def test_tls_with_alpn_h2(nursery: trio.Nursery, tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    await trio.run_process(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
-         "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        capture_stdout=True, capture_stderr=True,
-    )  # fmt: skip
-    port = await starter("hypercorn", nursery)(echo_app, certfile=str(cert), keyfile=str(key))
     with trio.fail_after(TIMEOUT):
+        await trio.run_process(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+             "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+            capture_stdout=True, capture_stderr=True,
+        )  # fmt: skip
+        port = await starter("hypercorn", nursery)(echo_app, certfile=str(cert), keyfile=str(key))
         context = ssl.create_default_context(cafile=str(cert))
         async with httpx.AsyncClient(http2=True, verify=context) as client:
             response = await client.get(f"https://127.0.0.1:{port}/secure")

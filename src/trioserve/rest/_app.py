@@ -12,8 +12,6 @@ import logging
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
-
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
@@ -24,7 +22,6 @@ from ._router import MethodNotAllowed, Router
 logger = logging.getLogger("trioserve.rest")
 
 JSON = b"application/json"
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -103,23 +100,17 @@ class RestApp:
         return _decompress(body, encoding, self.max_body_bytes)
 
 
-async def until_disconnect(receive: Receive, call: Callable[[], Awaitable[T]]) -> T | None:
-    """``call()``'s result, or None if the client disconnected first (the call is cancelled).
+async def finished_before_disconnect(receive: Receive, wait: Callable[[], Awaitable[None]]) -> bool:
+    """Await ``wait()``; False if the client disconnected first (``wait`` is then cancelled).
 
     The body must already be read: the next ``receive`` then only reports a disconnect.
     """
-    error: Exception | None = None
-    result: T | None = None
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-        try:
-            result = await call()
-        except Exception as exc:  # re-raised below, outside the nursery's exception group
-            error = exc
+        await wait()
         nursery.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return result
+        return True
+    return False  # reached only when the disconnect cancelled the nursery
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 from typing import Any
+
+import trio
 
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository
-from ._app import Endpoint, Request, Response, RestApp, until_disconnect
+from ._app import Endpoint, Request, Response, RestApp, finished_before_disconnect
 from ._infer_codec import decode_request, encode_response
 from ._router import Router
 
+_WATCH_DISCONNECT_AFTER_S = 0.005
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
 
@@ -60,9 +62,21 @@ class _Endpoints:
         inference = decode_request(
             request.body, _header_length(request.headers), runner.model, name, version
         )
-        result = await until_disconnect(request.receive, partial(runner.infer, inference))
-        if result is None:
-            return None
+        ticket = runner.submit(inference)
+        try:
+            # Most requests are answered within a few milliseconds: watching the client for
+            # a disconnect costs a task, so only requests that wait longer get a watcher.
+            with trio.move_on_after(_WATCH_DISCONNECT_AFTER_S):
+                await ticket.done.wait()
+            if not ticket.done.is_set() and not await finished_before_disconnect(
+                request.receive, ticket.done.wait
+            ):
+                ticket.withdraw()
+                return None
+        except trio.Cancelled:
+            ticket.withdraw()
+            raise
+        result = ticket.outcome()
         body, header_length = encode_response(result, inference)
         if header_length is None:
             return Response(200, body, compressible=True)

@@ -2,26 +2,31 @@
 
 Design (why it is shaped like this):
 
-* One task per connection, and the app is awaited in that task: no task spawn, no channel
-  and no event per request. The connection drives non-blocking stdlib sockets directly
-  through ``trio.lowlevel.wait_readable``/``wait_writable``; a typical keep-alive request
+* One task per connection, and the app is awaited in that task: no task spawn, channel or
+  event per request. The connection drives non-blocking stdlib sockets directly through
+  ``trio.lowlevel.wait_readable``/``wait_writable`` rather than ``trio.SocketStream``,
+  which would add a checkpoint and conflict detectors to every call; a keep-alive request
   costs one ``recv``, one ``send`` and one trio checkpoint (the wait for the next request).
-  ``trio.SocketStream`` would add a checkpoint per call and conflict detectors around each.
+* Timeouts cost nothing per request: instead of a cancel scope per wait, one sweeper task
+  per server counts how long each connection has been idle or reading a head and cancels
+  the connection's scope when it is over (see ``_Server.sweep_timeouts``).
 * Disconnect detection is lazy: nobody reads the socket while the app runs unless the app
   asks. Once the request body is complete, ``receive()`` waits for the socket to become
-  readable; bytes that arrive are buffered for the next (pipelined) request, EOF means the
+  readable; bytes that arrive are kept for the next (pipelined) request, EOF means the
   client went away and ``receive()`` returns ``http.disconnect``. Finishing the response
-  cancels that wait and also returns ``http.disconnect``. Apps that never call
-  ``receive()`` after the body pay nothing.
+  ends that wait too (also ``http.disconnect``). Apps that never call ``receive()`` after
+  the body pay nothing. Only one task at a time may await ``receive()``.
 * Pipelined requests are answered in order for free: they stay in the connection's buffer
-  and are parsed after the current response is complete.
-* The response head is held back until the first body message so that head and body go
-  out in one ``send``, with ``content-length`` filled in when the app sent one message.
+  and are parsed once the current response is complete.
+* The response head is held back until the first body message, so head and body go out in
+  one ``send``, with ``content-length`` filled in when the app sent the body in one message
+  (see ``_http11_exchange.py``; request parsing is in ``_http11_parser.py``).
 
-Send after disconnect: once the server knows the client is gone (a write failed or stalled
-past ``idle_timeout_s``), or after the server itself answered the request (e.g. 413 for a
-chunked body that grew too large), ``send()`` silently drops messages; it never raises into
-the app for that. Apps learn of the disconnect from ``receive()``.
+Send after disconnect: once the server knows the client is gone (a write failed, or
+stalled for ``idle_timeout_s``), or after the server answered the request itself (e.g. 413
+for a chunked body that grew too large), ``send()`` silently drops messages; it never
+raises into the app for that. Apps learn of the disconnect from ``receive()``. A client
+that only half-closes still gets its response, but ``receive()`` reports the disconnect.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from ._http11_parser import (
     error_response,
     parse_head,
 )
-from ._limits import HttpLimits
+from .._limits import HttpLimits
 
 logger = logging.getLogger("trioserve.http")
 

@@ -50,7 +50,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # Response progress.
 _NO_RESPONSE, _HEAD_PENDING, _STREAMING, _DONE = range(4)
 # Body framing of the response.
-_LENGTH, _CHUNKED, _UNTILCLOSE, _NO_BODY = range(4)
+_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NO_BODY = range(4)
 
 
 def _disconnect() -> Message:
@@ -402,7 +402,7 @@ class Exchange:
             framing = _CHUNKED
             extra = b"transfer-encoding: chunked\r\n"
         else:
-            framing = _UNTILCLOSE
+            framing = _UNTIL_CLOSE
             self.keep_alive = False
         self.out_framing = framing
         self.out_left = length
@@ -447,7 +447,7 @@ class Exchange:
                 chunk = (b"%x\r\n" % len(body), body, b"\r\n")
                 return chunk if more else (*chunk, b"0\r\n\r\n")
             return () if more else (b"0\r\n\r\n",)
-        if framing == _UNTILCLOSE:
+        if framing == _UNTIL_CLOSE:
             return (body,) if body else ()
         return ()
 

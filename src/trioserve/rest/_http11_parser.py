@@ -9,14 +9,13 @@ when the input was valid, which is a single C-level pass and no regex.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import TypeAlias
 from urllib.parse import unquote
 
-from ._limits import HttpLimits
+from .._limits import HttpLimits
 
 
 class HttpError(Exception):
@@ -377,18 +376,9 @@ def status_line(status: int) -> bytes:
     return line
 
 
-_date_cache: list[object] = [0, b""]
-
-
 def date_line() -> bytes:
-    """``date: ...\\r\\n`` for the current second; formatted at most once a second."""
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache[0] = now
-        _date_cache[1] = b"date: %s\r\n" % formatdate(now, usegmt=True).encode("ascii")
-    line = _date_cache[1]
-    assert isinstance(line, bytes)
-    return line
+    """The ``date`` header line for now; the server keeps one and refreshes it every tick."""
+    return b"date: %s\r\n" % formatdate(usegmt=True).encode("ascii")
 
 
 def scan_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes, int, bool, bool]:

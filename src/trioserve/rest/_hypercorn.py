@@ -39,7 +39,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from ._asgi import ASGIApp, Message, Receive, Scope, Send
-from ._limits import HttpLimits
+from .._limits import HttpLimits
 
 logger = logging.getLogger("trioserve.http")
 

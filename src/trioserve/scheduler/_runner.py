@@ -68,19 +68,37 @@ class RunnerStatistics:
 
 
 @dataclass(eq=False, slots=True)
-class _Pending:
+class Ticket:
+    """A submitted request: ``done`` is set once its one outcome is known.
+
+    Waiting on ``done`` can be cancelled without consequence; the caller decides
+    whether to ``withdraw`` the request.
+    """
+
     request: InferenceRequest
     item: QueuedItem
+    runner: ModelRunner
     done: trio.Event = field(default_factory=trio.Event)
     response: InferenceResponse | None = None
     error: InferenceServerError | None = None
+
+    def withdraw(self) -> None:
+        """The client gave up: fail this request as cancelled and take it out of the queue."""
+        self.runner.withdraw(self)
+
+    def outcome(self) -> InferenceResponse:
+        """The response, or the error raised; only once ``done`` is set."""
+        if self.error is not None:
+            raise self.error
+        assert self.response is not None
+        return self.response
 
 
 @dataclass(frozen=True, slots=True)
 class _Withdraw:
     """A waiting request was cancelled by its client: take it out of the queue."""
 
-    pending: _Pending
+    ticket: Ticket
 
 
 _WAKE = None  # an instance came free: decide again
@@ -94,7 +112,7 @@ class ModelRunner:
         self.version = version
         self.policy = policy_for(model)
         self.ready = False
-        self._send, self._receive = trio.open_memory_channel[_Pending | _Withdraw | None](math.inf)
+        self._send, self._receive = trio.open_memory_channel[Ticket | _Withdraw | None](math.inf)
         self._limiter = trio.CapacityLimiter(model.instance_count)
         self._queue = RequestQueue(self.policy.priority_levels)
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
@@ -112,8 +130,8 @@ class ModelRunner:
         while not predicate(self.statistics()):
             await self._changes.park()
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
+    def submit(self, request: InferenceRequest) -> Ticket:
+        """Validate and queue ``request``; its outcome arrives on the returned ticket."""
         if not self.ready:
             raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
         validate_request(self.model, request)
@@ -125,19 +143,25 @@ class ModelRunner:
             level=self.policy.level(request.priority),
             deadline_ns=self.policy.deadline(arrival, request.timeout_us),
         )
-        pending = _Pending(request, item)
-        item.payload = pending
-        self._send.send_nowait(pending)
+        ticket = Ticket(request, item, self)
+        item.payload = ticket
+        self._send.send_nowait(ticket)
+        return ticket
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """The client gave up: fail the ticket as cancelled and take it out of the queue."""
+        if self._finish(ticket, error=CancelledError("request cancelled")):
+            self._send.send_nowait(_Withdraw(ticket))
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
+        ticket = self.submit(request)
         try:
-            await pending.done.wait()
+            await ticket.done.wait()
         except trio.Cancelled:
-            if self._finish(pending, error=CancelledError("request cancelled")):
-                self._send.send_nowait(_Withdraw(pending))
+            self.withdraw(ticket)
             raise
-        if pending.error is not None:
-            raise pending.error
-        assert pending.response is not None
-        return pending.response
+        return ticket.outcome()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, serve until cancelled, then fail what waits and unload."""
@@ -180,8 +204,8 @@ class ModelRunner:
                     break
                 self._handle(message)
 
-    def _handle(self, message: _Pending | _Withdraw | None) -> None:
-        if isinstance(message, _Pending):
+    def _handle(self, message: Ticket | _Withdraw | None) -> None:
+        if isinstance(message, Ticket):
             if message.done.is_set():
                 return  # cancelled before the batcher saw it
             if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
@@ -189,10 +213,10 @@ class ModelRunner:
             else:
                 self._queue.push(message.item)
         elif isinstance(message, _Withdraw):
-            self._queue.remove(message.pending.item)
+            self._queue.remove(message.ticket.item)
         self._changes.unpark_all()
 
-    async def _execute(self, batch: list[_Pending], token: object) -> None:
+    async def _execute(self, batch: list[Ticket], token: object) -> None:
         try:
             requests = [p.request for p in batch]
             try:
@@ -202,14 +226,14 @@ class ModelRunner:
                 ]
             except Exception as exc:
                 error = _model_error(self.name, exc)
-                for pending in batch:
-                    self._finish(pending, error=error)
+                for ticket in batch:
+                    self._finish(ticket, error=error)
             else:
-                for pending, response in zip(batch, responses, strict=True):
-                    self._finish(pending, response=response)
+                for ticket, response in zip(batch, responses, strict=True):
+                    self._finish(ticket, response=response)
         finally:
-            for pending in batch:  # no-op unless the execution itself was cancelled
-                self._finish(pending, error=_shutting_down())
+            for ticket in batch:  # no-op unless the execution itself was cancelled
+                self._finish(ticket, error=_shutting_down())
             self._limiter.release_on_behalf_of(token)
             self._changes.unpark_all()
             self._send.send_nowait(_WAKE)
@@ -245,17 +269,17 @@ class ModelRunner:
 
     def _finish(
         self,
-        pending: _Pending,
+        ticket: Ticket,
         *,
         response: InferenceResponse | None = None,
         error: InferenceServerError | None = None,
     ) -> bool:
         """Record a request's one outcome; False if it already had one."""
-        if pending.done.is_set():
+        if ticket.done.is_set():
             return False
-        pending.response = response
-        pending.error = error
-        pending.done.set()
+        ticket.response = response
+        ticket.error = error
+        ticket.done.set()
         self._changes.unpark_all()
         return True
 
@@ -264,9 +288,9 @@ def _shutting_down() -> UnavailableError:
     return UnavailableError("server is shutting down")
 
 
-def _payload(item: QueuedItem) -> _Pending:
+def _payload(item: QueuedItem) -> Ticket:
     payload = item.payload
-    assert isinstance(payload, _Pending)
+    assert isinstance(payload, Ticket)
     return payload
 
 
