@@ -115,9 +115,8 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
 
 def _grpc_worker(url: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue) -> None:
     os.sched_setaffinity(0, {cpu})
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
-
     import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     x, y = simple_inputs()
     request = service_pb2.ModelInferRequest(model_name="simple")

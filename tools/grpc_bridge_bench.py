@@ -170,10 +170,9 @@ def _cpu_seconds(pid: int) -> float:
 
 async def _load(port: int, server_pid: int, concurrency: int, seconds: float) -> str:
     """Drive the server; one result row: req/s, latency percentiles, CPU use of each side."""
+    import grpc
     import numpy as np
     from tritonclient.grpc import service_pb2
-
-    import grpc
 
     options = [("grpc.max_send_message_length", LIMIT), ("grpc.max_receive_message_length", LIMIT)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:

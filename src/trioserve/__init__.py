@@ -15,6 +15,7 @@ from ._errors import (
     UnavailableError,
     UnsupportedError,
 )
+from ._limits import HttpLimits
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._server import Server, open_server, serve
 from ._types import (
@@ -25,7 +26,6 @@ from ._types import (
     RequestedOutput,
 )
 from ._version import __version__
-from ._limits import HttpLimits
 
 __all__ = [
     "AlreadyExistsError",

@@ -15,10 +15,10 @@ from pathlib import Path
 import trio
 
 from ._config import ServerConfig
+from ._limits import HttpLimits
 from ._loader import RepositoryError, load_repository
 from ._server import open_server
 from ._version import __version__
-from ._limits import HttpLimits
 
 logger = logging.getLogger("trioserve")
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._model import Model
 from ._limits import HttpLimits
+from ._model import Model
 
 
 @dataclass(frozen=True)

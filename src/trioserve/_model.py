@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -45,15 +46,14 @@ class TensorSpec:
     dims: Sequence[int]
     optional: bool = False
 
+    wire_datatype: Datatype = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
-        datatype(self.datatype)  # raises for an unknown name
         if not all(type(d) is int and d >= -1 for d in self.dims):
             raise ValueError(f"tensor {self.name!r}: dims must be integers >= -1")
         object.__setattr__(self, "dims", tuple(self.dims))
-
-    @property
-    def wire_datatype(self) -> Datatype:
-        return datatype(self.datatype)
+        # Looked up once here (it raises for an unknown name), not on every request.
+        object.__setattr__(self, "wire_datatype", datatype(self.datatype))
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,14 @@ class Model:
     ) -> Sequence[Outputs] | Awaitable[Sequence[Outputs]]:
         raise NotImplementedError(f"{type(self).__name__} must implement execute()")
 
+    @cached_property
+    def input_specs(self) -> dict[str, TensorSpec]:
+        return {spec.name: spec for spec in self.inputs}
+
+    @cached_property
+    def output_specs(self) -> dict[str, TensorSpec]:
+        return {spec.name: spec for spec in self.outputs}
+
     @property
     def batches(self) -> bool:
         """Whether inputs carry a leading batch dimension."""
@@ -156,9 +164,14 @@ class FunctionModel(Model):
             raise TypeError(f"model {self.name!r} returned {type(outputs).__name__}, not a mapping")
         if len(requests) == 1:
             return [outputs]
-        bounds = np.cumsum([batch_size(r) for r in requests])[:-1]
-        pieces = {name: np.split(np.asarray(array), bounds) for name, array in outputs.items()}
-        return [{name: parts[i] for name, parts in pieces.items()} for i in range(len(requests))]
+        arrays = {name: np.asarray(array) for name, array in outputs.items()}
+        results: list[Outputs] = []
+        start = 0
+        for request in requests:
+            stop = start + batch_size(request)
+            results.append({name: array[start:stop] for name, array in arrays.items()})
+            start = stop
+        return results
 
 
 def batch_size(request: InferenceRequest) -> int:

@@ -36,6 +36,9 @@ class Ticket(Protocol):
 
     def withdraw(self) -> None: ...
 
+    @property
+    def withdrawn(self) -> bool: ...
+
 
 class ModelRepository:
     """The served model versions by name; ``run`` is their task tree."""

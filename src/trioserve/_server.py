@@ -148,16 +148,15 @@ def _rest(
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
-        return partial(
+        return partial(app.serve_with, partial(
             serve_hypercorn, app, config.host, port, config.http_limits,
             certfile=config.tls_certfile, keyfile=config.tls_keyfile, shutdown_trigger=stop.wait,
-        )
+        ))
     from .rest._http11 import serve_http11
 
-    return partial(
-        serve_http11, app, config.host, port, config.http_limits,
-        shutdown_trigger=stop.wait,
-    )
+    return partial(app.serve_with, partial(
+        serve_http11, app, config.host, port, config.http_limits, shutdown_trigger=stop.wait,
+    ))
 
 
 def _grpc(

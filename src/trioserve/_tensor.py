@@ -218,6 +218,10 @@ def array_from_json(dt: Datatype, shape: Sequence[int], data: Any, what: str) ->
     count = element_count(shape)
     if dt.is_bytes:
         return _bytes_from_json(data, count, what).reshape(shape)
+    if len(data) == count <= _SMALL and _plain(data, dt):
+        # The common small flat list: checking element types in Python is cheaper than
+        # letting numpy infer a dtype and then checking it with reductions.
+        return np.array(data, dtype=dt.dtype).reshape(shape)
     try:
         parsed = np.array(data)
     except ValueError:
@@ -237,6 +241,21 @@ def array_from_json(dt: Datatype, shape: Sequence[int], data: Any, what: str) ->
         if parsed.min() < low or parsed.max() > high:
             raise InvalidArgumentError(f"{what}: value out of range for {dt.name}")
     return parsed.astype(dt.dtype, copy=False).reshape(shape)
+
+
+_SMALL = 256
+_PLAIN_TYPES = {"b": (bool,), "iu": (int,), "iuf": (int, float)}
+
+
+def _plain(data: list[Any], dt: Datatype) -> bool:
+    """Whether ``data`` is a flat list of values that ``dt`` takes exactly as they are."""
+    types = _PLAIN_TYPES[dt.json_kinds]
+    if not all(type(x) in types for x in data):
+        return False
+    if dt.bounds is None or not data:
+        return True
+    low, high = dt.bounds
+    return bool(low <= min(data) and max(data) <= high)
 
 
 def _big_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:

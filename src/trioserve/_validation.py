@@ -10,7 +10,7 @@ from ._types import InferenceRequest
 
 
 def validate_request(model: Model, request: InferenceRequest) -> None:
-    declared = {spec.name: spec for spec in model.inputs}
+    declared = model.input_specs
     for name, tensor in request.inputs.items():
         spec = declared.get(name)
         if spec is None:
@@ -35,10 +35,9 @@ def validate_request(model: Model, request: InferenceRequest) -> None:
             raise InvalidArgumentError(
                 f"inputs of a request to model '{model.name}' must share one batch size"
             )
-    outputs = {spec.name for spec in model.outputs}
     seen: set[str] = set()
     for output in request.outputs:
-        if output.name not in outputs:
+        if output.name not in model.output_specs:
             raise InvalidArgumentError(
                 f"unexpected inference output '{output.name}' for model '{model.name}'"
             )

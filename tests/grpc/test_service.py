@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
@@ -21,7 +22,6 @@ from google.protobuf.json_format import ParseDict
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
-import grpc
 import trioserve
 from trioserve import (
     DynamicBatching,

@@ -23,11 +23,11 @@ import pytest
 import trio
 import trio.testing
 
+from trioserve._limits import HttpLimits
 from trioserve.rest._asgi import ASGIApp, Receive, Scope, Send
 from trioserve.rest._http11 import serve_http11
 from trioserve.rest._http11_parser import ChunkedDecoder, HttpError, parse_head
 from trioserve.rest._hypercorn import serve_hypercorn
-from trioserve._limits import HttpLimits
 
 TIMEOUT = 10
 

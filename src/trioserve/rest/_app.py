@@ -10,8 +10,9 @@ from __future__ import annotations
 import gzip
 import logging
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
@@ -49,9 +50,29 @@ Endpoint = Callable[[Request], Awaitable[Response | None]]
 class RestApp:
     """The ASGI application; endpoints register on ``router``."""
 
-    def __init__(self, router: Router[Endpoint], max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        router: Router[Endpoint],
+        max_body_bytes: int,
+        background: Sequence[Callable[[], Awaitable[None]]] = (),
+    ) -> None:
         self.router = router
         self.max_body_bytes = max_body_bytes
+        self.background = background  # tasks the endpoints rely on while serving
+
+    async def serve_with(
+        self,
+        serve_http: Callable[..., Awaitable[None]],
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve through ``serve_http`` (an HTTP server bound to this app) with the app's
+        background tasks running alongside; they stop when the HTTP server returns."""
+        async with trio.open_nursery() as nursery:
+            for task in self.background:
+                nursery.start_soon(task)
+            await serve_http(task_status=task_status)
+            nursery.cancel_scope.cancel()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -98,25 +119,6 @@ class RestApp:
         if encoding is None or encoding == b"identity":
             return body
         return _decompress(body, encoding, self.max_body_bytes)
-
-
-async def finished_before_disconnect(receive: Receive, wait: Callable[[], Awaitable[None]]) -> bool:
-    """Await ``wait()``; False if the client disconnected first (``wait`` is then cancelled).
-
-    The body must already be read: the next ``receive`` then only reports a disconnect.
-    """
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-        await wait()
-        nursery.cancel_scope.cancel()
-        return True
-    return False  # reached only when the disconnect cancelled the nursery
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
 
 
 class _TooLarge(InferenceServerError):

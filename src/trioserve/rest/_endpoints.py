@@ -10,11 +10,12 @@ import trio
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository
-from ._app import Endpoint, Request, Response, RestApp, finished_before_disconnect
+from ._app import Endpoint, Request, Response, RestApp
+from ._disconnects import DisconnectWatch
 from ._infer_codec import decode_request, encode_response
 from ._router import Router
 
-_WATCH_DISCONNECT_AFTER_S = 0.005
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
 
@@ -24,12 +25,18 @@ _FALSE = Response(400, content_type=None)
 
 
 def _json(document: Any) -> Response:
-    return Response(200, json.dumps(document, separators=(",", ":")).encode())
+    return Response(200, _COMPACT.encode(document).encode())
 
 
 class _Endpoints:
-    def __init__(self, repository: ModelRepository, server_metadata: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        repository: ModelRepository,
+        server_metadata: dict[str, Any],
+        disconnects: DisconnectWatch,
+    ) -> None:
         self.repository = repository
+        self.disconnects = disconnects
         self.server_metadata = _json(server_metadata)
 
     async def live(self, request: Request) -> Response:
@@ -63,19 +70,16 @@ class _Endpoints:
             request.body, _header_length(request.headers), runner.model, name, version
         )
         ticket = runner.submit(inference)
+        entry = self.disconnects.track(ticket, request.receive)
         try:
-            # Most requests are answered within a few milliseconds: watching the client for
-            # a disconnect costs a task, so only requests that wait longer get a watcher.
-            with trio.move_on_after(_WATCH_DISCONNECT_AFTER_S):
-                await ticket.done.wait()
-            if not ticket.done.is_set() and not await finished_before_disconnect(
-                request.receive, ticket.done.wait
-            ):
-                ticket.withdraw()
-                return None
+            await ticket.done.wait()
         except trio.Cancelled:
             ticket.withdraw()
             raise
+        finally:
+            self.disconnects.untrack(ticket, entry)
+        if ticket.withdrawn:
+            return None  # withdrawn because the client disconnected: nobody to answer
         result = ticket.outcome()
         body, header_length = encode_response(result, inference)
         if header_length is None:
@@ -101,7 +105,8 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 def build_app(
     repository: ModelRepository, server_metadata: dict[str, Any], max_body_bytes: int
 ) -> RestApp:
-    e = _Endpoints(repository, server_metadata)
+    disconnects = DisconnectWatch()
+    e = _Endpoints(repository, server_metadata, disconnects)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -111,4 +116,4 @@ def build_app(
         router.add("GET", f"{base}/ready", e.model_ready)
         router.add("GET", f"{base}/config", e.model_config)
         router.add("POST", f"{base}/infer", e.infer)
-    return RestApp(router, max_body_bytes)
+    return RestApp(router, max_body_bytes, background=[disconnects.run])

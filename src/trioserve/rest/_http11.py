@@ -40,6 +40,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
 
+from .._limits import HttpLimits
 from ._asgi import ASGIApp
 from ._http11_exchange import RECV_SIZE, Exchange
 from ._http11_parser import (
@@ -51,7 +52,6 @@ from ._http11_parser import (
     error_response,
     parse_head,
 )
-from .._limits import HttpLimits
 
 logger = logging.getLogger("trioserve.http")
 

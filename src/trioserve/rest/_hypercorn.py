@@ -38,8 +38,8 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from ._asgi import ASGIApp, Message, Receive, Scope, Send
 from .._limits import HttpLimits
+from ._asgi import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("trioserve.http")
 

@@ -27,6 +27,7 @@ from .._tensor import (
 )
 from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))  # json.dumps would build one per call
 _JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 
 
@@ -233,7 +234,7 @@ def encode_response(
     if response.parameters:
         document["parameters"] = dict(response.parameters)
     document["outputs"] = outputs
-    header = json.dumps(document, separators=(",", ":")).encode()
+    header = _COMPACT.encode(document).encode()
     if not raw_parts:
         return header, None
     return b"".join([header, *raw_parts]), len(header)

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 from .._errors import InferenceServerError, NotFoundError
 
 H = TypeVar("H")
+_SEEN_LIMIT = 1024
 
 
 class MethodNotAllowed(InferenceServerError):
@@ -34,6 +35,9 @@ class _Route(Generic[H]):
 class Router(Generic[H]):
     def __init__(self) -> None:
         self._by_length: dict[int, dict[str, _Route[H]]] = {}
+        # Paths seen before, to their route and parameters: the same few model URLs
+        # arrive again and again. Bounded, since clients choose the paths.
+        self._seen: dict[str, tuple[_Route[H], dict[str, str]]] = {}
 
     def add(self, method: str, path: str, handler: H) -> None:
         segments = path.split("/")
@@ -51,13 +55,23 @@ class Router(Generic[H]):
 
     def resolve(self, method: str, path: str) -> tuple[H, dict[str, str]]:
         """The handler and path parameters; NOT_FOUND or ``MethodNotAllowed`` otherwise."""
+        found = self._seen.get(path)
+        if found is None:
+            found = self._match(path)
+            if len(self._seen) >= _SEEN_LIMIT:
+                self._seen.clear()
+            self._seen[path] = found
+        route, params = found
+        handler = route.handlers.get(method)
+        if handler is None:
+            raise MethodNotAllowed(sorted(route.handlers))
+        return handler, params
+
+    def _match(self, path: str) -> tuple[_Route[H], dict[str, str]]:
         segments = path.split("/")
         for route in self._by_length.get(len(segments), {}).values():
             if all(segments[i] == text for i, text in route.literals) and all(
                 segments[i] for i, _ in route.captures
             ):
-                handler = route.handlers.get(method)
-                if handler is None:
-                    raise MethodNotAllowed(sorted(route.handlers))
-                return handler, {name: segments[i] for i, name in route.captures}
+                return route, {name: segments[i] for i, name in route.captures}
         raise NotFoundError(f"Not Found: {path}")

@@ -86,6 +86,10 @@ class Ticket:
         """The client gave up: fail this request as cancelled and take it out of the queue."""
         self.runner.withdraw(self)
 
+    @property
+    def withdrawn(self) -> bool:
+        return isinstance(self.error, CancelledError)
+
     def outcome(self) -> InferenceResponse:
         """The response, or the error raised; only once ``done`` is set."""
         if self.error is not None:
@@ -192,7 +196,7 @@ class ModelRunner:
                 token = object()
                 self._limiter.acquire_on_behalf_of_nowait(token)
                 executions.start_soon(self._execute, batch, token)
-                self._changes.unpark_all()
+                self._notify()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
             with trio.move_on_at(until):
@@ -214,7 +218,7 @@ class ModelRunner:
                 self._queue.push(message.item)
         elif isinstance(message, _Withdraw):
             self._queue.remove(message.ticket.item)
-        self._changes.unpark_all()
+        self._notify()
 
     async def _execute(self, batch: list[Ticket], token: object) -> None:
         try:
@@ -235,7 +239,7 @@ class ModelRunner:
             for ticket in batch:  # no-op unless the execution itself was cancelled
                 self._finish(ticket, error=_shutting_down())
             self._limiter.release_on_behalf_of(token)
-            self._changes.unpark_all()
+            self._notify()
             self._send.send_nowait(_WAKE)
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
@@ -250,7 +254,7 @@ class ModelRunner:
         return results  # type: ignore[no-any-return]
 
     def _response(self, request: InferenceRequest, outputs: Outputs) -> InferenceResponse:
-        declared = {spec.name: spec for spec in self.model.outputs}
+        declared = self.model.output_specs
         wanted = request.outputs or None
         names = [o.name for o in wanted] if wanted else list(declared)
         parameters = {o.name: o.parameters for o in wanted} if wanted else {}
@@ -267,6 +271,10 @@ class ModelRunner:
             tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
         return InferenceResponse(self.name, self.version, tensors, id=request.id)
 
+    def _notify(self) -> None:
+        if self._changes:  # waking an empty parking lot still costs, on every request
+            self._changes.unpark_all()
+
     def _finish(
         self,
         ticket: Ticket,
@@ -280,7 +288,7 @@ class ModelRunner:
         ticket.response = response
         ticket.error = error
         ticket.done.set()
-        self._changes.unpark_all()
+        self._notify()
         return True
 
 
