@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
-from ._asgi import Receive, Scope, Send
+from ._asgi import Receive, Scope, Send, answer_lifespan
 from ._errors import error_body, error_status
 from ._router import MethodNotAllowed, Router
 
@@ -76,7 +76,7 @@ class RestApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await answer_lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -174,15 +174,4 @@ async def _send(send: Send, response: Response, request_headers: dict[bytes, byt
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    # The server starts and stops models itself; lifespan events only need an answer.
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
 

@@ -39,7 +39,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from .._limits import HttpLimits
-from ._asgi import ASGIApp, Message, Receive, Scope, Send
+from ._asgi import ASGIApp, Message, Receive, Scope, Send, answer_lifespan
 
 logger = logging.getLogger("trioserve.http")
 
@@ -113,14 +113,7 @@ class _Guard:
         if kind == "http":
             await _Exchange(self.app, self.limits, scope, receive, send).run()
         elif kind == "lifespan":
-            # The caller runs startup and shutdown itself; just complete the protocol.
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
         elif kind == "websocket":
             await send({"type": "websocket.close", "code": 1003})
 
