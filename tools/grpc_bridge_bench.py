@@ -52,15 +52,20 @@ def _repository() -> Any:
 
 def _direct_infer() -> Any:
     """The model called inline, after the same validation ``ModelRunner.infer`` does."""
+    import inspect
+
     import numpy as np
 
     from trioserve import InferenceResponse, OutputTensor
     from trioserve._validation import validate_request
 
-    def infer(runner: Any, request: Any) -> Any:
+    async def infer(runner: Any, request: Any) -> Any:
         model = runner.model
         validate_request(model, request)
-        (outputs,) = model.execute([request])
+        results = model.execute([request])
+        if inspect.isawaitable(results):  # the zoo's arithmetic models are async def
+            results = await results
+        (outputs,) = results
         tensors = [
             OutputTensor(spec.name, spec.wire_datatype, np.asarray(outputs[spec.name]))
             for spec in model.outputs
@@ -89,7 +94,7 @@ async def _serve_asyncio() -> None:
     direct = _direct_infer()
 
     async def infer(runner: Any, request: Any) -> Any:
-        return direct(runner, request)
+        return await direct(runner, request)
 
     listener = _listen("127.0.0.1", 0)
     server = Server([_service(_repository(), infer)])
@@ -119,12 +124,12 @@ async def _serve_trio(variant: str) -> None:
         if variant == "trio-asyncio-direct":
 
             async def infer(runner: Any, request: Any) -> Any:
-                return direct(runner, request)
+                return await direct(runner, request)
 
         else:
 
             async def in_trio(runner: Any, request: Any) -> Any:
-                return direct(runner, request)
+                return await direct(runner, request)
 
             def infer(runner: Any, request: Any) -> Any:
                 return loop.trio_as_future(in_trio, runner, request)
