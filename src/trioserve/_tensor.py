@@ -191,13 +191,6 @@ def array_from_raw(
     return array.reshape(shape)
 
 
-def raw_size(array: np.ndarray[Any, Any], dt: Datatype) -> int:
-    """Bytes the raw form of ``array`` takes (BYTES: its serialized length)."""
-    if dt.is_bytes:
-        return sum(4 + len(_element_bytes(x)) for x in array.reshape(-1))
-    return int(array.size) * dt.dtype.itemsize
-
-
 def array_to_raw(array: np.ndarray[Any, Any], dt: Datatype) -> bytes | memoryview:
     """The raw form of ``array``; a view (no copy) when it is already contiguous LE."""
     if dt.is_bytes:

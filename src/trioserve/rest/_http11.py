@@ -303,12 +303,9 @@ class Connection:
             await wait_readable(self.fd)
             if self.expired >= 0:
                 return None
-            try:
-                return self.sock.recv(RECV_SIZE)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return b""
+            data = self._recv_ready()
+            if data is not None:
+                return data
 
     async def _recv(self, deadline: float) -> bytes | None:
         """Wait for input: the bytes, ``b""`` at EOF, None at ``deadline``."""
@@ -317,12 +314,18 @@ class Connection:
                 await wait_readable(self.fd)
             if scope.cancelled_caught:
                 return None
-            try:
-                return self.sock.recv(RECV_SIZE)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return b""
+            data = self._recv_ready()
+            if data is not None:
+                return data
+
+    def _recv_ready(self) -> bytes | None:
+        """One recv after readiness: the bytes, ``b""`` at EOF or error, None if spurious."""
+        try:
+            return self.sock.recv(RECV_SIZE)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return b""
 
     async def recv_body(self, max_bytes: int) -> bytes:
         """Body bytes (at most ``max_bytes``); ``b""`` at EOF, error or a stalled upload."""
