@@ -67,7 +67,8 @@ def decode_request(
 
 def _parse_json(header: memoryview) -> dict[str, Any]:
     try:
-        document = json.loads(bytes(header))
+        # Decoded here: given bytes, json.loads would first sniff for UTF-16 and UTF-32.
+        document = json.loads(str(header, "utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
     if not isinstance(document, dict):

@@ -32,6 +32,7 @@ from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._clock import now_ns, ns_to_seconds
+from ._inbox import Inbox
 from ._model_calls import call_hook
 
 logger = logging.getLogger("trioserve.scheduler")
@@ -145,7 +146,7 @@ class ModelRunner:
         self.version = version
         self.policy = policy_for(model)
         self.ready = False
-        self._send, self._receive = trio.open_memory_channel[Ticket | _Withdraw | None](math.inf)
+        self._inbox = Inbox[Ticket | _Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
         self._batches_send, self._batches = trio.open_memory_channel[list[Ticket]](math.inf)
         self._idle = model.instance_count
@@ -180,13 +181,13 @@ class ModelRunner:
         )
         ticket = Ticket(request, item, self)
         item.payload = ticket
-        self._send.send_nowait(ticket)
+        self._inbox.put(ticket)
         return ticket
 
     def withdraw(self, ticket: Ticket) -> None:
         """The client gave up: fail the ticket as cancelled and take it out of the queue."""
         if self._finish(ticket, error=CancelledError("request cancelled")):
-            self._send.send_nowait(_Withdraw(ticket))
+            self._inbox.put(_Withdraw(ticket))
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
@@ -231,13 +232,7 @@ class ModelRunner:
                 self._notify()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
-            with trio.move_on_at(until):
-                self._handle(await self._receive.receive())
-            while True:  # take everything that arrived meanwhile before deciding again
-                try:
-                    message = self._receive.receive_nowait()
-                except trio.WouldBlock:
-                    break
+            for message in await self._inbox.take(until):
                 self._handle(message)
 
     def _handle(self, message: Ticket | _Withdraw | None) -> None:
@@ -261,7 +256,7 @@ class ModelRunner:
                 self._idle += 1
                 self._notify()
                 if self._queue:  # requests wait for an instance: decide again
-                    self._send.send_nowait(_WAKE)
+                    self._inbox.put(_WAKE)
 
     async def _execute(self, batch: list[Ticket]) -> None:
         try:
@@ -279,8 +274,9 @@ class ModelRunner:
                 for ticket, response in zip(batch, responses, strict=True):
                     self._finish(ticket, response=response)
         finally:
-            for ticket in batch:  # no-op unless the execution itself was cancelled
-                self._finish(ticket, error=_shutting_down())
+            for ticket in batch:
+                if not ticket.finished:  # the execution itself was cancelled
+                    self._finish(ticket, error=_shutting_down())
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
         if self.model.is_async:
