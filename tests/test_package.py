@@ -46,7 +46,7 @@ FORBIDDEN = {
     "grpc": {"rest", "testing", "_cli", "_server"},
     "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models"},
     "metrics": {"rest", "grpc", "testing", "_cli", "_server", "models"},
-    "shm": _ABOVE_CORE,
+    "shm": _ABOVE_CORE - {"shm"},
     "models": {"rest", "grpc", "testing", "_cli", "_server"},
     "testing": set(),
 }
