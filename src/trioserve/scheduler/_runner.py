@@ -196,6 +196,9 @@ class ModelRunner:
                 token = object()
                 self._limiter.acquire_on_behalf_of_nowait(token)
                 executions.start_soon(self._execute, batch, token)
+                # This loop outlives its requests: holding the last batch until the next
+                # one would keep its tensors (and shared-memory mappings) alive.
+                del items, batch
                 self._notify()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)

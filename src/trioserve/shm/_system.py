@@ -13,6 +13,7 @@ end of its object would map without complaint and then fault (SIGBUS) on first a
 from __future__ import annotations
 
 import contextlib
+import gc
 import mmap
 import os
 import stat
@@ -53,10 +54,17 @@ class SystemRegion(Region):
 
     def _unmap(self) -> None:
         self._view.release()
-        # BufferError: an array over the region outlived its request (a model kept it).
-        # The mapping then goes when the last such array does, never before.
-        with contextlib.suppress(BufferError):
+        try:
             self._mmap.close()
+        except BufferError:
+            # Arrays over the region are still alive. Usually they are only waiting in a
+            # reference cycle of a finished request (ticket <-> queue item): collect it.
+            # Unregistering is rare enough to afford that.
+            gc.collect()
+            # Otherwise a model kept an array: the mapping goes when the last such array
+            # does, never before.
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
 
 
 def _map_window(name: str, key: str, offset: int, byte_size: int) -> tuple[mmap.mmap, int]:
