@@ -205,11 +205,10 @@ class ModelRunner:
             with trio.move_on_at(until):
                 self._handle(await self._receive.receive())
             while True:  # take everything that arrived meanwhile before deciding again
-                try:
-                    message = self._receive.receive_nowait()
+                try:  # no local name for the message: it would keep the last request alive
+                    self._handle(self._receive.receive_nowait())
                 except trio.WouldBlock:
                     break
-                self._handle(message)
 
     def _handle(self, message: Ticket | _Withdraw | None) -> None:
         if isinstance(message, Ticket):
