@@ -29,6 +29,7 @@ from .._model import Model, Outputs, batch_size
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import batch_key, validate_request
+from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._clock import now_ns, ns_to_seconds
 from ._model_calls import call_hook
@@ -265,7 +266,10 @@ class ModelRunner:
             if name not in outputs:
                 raise InternalError(f"model did not produce output '{name}'")
             dt = declared[name].wire_datatype
-            array = np.asarray(outputs[name])
+            produced = outputs[name]
+            # A GPU model's cupy array stays on the device: the front end copies it into a
+            # CUDA region directly, or to the host for the wire.
+            array = produced if is_device_array(produced) else np.asarray(produced)
             if not dt.is_bytes and array.dtype != dt.dtype:
                 array = array.astype(dt.dtype)
             elif dt.is_bytes and datatype_of(array) is not dt:

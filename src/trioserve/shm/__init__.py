@@ -6,6 +6,7 @@ request's use of them (leases, inputs read, outputs written). The front ends cal
 ``RequestRegions.write_outputs`` before encoding its response.
 """
 
+from ._cuda import is_device_array
 from ._registry import SharedMemoryRegistry
 from ._tensors import (
     RequestRegions,
@@ -17,6 +18,7 @@ from ._tensors import (
 __all__ = [
     "RequestRegions",
     "SharedMemoryRegistry",
+    "is_device_array",
     "is_shared_memory_output",
     "shared_memory_input",
     "shared_memory_outputs",

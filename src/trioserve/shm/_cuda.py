@@ -126,3 +126,9 @@ def device_bytes(array: Any) -> Any:
     """A cupy array's contiguous raw bytes as a flat uint8 cupy array."""
     cupy = _cupy()
     return cupy.ascontiguousarray(array).reshape(-1).view(cupy.uint8)
+
+
+def to_host(array: Any) -> np.ndarray[Any, Any]:
+    """A cupy array's contents, copied to the host."""
+    host: np.ndarray[Any, Any] = array.get()
+    return host

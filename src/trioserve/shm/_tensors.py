@@ -24,7 +24,7 @@ import numpy as np
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._tensor import Datatype, array_from_raw, array_to_raw, element_count
 from .._types import InferenceResponse, RequestedOutput
-from ._cuda import CudaRegion, device_bytes, is_device_array
+from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
 from ._region import Region
 from ._registry import SharedMemoryRegistry
 from ._system import SystemRegion
@@ -108,14 +108,17 @@ class RequestRegions:
 
         Each written output's parameters become what the response reports for it (the
         region, the bytes written, the offset), and the codecs then send no data for it.
-        Every output is checked to fit before the first is written.
+        Every output is checked to fit before the first is written. A GPU model's other
+        outputs are copied to the host here, for the codecs.
         """
-        if not self._outputs:
+        if not self._outputs and self._device != "gpu":
             return
         writes = []
         for tensor in response.outputs:
             span = self._outputs.get(tensor.name)
             if span is None:
+                if is_device_array(tensor.data):
+                    tensor.data = to_host(tensor.data)
                 continue
             raw = _raw_output(tensor.data, tensor.datatype, span.region)
             size = int(raw.nbytes)
@@ -204,7 +207,7 @@ def _raw_output(data: Any, dt: Datatype, region: Region) -> Any:
     """The output's raw bytes as a flat uint8 array: cupy when both ends are on a GPU."""
     if is_device_array(data):
         raw = device_bytes(data)
-        return raw if isinstance(region, CudaRegion) else raw.get()
+        return raw if isinstance(region, CudaRegion) else to_host(raw)
     return np.frombuffer(array_to_raw(data, dt), dtype=np.uint8)
 
 
