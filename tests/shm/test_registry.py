@@ -10,11 +10,12 @@ from trioserve import (
     AlreadyExistsError,
     InvalidArgumentError,
     NotFoundError,
+    Restriction,
     ServerConfig,
     UnavailableError,
     UnsupportedError,
 )
-from trioserve._restricted import Restriction, parse_restrictions
+from trioserve._restricted import parse_restrictions
 from trioserve._tensor import DATATYPES
 from trioserve._types import InferenceResponse, OutputTensor, RequestedOutput
 from trioserve.shm import RequestRegions, SharedMemoryRegistry, shared_memory_input

@@ -21,8 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 import trioserve
-from trioserve import Server, ServerConfig, TensorSpec
-from trioserve._restricted import Restriction
+from trioserve import Restriction, Server, ServerConfig, TensorSpec
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 

@@ -13,6 +13,7 @@ the opened memory, ``ndarray.get`` / ``ndarray.set`` / ``copyto`` for copies.
 from __future__ import annotations
 
 import importlib
+import weakref
 from functools import cache
 from types import ModuleType
 from typing import Any
@@ -74,12 +75,17 @@ class CudaRegion(Region):
         self.device_id = device_id
         try:
             with cupy.cuda.Device(device_id):
-                self._pointer = int(cupy.cuda.runtime.ipcOpenMemHandle(raw_handle))
+                pointer = int(cupy.cuda.runtime.ipcOpenMemHandle(raw_handle))
         except cupy.cuda.runtime.CUDARuntimeError as exc:
             raise InvalidArgumentError(
                 f"failed to register CUDA shared memory region '{name}': {exc}"
             ) from None
-        self._memory = cupy.cuda.UnownedMemory(self._pointer, byte_size, self, device_id)
+        # Every cupy array over the region keeps ``opened`` alive (it owns the memory);
+        # the handle is closed when the last of them and the region itself let go, so an
+        # array a model still holds never points at closed memory.
+        opened = _OpenedHandle()
+        weakref.finalize(opened, _close_handle, pointer, device_id)
+        self._memory: Any = cupy.cuda.UnownedMemory(pointer, byte_size, opened, device_id)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
@@ -112,9 +118,17 @@ class CudaRegion(Region):
                 target.set(np.ascontiguousarray(data))
 
     def _unmap(self) -> None:
-        cupy = _cupy()
-        with cupy.cuda.Device(self.device_id):
-            cupy.cuda.runtime.ipcCloseMemHandle(self._pointer)
+        self._memory = None  # the handle closes once no array uses it any more
+
+
+class _OpenedHandle:
+    """Stands for an opened IPC handle; its finalizer closes the handle."""
+
+
+def _close_handle(pointer: int, device_id: int) -> None:
+    cupy = _cupy()
+    with cupy.cuda.Device(device_id):
+        cupy.cuda.runtime.ipcCloseMemHandle(pointer)
 
 
 def is_device_array(array: Any) -> bool:
