@@ -44,6 +44,8 @@ class _Span:
 class RequestRegions:
     """The regions one request uses, leased until ``close`` (or the end of a ``with``)."""
 
+    __slots__ = ("_device", "_leases", "_outputs", "_registry")  # one per request
+
     def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
         self._registry = registry
         self._device = device  # where the model runs: "gpu" models get cupy inputs
