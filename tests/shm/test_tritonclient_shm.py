@@ -20,7 +20,7 @@ from trioserve import Server, ServerConfig
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
-PROTOCOLS = ["http", "grpc"]
+PROTOCOLS = ["http", "grpc", "http-hypercorn"]  # the same app on both HTTP servers
 # What each error kind looks like to tritonclient: HTTP status, gRPC status code.
 STATUS = {
     "INVALID_ARG": ("400", "StatusCode.INVALID_ARGUMENT"),
@@ -37,10 +37,20 @@ def server() -> Iterator[Server]:
         yield running
 
 
+@pytest.fixture(scope="module")
+def hypercorn_server() -> Iterator[Server]:
+    config = ServerConfig(
+        models=reference_zoo(), http_port=0, grpc_port=None, http_server="hypercorn"
+    )
+    with server_in_thread(config) as running:
+        yield running
+
+
 class Client:
     """One of tritonclient's two clients, with the few answers that differ made alike."""
 
     def __init__(self, protocol: str, server: Server) -> None:
+        protocol = protocol.removesuffix("-hypercorn")
         self.protocol = protocol
         self.module: Any = httpclient if protocol == "http" else grpcclient
         port = server.http_port if protocol == "http" else server.grpc_port
@@ -79,8 +89,9 @@ class Client:
 
 
 @pytest.fixture(params=PROTOCOLS)
-def client(request: pytest.FixtureRequest, server: Server) -> Iterator[Client]:
-    made = Client(request.param, server)
+def client(request: pytest.FixtureRequest) -> Iterator[Client]:
+    fixture = "hypercorn_server" if request.param.endswith("-hypercorn") else "server"
+    made = Client(request.param, request.getfixturevalue(fixture))
     yield made
     made.raw.unregister_system_shared_memory()  # whatever a test left registered
     assert made.status() == {}
