@@ -151,3 +151,17 @@ def test_parse_restrictions():
         parse_restrictions(["shared-memory:a=b", "shared-memory:c=d"])
     with pytest.raises(ValueError):
         ServerConfig(http_restricted_apis={"everything": Restriction("k", "v")})
+
+
+def test_restricted_api_flags():
+    from trioserve._cli import _parser, config_from_args
+
+    args = _parser().parse_args([
+        "run", "--http-restricted-api", "shared-memory:Admin-Key=s3cret",
+        "--grpc-restricted-protocol", "shared-memory,model-repository:k=v",
+    ])  # fmt: skip
+    config = config_from_args(args)
+    assert config.http_restricted_apis == {"shared-memory": Restriction("admin-key", "s3cret")}
+    assert set(config.grpc_restricted_apis) == {"shared-memory", "model-repository"}
+    with pytest.raises(ValueError, match="unknown restricted API"):
+        config_from_args(_parser().parse_args(["run", "--http-restricted-api", "infer:k=v"]))
