@@ -3,10 +3,16 @@
     python tools/bench.py                          # start trioserve pinned to core 0, run all
     python tools/bench.py --modes http-json --concurrency 8 --duration 10
     python tools/bench.py --url 127.0.0.1:8000 --grpc-url 127.0.0.1:8001   # existing server
+    python tools/bench.py --modes big-http-binary,big-grpc,big-shm --concurrency 1
 
 HTTP is driven by wrk (a C load generator: a Python client on one core saturates before
 the server does); gRPC by grpc.aio clients in worker processes. The server and the load
 are pinned to different cores. Prints requests/s, p50 and p99 per mode and concurrency.
+
+The ``big-*`` modes round-trip one 16 MiB FP32 tensor through ``identity_fp32``: as HTTP
+binary data, as gRPC raw contents, or in system shared memory (input read from one
+region, output written to another; the HTTP request carries only the JSON that names
+them). They also print the tensor throughput, in MiB/s each way.
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-MODES = ("http-json", "http-binary", "grpc")
+MODES = ("http-json", "http-binary", "grpc", "big-http-binary", "big-grpc", "big-shm")
+BIG_BYTES = 16 * 1024 * 1024  # the big-* modes' tensor
 
 
 @dataclass
@@ -43,10 +50,13 @@ class Result:
     p99_ms: float
 
     def row(self) -> str:
-        return (
-            f"{self.mode:<12} c={self.concurrency:<4} {self.requests_per_s:>10.0f} req/s"
+        line = (
+            f"{self.mode:<16} c={self.concurrency:<4} {self.requests_per_s:>10.1f} req/s"
             f"   p50 {self.p50_ms:7.2f} ms   p99 {self.p99_ms:7.2f} ms"
         )
+        if self.mode.startswith("big-"):
+            line += f"   {self.requests_per_s * BIG_BYTES / 2**20:8.0f} MiB/s"
+        return line
 
 
 # --- the workload: `simple`, one row --------------------------------------------------
@@ -57,6 +67,8 @@ def simple_inputs() -> tuple[np.ndarray, np.ndarray]:
 
 
 def http_body(mode: str) -> tuple[bytes, dict[str, str]]:
+    if mode.startswith("big-"):
+        return big_http_body(mode)
     x, y = simple_inputs()
     if mode == "http-json":
         inputs = [
@@ -73,6 +85,72 @@ def http_body(mode: str) -> tuple[bytes, dict[str, str]]:
         "Content-Type": "application/octet-stream",
         "Inference-Header-Content-Length": str(len(header)),
     }
+
+
+def model_of(mode: str) -> str:
+    return "identity_fp32" if mode.startswith("big-") else "simple"
+
+
+# --- the big workload: 16 MiB through `identity_fp32` -----------------------------------
+
+BIG_REGIONS = ("bench_big_in", "bench_big_out")
+
+
+def big_tensor() -> np.ndarray:
+    return np.arange(BIG_BYTES // 4, dtype=np.float32)
+
+
+def big_http_body(mode: str) -> tuple[bytes, dict[str, str]]:
+    count = BIG_BYTES // 4
+    if mode == "big-shm":
+        placed_in, placed_out = (
+            {"shared_memory_region": name, "shared_memory_byte_size": BIG_BYTES}
+            for name in BIG_REGIONS
+        )
+        document = {
+            "inputs": [{"name": "INPUT0", "shape": [count], "datatype": "FP32",
+                        "parameters": placed_in}],
+            "outputs": [{"name": "OUTPUT0", "parameters": placed_out}],
+        }  # fmt: skip
+        return json.dumps(document).encode(), {"Content-Type": "application/json"}
+    header = json.dumps({
+        "inputs": [{"name": "INPUT0", "shape": [count], "datatype": "FP32",
+                    "parameters": {"binary_data_size": BIG_BYTES}}],
+        "parameters": {"binary_data_output": True},
+    }).encode()  # fmt: skip
+    return header + big_tensor().tobytes(), {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+
+
+@contextmanager
+def big_regions(url: str) -> Iterator[None]:
+    """The big-shm mode's two regions: created here, registered with the server at ``url``
+    (which must run on this machine), unregistered and destroyed afterwards."""
+    import tritonclient.utils.shared_memory as shm
+
+    handles = []
+    try:
+        for name in BIG_REGIONS:
+            handle = shm.create_shared_memory_region(name, f"/{name}_{os.getpid()}", BIG_BYTES)
+            handles.append(handle)
+            body = {"key": f"/{name}_{os.getpid()}", "offset": 0, "byte_size": BIG_BYTES}
+            _post(url, f"/v2/systemsharedmemory/region/{name}/register", body)
+        shm.set_shared_memory_region(handles[0], [big_tensor()])
+        yield
+    finally:
+        for name in BIG_REGIONS[: len(handles)]:
+            _post(url, f"/v2/systemsharedmemory/region/{name}/unregister", None)
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)
+
+
+def _post(url: str, path: str, body: object) -> None:
+    data = b"" if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"http://{url}{path}", data)) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"{path} answered {reply.status}")
 
 
 # --- HTTP through wrk ------------------------------------------------------------------
@@ -100,7 +178,7 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
         script.write_text(_LUA.format(body=Path(tmp) / "body", headers=lines))
         command = [
             "taskset", "-c", cpus, "wrk", "-t1", f"-c{concurrency}", f"-d{round(duration)}s",
-            "--latency", "-s", str(script), f"http://{url}/v2/models/simple/infer",
+            "--latency", "-s", str(script), f"http://{url}/v2/models/{model_of(mode)}/infer",
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     if "Non-2xx" in out or "Socket errors" in out:
@@ -113,20 +191,27 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
 
 # --- gRPC through grpc.aio in worker processes ------------------------------------------
 
-def _grpc_worker(url: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue) -> None:
+def _grpc_worker(
+    url: str, mode: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue
+) -> None:
     os.sched_setaffinity(0, {cpu})
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    x, y = simple_inputs()
-    request = service_pb2.ModelInferRequest(model_name="simple")
-    for name in ("INPUT0", "INPUT1"):
-        request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
-    request.raw_input_contents.extend([x.tobytes(), y.tobytes()])
+    request = service_pb2.ModelInferRequest(model_name=model_of(mode))
+    if mode == "big-grpc":
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[BIG_BYTES // 4])
+        request.raw_input_contents.append(big_tensor().tobytes())
+    else:
+        x, y = simple_inputs()
+        for name in ("INPUT0", "INPUT1"):
+            request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        request.raw_input_contents.extend([x.tobytes(), y.tobytes()])
+    unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
     async def main() -> list[float]:
         latencies: list[float] = []
-        async with grpc.aio.insecure_channel(url) as channel:
+        async with grpc.aio.insecure_channel(url, options=unlimited) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             await stub.ModelInfer(request)  # warm the connection
             deadline = time.perf_counter() + duration
@@ -142,13 +227,15 @@ def _grpc_worker(url: str, concurrency: int, duration: float, cpu: int, out: mul
     out.put(asyncio.run(main()))
 
 
-def run_grpc(url: str, concurrency: int, duration: float, cpus: list[int], processes: int) -> Result:
+def run_grpc(
+    url: str, mode: str, concurrency: int, duration: float, cpus: list[int], processes: int
+) -> Result:
     queue: multiprocessing.Queue = multiprocessing.Queue()
     processes = min(processes, concurrency)
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
     workers = [
         multiprocessing.Process(
-            target=_grpc_worker, args=(url, share, duration, cpus[i % len(cpus)], queue)
+            target=_grpc_worker, args=(url, mode, share, duration, cpus[i % len(cpus)], queue)
         )
         for i, share in enumerate(shares)
     ]
@@ -158,7 +245,7 @@ def run_grpc(url: str, concurrency: int, duration: float, cpus: list[int], proce
     for worker in workers:
         worker.join()
     return Result(
-        "grpc", concurrency, len(latencies) / duration,
+        mode, concurrency, len(latencies) / duration,
         float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99)),
     )
 
@@ -229,13 +316,16 @@ def main() -> None:
 
     with target() as (http_url, grpc_url):
         for mode in modes:
-            for concurrency in levels:
-                if mode == "grpc":
-                    result = run_grpc(grpc_url, concurrency, args.duration, client_cpus,
-                                      args.grpc_processes)
-                else:
-                    result = run_wrk(http_url, mode, concurrency, args.duration, args.client_cpus)
-                print(result.row(), flush=True)
+            with big_regions(http_url) if mode == "big-shm" else nullcontext():
+                for concurrency in levels:
+                    if mode.endswith("grpc"):
+                        result = run_grpc(grpc_url, mode, concurrency, args.duration, client_cpus,
+                                          args.grpc_processes)
+                    else:
+                        result = run_wrk(
+                            http_url, mode, concurrency, args.duration, args.client_cpus
+                        )
+                    print(result.row(), flush=True)
 
 
 if __name__ == "__main__":

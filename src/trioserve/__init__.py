@@ -17,6 +17,7 @@ from ._errors import (
 )
 from ._limits import HttpLimits
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
+from ._restricted import Restriction
 from ._server import Server, open_server, serve
 from ._types import (
     InferenceRequest,
@@ -44,6 +45,7 @@ __all__ = [
     "NotFoundError",
     "OutputTensor",
     "RequestedOutput",
+    "Restriction",
     "Server",
     "ServerConfig",
     "TensorSpec",

@@ -17,6 +17,7 @@ import trio
 from ._config import ServerConfig
 from ._limits import HttpLimits
 from ._loader import RepositoryError, load_repository
+from ._restricted import parse_restrictions
 from ._server import open_server
 from ._version import __version__
 
@@ -52,6 +53,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
+        run.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar="API[,API]:KEY=VALUE",
+            help="answer API (shared-memory, model-repository) only to requests with header KEY=VALUE",
+        )
     run.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
@@ -89,6 +98,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             idle_timeout_s=args.http_idle_timeout_secs,
         ),
         exit_timeout_s=args.exit_timeout_secs,
+        http_restricted_apis=parse_restrictions(args.http_restricted_api),
+        grpc_restricted_apis=parse_restrictions(args.grpc_restricted_protocol),
     )
 
 

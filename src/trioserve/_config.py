@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ._limits import HttpLimits
 from ._model import Model
+from ._restricted import Restriction, check_restrictions
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class ServerConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     grpc_max_message_bytes: int = 2**31 - 1  # tritonclient's own limit: INT32_MAX
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
+    # API group ("shared-memory", ...) -> the header its requests must carry, per transport
+    http_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
+    grpc_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -38,3 +42,5 @@ class ServerConfig:
             raise ValueError("TLS is served by the hypercorn HTTP server (http_server='hypercorn')")
         if self.exit_timeout_s < 0:
             raise ValueError("exit_timeout_s must be >= 0")
+        check_restrictions(self.http_restricted_apis)
+        check_restrictions(self.grpc_restricted_apis)

@@ -25,15 +25,21 @@ from ._config import ServerConfig
 from ._repository import ModelRepository
 from ._version import __version__
 from .scheduler._runner import ModelRunner
+from .shm import SharedMemoryRegistry
 
 Address = tuple[str, int]
 
 # What works today, by Triton's extension names; listed in server metadata.
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "parameters", "schedule_policy")
+EXTENSIONS = (
+    "binary_tensor_data", "model_configuration", "parameters", "schedule_policy",
+    "system_shared_memory",
+)  # fmt: skip
 
 
-def server_metadata() -> dict[str, Any]:
-    return {"name": "trioserve", "version": __version__, "extensions": list(EXTENSIONS)}
+def server_metadata(cuda_shared_memory: bool = False) -> dict[str, Any]:
+    """``cuda_shared_memory``: listed only where it can work (cupy and a device)."""
+    extensions = [*EXTENSIONS, "cuda_shared_memory"] if cuda_shared_memory else list(EXTENSIONS)
+    return {"name": "trioserve", "version": __version__, "extensions": extensions}
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Server:
     _front_ends_done: trio.Event
     _services: trio.CancelScope
     _stopped: trio.Event
+    shared_memory: SharedMemoryRegistry
 
     @property
     def http_port(self) -> int | None:
@@ -99,6 +106,8 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     )
     stop_accepting = trio.Event()
     front_ends = _FrontEnds()
+    shared_memory = SharedMemoryRegistry()
+    metadata = server_metadata(shared_memory.cuda_available)
     async with trio.open_nursery() as root:
         # The services get a nursery of their own, so that shutdown() stops them without
         # cancelling the caller's block, which runs in ``root``.
@@ -107,21 +116,25 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         http: list[Address] = []
         grpc: list[Address] = []
         if config.http_port is not None:
-            rest = _rest(config, config.http_port, repository, stop_accepting)
+            rest = _rest(config, config.http_port, repository, stop_accepting, shared_memory,
+                         metadata)
             http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
-            grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting)
+            grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting,
+                                   shared_memory, metadata)
             grpc = await services.start(front_ends.run, grpc_front_end)
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
             config, repository, http, grpc, stop_accepting, front_ends.done,
-            services.cancel_scope, trio.Event(),
+            services.cancel_scope, trio.Event(), shared_memory=shared_memory,
         )
         try:
             yield server
         finally:
             root.cancel_scope.cancel()
+            # Requests still in flight keep their regions mapped until they end.
+            shared_memory.close()
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
@@ -140,11 +153,15 @@ async def serve(
 
 
 def _rest(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
+    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any],
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
-    app = build_app(repository, server_metadata(), config.http_limits.max_body_bytes)
+    app = build_app(
+        repository, metadata, config.http_limits.max_body_bytes, shared_memory,
+        config.http_restricted_apis,
+    )
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
@@ -160,11 +177,13 @@ def _rest(
 
 
 def _grpc(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
+    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any],
 ) -> Callable[..., Awaitable[None]]:
     from .grpc import serve_grpc
 
     return partial(
-        serve_grpc, repository, server_metadata(), config.host, port,
-        max_message_bytes=config.grpc_max_message_bytes, shutdown_trigger=stop.wait,
+        serve_grpc, repository, metadata, config.host, port,
+        max_message_bytes=config.grpc_max_message_bytes, shared_memory=shared_memory,
+        restrictions=config.grpc_restricted_apis, shutdown_trigger=stop.wait,
     )

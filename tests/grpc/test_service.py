@@ -559,7 +559,7 @@ async def test_malformed_request(
         ("simple", "", "wrong-datatype", None, "INVALID_ARGUMENT"),
         ("simple", "", "too-many-rows", None, "INVALID_ARGUMENT"),
         ("simple", "", "simple", "NOPE", "INVALID_ARGUMENT"),
-        ("simple", "", "shared-memory", None, "UNIMPLEMENTED"),
+        ("simple", "", "shared-memory", None, "NOT_FOUND"),  # no region called "region"
     ],
 )
 async def test_infer_errors(
@@ -586,8 +586,6 @@ async def test_infer_errors(
 
 UNIMPLEMENTED = [
     "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
-    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
     "TraceSetting", "LogSettings",
 ]  # fmt: skip
 

@@ -37,7 +37,9 @@ from h2.exceptions import StreamClosedError
 
 from .._errors import UnavailableError
 from .._repository import ModelRepository, ServedModel
+from .._restricted import Restriction
 from .._types import InferenceRequest, InferenceResponse
+from ..shm import SharedMemoryRegistry
 from ._errors import MESSAGE_TOO_LARGE, grpc_error
 from ._service import HealthService, InferenceService
 
@@ -56,6 +58,8 @@ async def serve_grpc(
     port: int,
     *,
     max_message_bytes: int,
+    shared_memory: SharedMemoryRegistry,
+    restrictions: Mapping[str, Restriction],
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -76,7 +80,7 @@ async def serve_grpc(
             return future
 
         services = [
-            InferenceService(repository, server_metadata, infer),
+            InferenceService(repository, server_metadata, infer, shared_memory, restrictions),
             HealthService(repository),
         ]
         try:

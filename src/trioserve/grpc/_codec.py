@@ -23,6 +23,12 @@ from .._model import Model
 from .._model_config import model_config, model_metadata
 from .._tensor import Datatype, array_from_raw, array_to_raw, check_shape, datatype, element_count
 from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from ..shm import (
+    RequestRegions,
+    is_shared_memory_output,
+    shared_memory_input,
+    shared_memory_outputs,
+)
 from ._generated import grpc_service_pb2 as pb
 from ._generated import model_config_pb2
 
@@ -47,7 +53,6 @@ _ALL_CONTENTS_FIELDS = frozenset(_CONTENTS_FIELD.values())
 # Parameters that name features this server does not offer yet; refusing them is better
 # than silently reading a tensor from the wrong place.
 _UNSUPPORTED_PARAMETERS = {
-    "shared_memory_region": "shared memory",
     "classification": "the classification extension",
 }
 
@@ -55,8 +60,13 @@ _UNSUPPORTED_PARAMETERS = {
 # --- requests ------------------------------------------------------------------------
 
 
-def decode_request(message: pb.ModelInferRequest) -> InferenceRequest:
-    """The request a ``ModelInferRequest`` holds; INVALID_ARG for anything malformed."""
+def decode_request(
+    message: pb.ModelInferRequest, regions: RequestRegions | None = None
+) -> InferenceRequest:
+    """The request a ``ModelInferRequest`` holds; INVALID_ARG for anything malformed.
+
+    ``regions``: where tensors placed in shared memory are read from (and leased).
+    """
     model = message.model_name
     raw = list(message.raw_input_contents)  # each access copies out of upb: read once
     used = 0  # raw buffers go, in order, to the inputs that carry no typed contents
@@ -69,7 +79,11 @@ def decode_request(message: pb.ModelInferRequest) -> InferenceRequest:
         dt = datatype(tensor.datatype)
         shape = check_shape(list(tensor.shape), what)
         parameters = decode_parameters(tensor.parameters, what)
-        if tensor.HasField("contents"):
+        has_contents = tensor.HasField("contents")
+        in_shared_memory = shared_memory_input(regions, parameters, dt, shape, what, has_contents)
+        if in_shared_memory is not None:
+            array = in_shared_memory  # takes no raw_input_contents entry, as in Triton
+        elif has_contents:
             if raw:
                 raise InvalidArgumentError(
                     "contents field must not be specified when using raw_input_contents "
@@ -90,14 +104,16 @@ def decode_request(message: pb.ModelInferRequest) -> InferenceRequest:
         )
     parameters = decode_parameters(message.parameters, "request")
     _check_scheduling_parameters(message.parameters)
+    outputs = [
+        RequestedOutput(o.name, decode_parameters(o.parameters, f"output '{o.name}'"))
+        for o in message.outputs
+    ]
+    shared_memory_outputs(regions, outputs)
     return InferenceRequest(
         model_name=model,
         model_version=message.model_version,
         inputs=inputs,
-        outputs=[
-            RequestedOutput(o.name, decode_parameters(o.parameters, f"output '{o.name}'"))
-            for o in message.outputs
-        ],
+        outputs=outputs,
         id=message.id,
         parameters=parameters,
     )
@@ -174,7 +190,9 @@ def encode_response(response: InferenceResponse) -> pb.ModelInferResponse:
     """The reply, every output as raw_output_contents (tritonclient reads nothing else).
 
     Output tensors carry no parameters: what a requested output asked for (e.g. REST's
-    ``binary_data``) means nothing on gRPC, and Triton echoes none of it either.
+    ``binary_data``) means nothing on gRPC, and Triton echoes none of it either. Outputs
+    written to shared memory are the exception: they carry where they were written, and
+    an empty raw entry keeps ``raw_output_contents`` aligned with ``outputs``.
     """
     reply = pb.ModelInferResponse(
         model_name=response.model_name,
@@ -183,7 +201,13 @@ def encode_response(response: InferenceResponse) -> pb.ModelInferResponse:
     )
     raw: list[bytes] = []
     for tensor in response.outputs:
-        reply.outputs.add(name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape)
+        output = reply.outputs.add(
+            name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape
+        )
+        if is_shared_memory_output(tensor.parameters):
+            encode_parameters(tensor.parameters, output.parameters)
+            raw.append(b"")
+            continue
         data = array_to_raw(tensor.data, tensor.datatype)
         # protobuf takes only bytes: this is the one copy of the output before the wire.
         raw.append(data if isinstance(data, bytes) else bytes(data))

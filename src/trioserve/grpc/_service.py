@@ -28,7 +28,9 @@ from .._errors import (
     unknown_model,
 )
 from .._repository import ModelRepository, ServedModel
+from .._restricted import Restriction
 from .._types import InferenceRequest, InferenceResponse
+from ..shm import RequestRegions, SharedMemoryRegistry
 from ._codec import (
     decode_request,
     encode_response,
@@ -39,6 +41,7 @@ from ._codec import (
 from ._errors import grpc_error
 from ._generated import grpc_service_grpc, health_grpc, health_pb2
 from ._generated import grpc_service_pb2 as pb
+from ._shm import SHARED_MEMORY_RPCS, check_restriction
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -90,15 +93,35 @@ def _unimplemented(rpc: str) -> Callable[[Any, Stream[Any, Any]], Awaitable[None
     return _rpc(handler)
 
 
+def _shared_memory_rpc(rpc: str) -> Callable[[Any, Stream[Any, Any]], Awaitable[None]]:
+    """A handler for one of the shared-memory RPCs (``_shm.SHARED_MEMORY_RPCS``)."""
+    answer = SHARED_MEMORY_RPCS[rpc]
+
+    async def handler(self: InferenceService, stream: Stream[Any, Any]) -> None:
+        request = await _receive(stream)
+        check_restriction(self._shared_memory_restriction, stream.metadata or {})
+        await stream.send_message(answer(self._shared_memory, request))
+
+    handler.__name__ = handler.__qualname__ = rpc
+    return _rpc(handler)
+
+
 class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ignore[misc]
     """``inference.GRPCInferenceService`` over a model repository."""
 
     def __init__(
-        self, repository: ModelRepository, server_metadata: Mapping[str, Any], infer: Infer
+        self,
+        repository: ModelRepository,
+        server_metadata: Mapping[str, Any],
+        infer: Infer,
+        shared_memory: SharedMemoryRegistry,
+        restrictions: Mapping[str, Restriction],
     ) -> None:
         self._repository = repository
         self._server_metadata = server_metadata_message(server_metadata)  # never changes
         self._infer = infer
+        self._shared_memory = shared_memory
+        self._shared_memory_restriction = restrictions.get("shared-memory")
 
     @_rpc
     async def ServerLive(self, stream: Stream[Any, Any]) -> None:
@@ -139,23 +162,26 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
     async def ModelInfer(self, stream: Stream[Any, Any]) -> None:
         message = await _receive(stream)
         served = self._repository.get(message.model_name, message.model_version)
-        request = decode_request(message)
-        response = await self._infer(served, request)
-        await stream.send_message(encode_response(response))
+        with RequestRegions(self._shared_memory, served.model.device) as regions:
+            request = decode_request(message, regions)
+            response = await self._infer(served, request)
+            regions.write_outputs(response)
+            await stream.send_message(encode_response(response))
 
-    # Later roadmap items (streaming, statistics, repository API, shared memory, trace,
-    # logging). Each RPC must exist because the base class is abstract.
+    SystemSharedMemoryStatus = _shared_memory_rpc("SystemSharedMemoryStatus")
+    SystemSharedMemoryRegister = _shared_memory_rpc("SystemSharedMemoryRegister")
+    SystemSharedMemoryUnregister = _shared_memory_rpc("SystemSharedMemoryUnregister")
+    CudaSharedMemoryStatus = _shared_memory_rpc("CudaSharedMemoryStatus")
+    CudaSharedMemoryRegister = _shared_memory_rpc("CudaSharedMemoryRegister")
+    CudaSharedMemoryUnregister = _shared_memory_rpc("CudaSharedMemoryUnregister")
+
+    # Later roadmap items (streaming, statistics, repository API, trace, logging). Each
+    # RPC must exist because the base class is abstract.
     ModelStreamInfer = _unimplemented("ModelStreamInfer")
     ModelStatistics = _unimplemented("ModelStatistics")
     RepositoryIndex = _unimplemented("RepositoryIndex")
     RepositoryModelLoad = _unimplemented("RepositoryModelLoad")
     RepositoryModelUnload = _unimplemented("RepositoryModelUnload")
-    SystemSharedMemoryStatus = _unimplemented("SystemSharedMemoryStatus")
-    SystemSharedMemoryRegister = _unimplemented("SystemSharedMemoryRegister")
-    SystemSharedMemoryUnregister = _unimplemented("SystemSharedMemoryUnregister")
-    CudaSharedMemoryStatus = _unimplemented("CudaSharedMemoryStatus")
-    CudaSharedMemoryRegister = _unimplemented("CudaSharedMemoryRegister")
-    CudaSharedMemoryUnregister = _unimplemented("CudaSharedMemoryUnregister")
     TraceSetting = _unimplemented("TraceSetting")
     LogSettings = _unimplemented("LogSettings")
 

@@ -52,14 +52,18 @@ class DisconnectWatch:
                     self._arrived = trio.Event()
                     await self._arrived.wait()
                 await trio.sleep(self.grace_s)
-                now = trio.current_time()
-                while self._waiting:
-                    ticket, entry = next(iter(self._waiting.items()))
-                    if now - entry.since < self.grace_s:
-                        break  # the rest are younger still
-                    del self._waiting[ticket]
-                    entry.watcher = trio.CancelScope()
-                    watchers.start_soon(_watch, ticket, entry.receive, entry.watcher)
+                self._watch_waited(watchers, trio.current_time())
+
+    def _watch_waited(self, watchers: trio.Nursery, now: float) -> None:
+        # A method of its own so that no local of the long-lived sweeper keeps the last
+        # ticket (and its request's tensors) alive after the request is answered.
+        while self._waiting:
+            ticket, entry = next(iter(self._waiting.items()))
+            if now - entry.since < self.grace_s:
+                break  # the rest are younger still
+            del self._waiting[ticket]
+            entry.watcher = trio.CancelScope()
+            watchers.start_soon(_watch, ticket, entry.receive, entry.watcher)
 
 
 async def _watch(ticket: Ticket, receive: Receive, scope: trio.CancelScope) -> None:

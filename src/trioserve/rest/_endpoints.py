@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import trio
 
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
-from .._repository import ModelRepository
+from .._repository import ModelRepository, ServedModel
+from .._restricted import Restriction
+from ..shm import RequestRegions, SharedMemoryRegistry
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._infer_codec import decode_request, encode_response
 from ._router import Router
+from ._shm_endpoints import add_shared_memory_routes
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _MODEL = "/v2/models/{model}"
@@ -34,8 +38,10 @@ class _Endpoints:
         repository: ModelRepository,
         server_metadata: dict[str, Any],
         disconnects: DisconnectWatch,
+        shared_memory: SharedMemoryRegistry,
     ) -> None:
         self.repository = repository
+        self.shared_memory = shared_memory
         self.disconnects = disconnects
         self.server_metadata = _json(server_metadata)
 
@@ -66,8 +72,15 @@ class _Endpoints:
         name = request.params["model"]
         version = request.params.get("version", "")
         runner = self.repository.get(name, version)
+        with RequestRegions(self.shared_memory, runner.model.device) as regions:
+            return await self._infer(request, runner, name, version, regions)
+
+    async def _infer(
+        self, request: Request, runner: ServedModel, name: str, version: str,
+        regions: RequestRegions,
+    ) -> Response | None:  # fmt: skip
         inference = decode_request(
-            request.body, _header_length(request.headers), runner.model, name, version
+            request.body, _header_length(request.headers), runner.model, name, version, regions
         )
         ticket = runner.submit(inference)
         entry = self.disconnects.track(ticket, request.receive)
@@ -81,6 +94,7 @@ class _Endpoints:
         if ticket.withdrawn:
             return None  # withdrawn because the client disconnected: nobody to answer
         result = ticket.outcome()
+        regions.write_outputs(result)
         body, header_length = encode_response(result, inference)
         if header_length is None:
             return Response(200, body, compressible=True)
@@ -103,10 +117,14 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 
 def build_app(
-    repository: ModelRepository, server_metadata: dict[str, Any], max_body_bytes: int
+    repository: ModelRepository,
+    server_metadata: dict[str, Any],
+    max_body_bytes: int,
+    shared_memory: SharedMemoryRegistry,
+    restrictions: Mapping[str, Restriction],
 ) -> RestApp:
     disconnects = DisconnectWatch()
-    e = _Endpoints(repository, server_metadata, disconnects)
+    e = _Endpoints(repository, server_metadata, disconnects, shared_memory)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -116,4 +134,5 @@ def build_app(
         router.add("GET", f"{base}/ready", e.model_ready)
         router.add("GET", f"{base}/config", e.model_config)
         router.add("POST", f"{base}/infer", e.infer)
+    add_shared_memory_routes(router, shared_memory, restrictions.get("shared-memory"))
     return RestApp(router, max_body_bytes, background=[disconnects.run])

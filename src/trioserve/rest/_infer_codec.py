@@ -26,6 +26,12 @@ from .._tensor import (
     element_count,
 )
 from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from ..shm import (
+    RequestRegions,
+    is_shared_memory_output,
+    shared_memory_input,
+    shared_memory_outputs,
+)
 
 _JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 
@@ -36,8 +42,12 @@ def decode_request(
     model: Model,
     model_name: str,
     model_version: str,
+    regions: RequestRegions | None = None,
 ) -> InferenceRequest:
-    """The request a body holds; ``header_length`` is the binary extension's header."""
+    """The request a body holds; ``header_length`` is the binary extension's header.
+
+    ``regions``: where tensors placed in shared memory are read from (and leased).
+    """
     if header_length == 0:
         return _decode_raw_body(body, model, model_name, model_version)
     view = memoryview(body)
@@ -50,16 +60,18 @@ def decode_request(
             )
         header, binary = view[:header_length], view[header_length:]
     document = _parse_json(header)
-    inputs, used = _decode_inputs(document.get("inputs"), binary)
+    inputs, used = _decode_inputs(document.get("inputs"), binary, regions)
     if used != len(binary):
         raise InvalidArgumentError(
             f"the body carries {len(binary)} bytes of binary data, the inputs declare {used}"
         )
+    outputs = _decode_outputs(document.get("outputs"))
+    shared_memory_outputs(regions, outputs)
     return InferenceRequest(
         model_name=model_name,
         model_version=model_version,
         inputs=inputs,
-        outputs=_decode_outputs(document.get("outputs")),
+        outputs=outputs,
         id=_decode_id(document.get("id")),
         parameters=_parameters(document.get("parameters"), "request"),
     )
@@ -95,7 +107,9 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def _decode_inputs(value: Any, binary: memoryview) -> tuple[dict[str, InputTensor], int]:
+def _decode_inputs(
+    value: Any, binary: memoryview, regions: RequestRegions | None
+) -> tuple[dict[str, InputTensor], int]:
     if not isinstance(value, list) or not value:
         raise InvalidArgumentError("the request must have a non-empty 'inputs' list")
     inputs: dict[str, InputTensor] = {}
@@ -113,7 +127,11 @@ def _decode_inputs(value: Any, binary: memoryview) -> tuple[dict[str, InputTenso
         shape = check_shape(entry.get("shape"), what)
         parameters = _parameters(entry.get("parameters"), what)
         size = parameters.get("binary_data_size")
-        if size is not None:
+        has_data = size is not None or "data" in entry
+        in_shared_memory = shared_memory_input(regions, parameters, dt, shape, what, has_data)
+        if in_shared_memory is not None:
+            array = in_shared_memory
+        elif size is not None:
             if "data" in entry:
                 raise InvalidArgumentError(f"{what} has both 'data' and binary_data_size")
             if type(size) is not int or size < 0 or offset + size > len(binary):
@@ -225,9 +243,12 @@ def encode_response(
         parts += (
             '{"name":' if index == 0 else ',{"name":', _string(tensor.name),
             ',"datatype":"', tensor.datatype.name,
-            '","shape":[', ",".join(map(str, tensor.data.shape)),
+            '","shape":[', ",".join(map(str, tensor.shape)),
         )  # fmt: skip
-        if bool(tensor.parameters.get("binary_data", default_binary)):
+        if is_shared_memory_output(tensor.parameters):
+            # Where it was written, and no data.
+            parts += ('],"parameters":', _encode(dict(tensor.parameters)), "}")
+        elif bool(tensor.parameters.get("binary_data", default_binary)):
             raw = array_to_raw(tensor.data, tensor.datatype)
             parts += ('],"parameters":{"binary_data_size":', str(len(raw)), "}}")
             raw_parts.append(raw)  # bytes, or a uint8 view

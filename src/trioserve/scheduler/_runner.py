@@ -30,6 +30,7 @@ from .._model import Model, Outputs
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
+from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._clock import now_ns, ns_to_seconds
 from ._inbox import Inbox
@@ -211,29 +212,35 @@ class ModelRunner:
                 await self._batch_loop()
         finally:
             self.ready = False
-            for item in self._queue.pop_front(len(self._queue)):
-                self._finish(_payload(item), error=_shutting_down())
+            for ticket in _tickets(self._queue.pop_front(len(self._queue))):
+                self._finish(ticket, error=_shutting_down())
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
 
     async def _batch_loop(self) -> None:
         while True:
             now = now_ns()
-            for item in self._queue.pop_expired(now):
-                self._finish(_payload(item), error=UnavailableError("Request timeout expired"))
+            for ticket in _tickets(self._queue.pop_expired(now)):
+                self._finish(ticket, error=UnavailableError("Request timeout expired"))
             decision = decide(self._queue, now, self._idle, self.policy)
             if isinstance(decision, Dispatch):
                 items = self._queue.pop_front(decision.count)
-                batch = [p for p in map(_payload, items) if not p.finished]
+                batch = [p for p in _tickets(items) if not p.finished]
                 if not batch:
                     continue  # all withdrawn; their _Withdraw messages find nothing
                 self._idle -= 1
                 self._batches_send.send_nowait(batch)
+                # This loop outlives its requests: holding the last batch until the next
+                # one would keep its tensors (and shared-memory mappings) alive.
+                del items, batch
                 self._notify()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
-            for message in await self._inbox.take(until):
-                self._handle(message)
+            self._handle_all(await self._inbox.take(until))
+
+    def _handle_all(self, messages: list[Ticket | _Withdraw | None]) -> None:
+        for message in messages:
+            self._handle(message)
 
     def _handle(self, message: Ticket | _Withdraw | None) -> None:
         if isinstance(message, Ticket):
@@ -244,7 +251,9 @@ class ModelRunner:
             else:
                 self._queue.push(message.item)
         elif isinstance(message, _Withdraw):
-            self._queue.remove(message.ticket.item)
+            item = message.ticket.item
+            if self._queue.remove(item):
+                item.payload = None
         self._notify()
 
     async def _instance(self) -> None:
@@ -257,6 +266,7 @@ class ModelRunner:
                 self._notify()
                 if self._queue:  # requests wait for an instance: decide again
                     self._inbox.put(_WAKE)
+            del batch  # held until the next batch, it would keep its tensors alive
 
     async def _execute(self, batch: list[Ticket]) -> None:
         try:
@@ -299,7 +309,10 @@ class ModelRunner:
             if name not in outputs:
                 raise InternalError(f"model did not produce output '{name}'")
             dt = declared[name].wire_datatype
-            array = np.asarray(outputs[name])
+            produced = outputs[name]
+            # A GPU model's cupy array stays on the device: the front end copies it into a
+            # CUDA region directly, or to the host for the wire.
+            array = produced if is_device_array(produced) else np.asarray(produced)
             if not dt.is_bytes and array.dtype != dt.dtype:
                 array = array.astype(dt.dtype)
             elif dt.is_bytes and datatype_of(array) is not dt:
@@ -330,10 +343,16 @@ def _shutting_down() -> UnavailableError:
     return UnavailableError("server is shutting down")
 
 
-def _payload(item: QueuedItem) -> Ticket:
-    payload = item.payload
-    assert isinstance(payload, Ticket)
-    return payload
+def _tickets(items: list[QueuedItem]) -> list[Ticket]:
+    """The tickets of items leaving the queue. A ticket and its item refer to each other;
+    dropping the item's side here leaves no cycle for the garbage collector to find."""
+    tickets = []
+    for item in items:
+        ticket = item.payload
+        assert isinstance(ticket, Ticket)
+        item.payload = None
+        tickets.append(ticket)
+    return tickets
 
 
 def _model_error(name: str, exc: Exception) -> InferenceServerError:

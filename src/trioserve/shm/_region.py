@@ -1,0 +1,69 @@
+"""What every registered region has in common: a name, a size, and a reference count.
+
+A region is *leased* by each request that reads an input from it or writes an output
+into it, from the moment the request is decoded until its response is encoded.
+Unregistering only *retires* a region: its name is free again at once, but its memory
+stays mapped until the last lease is returned. That is what keeps a request in flight
+from touching memory that was unmapped under it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Literal
+
+from .._errors import InvalidArgumentError
+
+Kind = Literal["system", "cuda"]
+
+
+class Region(ABC):
+    """One registered region. Subclasses own the mapping and say how to release it."""
+
+    kind: Kind
+
+    def __init__(self, name: str, byte_size: int) -> None:
+        self.name = name
+        self.byte_size = byte_size
+        self._leases = 0
+        self._retired = False
+        self._released = False
+
+    @property
+    def mapped(self) -> bool:
+        return not self._released
+
+    def acquire(self) -> None:
+        """Take a lease: the mapping stays valid until the matching ``release``."""
+        self._leases += 1
+
+    def release(self) -> None:
+        self._leases -= 1
+        if self._retired and self._leases == 0:
+            self._unmap_once()
+
+    def retire(self) -> None:
+        """Unregistered: unmap now if nobody holds a lease, else when the last one ends."""
+        self._retired = True
+        if self._leases == 0:
+            self._unmap_once()
+
+    def check_span(self, offset: int, byte_size: int, what: str) -> None:
+        """INVALID_ARG unless ``[offset, offset + byte_size)`` lies inside the region."""
+        if offset + byte_size > self.byte_size:
+            raise InvalidArgumentError(
+                f"{what}: shared memory offset {offset} + byte size {byte_size} exceeds the "
+                f"{self.byte_size} bytes of region '{self.name}'"
+            )
+
+    @abstractmethod
+    def status(self) -> dict[str, Any]:
+        """The region's entry in the status answer of its kind."""
+
+    @abstractmethod
+    def _unmap(self) -> None: ...
+
+    def _unmap_once(self) -> None:
+        if not self._released:
+            self._released = True
+            self._unmap()

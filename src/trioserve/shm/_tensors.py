@@ -1,0 +1,229 @@
+"""Tensors in shared memory: the parameters that place them, inputs read, outputs written.
+
+An input or requested output is in shared memory when its parameters name a region:
+``shared_memory_region`` (string) and ``shared_memory_byte_size`` (int), with optional
+``shared_memory_offset`` (int, default 0). Both front ends decode their parameters to
+plain values and call the functions here, so both read and write tensors identically.
+
+``RequestRegions`` is what one request holds: a lease on every region it names, taken
+while the request is decoded and returned once its response is encoded. Inputs become
+read-only numpy views of the mapping (no copy); outputs are copied in after the model
+ran, each checked to fit before any is written, so a failed request leaves every
+region as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from .._errors import InvalidArgumentError, UnsupportedError
+from .._tensor import Datatype, array_from_raw, array_to_raw, element_count
+from .._types import InferenceResponse, RequestedOutput
+from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
+from ._region import Region
+from ._registry import SharedMemoryRegistry
+from ._system import SystemRegion
+
+REGION = "shared_memory_region"
+BYTE_SIZE = "shared_memory_byte_size"
+OFFSET = "shared_memory_offset"
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    region: Region
+    offset: int
+    byte_size: int
+
+
+class RequestRegions:
+    """The regions one request uses, leased until ``close`` (or the end of a ``with``)."""
+
+    __slots__ = ("_device", "_leases", "_outputs", "_registry")  # one per request
+
+    def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
+        self._registry = registry
+        self._device = device  # where the model runs: "gpu" models get cupy inputs
+        self._leases: list[Region] = []
+        self._outputs: dict[str, _Span] = {}
+
+    def __enter__(self) -> RequestRegions:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        leases, self._leases = self._leases, []
+        for region in leases:
+            region.release()
+
+    def span(self, parameters: Mapping[str, Any], what: str) -> _Span | None:
+        """The leased, bounds-checked place the parameters name; None if they name none."""
+        placed = _placement(parameters, what)
+        if placed is None:
+            return None
+        name, offset, byte_size = placed
+        region = self._registry.lease(name)
+        self._leases.append(region)
+        region.check_span(offset, byte_size, what)
+        return _Span(region, offset, byte_size)
+
+    def input_array(
+        self, span: _Span, dt: Datatype, shape: tuple[int, ...], what: str
+    ) -> np.ndarray[Any, Any]:
+        region = span.region
+        if isinstance(region, SystemRegion):
+            view = region.read_view(span.offset, span.byte_size)
+            return array_from_raw(dt, shape, view, what)
+        assert isinstance(region, CudaRegion)
+        if self._device == "gpu" and not dt.is_bytes:
+            expected = element_count(shape) * dt.dtype.itemsize
+            if span.byte_size != expected:
+                raise InvalidArgumentError(
+                    f"{what}: got {span.byte_size} bytes of {dt.name} data, shape "
+                    f"{list(shape)} needs {expected}"
+                )
+            array: np.ndarray[Any, Any] = region.device_array(
+                dt, shape, span.offset, span.byte_size
+            )
+            return array
+        return array_from_raw(dt, shape, region.read_host(span.offset, span.byte_size), what)
+
+    def request_outputs(self, outputs: Iterable[RequestedOutput]) -> None:
+        """Note (and lease) the requested outputs that go to shared memory."""
+        for output in outputs:
+            if output.parameters:
+                span = self.span(output.parameters, f"output '{output.name}'")
+                if span is not None:
+                    self._outputs[output.name] = span
+
+    def write_outputs(self, response: InferenceResponse) -> None:
+        """Copy the outputs placed in shared memory into their regions.
+
+        Each written output's parameters become what the response reports for it (the
+        region, the bytes written, the offset), and the codecs then send no data for it.
+        Every output is checked to fit before the first is written. A GPU model's other
+        outputs are copied to the host here, for the codecs.
+        """
+        if not self._outputs and self._device != "gpu":
+            return
+        writes = []
+        for tensor in response.outputs:
+            span = self._outputs.get(tensor.name)
+            if span is None:
+                if is_device_array(tensor.data):
+                    tensor.data = to_host(tensor.data)
+                continue
+            raw = _raw_output(tensor.data, tensor.datatype, span.region)
+            size = int(raw.nbytes)
+            if size > span.byte_size:
+                raise InvalidArgumentError(
+                    f"shared memory size specified with the request for output "
+                    f"'{tensor.name}' ({span.byte_size} bytes) should be at least {size} "
+                    "bytes to hold the results"
+                )
+            writes.append((tensor, span, raw, size))
+        for tensor, span, raw, size in writes:
+            _write(span, raw, size)
+            tensor.parameters = _reported(span, size)
+
+
+def is_shared_memory_output(parameters: Mapping[str, Any]) -> bool:
+    """Whether an output tensor's parameters say it was written to shared memory."""
+    return REGION in parameters
+
+
+def shared_memory_input(
+    regions: RequestRegions | None,
+    parameters: Mapping[str, Any],
+    dt: Datatype,
+    shape: tuple[int, ...],
+    what: str,
+    has_data: bool,
+) -> np.ndarray[Any, Any] | None:
+    """The input the parameters place in shared memory; None if they place none there.
+
+    ``has_data``: the input also carries data of its own, which is an error with a region.
+    """
+    if not parameters or (REGION not in parameters and BYTE_SIZE not in parameters
+                          and OFFSET not in parameters):  # fmt: skip
+        return None  # the common case, answered before anything else
+    if regions is None:
+        raise UnsupportedError(f"{what}: shared memory is not supported here")
+    if has_data and REGION in parameters:
+        raise InvalidArgumentError(
+            f"{what}: unexpected data provided when using shared memory for the input"
+        )
+    span = regions.span(parameters, what)
+    if span is None:
+        return None
+    return regions.input_array(span, dt, shape, what)
+
+
+def shared_memory_outputs(
+    regions: RequestRegions | None, outputs: Iterable[RequestedOutput]
+) -> None:
+    """Note the requested outputs placed in shared memory (UNSUPPORTED without regions)."""
+    if regions is not None:
+        regions.request_outputs(outputs)
+    elif any(_names_shared_memory(o.parameters) for o in outputs):
+        raise UnsupportedError("shared memory is not supported here")
+
+
+def _names_shared_memory(parameters: Mapping[str, Any]) -> bool:
+    return REGION in parameters or BYTE_SIZE in parameters or OFFSET in parameters
+
+
+def _placement(parameters: Mapping[str, Any], what: str) -> tuple[str, int, int] | None:
+    name = parameters.get(REGION)
+    byte_size = parameters.get(BYTE_SIZE)
+    offset = parameters.get(OFFSET, 0)
+    if name is None:
+        for key in (BYTE_SIZE, OFFSET):
+            if key in parameters:
+                raise InvalidArgumentError(
+                    f"{what}: '{key}' can not be specified without '{REGION}'"
+                )
+        return None
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"{what}: '{REGION}' must be a string")
+    if byte_size is None:
+        raise InvalidArgumentError(f"{what}: '{REGION}' needs '{BYTE_SIZE}' as well")
+    for key, value in ((BYTE_SIZE, byte_size), (OFFSET, offset)):
+        if type(value) is not int or value < 0:
+            raise InvalidArgumentError(
+                f"{what}: '{key}' must be a non-negative integer, got {value!r}"
+            )
+    return name, offset, byte_size
+
+
+def _raw_output(data: Any, dt: Datatype, region: Region) -> Any:
+    """The output's raw bytes as a flat uint8 array: cupy when both ends are on a GPU."""
+    if is_device_array(data):
+        raw = device_bytes(data)
+        return raw if isinstance(region, CudaRegion) else to_host(raw)
+    return np.frombuffer(array_to_raw(data, dt), dtype=np.uint8)
+
+
+def _write(span: _Span, raw: Any, size: int) -> None:
+    region = span.region
+    if isinstance(region, SystemRegion):
+        region.write_target(span.offset, size)[:] = raw
+    else:
+        assert isinstance(region, CudaRegion)
+        region.write(span.offset, raw, size)
+
+
+def _reported(span: _Span, size: int) -> dict[str, Any]:
+    reported: dict[str, Any] = {REGION: span.region.name, BYTE_SIZE: size}
+    if span.offset:
+        reported[OFFSET] = span.offset
+    return reported
