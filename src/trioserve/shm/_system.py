@@ -57,8 +57,8 @@ class SystemRegion(Region):
         try:
             self._mmap.close()
         except BufferError:
-            # Arrays over the region are still alive. Usually they are only waiting in a
-            # reference cycle of a finished request (ticket <-> queue item): collect it.
+            # Arrays over the region are still alive. They may only be waiting in garbage
+            # that a reference cycle keeps (a failed request's traceback): collect it.
             # Unregistering is rare enough to afford that.
             gc.collect()
             # Otherwise a model kept an array: the mapping goes when the last such array
