@@ -24,6 +24,7 @@ import trio
 from ._config import ServerConfig
 from ._repository import ModelRepository
 from ._version import __version__
+from .metrics._orca import LoadReporter
 from .scheduler._runner import ModelRunner
 
 Address = tuple[str, int]
@@ -98,6 +99,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         ModelRunner(model, version) for model in config.models for version in model.versions
     )
     stop_accepting = trio.Event()
+    load = LoadReporter()  # one per server: both front ends report the same load
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
         # The services get a nursery of their own, so that shutdown() stops them without
@@ -107,10 +109,10 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         http: list[Address] = []
         grpc: list[Address] = []
         if config.http_port is not None:
-            rest = _rest(config, config.http_port, repository, stop_accepting)
+            rest = _rest(config, config.http_port, repository, stop_accepting, load)
             http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
-            grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting)
+            grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting, load)
             grpc = await services.start(front_ends.run, grpc_front_end)
         if front_ends.running == 0:
             front_ends.done.set()
@@ -140,11 +142,12 @@ async def serve(
 
 
 def _rest(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
+    load: LoadReporter,
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
-    app = build_app(repository, server_metadata(), config.http_limits.max_body_bytes)
+    app = build_app(repository, server_metadata(), config.http_limits.max_body_bytes, load)
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
@@ -160,11 +163,12 @@ def _rest(
 
 
 def _grpc(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
+    load: LoadReporter,
 ) -> Callable[..., Awaitable[None]]:
     from .grpc import serve_grpc
 
     return partial(
         serve_grpc, repository, server_metadata(), config.host, port,
-        max_message_bytes=config.grpc_max_message_bytes, shutdown_trigger=stop.wait,
+        max_message_bytes=config.grpc_max_message_bytes, shutdown_trigger=stop.wait, load=load,
     )

@@ -38,6 +38,7 @@ from h2.exceptions import StreamClosedError
 from .._errors import UnavailableError
 from .._repository import ModelRepository, ServedModel
 from .._types import InferenceRequest, InferenceResponse
+from ..metrics._orca import LoadReporter
 from ._errors import MESSAGE_TOO_LARGE, grpc_error
 from ._service import HealthService, InferenceService
 
@@ -57,6 +58,7 @@ async def serve_grpc(
     *,
     max_message_bytes: int,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    load: LoadReporter | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the gRPC front end on ``host:port`` until cancelled or shut down.
@@ -76,7 +78,7 @@ async def serve_grpc(
             return future
 
         services = [
-            InferenceService(repository, server_metadata, infer),
+            InferenceService(repository, server_metadata, infer, load),
             HealthService(repository),
         ]
         try:

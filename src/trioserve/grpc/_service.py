@@ -29,6 +29,7 @@ from .._errors import (
 )
 from .._repository import ModelRepository, ServedModel
 from .._types import InferenceRequest, InferenceResponse
+from ..metrics._orca import LoadReporter
 from ._codec import (
     decode_request,
     encode_response,
@@ -39,6 +40,7 @@ from ._codec import (
 from ._errors import grpc_error
 from ._generated import grpc_service_grpc, health_grpc, health_pb2
 from ._generated import grpc_service_pb2 as pb
+from ._orca import load_report_trailer
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -94,11 +96,16 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
     """``inference.GRPCInferenceService`` over a model repository."""
 
     def __init__(
-        self, repository: ModelRepository, server_metadata: Mapping[str, Any], infer: Infer
+        self,
+        repository: ModelRepository,
+        server_metadata: Mapping[str, Any],
+        infer: Infer,
+        load: LoadReporter | None = None,
     ) -> None:
         self._repository = repository
         self._server_metadata = server_metadata_message(server_metadata)  # never changes
         self._infer = infer
+        self._load = load or LoadReporter()  # the server's, shared with the REST front end
 
     @_rpc
     async def ServerLive(self, stream: Stream[Any, Any]) -> None:
@@ -140,8 +147,12 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         message = await _receive(stream)
         served = self._repository.get(message.model_name, message.model_version)
         request = decode_request(message)
-        response = await self._infer(served, request)
+        with self._load.counting(served):
+            response = await self._infer(served, request)
         await stream.send_message(encode_response(response))
+        trailer = load_report_trailer(stream.metadata, self._load, served)
+        if trailer is not None:
+            await stream.send_trailing_metadata(metadata=trailer)
 
     # Later roadmap items (streaming, statistics, repository API, shared memory, trace,
     # logging). Each RPC must exist because the base class is abstract.

@@ -10,6 +10,7 @@ import trio
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository
+from ..metrics._orca import LoadReporter
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._infer_codec import decode_request, encode_response
@@ -34,9 +35,11 @@ class _Endpoints:
         repository: ModelRepository,
         server_metadata: dict[str, Any],
         disconnects: DisconnectWatch,
+        load: LoadReporter,
     ) -> None:
         self.repository = repository
         self.disconnects = disconnects
+        self.load = load
         self.server_metadata = _json(server_metadata)
 
     async def live(self, request: Request) -> Response:
@@ -69,6 +72,7 @@ class _Endpoints:
         inference = decode_request(
             request.body, _header_length(request.headers), runner.model, name, version
         )
+        arrived = trio.current_time()
         ticket = runner.submit(inference)
         entry = self.disconnects.track(ticket, request.receive)
         try:
@@ -80,17 +84,15 @@ class _Endpoints:
             self.disconnects.untrack(ticket, entry)
         if ticket.withdrawn:
             return None  # withdrawn because the client disconnected: nobody to answer
-        result = ticket.outcome()
+        with self.load.counting(runner, arrived):
+            result = ticket.outcome()
         body, header_length = encode_response(result, inference)
+        load_report = self.load.http_header(runner, request.headers)
+        headers = [] if load_report is None else [load_report]
         if header_length is None:
-            return Response(200, body, compressible=True)
-        return Response(
-            200,
-            body,
-            b"application/octet-stream",
-            [(b"inference-header-content-length", str(header_length).encode())],
-            compressible=True,
-        )
+            return Response(200, body, headers=headers, compressible=True)
+        headers.append((b"inference-header-content-length", str(header_length).encode()))
+        return Response(200, body, b"application/octet-stream", headers, compressible=True)
 
 
 def _header_length(headers: dict[bytes, bytes]) -> int | None:
@@ -103,10 +105,14 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 
 def build_app(
-    repository: ModelRepository, server_metadata: dict[str, Any], max_body_bytes: int
+    repository: ModelRepository,
+    server_metadata: dict[str, Any],
+    max_body_bytes: int,
+    load: LoadReporter | None = None,
 ) -> RestApp:
+    """The REST app; ``load`` is the server's load reporter (its own one if not given)."""
     disconnects = DisconnectWatch()
-    e = _Endpoints(repository, server_metadata, disconnects)
+    e = _Endpoints(repository, server_metadata, disconnects, load or LoadReporter())
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)

@@ -1,0 +1,280 @@
+"""ORCA load reports: the server's load, attached to responses for load balancers.
+
+A client asks for a report with the request header ``endpoint-load-metrics-format``:
+
+- ``json``: ``endpoint-load-metrics: JSON {...}`` carrying ``xds.data.orca.v3.OrcaLoadReport``
+  by its field names only (Envoy's parser rejects unknown top-level keys): the named
+  metrics first, Triton's ``kv_cache_utilization`` and ``max_token_capacity`` leading and
+  printed as Triton prints them, then ``application_utilization``, ``rps_fractional``,
+  ``eps``, ``cpu_utilization`` and ``mem_utilization``.
+- ``text``: Triton's native form, named metrics only, ``name=value`` joined by ``", "``,
+  fractions with six decimals.
+- gRPC: the same report, serialized, in the trailer ``endpoint-load-metrics-bin``
+  (built in ``grpc/``, which owns the generated message).
+
+What a report says about a model:
+
+==========================  ===========================  ==============================
+field                       model with a KV cache        tensor model
+==========================  ===========================  ==============================
+application_utilization     KV-cache blocks used / all   requests in the model (queued
+                                                         or executing) per instance,
+                                                         averaged over the window
+named kv_cache_utilization  KV-cache blocks used / all   --
+named max_token_capacity    blocks x tokens per block    --
+named num_requests_waiting  if the model reports a queue queued requests
+named num_requests_running  if the model reports a queue executing requests
+==========================  ===========================  ==============================
+
+``rps_fractional`` and ``eps`` are the whole server's requests and errors per second
+over the last ``window_s`` seconds; CPU and memory come from ``_host_usage``.
+
+Load reporting must never hurt a response: an unknown format, KV-cache figures that are
+missing or negative, or any failure while building a report is logged as an error and
+the response goes out without a report.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Protocol, runtime_checkable
+
+import trio
+
+from .._repository import ServedModel
+from ..scheduler._generation import GenerativeServed, KVCacheState
+from ._host_usage import HostUsage
+from ._recent import RecentActivity
+
+logger = logging.getLogger("trioserve.metrics")
+
+FORMAT_HEADER = b"endpoint-load-metrics-format"
+REPORT_HEADER = b"endpoint-load-metrics"
+
+KV_CACHE_UTILIZATION = "kv_cache_utilization"
+MAX_TOKEN_CAPACITY = "max_token_capacity"
+REQUESTS_WAITING = "num_requests_waiting"
+REQUESTS_RUNNING = "num_requests_running"
+
+
+class _QueueFigures(Protocol):
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def executing(self) -> int: ...
+
+
+@runtime_checkable
+class _ReportsQueue(Protocol):
+    """A served model that tells its queue depth (``ModelRunner.statistics``)."""
+
+    def statistics(self) -> _QueueFigures: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """One report, by ``OrcaLoadReport``'s fields; ``None``: not known, left out."""
+
+    application_utilization: float
+    rps_fractional: float
+    eps: float
+    cpu_utilization: float | None
+    mem_utilization: float | None
+    kv_cache: KVCacheState | None = None
+    waiting: int | None = None
+    running: int | None = None
+
+    @property
+    def named_metrics(self) -> dict[str, float]:
+        """The named metrics in the order JSON prints them (Triton's first)."""
+        named: dict[str, float] = {}
+        if self.kv_cache is not None:
+            named[KV_CACHE_UTILIZATION] = self.kv_cache.utilization
+            named[MAX_TOKEN_CAPACITY] = self.kv_cache.max_token_capacity
+        if self.waiting is not None and self.running is not None:
+            named[REQUESTS_WAITING] = self.waiting
+            named[REQUESTS_RUNNING] = self.running
+        return named
+
+    def json(self) -> str:
+        """The ``JSON`` header value."""
+        named = ",".join(f'"{k}":{_json_number(v)}' for k, v in self.named_metrics.items())
+        fields = [f'"named_metrics":{{{named}}}'] if named else []
+        for name in _STANDARD_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                fields.append(f'"{name}":{_json_number(value)}')
+        return "JSON {" + ",".join(fields) + "}"
+
+    def text(self) -> str | None:
+        """The ``TEXT`` header value (Triton's named metrics); None if there are none."""
+        named = self.named_metrics
+        if self.kv_cache is not None:  # exactly what Triton sends
+            named = {k: named[k] for k in (KV_CACHE_UTILIZATION, MAX_TOKEN_CAPACITY)}
+        if not named:
+            return None
+        return "TEXT " + ", ".join(f"named_metrics.{k}={_text_number(v)}" for k, v in named.items())
+
+
+_STANDARD_FIELDS = (
+    "application_utilization", "rps_fractional", "eps", "cpu_utilization", "mem_utilization",
+)  # fmt: skip
+
+
+class LoadReporter:
+    """A server instance's load, as ORCA reports; its front ends share one.
+
+    Front ends wrap each request that reaches a model in ``counting`` and ask ``report``
+    (gRPC) or ``http_header`` (REST) for what to attach to a successful response.
+    """
+
+    def __init__(self, *, host: HostUsage | None = None, window_s: int = 10) -> None:
+        self._host = host if host is not None else HostUsage()
+        self._window_s = window_s
+        self._server = RecentActivity(window_s)
+        self._models: dict[ServedModel, RecentActivity] = {}
+
+    @contextmanager
+    def counting(self, served: ServedModel, since: float | None = None) -> Iterator[None]:
+        """Count one request to ``served`` that arrived at ``since`` (default: now).
+
+        Leaving with an exception counts it as an error; a cancellation (a
+        ``BaseException``: the client went away, the server stops) is not counted.
+        """
+        arrived = trio.current_time() if since is None else since
+        try:
+            yield
+        except Exception:
+            self._record(served, arrived, failed=True)
+            raise
+        self._record(served, arrived, failed=False)
+
+    def report(self, served: ServedModel) -> LoadReport | None:
+        """The report for a response of ``served``, or None (logged) if there is none."""
+        try:
+            return self._report(served)
+        except _NoKVFigures as exc:
+            logger.error("%s: no load report sent", exc)
+            return None
+        except Exception:
+            logger.exception("building the load report for model '%s' failed", _name(served))
+            return None
+
+    def http_header(
+        self, served: ServedModel, request_headers: Mapping[bytes, bytes]
+    ) -> tuple[bytes, bytes] | None:
+        """The ``endpoint-load-metrics`` header for a response of ``served``, if the
+        request asked for one in a format we know and a report can be made."""
+        wanted = request_headers.get(FORMAT_HEADER)
+        if wanted is None:
+            return None
+        if wanted not in (b"json", b"text"):
+            logger.error(
+                "unknown endpoint-load-metrics-format %r: no load report sent",
+                wanted.decode("latin-1"),
+            )
+            return None
+        report = self.report(served)
+        if report is None:
+            return None
+        value = report.json() if wanted == b"json" else report.text()
+        if value is None:
+            logger.error("model '%s' has no named metrics for a TEXT load report", _name(served))
+            return None
+        return REPORT_HEADER, value.encode()
+
+    def _record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
+        now = trio.current_time()
+        self._server.add(now, failed=failed, busy_s=now - arrived)
+        model = self._models.get(served)
+        if model is None:
+            model = self._models[served] = RecentActivity(self._window_s)
+        model.add(now, failed=failed, busy_s=now - arrived)
+
+    def _report(self, served: ServedModel) -> LoadReport | None:
+        now = trio.current_time()
+        kv_cache = _kv_cache(served)
+        waiting = running = None
+        if isinstance(served, _ReportsQueue):
+            queue = served.statistics()
+            waiting, running = queue.queued, queue.executing
+        if kv_cache is not None:
+            utilization = kv_cache.utilization
+        else:
+            model = self._models.get(served)
+            in_flight = model.totals(now).busy_per_second if model is not None else 0.0
+            utilization = in_flight / served.model.instance_count
+        server = self._server.totals(now)
+        cpu, memory = self._host.sample(now)
+        return LoadReport(
+            application_utilization=utilization,
+            rps_fractional=server.requests_per_second,
+            eps=server.errors_per_second,
+            cpu_utilization=cpu,
+            mem_utilization=memory,
+            kv_cache=kv_cache,
+            waiting=waiting,
+            running=running,
+        )
+
+
+class _NoKVFigures(Exception):
+    """A generative model's KV-cache figures are missing or negative."""
+
+
+def _kv_cache(served: ServedModel) -> KVCacheState | None:
+    """The KV cache of a generative model, None for a model without one."""
+    if not isinstance(served, GenerativeServed):
+        return None
+    try:
+        state = served.kv_cache_state()
+    except Exception as exc:
+        raise _NoKVFigures(f"model '{_name(served)}' gave no KV-cache figures ({exc!r})") from None
+    if not isinstance(state, KVCacheState):
+        raise _NoKVFigures(f"model '{_name(served)}' gave no KV-cache figures ({state!r})")
+    if min(state.total_blocks, state.used_blocks, state.block_size) < 0:
+        raise _NoKVFigures(f"model '{_name(served)}' has negative KV-cache figures: {state}")
+    return state
+
+
+def _name(served: ServedModel) -> str:
+    return served.model.name
+
+
+def _text_number(value: float) -> str:
+    """Triton's TEXT numbers: integers as such, fractions as C's ``%f``."""
+    return str(value) if isinstance(value, int) else f"{value:f}"
+
+
+def _json_number(value: float) -> str:
+    """A number as Triton's JSON writer (RapidJSON) prints it.
+
+    Integers print as integers. A double prints its shortest round-trip digits, always
+    with a fraction or an exponent: ``0.75``, ``2.0``, ``0.00005`` (not Python's
+    ``5e-05``), ``1e-7``, ``1e22``.
+    """
+    if isinstance(value, int):
+        return str(value)
+    if value == 0:
+        return "0.0"
+    sign = "-" if value < 0 else ""
+    shortest = Decimal(repr(abs(value))).normalize().as_tuple()
+    digits = "".join(map(str, shortest.digits))
+    exponent = int(shortest.exponent)  # the value is digits x 10**exponent
+    point = len(digits) + exponent  # where the decimal point falls in ``digits``
+    if exponent >= 0 and point <= 21:
+        text = digits + "0" * exponent + ".0"
+    elif 0 < point <= 21:
+        text = f"{digits[:point]}.{digits[point:]}"
+    elif -6 < point <= 0:
+        text = "0." + "0" * -point + digits
+    elif len(digits) == 1:
+        text = f"{digits}e{point - 1}"
+    else:
+        text = f"{digits[0]}.{digits[1:]}e{point - 1}"
+    return sign + text
