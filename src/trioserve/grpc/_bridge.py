@@ -287,7 +287,10 @@ async def _finish_call(func: _RpcFunc, stream: Stream[Any, Any]) -> None:
                 status=error.status, status_message=error.message, status_details=error.details
             )
         else:
-            await stream.send_trailing_metadata()
+            # A handler may send its own trailers (with metadata), as grpclib allows;
+            # this is the check grpclib itself makes before sending them for it.
+            if not stream._send_trailing_metadata_done:
+                await stream.send_trailing_metadata()
     except (StreamClosedError, StreamTerminatedError):
         pass  # the client reset the stream or left: there is nobody left to tell
 

@@ -79,6 +79,8 @@ class HostUsage:
         cpus: int | None = None,
         refresh_s: float = 1.0,
     ) -> None:
+        if refresh_s <= 0:
+            raise ValueError("refresh_s must be positive")
         self._read_cpu = cpu_seconds
         self._read_memory = memory
         self._cpus = cpus if cpus is not None else usable_cpus()

@@ -37,11 +37,11 @@ the response goes out without a report.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import trio
 
@@ -51,6 +51,8 @@ from ._host_usage import HostUsage
 from ._recent import RecentActivity
 
 logger = logging.getLogger("trioserve.metrics")
+
+_T = TypeVar("_T")
 
 FORMAT_HEADER = b"endpoint-load-metrics-format"
 REPORT_HEADER = b"endpoint-load-metrics"
@@ -111,13 +113,13 @@ class LoadReport:
                 fields.append(f'"{name}":{_json_number(value)}')
         return "JSON {" + ",".join(fields) + "}"
 
-    def text(self) -> str | None:
-        """The ``TEXT`` header value (Triton's named metrics); None if there are none."""
+    def text(self) -> str:
+        """The ``TEXT`` header value: Triton's form, named metrics only."""
         named = self.named_metrics
         if self.kv_cache is not None:  # exactly what Triton sends
             named = {k: named[k] for k in (KV_CACHE_UTILIZATION, MAX_TOKEN_CAPACITY)}
         if not named:
-            return None
+            raise _NoReport("no named metrics for a TEXT report")
         return "TEXT " + ", ".join(f"named_metrics.{k}={_text_number(v)}" for k, v in named.items())
 
 
@@ -137,7 +139,7 @@ class LoadReporter:
         self._host = host if host is not None else HostUsage()
         self._window_s = window_s
         self._server = RecentActivity(window_s)
-        self._models: dict[ServedModel, RecentActivity] = {}
+        self._models: dict[tuple[str, str], RecentActivity] = {}  # by model name, version
 
     @contextmanager
     def counting(self, served: ServedModel, since: float | None = None) -> Iterator[None]:
@@ -156,14 +158,7 @@ class LoadReporter:
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
-        try:
-            return self._report(served)
-        except _NoKVFigures as exc:
-            logger.error("%s: no load report sent", exc)
-            return None
-        except Exception:
-            logger.exception("building the load report for model '%s' failed", _name(served))
-            return None
+        return self._never_failing(served, self._report)
 
     def http_header(
         self, served: ServedModel, request_headers: Mapping[bytes, bytes]
@@ -179,24 +174,32 @@ class LoadReporter:
                 wanted.decode("latin-1"),
             )
             return None
-        report = self.report(served)
-        if report is None:
-            return None
-        value = report.json() if wanted == b"json" else report.text()
+        form = LoadReport.json if wanted == b"json" else LoadReport.text
+        value = self._never_failing(served, lambda served: form(self._report(served)))
         if value is None:
-            logger.error("model '%s' has no named metrics for a TEXT load report", _name(served))
             return None
         return REPORT_HEADER, value.encode()
+
+    def _never_failing(self, served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:
+        """``build(served)``, or None with the reason logged: a report never fails a response."""
+        try:
+            return build(served)
+        except _NoReport as exc:
+            logger.error("model '%s': %s: no load report sent", _name(served), exc)
+        except Exception:
+            logger.exception("building the load report for model '%s' failed", _name(served))
+        return None
 
     def _record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
         now = trio.current_time()
         self._server.add(now, failed=failed, busy_s=now - arrived)
-        model = self._models.get(served)
+        key = (served.model.name, served.version)
+        model = self._models.get(key)
         if model is None:
-            model = self._models[served] = RecentActivity(self._window_s)
+            model = self._models[key] = RecentActivity(self._window_s)
         model.add(now, failed=failed, busy_s=now - arrived)
 
-    def _report(self, served: ServedModel) -> LoadReport | None:
+    def _report(self, served: ServedModel) -> LoadReport:
         now = trio.current_time()
         kv_cache = _kv_cache(served)
         waiting = running = None
@@ -206,7 +209,7 @@ class LoadReporter:
         if kv_cache is not None:
             utilization = kv_cache.utilization
         else:
-            model = self._models.get(served)
+            model = self._models.get((served.model.name, served.version))
             in_flight = model.totals(now).busy_per_second if model is not None else 0.0
             utilization = in_flight / served.model.instance_count
         server = self._server.totals(now)
@@ -223,8 +226,8 @@ class LoadReporter:
         )
 
 
-class _NoKVFigures(Exception):
-    """A generative model's KV-cache figures are missing or negative."""
+class _NoReport(Exception):
+    """What a report needs is missing, e.g. a generative model's KV-cache figures."""
 
 
 def _kv_cache(served: ServedModel) -> KVCacheState | None:
@@ -234,11 +237,11 @@ def _kv_cache(served: ServedModel) -> KVCacheState | None:
     try:
         state = served.kv_cache_state()
     except Exception as exc:
-        raise _NoKVFigures(f"model '{_name(served)}' gave no KV-cache figures ({exc!r})") from None
+        raise _NoReport(f"no KV-cache figures ({exc!r})") from None
     if not isinstance(state, KVCacheState):
-        raise _NoKVFigures(f"model '{_name(served)}' gave no KV-cache figures ({state!r})")
+        raise _NoReport(f"no KV-cache figures ({state!r})")
     if min(state.total_blocks, state.used_blocks, state.block_size) < 0:
-        raise _NoKVFigures(f"model '{_name(served)}' has negative KV-cache figures: {state}")
+        raise _NoReport(f"negative KV-cache figures: {state}")
     return state
 
 

@@ -49,12 +49,14 @@ class RecentActivity:
         if window_s < 1:
             raise ValueError("window_s must be at least 1")
         self._buckets = [_Bucket() for _ in range(window_s)]
-        self._first: float | None = None  # when the first request finished
+        self._first: float | None = None  # when the first request counted arrived
 
     def add(self, now: float, *, failed: bool, busy_s: float) -> None:
-        """One request finished at ``now`` after ``busy_s`` seconds; ``failed`` if in error."""
-        if self._first is None:
-            self._first = now
+        """One request finished at ``now``, ``busy_s`` seconds after it arrived; ``failed``
+        if it ended in an error."""
+        arrived = now - busy_s
+        if self._first is None or arrived < self._first:
+            self._first = arrived
         second = math.floor(now)
         bucket = self._buckets[second % len(self._buckets)]
         if bucket.second != second:
@@ -66,7 +68,7 @@ class RecentActivity:
     def totals(self, now: float) -> Totals:
         oldest = math.floor(now) - len(self._buckets) + 1
         live = [b for b in self._buckets if b.second >= oldest]
-        # The window begins at its oldest second, or later if nothing finished before.
+        # The window begins at its oldest second, or later if no request had come before.
         begin = oldest if self._first is None else max(self._first, oldest)
         return Totals(
             requests=sum(b.requests for b in live),
