@@ -32,6 +32,7 @@ from trioserve.metrics._host_usage import HostUsage
 from trioserve.metrics._orca import LoadReporter
 from trioserve.rest._endpoints import build_app
 from trioserve.rest._http11 import serve_http11
+from trioserve.rest._hypercorn import serve_hypercorn
 from trioserve.scheduler._generation import KVCacheState
 from trioserve.scheduler._runner import ModelRunner
 
@@ -73,13 +74,22 @@ async def start_models(nursery: trio.Nursery, served: list[ServedModel]) -> Mode
 # --- REST ---------------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["stdlib", "hypercorn"])
+def http_server(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """Both HTTP servers: the header must pass through each."""
+    return serve_http11 if request.param == "stdlib" else serve_hypercorn  # type: ignore[no-any-return]
+
+
 async def serve_rest(
-    nursery: trio.Nursery, served: list[ServedModel], load: LoadReporter
+    nursery: trio.Nursery,
+    http_server: Callable[..., Any],
+    served: list[ServedModel],
+    load: LoadReporter,
 ) -> httpx.AsyncClient:
     repository = await start_models(nursery, served)
     app = build_app(repository, server_metadata(), 1 << 20, load)
-    http11 = partial(serve_http11, app, "127.0.0.1", 0, HttpLimits())
-    addresses = await nursery.start(app.serve_with, http11)
+    serve_http = partial(http_server, app, "127.0.0.1", 0, HttpLimits())
+    addresses = await nursery.start(app.serve_with, serve_http)
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{addresses[0][1]}")
 
 
@@ -88,10 +98,13 @@ X_INPUT = {"inputs": [{"name": "X", "shape": [1], "datatype": "FP32", "data": [1
 
 
 async def test_rest_header_for_a_kv_cache_model(
-    nursery: trio.Nursery, mock_clock: Any, kv_engine: Callable[..., Any]
+    nursery: trio.Nursery,
+    mock_clock: Any,
+    kv_engine: Callable[..., Any],
+    http_server: Callable[..., Any],
 ) -> None:
     engine = kv_engine(KV)
-    async with await serve_rest(nursery, [engine], reporter()) as http:
+    async with await serve_rest(nursery, http_server, [engine], reporter()) as http:
         url = "/v2/models/llm/infer"
         first = await http.post(url, json=TEXT_INPUT, headers={ASK: "json"})
         assert first.status_code == 200
@@ -123,9 +136,10 @@ async def test_rest_no_header_unless_asked_and_possible(
     mock_clock: Any,
     kv_engine: Callable[..., Any],
     caplog: pytest.LogCaptureFixture,
+    http_server: Callable[..., Any],
 ) -> None:
     engine = kv_engine(KV)
-    async with await serve_rest(nursery, [engine], reporter()) as http:
+    async with await serve_rest(nursery, http_server, [engine], reporter()) as http:
         url = "/v2/models/llm/infer"
         with caplog.at_level(logging.ERROR, logger="trioserve.metrics"):
             unasked = await http.post(url, json=TEXT_INPUT)
@@ -145,9 +159,11 @@ async def test_rest_no_header_unless_asked_and_possible(
         ]
 
 
-async def test_rest_header_for_a_tensor_model(nursery: trio.Nursery, mock_clock: Any) -> None:
+async def test_rest_header_for_a_tensor_model(
+    nursery: trio.Nursery, mock_clock: Any, http_server: Callable[..., Any]
+) -> None:
     served: list[ServedModel] = [ModelRunner(echo_model(), "1"), ModelRunner(broken_model(), "1")]
-    async with await serve_rest(nursery, served, reporter()) as http:
+    async with await serve_rest(nursery, http_server, served, reporter()) as http:
         failed = await http.post("/v2/models/broken/infer", json=X_INPUT, headers={ASK: "json"})
         assert failed.status_code == 500
         assert "endpoint-load-metrics" not in failed.headers  # errors carry no report
