@@ -37,11 +37,11 @@ the response goes out without a report.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Protocol, TypeVar, runtime_checkable
+from types import TracebackType
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
@@ -128,6 +128,13 @@ _STANDARD_FIELDS = (
 )  # fmt: skip
 
 
+@dataclass(slots=True)
+class _ModelLoad:
+    activity: RecentActivity  # the model's own requests, for its utilization
+    generative: bool  # has a KV cache
+    reports_queue: bool
+
+
 class LoadReporter:
     """A server instance's load, as ORCA reports; its front ends share one.
 
@@ -139,26 +146,20 @@ class LoadReporter:
         self._host = host if host is not None else HostUsage()
         self._window_s = window_s
         self._server = RecentActivity(window_s)
-        self._models: dict[tuple[str, str], RecentActivity] = {}  # by model name, version
+        self._models: dict[tuple[str, str], _ModelLoad] = {}  # by model name and version
 
-    @contextmanager
-    def counting(self, served: ServedModel, since: float | None = None) -> Iterator[None]:
-        """Count one request to ``served`` that arrived at ``since`` (default: now).
+    def counting(self, served: ServedModel, since: float | None = None) -> _Counting:
+        """Count one request to ``served`` that arrived at ``since`` (default: now), as
+        ``with load.counting(served): ...`` around the wait for its outcome.
 
         Leaving with an exception counts it as an error; a cancellation (a
         ``BaseException``: the client went away, the server stops) is not counted.
         """
-        arrived = trio.current_time() if since is None else since
-        try:
-            yield
-        except Exception:
-            self._record(served, arrived, failed=True)
-            raise
-        self._record(served, arrived, failed=False)
+        return _Counting(self, served, trio.current_time() if since is None else since)
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
-        return self._never_failing(served, self._report)
+        return _never_failing(served, self._report)
 
     def http_header(
         self, served: ServedModel, request_headers: Mapping[bytes, bytes]
@@ -175,42 +176,41 @@ class LoadReporter:
             )
             return None
         form = LoadReport.json if wanted == b"json" else LoadReport.text
-        value = self._never_failing(served, lambda served: form(self._report(served)))
+        value = _never_failing(served, lambda served: form(self._report(served)))
         if value is None:
             return None
         return REPORT_HEADER, value.encode()
 
-    def _never_failing(self, served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:
-        """``build(served)``, or None with the reason logged: a report never fails a response."""
-        try:
-            return build(served)
-        except _NoReport as exc:
-            logger.error("model '%s': %s: no load report sent", _name(served), exc)
-        except Exception:
-            logger.exception("building the load report for model '%s' failed", _name(served))
-        return None
-
-    def _record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
-        now = trio.current_time()
-        self._server.add(now, failed=failed, busy_s=now - arrived)
+    def _model(self, served: ServedModel) -> _ModelLoad:
         key = (served.model.name, served.version)
         model = self._models.get(key)
         if model is None:
-            model = self._models[key] = RecentActivity(self._window_s)
-        model.add(now, failed=failed, busy_s=now - arrived)
+            # Protocol checks are slow; what a model offers does not change.
+            model = self._models[key] = _ModelLoad(
+                RecentActivity(self._window_s),
+                generative=isinstance(served, GenerativeServed),
+                reports_queue=isinstance(served, _ReportsQueue),
+            )
+        return model
+
+    def record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
+        """Count one finished request to ``served`` that arrived at ``arrived``."""
+        now = trio.current_time()
+        self._server.add(now, failed=failed, busy_s=now - arrived)
+        self._model(served).activity.add(now, failed=failed, busy_s=now - arrived)
 
     def _report(self, served: ServedModel) -> LoadReport:
         now = trio.current_time()
-        kv_cache = _kv_cache(served)
+        model = self._model(served)
+        kv_cache = _kv_cache(served) if model.generative else None
         waiting = running = None
-        if isinstance(served, _ReportsQueue):
-            queue = served.statistics()
+        if model.reports_queue:
+            queue = cast(_ReportsQueue, served).statistics()
             waiting, running = queue.queued, queue.executing
         if kv_cache is not None:
             utilization = kv_cache.utilization
         else:
-            model = self._models.get((served.model.name, served.version))
-            in_flight = model.totals(now).busy_per_second if model is not None else 0.0
+            in_flight = model.activity.totals(now).busy_per_second
             utilization = in_flight / served.model.instance_count
         server = self._server.totals(now)
         cpu, memory = self._host.sample(now)
@@ -226,16 +226,43 @@ class LoadReporter:
         )
 
 
+class _Counting:
+    """``LoadReporter.counting``: a class, not a generator, as it runs on every request."""
+
+    __slots__ = ("_arrived", "_load", "_served")
+
+    def __init__(self, load: LoadReporter, served: ServedModel, arrived: float) -> None:
+        self._load, self._served, self._arrived = load, served, arrived
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is None or issubclass(kind, Exception):
+            self._load.record(self._served, self._arrived, failed=kind is not None)
+
+
+def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:
+    """``build(served)``, or None with the reason logged: a report never fails a response."""
+    try:
+        return build(served)
+    except _NoReport as exc:
+        logger.error("model '%s': %s: no load report sent", _name(served), exc)
+    except Exception:
+        logger.exception("building the load report for model '%s' failed", _name(served))
+    return None
+
+
 class _NoReport(Exception):
     """What a report needs is missing, e.g. a generative model's KV-cache figures."""
 
 
-def _kv_cache(served: ServedModel) -> KVCacheState | None:
-    """The KV cache of a generative model, None for a model without one."""
-    if not isinstance(served, GenerativeServed):
-        return None
+def _kv_cache(served: ServedModel) -> KVCacheState:
+    """The KV cache of a generative model."""
     try:
-        state = served.kv_cache_state()
+        state = cast(GenerativeServed, served).kv_cache_state()
     except Exception as exc:
         raise _NoReport(f"no KV-cache figures ({exc!r})") from None
     if not isinstance(state, KVCacheState):
@@ -263,8 +290,9 @@ def _json_number(value: float) -> str:
     """
     if isinstance(value, int):
         return str(value)
-    if value == 0:
-        return "0.0"
+    text = repr(value)
+    if "e" not in text:  # Python's positional form is RapidJSON's: 0.75, 2.0, 0.0001
+        return text
     sign = "-" if value < 0 else ""
     shortest = Decimal(repr(abs(value))).normalize().as_tuple()
     digits = "".join(map(str, shortest.digits))

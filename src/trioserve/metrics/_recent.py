@@ -67,12 +67,13 @@ class RecentActivity:
 
     def totals(self, now: float) -> Totals:
         oldest = math.floor(now) - len(self._buckets) + 1
-        live = [b for b in self._buckets if b.second >= oldest]
+        requests = errors = 0
+        busy_s = 0.0
+        for bucket in self._buckets:
+            if bucket.second >= oldest:
+                requests += bucket.requests
+                errors += bucket.errors
+                busy_s += bucket.busy_s
         # The window begins at its oldest second, or later if no request had come before.
         begin = oldest if self._first is None else max(self._first, oldest)
-        return Totals(
-            requests=sum(b.requests for b in live),
-            errors=sum(b.errors for b in live),
-            busy_s=sum(b.busy_s for b in live),
-            span_s=max(now - begin, 1.0),
-        )
+        return Totals(requests, errors, busy_s, span_s=max(now - begin, 1.0))
