@@ -268,3 +268,21 @@ async def test_grpc_no_trailer_unless_asked_or_possible(
         trailers = await infer_with_trailers(url, text_request(), {ASK: "json"})
     assert "endpoint-load-metrics-bin" not in trailers
     assert "negative KV-cache figures" in caplog.records[0].getMessage()
+
+
+# --- one server, both front ends ----------------------------------------------------------
+
+
+async def test_both_front_ends_of_a_server_share_its_load(
+    nursery: trio.Nursery, mock_clock: Any
+) -> None:
+    config = trioserve.ServerConfig(models=[echo_model()], http_port=0, grpc_port=0)
+    server: trioserve.Server = await nursery.start(trioserve.serve, config)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+        rest = await http.post("/v2/models/echo/infer", json=X_INPUT, headers={ASK: "json"})
+    assert '"rps_fractional":1.0,' in rest.headers["endpoint-load-metrics"]
+    trailers = await infer_with_trailers(
+        f"127.0.0.1:{server.grpc_port}", x_request(), {ASK: "json"}
+    )
+    report = OrcaLoadReport.FromString(trailers["endpoint-load-metrics-bin"])
+    assert report.rps_fractional == 2.0  # the REST request counts too: time stands still

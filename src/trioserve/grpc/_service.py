@@ -3,7 +3,8 @@
 Handlers run on the asyncio side of the bridge (grpclib is asyncio code) and never touch
 trio themselves: the one step that must run in trio, ``ServedModel.infer``, goes through
 the ``Infer`` callable the bridge hands in. Everything else they read (readiness,
-metadata, config) is plain synchronous state of the repository.
+metadata, config) is plain synchronous state of the repository; the load reporter only
+reads trio's clock, which this thread's trio run answers.
 
 Each handler body is wrapped by ``_rpc``, the one place that turns failures into gRPC
 statuses: an ``InferenceServerError`` through the table in ``_errors``, anything else
