@@ -63,26 +63,27 @@ def test_json_numbers_print_as_tritons_json_writer_prints_them(value: float, tex
 
 def test_recent_activity_rates_over_the_window() -> None:
     activity = RecentActivity(window_s=10)
-    for _ in range(5):
-        activity.add(100.0, failed=False, busy_s=0.5)
-    activity.add(101.25, failed=True, busy_s=1.0)
-    # Requests began arriving at 99.5 (the first one's arrival): 2.5 s of requests.
-    assert activity.totals(102.0) == Totals(requests=6, errors=1, busy_s=3.5, span_s=2.5)
-    assert activity.totals(102.0).requests_per_second == 2.4
+    for _ in range(3):
+        activity.add(100.0, arrived=99.5, failed=False, busy=0.5)
+    activity.add(101.25, arrived=100.25, failed=True, busy=1.0)
+    # Requests began arriving at 99.5: 2.5 s of requests.
+    assert activity.totals(102.0) == Totals(requests=4, errors=1, busy=2.5, span_s=2.5)
+    assert activity.totals(102.0).requests_per_second == 1.6
     assert activity.totals(102.0).errors_per_second == 0.4
-    assert activity.totals(102.0).busy_per_second == 1.4
+    assert activity.totals(102.0).mean_busy == 0.625
     # At 109.5 the window is seconds 100..109; at 110, second 100 has left it.
-    assert activity.totals(109.5) == Totals(6, 1, 3.5, 9.5)
+    assert activity.totals(109.5) == Totals(4, 1, 2.5, 9.5)
     assert activity.totals(110.0) == Totals(1, 1, 1.0, 9.0)
     # Second 110 reuses second 100's bucket: it starts from zero.
-    activity.add(110.5, failed=False, busy_s=0.0)
+    activity.add(110.5, arrived=110.5, failed=False)
     assert activity.totals(110.5) == Totals(2, 1, 1.0, 9.5)
     assert activity.totals(121.0) == Totals(0, 0, 0.0, 9.0)
+    assert activity.totals(121.0).mean_busy == 0.0
 
 
 def test_recent_activity_first_second_is_not_a_burst() -> None:
     activity = RecentActivity(window_s=10)
-    activity.add(50.25, failed=False, busy_s=0.0)
+    activity.add(50.25, arrived=50.25, failed=False)
     assert activity.totals(50.5).requests_per_second == 1.0  # over one second, not 0.25
     assert RecentActivity().totals(7.0).requests_per_second == 0.0
 
@@ -148,23 +149,25 @@ async def test_tensor_model_report(nursery: trio.Nursery, autojump_clock: Any) -
             await runner.infer(x_request())
 
     async with trio.open_nursery() as clients:
-        for _ in range(3):  # two instances: two run at once, the third waits a second
-            clients.start_soon(one)
-        await runner.wait_until(lambda s: s.queued == 1 and s.executing == 2)
+        clients.start_soon(one)  # finds both instances idle
+        await runner.wait_until(lambda s: s.executing == 1)
+        clients.start_soon(one)  # finds one of the two busy
+        await runner.wait_until(lambda s: s.executing == 2)
+        clients.start_soon(one)  # finds both busy, and waits a second for one
+        await runner.wait_until(lambda s: s.queued == 1)
         busy = load.report(runner)
         assert busy is not None
         assert (busy.waiting, busy.running, busy.rps_fractional) == (1, 2, 0.0)
     assert trio.current_time() - start == 2.0
     report = load.report(runner)
     assert report is not None
-    # Requests in the model over the two seconds: 1 + 1 + 2 request-seconds, on 2 instances.
-    assert report.application_utilization == 1.0
-    assert report.rps_fractional == 1.5
+    assert report.application_utilization == 0.5  # (0 + 1/2 + 2/2) / 3, found on arrival
+    assert report.rps_fractional == 1.5  # three requests in the two seconds since the first
     assert report.eps == 0.0
     assert load.http_header(runner, JSON_ASKED) == (
         b"endpoint-load-metrics",
         b'JSON {"named_metrics":{"num_requests_waiting":0,"num_requests_running":0},'
-        b'"application_utilization":1.0,"rps_fractional":1.5,"eps":0.0}',
+        b'"application_utilization":0.5,"rps_fractional":1.5,"eps":0.0}',
     )
     assert load.http_header(runner, TEXT_ASKED) == (
         b"endpoint-load-metrics",

@@ -17,9 +17,9 @@ What a report says about a model:
 ==========================  ===========================  ==============================
 field                       model with a KV cache        tensor model
 ==========================  ===========================  ==============================
-application_utilization     KV-cache blocks used / all   requests in the model (queued
-                                                         or executing) per instance,
-                                                         averaged over the window
+application_utilization     KV-cache blocks used / all   fraction of the instances busy,
+                                                         as the window's requests found
+                                                         them on arrival
 named kv_cache_utilization  KV-cache blocks used / all   --
 named max_token_capacity    blocks x tokens per block    --
 named num_requests_waiting  if the model reports a queue queued requests
@@ -133,6 +133,7 @@ class _ModelLoad:
     activity: RecentActivity  # the model's own requests, for its utilization
     generative: bool  # has a KV cache
     reports_queue: bool
+    instances: int
 
 
 class LoadReporter:
@@ -148,14 +149,18 @@ class LoadReporter:
         self._server = RecentActivity(window_s)
         self._models: dict[tuple[str, str], _ModelLoad] = {}  # by model name and version
 
-    def counting(self, served: ServedModel, since: float | None = None) -> _Counting:
-        """Count one request to ``served`` that arrived at ``since`` (default: now), as
-        ``with load.counting(served): ...`` around the wait for its outcome.
+    def counting(self, served: ServedModel) -> _Counting:
+        """A request to ``served`` arrives now: ``with`` the result around the step that
+        gives its outcome, and the request is counted when that step ends.
 
         Leaving with an exception counts it as an error; a cancellation (a
         ``BaseException``: the client went away, the server stops) is not counted.
         """
-        return _Counting(self, served, trio.current_time() if since is None else since)
+        model = self._model(served)
+        busy = 0.0
+        if model.reports_queue:  # what the request finds on arrival, before it queues
+            busy = cast(_ReportsQueue, served).statistics().executing / model.instances
+        return _Counting(self, served, trio.current_time(), busy)
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
@@ -190,14 +195,16 @@ class LoadReporter:
                 RecentActivity(self._window_s),
                 generative=isinstance(served, GenerativeServed),
                 reports_queue=isinstance(served, _ReportsQueue),
+                instances=served.model.instance_count,
             )
         return model
 
-    def record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
-        """Count one finished request to ``served`` that arrived at ``arrived``."""
+    def record(self, served: ServedModel, arrived: float, busy: float, *, failed: bool) -> None:
+        """Count a request to ``served`` that arrived at ``arrived`` and ends now; ``busy``:
+        the fraction of the model's instances that were busy when it arrived."""
         now = trio.current_time()
-        self._server.add(now, failed=failed, busy_s=now - arrived)
-        self._model(served).activity.add(now, failed=failed, busy_s=now - arrived)
+        self._server.add(now, arrived=arrived, failed=failed)
+        self._model(served).activity.add(now, arrived=arrived, failed=failed, busy=busy)
 
     def _report(self, served: ServedModel) -> LoadReport:
         now = trio.current_time()
@@ -210,8 +217,7 @@ class LoadReporter:
         if kv_cache is not None:
             utilization = kv_cache.utilization
         else:
-            in_flight = model.activity.totals(now).busy_per_second
-            utilization = in_flight / served.model.instance_count
+            utilization = model.activity.totals(now).mean_busy
         server = self._server.totals(now)
         cpu, memory = self._host.sample(now)
         return LoadReport(
@@ -229,10 +235,12 @@ class LoadReporter:
 class _Counting:
     """``LoadReporter.counting``: a class, not a generator, as it runs on every request."""
 
-    __slots__ = ("_arrived", "_load", "_served")
+    __slots__ = ("_arrived", "_busy", "_load", "_served")
 
-    def __init__(self, load: LoadReporter, served: ServedModel, arrived: float) -> None:
-        self._load, self._served, self._arrived = load, served, arrived
+    def __init__(
+        self, load: LoadReporter, served: ServedModel, arrived: float, busy: float
+    ) -> None:
+        self._load, self._served, self._arrived, self._busy = load, served, arrived, busy
 
     def __enter__(self) -> None:
         return None
@@ -241,7 +249,7 @@ class _Counting:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if kind is None or issubclass(kind, Exception):
-            self._load.record(self._served, self._arrived, failed=kind is not None)
+            self._load.record(self._served, self._arrived, self._busy, failed=kind is not None)
 
 
 def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:

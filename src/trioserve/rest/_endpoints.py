@@ -72,7 +72,7 @@ class _Endpoints:
         inference = decode_request(
             request.body, _header_length(request.headers), runner.model, name, version
         )
-        arrived = trio.current_time()
+        counted = self.load.counting(runner)  # on arrival: the model's load as found
         ticket = runner.submit(inference)
         entry = self.disconnects.track(ticket, request.receive)
         try:
@@ -84,7 +84,7 @@ class _Endpoints:
             self.disconnects.untrack(ticket, entry)
         if ticket.withdrawn:
             return None  # withdrawn because the client disconnected: nobody to answer
-        with self.load.counting(runner, arrived):
+        with counted:
             result = ticket.outcome()
         body, header_length = encode_response(result, inference)
         load_report = self.load.http_header(runner, request.headers)
