@@ -64,21 +64,20 @@ def test_json_numbers_print_as_tritons_json_writer_prints_them(value: float, tex
 def test_recent_activity_rates_over_the_window() -> None:
     activity = RecentActivity(window_s=10)
     for _ in range(3):
-        activity.add(100.0, arrived=99.5, failed=False, busy=0.5)
-    activity.add(101.25, arrived=100.25, failed=True, busy=1.0)
-    # Requests began arriving at 99.5: 2.5 s of requests.
-    assert activity.totals(102.0) == Totals(requests=4, errors=1, busy=2.5, span_s=2.5)
+        activity.add(100.0, arrived=99.5, failed=False)
+    activity.add(101.25, arrived=100.25, failed=True)
+    # Requests began arriving at 99.5: 2.5 s of requests, 0.5 + 0.5 + 0.5 + 1.0 s in flight.
+    assert activity.totals(102.0) == Totals(requests=4, errors=1, busy_s=2.5, span_s=2.5)
     assert activity.totals(102.0).requests_per_second == 1.6
     assert activity.totals(102.0).errors_per_second == 0.4
-    assert activity.totals(102.0).mean_busy == 0.625
+    assert activity.totals(102.0).in_flight == 1.0
     # At 109.5 the window is seconds 100..109; at 110, second 100 has left it.
     assert activity.totals(109.5) == Totals(4, 1, 2.5, 9.5)
     assert activity.totals(110.0) == Totals(1, 1, 1.0, 9.0)
     # Second 110 reuses second 100's bucket: it starts from zero.
-    activity.add(110.5, arrived=110.5, failed=False)
-    assert activity.totals(110.5) == Totals(2, 1, 1.0, 9.5)
+    activity.add(110.5, arrived=110.0, failed=False)
+    assert activity.totals(110.5) == Totals(2, 1, 1.5, 9.5)
     assert activity.totals(121.0) == Totals(0, 0, 0.0, 9.0)
-    assert activity.totals(121.0).mean_busy == 0.0
 
 
 def test_recent_activity_first_second_is_not_a_burst() -> None:
@@ -149,31 +148,31 @@ async def test_tensor_model_report(nursery: trio.Nursery, autojump_clock: Any) -
             await runner.infer(x_request())
 
     async with trio.open_nursery() as clients:
-        clients.start_soon(one)  # finds both instances idle
-        await runner.wait_until(lambda s: s.executing == 1)
-        clients.start_soon(one)  # finds one of the two busy
-        await runner.wait_until(lambda s: s.executing == 2)
-        clients.start_soon(one)  # finds both busy, and waits a second for one
-        await runner.wait_until(lambda s: s.queued == 1)
+        for _ in range(4):  # two run at once; two wait a second for an instance
+            clients.start_soon(one)
+        await runner.wait_until(lambda s: s.queued == 2 and s.executing == 2)
         busy = load.report(runner)
         assert busy is not None
-        assert (busy.waiting, busy.running, busy.rps_fractional) == (1, 2, 0.0)
+        assert (busy.waiting, busy.running, busy.rps_fractional) == (2, 2, 0.0)
     assert trio.current_time() - start == 2.0
     report = load.report(runner)
     assert report is not None
-    assert report.application_utilization == 0.5  # (0 + 1/2 + 2/2) / 3, found on arrival
-    assert report.rps_fractional == 1.5  # three requests in the two seconds since the first
+    # 1 + 1 + 2 + 2 request-seconds in two seconds: 3 in flight on 2 instances, capped at 1.
+    assert report.application_utilization == 1.0
+    assert report.rps_fractional == 2.0
     assert report.eps == 0.0
+    await trio.sleep(2.0)
+    # The same 6 request-seconds over four seconds: 1.5 in flight, 0.75 per instance.
     assert load.http_header(runner, JSON_ASKED) == (
         b"endpoint-load-metrics",
         b'JSON {"named_metrics":{"num_requests_waiting":0,"num_requests_running":0},'
-        b'"application_utilization":0.5,"rps_fractional":1.5,"eps":0.0}',
+        b'"application_utilization":0.75,"rps_fractional":1.0,"eps":0.0}',
     )
     assert load.http_header(runner, TEXT_ASKED) == (
         b"endpoint-load-metrics",
         b"TEXT named_metrics.num_requests_waiting=0, named_metrics.num_requests_running=0",
     )
-    await trio.sleep(10.0)  # all three leave the ten-second window
+    await trio.sleep(10.0)  # all four leave the ten-second window
     later = load.report(runner)
     assert later is not None
     assert (later.application_utilization, later.rps_fractional) == (0.0, 0.0)

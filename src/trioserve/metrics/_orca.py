@@ -17,9 +17,10 @@ What a report says about a model:
 ==========================  ===========================  ==============================
 field                       model with a KV cache        tensor model
 ==========================  ===========================  ==============================
-application_utilization     KV-cache blocks used / all   fraction of the instances busy,
-                                                         as the window's requests found
-                                                         them on arrival
+application_utilization     KV-cache blocks used / all   requests in the model (queued
+                                                         or executing) per instance,
+                                                         averaged over the window, at
+                                                         most 1
 named kv_cache_utilization  KV-cache blocks used / all   --
 named max_token_capacity    blocks x tokens per block    --
 named num_requests_waiting  if the model reports a queue queued requests
@@ -156,11 +157,7 @@ class LoadReporter:
         Leaving with an exception counts it as an error; a cancellation (a
         ``BaseException``: the client went away, the server stops) is not counted.
         """
-        model = self._model(served)
-        busy = 0.0
-        if model.reports_queue:  # what the request finds on arrival, before it queues
-            busy = cast(_ReportsQueue, served).statistics().executing / model.instances
-        return _Counting(self, served, trio.current_time(), busy)
+        return _Counting(self, served, trio.current_time())
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
@@ -199,12 +196,11 @@ class LoadReporter:
             )
         return model
 
-    def record(self, served: ServedModel, arrived: float, busy: float, *, failed: bool) -> None:
-        """Count a request to ``served`` that arrived at ``arrived`` and ends now; ``busy``:
-        the fraction of the model's instances that were busy when it arrived."""
+    def record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
+        """Count a request to ``served`` that arrived at ``arrived`` and ends now."""
         now = trio.current_time()
         self._server.add(now, arrived=arrived, failed=failed)
-        self._model(served).activity.add(now, arrived=arrived, failed=failed, busy=busy)
+        self._model(served).activity.add(now, arrived=arrived, failed=failed)
 
     def _report(self, served: ServedModel) -> LoadReport:
         now = trio.current_time()
@@ -217,7 +213,13 @@ class LoadReporter:
         if kv_cache is not None:
             utilization = kv_cache.utilization
         else:
-            utilization = model.activity.totals(now).mean_busy
+            # Requests in the model per instance (Little's law: time-averaged, whatever
+            # the arrivals' pattern), at most 1: all instances busy. Past that the
+            # queue grows, which ``num_requests_waiting`` tells; capping keeps the
+            # weight a balancer derives (rps / utilization) at the model's throughput
+            # while it drains a queue, rather than starving it of traffic.
+            in_flight = model.activity.totals(now).in_flight
+            utilization = min(in_flight / model.instances, 1.0)
         server = self._server.totals(now)
         cpu, memory = self._host.sample(now)
         return LoadReport(
@@ -235,12 +237,10 @@ class LoadReporter:
 class _Counting:
     """``LoadReporter.counting``: a class, not a generator, as it runs on every request."""
 
-    __slots__ = ("_arrived", "_busy", "_load", "_served")
+    __slots__ = ("_arrived", "_load", "_served")
 
-    def __init__(
-        self, load: LoadReporter, served: ServedModel, arrived: float, busy: float
-    ) -> None:
-        self._load, self._served, self._arrived, self._busy = load, served, arrived, busy
+    def __init__(self, load: LoadReporter, served: ServedModel, arrived: float) -> None:
+        self._load, self._served, self._arrived = load, served, arrived
 
     def __enter__(self) -> None:
         return None
@@ -249,7 +249,7 @@ class _Counting:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if kind is None or issubclass(kind, Exception):
-            self._load.record(self._served, self._arrived, self._busy, failed=kind is not None)
+            self._load.record(self._served, self._arrived, failed=kind is not None)
 
 
 def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:

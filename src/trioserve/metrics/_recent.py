@@ -1,5 +1,5 @@
-"""Recent activity: finished requests, failures and how busy their model was, over a
-sliding window.
+"""Recent activity: finished requests, failures and the time they took, over a sliding
+window.
 
 The window is a ring of one-second buckets; each remembers which whole second it
 counts, so a bucket is reset the first time it is reused. Time is passed in (seconds
@@ -17,7 +17,7 @@ class _Bucket:
     second: int = -1  # the whole second this bucket counts; -1: never used
     requests: int = 0
     errors: int = 0
-    busy: float = 0.0  # the busy fractions the requests found on arrival, summed
+    busy_s: float = 0.0  # the requests' time from arrival to outcome, summed
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class Totals:
 
     requests: int
     errors: int
-    busy: float
+    busy_s: float
     span_s: float  # never below one second, so a first request does not read as a burst
 
     @property
@@ -38,10 +38,9 @@ class Totals:
         return self.errors / self.span_s
 
     @property
-    def mean_busy(self) -> float:
-        """The mean busy fraction requests found on arrival: arrivals that come
-        independently of the model's state see its time average."""
-        return self.busy / self.requests if self.requests else 0.0
+    def in_flight(self) -> float:
+        """The mean number of requests in flight over the window (Little's law)."""
+        return self.busy_s / self.span_s
 
 
 class RecentActivity:
@@ -53,28 +52,28 @@ class RecentActivity:
         self._buckets = [_Bucket() for _ in range(window_s)]
         self._first: float | None = None  # when the first request counted arrived
 
-    def add(self, now: float, *, arrived: float, failed: bool, busy: float = 0.0) -> None:
+    def add(self, now: float, *, arrived: float, failed: bool) -> None:
         """One request that arrived at ``arrived`` finished at ``now``, ``failed`` if in
-        error; ``busy`` is the fraction of its model's instances busy when it arrived."""
+        error."""
         if self._first is None or arrived < self._first:
             self._first = arrived
         second = math.floor(now)
         bucket = self._buckets[second % len(self._buckets)]
         if bucket.second != second:
-            bucket.second, bucket.requests, bucket.errors, bucket.busy = second, 0, 0, 0.0
+            bucket.second, bucket.requests, bucket.errors, bucket.busy_s = second, 0, 0, 0.0
         bucket.requests += 1
         bucket.errors += failed
-        bucket.busy += busy
+        bucket.busy_s += now - arrived
 
     def totals(self, now: float) -> Totals:
         oldest = math.floor(now) - len(self._buckets) + 1
         requests = errors = 0
-        busy = 0.0
+        busy_s = 0.0
         for bucket in self._buckets:
             if bucket.second >= oldest:
                 requests += bucket.requests
                 errors += bucket.errors
-                busy += bucket.busy
+                busy_s += bucket.busy_s
         # The window begins at its oldest second, or later if no request had come before.
         begin = oldest if self._first is None else max(self._first, oldest)
-        return Totals(requests, errors, busy, span_s=max(now - begin, 1.0))
+        return Totals(requests, errors, busy_s, span_s=max(now - begin, 1.0))
