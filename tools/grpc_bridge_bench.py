@@ -78,9 +78,8 @@ def _direct_infer() -> Any:
 def _service(repository: Any, infer: Any) -> Any:
     from trioserve._server import server_metadata
     from trioserve.grpc._service import InferenceService
-    from trioserve.shm import SharedMemoryRegistry
 
-    return InferenceService(repository, server_metadata(), infer, SharedMemoryRegistry(), {})
+    return InferenceService(repository, server_metadata(), infer)
 
 
 def _announce(port: int) -> None:

@@ -24,6 +24,7 @@ import trio
 from ._config import ServerConfig
 from ._repository import ModelRepository
 from ._version import __version__
+from .metrics._orca import LoadReporter
 from .scheduler._runner import ModelRunner
 from .shm import SharedMemoryRegistry
 
@@ -105,6 +106,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         ModelRunner(model, version) for model in config.models for version in model.versions
     )
     stop_accepting = trio.Event()
+    load = LoadReporter()  # one per server: both front ends report the same load
     front_ends = _FrontEnds()
     shared_memory = SharedMemoryRegistry()
     metadata = server_metadata(shared_memory.cuda_available)
@@ -117,11 +119,11 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         grpc: list[Address] = []
         if config.http_port is not None:
             rest = _rest(config, config.http_port, repository, stop_accepting, shared_memory,
-                         metadata)
+                         metadata, load)
             http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
             grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting,
-                                   shared_memory, metadata)
+                                   shared_memory, metadata, load)
             grpc = await services.start(front_ends.run, grpc_front_end)
         if front_ends.running == 0:
             front_ends.done.set()
@@ -154,13 +156,13 @@ async def serve(
 
 def _rest(
     config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
-    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any],
+    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any], load: LoadReporter,
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
     app = build_app(
-        repository, metadata, config.http_limits.max_body_bytes, shared_memory,
-        config.http_restricted_apis,
+        repository, metadata, config.http_limits.max_body_bytes, shared_memory=shared_memory,
+        restrictions=config.http_restricted_apis, load=load,
     )
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
@@ -178,12 +180,12 @@ def _rest(
 
 def _grpc(
     config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
-    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any],
+    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any], load: LoadReporter,
 ) -> Callable[..., Awaitable[None]]:
     from .grpc import serve_grpc
 
     return partial(
         serve_grpc, repository, metadata, config.host, port,
         max_message_bytes=config.grpc_max_message_bytes, shared_memory=shared_memory,
-        restrictions=config.grpc_restricted_apis, shutdown_trigger=stop.wait,
+        restrictions=config.grpc_restricted_apis, shutdown_trigger=stop.wait, load=load,
     )

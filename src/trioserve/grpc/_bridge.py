@@ -39,6 +39,7 @@ from .._errors import UnavailableError
 from .._repository import ModelRepository, ServedModel
 from .._restricted import Restriction
 from .._types import InferenceRequest, InferenceResponse
+from ..metrics._orca import LoadReporter
 from ..shm import SharedMemoryRegistry
 from ._errors import MESSAGE_TOO_LARGE, grpc_error
 from ._service import HealthService, InferenceService
@@ -58,9 +59,10 @@ async def serve_grpc(
     port: int,
     *,
     max_message_bytes: int,
-    shared_memory: SharedMemoryRegistry,
-    restrictions: Mapping[str, Restriction],
+    shared_memory: SharedMemoryRegistry | None = None,
+    restrictions: Mapping[str, Restriction] | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    load: LoadReporter | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the gRPC front end on ``host:port`` until cancelled or shut down.
@@ -80,7 +82,14 @@ async def serve_grpc(
             return future
 
         services = [
-            InferenceService(repository, server_metadata, infer, shared_memory, restrictions),
+            InferenceService(
+                repository,
+                server_metadata,
+                infer,
+                shared_memory=shared_memory,
+                restrictions=restrictions,
+                load=load,
+            ),
             HealthService(repository),
         ]
         try:
@@ -289,7 +298,10 @@ async def _finish_call(func: _RpcFunc, stream: Stream[Any, Any]) -> None:
                 status=error.status, status_message=error.message, status_details=error.details
             )
         else:
-            await stream.send_trailing_metadata()
+            # A handler may send its own trailers (with metadata), as grpclib allows;
+            # this is the check grpclib itself makes before sending them for it.
+            if not stream._send_trailing_metadata_done:
+                await stream.send_trailing_metadata()
     except (StreamClosedError, StreamTerminatedError):
         pass  # the client reset the stream or left: there is nobody left to tell
 

@@ -3,7 +3,8 @@
 Handlers run on the asyncio side of the bridge (grpclib is asyncio code) and never touch
 trio themselves: the one step that must run in trio, ``ServedModel.infer``, goes through
 the ``Infer`` callable the bridge hands in. Everything else they read (readiness,
-metadata, config) is plain synchronous state of the repository.
+metadata, config) is plain synchronous state of the repository; the load reporter only
+reads trio's clock, which this thread's trio run answers.
 
 Each handler body is wrapped by ``_rpc``, the one place that turns failures into gRPC
 statuses: an ``InferenceServerError`` through the table in ``_errors``, anything else
@@ -30,6 +31,7 @@ from .._errors import (
 from .._repository import ModelRepository, ServedModel
 from .._restricted import Restriction
 from .._types import InferenceRequest, InferenceResponse
+from ..metrics._orca import LoadReporter
 from ..shm import RequestRegions, SharedMemoryRegistry
 from ._codec import (
     decode_request,
@@ -41,6 +43,7 @@ from ._codec import (
 from ._errors import grpc_error
 from ._generated import grpc_service_grpc, health_grpc, health_pb2
 from ._generated import grpc_service_pb2 as pb
+from ._orca import load_report_trailer
 from ._shm import SHARED_MEMORY_RPCS, check_restriction
 
 logger = logging.getLogger("trioserve.grpc")
@@ -114,14 +117,19 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         repository: ModelRepository,
         server_metadata: Mapping[str, Any],
         infer: Infer,
-        shared_memory: SharedMemoryRegistry,
-        restrictions: Mapping[str, Restriction],
+        *,
+        shared_memory: SharedMemoryRegistry | None = None,
+        restrictions: Mapping[str, Restriction] | None = None,
+        load: LoadReporter | None = None,
     ) -> None:
+        """What the server owns is passed in (shared with the REST front end); a service
+        built without it gets its own."""
         self._repository = repository
         self._server_metadata = server_metadata_message(server_metadata)  # never changes
         self._infer = infer
-        self._shared_memory = shared_memory
-        self._shared_memory_restriction = restrictions.get("shared-memory")
+        self._shared_memory = shared_memory or SharedMemoryRegistry()
+        self._shared_memory_restriction = (restrictions or {}).get("shared-memory")
+        self._load = load or LoadReporter()  # the server's, shared with the REST front end
 
     @_rpc
     async def ServerLive(self, stream: Stream[Any, Any]) -> None:
@@ -164,9 +172,13 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         served = self._repository.get(message.model_name, message.model_version)
         with RequestRegions(self._shared_memory, served.model.device) as regions:
             request = decode_request(message, regions)
-            response = await self._infer(served, request)
-            regions.write_outputs(response)
+            with self._load.counting(served):
+                response = await self._infer(served, request)
+                regions.write_outputs(response)
             await stream.send_message(encode_response(response))
+        trailer = load_report_trailer(stream.metadata, self._load, served)
+        if trailer is not None:
+            await stream.send_trailing_metadata(metadata=trailer)
 
     SystemSharedMemoryStatus = _shared_memory_rpc("SystemSharedMemoryStatus")
     SystemSharedMemoryRegister = _shared_memory_rpc("SystemSharedMemoryRegister")

@@ -12,6 +12,7 @@ from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository, ServedModel
 from .._restricted import Restriction
+from ..metrics._orca import LoadReporter
 from ..shm import RequestRegions, SharedMemoryRegistry
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
@@ -39,10 +40,12 @@ class _Endpoints:
         server_metadata: dict[str, Any],
         disconnects: DisconnectWatch,
         shared_memory: SharedMemoryRegistry,
+        load: LoadReporter,
     ) -> None:
         self.repository = repository
         self.shared_memory = shared_memory
         self.disconnects = disconnects
+        self.load = load
         self.server_metadata = _json(server_metadata)
 
     async def live(self, request: Request) -> Response:
@@ -82,6 +85,7 @@ class _Endpoints:
         inference = decode_request(
             request.body, _header_length(request.headers), runner.model, name, version, regions
         )
+        counted = self.load.counting(runner)  # on arrival: the model's load as found
         ticket = runner.submit(inference)
         entry = self.disconnects.track(ticket, request.receive)
         try:
@@ -93,18 +97,16 @@ class _Endpoints:
             self.disconnects.untrack(ticket, entry)
         if ticket.withdrawn:
             return None  # withdrawn because the client disconnected: nobody to answer
-        result = ticket.outcome()
-        regions.write_outputs(result)
+        with counted:
+            result = ticket.outcome()
+            regions.write_outputs(result)
         body, header_length = encode_response(result, inference)
+        load_report = self.load.http_header(runner, request.headers)
+        headers = [] if load_report is None else [load_report]
         if header_length is None:
-            return Response(200, body, compressible=True)
-        return Response(
-            200,
-            body,
-            b"application/octet-stream",
-            [(b"inference-header-content-length", str(header_length).encode())],
-            compressible=True,
-        )
+            return Response(200, body, headers=headers, compressible=True)
+        headers.append((b"inference-header-content-length", str(header_length).encode()))
+        return Response(200, body, b"application/octet-stream", headers, compressible=True)
 
 
 def _header_length(headers: dict[bytes, bytes]) -> int | None:
@@ -120,11 +122,19 @@ def build_app(
     repository: ModelRepository,
     server_metadata: dict[str, Any],
     max_body_bytes: int,
-    shared_memory: SharedMemoryRegistry,
-    restrictions: Mapping[str, Restriction],
+    *,
+    shared_memory: SharedMemoryRegistry | None = None,
+    restrictions: Mapping[str, Restriction] | None = None,
+    load: LoadReporter | None = None,
 ) -> RestApp:
+    """The REST app. The server passes what it owns (its shared-memory regions, its load
+    reporter); an app built without them gets its own."""
     disconnects = DisconnectWatch()
-    e = _Endpoints(repository, server_metadata, disconnects, shared_memory)
+    shared_memory = shared_memory or SharedMemoryRegistry()
+    restriction = (restrictions or {}).get("shared-memory")
+    e = _Endpoints(
+        repository, server_metadata, disconnects, shared_memory, load or LoadReporter()
+    )
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -134,5 +144,5 @@ def build_app(
         router.add("GET", f"{base}/ready", e.model_ready)
         router.add("GET", f"{base}/config", e.model_config)
         router.add("POST", f"{base}/infer", e.infer)
-    add_shared_memory_routes(router, shared_memory, restrictions.get("shared-memory"))
+    add_shared_memory_routes(router, shared_memory, restriction)
     return RestApp(router, max_body_bytes, background=[disconnects.run])

@@ -1,0 +1,1 @@
+"""Metrics: what the server reports about its own load and activity."""
