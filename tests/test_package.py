@@ -23,10 +23,10 @@ def test_public_api_is_what_we_mean():
     assert sorted(trioserve.__all__) == sorted(
         [
             "AlreadyExistsError", "CancelledError", "DynamicBatching", "ErrorKind",
-            "FunctionModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
+            "FunctionModel", "GenerativeModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
             "InferenceServerError", "InputTensor", "InternalError", "InvalidArgumentError",
             "Model", "NotFoundError", "OutputTensor", "RequestedOutput", "Server",
-            "ServerConfig", "TensorSpec", "UnavailableError", "UnsupportedError",
+            "ServerConfig", "StepSequence", "TensorSpec", "UnavailableError", "UnsupportedError",
             "__version__", "model", "open_server", "serve",
         ]
     )

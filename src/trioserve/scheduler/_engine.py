@@ -1,0 +1,393 @@
+"""The continuous-batching engine: one trio task that schedules, steps and emits.
+
+Each iteration asks the policy for a plan, runs the model's step on it (in a worker
+thread, or in trio for an ``async`` step), samples the next token of every sequence
+whose tokens are all processed, turns tokens into text, applies stop conditions and
+hands each request's new text to its sink. Then it sends one ``IterationStats`` down
+the stats channel and goes again; with nothing to do it sleeps until a request comes.
+
+``add`` and ``abort`` are called from the front ends' tasks. They change the engine's
+state directly (everything runs on the one trio thread): an abort frees the request's
+blocks at once, even while a step that includes it is in flight; the step's results
+for it are then dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import trio
+
+from .._errors import InternalError, InvalidArgumentError, UnavailableError
+from .._generative import GenerativeModel, StepSequence
+from ._generation import FinishReason, GenerationChunk, GenerationRequest, KVCacheState
+from ._kv_blocks import KVBlockManager
+from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
+from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
+from ._sampling import is_greedy, sample, sample_generator
+
+logger = logging.getLogger("trioserve.llm")
+
+
+class Sink(Protocol):
+    """Where a request's output goes: a stream, or a collected response."""
+
+    def chunk(self, chunk: GenerationChunk) -> None: ...
+
+    def close(self) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Sample:
+    seq: Sequence
+    rng: np.random.Generator
+    # Incremental detokenizing: text of output[prefix:read] was emitted already;
+    # decoding from ``prefix`` gives the surrounding context a tokenizer may need.
+    prefix_offset: int = 0
+    read_offset: int = 0
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` sent to the sink
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(eq=False, slots=True)
+class EngineRequest:
+    request: GenerationRequest
+    sink: Sink
+    times: RequestTimes
+    prompt_len: int
+    samples: list[_Sample] = field(default_factory=list)
+    live: int = 0  # samples not finished
+    token_step: int = -1  # the last iteration that produced tokens for this request
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _StepTally:
+    """Per-iteration counts, turned into IterationStats at the end of the iteration."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: GenerativeModel,
+        stats: trio.MemorySendChannel[IterationStats] | None = None,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.blocks = KVBlockManager(
+            model.num_kv_blocks, model.block_size, prefix_caching=model.enable_prefix_caching
+        )
+        self.policy = ContinuousBatchingPolicy(
+            self.blocks, SchedulerLimits(model.max_num_seqs, model.max_num_batched_tokens)
+        )
+        self._stats = stats
+        self._rng = np.random.default_rng(seed)  # seeds of unseeded samples
+        self._arrivals = itertools.count()
+        self._requests: set[EngineRequest] = set()
+        self._work = trio.Event()
+        self._step_no = 0
+        self.accepting = True
+
+    def kv_cache_state(self) -> KVCacheState:
+        return KVCacheState(self.blocks.num_blocks, self.blocks.num_used, self.blocks.block_size)
+
+    def add(self, request: GenerationRequest, sink: Sink) -> EngineRequest:
+        """Queue ``request`` (event QUEUED); its output goes to ``sink``."""
+        if not self.accepting:
+            raise UnavailableError(f"model '{self.model.name}' is not ready")
+        params = request.sampling
+        try:
+            prompt = self.model.encode(request.prompt)
+        except Exception as exc:
+            raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
+        if not prompt:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(prompt) >= self.model.max_model_len:
+            raise InvalidArgumentError(
+                f"the prompt is {len(prompt)} tokens; model '{self.model.name}' takes "
+                f"at most {self.model.max_model_len} tokens, prompt and output together"
+            )
+        if params.n > self.model.max_num_seqs:
+            raise InvalidArgumentError(
+                f"n={params.n} exceeds max_num_seqs={self.model.max_num_seqs}"
+            )
+        now = trio.current_time()
+        record = EngineRequest(request, sink, RequestTimes(request.arrival_time, now), len(prompt))
+        seq = Sequence(
+            record,
+            0,
+            prompt,
+            len(prompt),
+            request.priority,
+            next(self._arrivals),
+            pending_forks=params.n - 1,
+        )
+        record.samples.append(_Sample(seq, sample_generator(params, 0, self._rng)))
+        record.live = params.n
+        self._requests.add(record)
+        self.policy.add(seq)
+        self._work.set()
+        return record
+
+    def abort(self, record: EngineRequest) -> None:
+        """End ``record`` as aborted and free its blocks now; no-op once it finished."""
+        if record.finished:
+            return
+        for s in record.samples:
+            self.policy.remove(s.seq)
+        tally = _StepTally()
+        self._finish_request(record, "abort", trio.current_time(), tally)
+        self._send_stats(trio.current_time(), tally)
+
+    def fail_all(self, error: Exception) -> None:
+        """Shutting down: every request still in the engine fails with ``error``."""
+        self.accepting = False
+        for record in list(self._requests):
+            self._drop(record, error)
+
+    async def run(self) -> None:
+        while True:
+            if not self.policy.has_work:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            plan = self.policy.schedule()
+            await self._iterate(plan)
+
+    async def _iterate(self, plan: StepPlan) -> None:
+        now = trio.current_time()
+        for seq in plan.admitted:
+            times = seq.owner.times
+            if times.scheduled is None:
+                times.scheduled = now  # SCHEDULED: the first time only
+        for seq in plan.preempted:
+            seq.owner.times.preemptions.append(now)  # PREEMPTED
+        batch = [
+            StepSequence(
+                seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks
+            )
+            for seq, n in plan.chunks
+        ]
+        if not batch:  # everything running was just preempted; admission comes next
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            logits = await self._step(batch)
+        except Exception as exc:
+            self._fail_step(plan, exc)
+            return
+        now = trio.current_time()
+        self._step_no += 1
+        tally = _StepTally()
+        prefilling = sum(1 for seq, _ in plan.chunks if seq.num_computed < seq.prompt_len)
+        self._apply(plan, logits, now, tally)
+        self._send_stats(now, tally, plan, prefilling)
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
+        """The model failed: its batch's requests fail, the engine goes on."""
+        logger.warning("model %r step failed: %r", self.model.name, exc)
+        error = InternalError(f"model '{self.model.name}' failed: {exc}")
+        for record in {seq.owner for seq, _ in plan.chunks}:
+            self._drop(record, error)
+
+    def _drop(self, record: EngineRequest, error: Exception) -> None:
+        if record.finished:
+            return
+        for s in record.samples:
+            self.policy.remove(s.seq)
+        record.finish_reason = "abort"
+        self._requests.discard(record)
+        record.sink.fail(error)
+
+    async def _step(self, batch: list[StepSequence]) -> np.ndarray[Any, Any]:
+        if self.model.steps_async:
+            logits = await self.model.step(batch)  # type: ignore[misc]
+        else:
+            logits = await trio.to_thread.run_sync(self.model.step, batch)
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != len(batch):
+            raise RuntimeError(
+                f"model '{self.model.name}' step returned logits of shape {logits.shape} "
+                f"for a batch of {len(batch)}"
+            )
+        return logits
+
+    def _apply(
+        self, plan: StepPlan, logits: np.ndarray[Any, Any], now: float, tally: _StepTally
+    ) -> None:
+        greedy = logits.argmax(axis=1)  # one call for the whole batch; most requests are greedy
+        for row, (seq, count) in enumerate(plan.chunks):
+            record: EngineRequest = seq.owner
+            if record.finished:
+                continue  # aborted while the step ran
+            self.policy.computed(seq, count)
+            if seq.num_computed < len(seq.token_ids):
+                continue  # a prompt chunk: more of it to process first
+            params = record.request.sampling
+            sample_state = record.samples[seq.index]
+            token = (
+                int(greedy[row])
+                if is_greedy(params)
+                else sample(logits[row], params, sample_state.rng)
+            )
+            self._new_tokens(record, now, tally)
+            # The other samples fork off the first once its prompt is done (before the
+            # first sample may finish and let go of the prompt's blocks).
+            forks = []
+            for index in range(params.n - seq.pending_forks, params.n):
+                rng = sample_generator(params, index, self._rng)
+                first = int(greedy[row]) if is_greedy(params) else sample(logits[row], params, rng)
+                record.samples.append(_Sample(self.policy.fork(seq, index, first), rng))
+                forks.append(first)
+            self._accept(record, sample_state, token, tally, now)
+            for index, first in enumerate(forks, start=params.n - len(forks)):
+                self._accept(record, record.samples[index], first, tally, now, appended=True)
+
+    def _new_tokens(self, record: EngineRequest, now: float, tally: _StepTally) -> None:
+        """Event NEW_TOKENS, once per request per step."""
+        if record.token_step == self._step_no:
+            return
+        times = record.times
+        if times.first_token is None:
+            times.first_token = now
+            tally.ttft.append(now - times.arrival)
+            tally.prompt_tokens += record.prompt_len
+        else:
+            assert times.last_token is not None
+            tally.inter_token.append(now - times.last_token)
+        times.last_token = now
+        record.token_step = self._step_no
+
+    def _accept(
+        self,
+        record: EngineRequest,
+        s: _Sample,
+        token: int,
+        tally: _StepTally,
+        now: float,
+        *,
+        appended: bool = False,
+    ) -> None:
+        """Take one sampled token into a sample: text, stop conditions, the sink."""
+        seq = s.seq
+        if not appended:
+            seq.token_ids.append(token)
+        tally.generation_tokens += 1
+        params = record.request.sampling
+        reason: FinishReason | None = None
+        if token == self.model.eos_token_id and not params.ignore_eos:
+            reason = "stop"
+        else:
+            s.text += self._detokenize(s)
+            if params.stop and self._truncate_at_stop(s, params.stop):
+                reason = "stop"
+        if reason is None and (
+            seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.model.max_model_len
+        ):
+            reason = "length"
+        # Hold back what could still turn out to be the start of a stop string.
+        held = 0 if reason else max((len(x) for x in params.stop), default=1) - 1
+        end = max(s.emitted, len(s.text) - held)
+        record.sink.chunk(GenerationChunk(seq.index, s.text[s.emitted : end], (token,), reason))
+        s.emitted = end
+        if reason is not None:
+            s.finish_reason = reason
+            self.policy.remove(seq)
+            record.live -= 1
+            if record.live == 0:
+                lengths = any(x.finish_reason == "length" for x in record.samples)
+                self._finish_request(record, "length" if lengths else "stop", now, tally)
+
+    def _detokenize(self, s: _Sample) -> str:
+        ids = s.seq.token_ids
+        start = s.seq.prompt_len
+        before = self.model.decode(ids[start + s.prefix_offset : start + s.read_offset])
+        after = self.model.decode(ids[start + s.prefix_offset :])
+        waiting = len(ids) - start - s.read_offset
+        # An incomplete character: wait for its next tokens, but no longer than a
+        # character can be (4 UTF-8 bytes); past that the bytes are simply invalid.
+        if len(after) <= len(before) or (after.endswith("\ufffd") and waiting < 4):
+            return ""
+        s.prefix_offset = s.read_offset
+        s.read_offset = len(ids) - start
+        return after[len(before) :]
+
+    @staticmethod
+    def _truncate_at_stop(s: _Sample, stops: Seq[str]) -> bool:
+        longest = max(len(x) for x in stops)
+        # Only the new text, with room for a stop string that began before it.
+        window = max(0, s.emitted - longest)
+        cut = min((i for i in (s.text.find(x, window) for x in stops) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        s.text = s.text[:cut]
+        s.emitted = min(s.emitted, cut)
+        return True
+
+    def _finish_request(
+        self, record: EngineRequest, reason: FinishReason, now: float, tally: _StepTally
+    ) -> None:
+        record.finish_reason = reason
+        self._requests.discard(record)
+        params = record.request.sampling
+        tally.finished.append(
+            finished_request(
+                record.times,
+                now,
+                reason,
+                prompt_tokens=record.prompt_len,
+                sample_tokens=[s.seq.num_output for s in record.samples],
+                n=params.n,
+                max_tokens=params.max_tokens,
+            )
+        )
+        if reason == "abort":
+            return  # the requester left: nobody reads its sink
+        record.sink.close()
+
+    def _send_stats(
+        self, now: float, tally: _StepTally, plan: StepPlan | None = None, prefilling: int = 0
+    ) -> None:
+        if self._stats is None:
+            return
+        self._stats.send_nowait(
+            IterationStats(
+                time=now,
+                num_running=len(self.policy.running),
+                num_waiting=len(self.policy.waiting),
+                kv_used_blocks=self.blocks.num_used,
+                kv_total_blocks=self.blocks.num_blocks,
+                num_scheduled=len(plan.chunks) if plan else 0,
+                num_prefilling=prefilling,
+                num_batched_tokens=plan.num_tokens if plan else 0,
+                prompt_tokens=tally.prompt_tokens,
+                generation_tokens=tally.generation_tokens,
+                preemptions=len(plan.preempted) if plan else 0,
+                prefix_lookups=tuple(plan.prefix_lookups) if plan else (),
+                reused_blocks=sum(hit for _, hit in plan.prefix_lookups) // self.blocks.block_size
+                if plan
+                else 0,
+                time_to_first_token=tuple(tally.ttft),
+                inter_token=tuple(tally.inter_token),
+                finished=tuple(tally.finished),
+            )
+        )
