@@ -103,7 +103,10 @@ def test_cli_builds_a_config_for_the_builtin_models():
     config = config_from_args(args)
     assert config.grpc_port is None and config.http_port == 0
     assert {m.name for m in config.models} >= {"simple", "simple_string", "identity_fp32",
-                                                "identity_bytes", "delay", "fail"}
+                                                "identity_bytes", "delay", "fail", "tiny_lm"}
+    assert config.show_hidden_metrics_for_version is None
+    args = _parser().parse_args(["run", "--show-hidden-metrics-for-version", "0.9"])
+    assert config_from_args(args).show_hidden_metrics_for_version == "0.9"
     with pytest.raises(SystemExit):
         _parser().parse_args(["run", "--allow-http", "maybe"])
 
