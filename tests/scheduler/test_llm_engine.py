@@ -16,7 +16,15 @@ import trio
 import trio.testing
 from prometheus_client import CollectorRegistry
 
-from trioserve import GenerativeModel, InvalidArgumentError, StepSequence
+from trioserve import (
+    CancelledError,
+    GenerativeModel,
+    InferenceRequest,
+    InputTensor,
+    InvalidArgumentError,
+    StepSequence,
+)
+from trioserve._tensor import datatype
 from trioserve.metrics._stat_logger import VllmTelemetry
 from trioserve.scheduler._generation import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
@@ -266,3 +274,27 @@ async def test_the_stat_logger_every_five_seconds(make_harness, autojump_clock, 
     assert lines[1][0] == logging.INFO  # the interval after a busy one
     assert lines[2][0] == logging.DEBUG  # idle
     assert len(lines) == 3
+
+
+def _oip_request(prompt: bytes, **parameters):
+    tensor = InputTensor("text_input", datatype("BYTES"), (1,), np.array([prompt], dtype=object))
+    return InferenceRequest("counting", "", {"text_input": tensor}, parameters=parameters)
+
+
+async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
+    h = await make_harness()
+    response = await h.runner.infer(_oip_request(b"a", max_tokens=3, n=2, temperature=0))
+    assert response.outputs[0].name == "text_output"
+    assert response.outputs[0].data.tolist() == [b"bcd", b"bcd"]
+    ticket = h.runner.submit(_oip_request(b"a" * 20, max_tokens=30))
+    await trio.sleep(2.5 * STEP)
+    assert h.runner.kv_cache_state().used_blocks == 2
+    ticket.withdraw()
+    assert ticket.done.is_set() and ticket.withdrawn
+    assert h.runner.kv_cache_state().used_blocks == 0
+    with pytest.raises(CancelledError):
+        ticket.outcome()
+    with pytest.raises(InvalidArgumentError, match="UTF-8"):
+        h.runner.submit(_oip_request(b"\xff"))
+    with pytest.raises(InvalidArgumentError, match="'max_tokens' must be an integer"):
+        h.runner.submit(_oip_request(b"a", max_tokens="many"))

@@ -123,7 +123,11 @@ class TinyLM(GenerativeModel):
         return list(text.encode())
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(t for t in token_ids if t < EOS).decode(errors="replace")
+        try:
+            data = bytes(token_ids)
+        except ValueError:  # EOS among them
+            data = bytes(t for t in token_ids if t < EOS)
+        return data.decode(errors="replace")
 
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
         xp, w, s = self.xp, self.weights, self.shape

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,11 +24,18 @@ import trio
 
 from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel, StepSequence
-from ._generation import FinishReason, GenerationChunk, GenerationRequest, KVCacheState
+from ._generation import (
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    KVCacheState,
+    SamplingParams,
+)
 from ._kv_blocks import KVBlockManager
+from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
-from ._sampling import is_greedy, sample, sample_generator
+from ._sampling import is_greedy, sample_generator, sample_rows
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -48,12 +54,7 @@ class Sink(Protocol):
 class _Sample:
     seq: Sequence
     rng: np.random.Generator
-    # Incremental detokenizing: text of output[prefix:read] was emitted already;
-    # decoding from ``prefix`` gives the surrounding context a tokenizer may need.
-    prefix_offset: int = 0
-    read_offset: int = 0
-    text: str = ""
-    emitted: int = 0  # characters of ``text`` sent to the sink
+    output: SampleOutput
     finish_reason: FinishReason | None = None
 
 
@@ -63,6 +64,8 @@ class EngineRequest:
     sink: Sink
     times: RequestTimes
     prompt_len: int
+    stop_token: int  # EOS, or -1 with ignore_eos
+    length_limit: int  # tokens (prompt and output) at which a sample ends with "length"
     samples: list[_Sample] = field(default_factory=list)
     live: int = 0  # samples not finished
     token_step: int = -1  # the last iteration that produced tokens for this request
@@ -131,7 +134,14 @@ class LLMEngine:
                 f"n={params.n} exceeds max_num_seqs={self.model.max_num_seqs}"
             )
         now = trio.current_time()
-        record = EngineRequest(request, sink, RequestTimes(request.arrival_time, now), len(prompt))
+        record = EngineRequest(
+            request,
+            sink,
+            RequestTimes(request.arrival_time, now),
+            len(prompt),
+            stop_token=-1 if params.ignore_eos else self.model.eos_token_id,
+            length_limit=min(len(prompt) + params.max_tokens, self.model.max_model_len),
+        )
         seq = Sequence(
             record,
             0,
@@ -141,7 +151,8 @@ class LLMEngine:
             next(self._arrivals),
             pending_forks=params.n - 1,
         )
-        record.samples.append(_Sample(seq, sample_generator(params, 0, self._rng)))
+        rng = sample_generator(params, 0, self._rng)
+        record.samples.append(_Sample(seq, rng, self._output(record)))
         record.live = params.n
         self._requests.add(record)
         self.policy.add(seq)
@@ -234,7 +245,12 @@ class LLMEngine:
     def _apply(
         self, plan: StepPlan, logits: np.ndarray[Any, Any], now: float, tally: _StepTally
     ) -> None:
-        greedy = logits.argmax(axis=1)  # one call for the whole batch; most requests are greedy
+        # Sequences whose tokens are all processed now get their next token; the other
+        # samples of a request fork off its first once its prompt is done.
+        heads: list[tuple[int, _Sample]] = []  # (logits row, sample)
+        forks: list[
+            tuple[int, Sequence, int, np.random.Generator]
+        ] = []  # (row, parent, index, rng)
         for row, (seq, count) in enumerate(plan.chunks):
             record: EngineRequest = seq.owner
             if record.finished:
@@ -242,25 +258,50 @@ class LLMEngine:
             self.policy.computed(seq, count)
             if seq.num_computed < len(seq.token_ids):
                 continue  # a prompt chunk: more of it to process first
+            heads.append((row, record.samples[seq.index]))
             params = record.request.sampling
-            sample_state = record.samples[seq.index]
-            token = (
-                int(greedy[row])
-                if is_greedy(params)
-                else sample(logits[row], params, sample_state.rng)
-            )
-            self._new_tokens(record, now, tally)
-            # The other samples fork off the first once its prompt is done (before the
-            # first sample may finish and let go of the prompt's blocks).
-            forks = []
             for index in range(params.n - seq.pending_forks, params.n):
-                rng = sample_generator(params, index, self._rng)
-                first = int(greedy[row]) if is_greedy(params) else sample(logits[row], params, rng)
-                record.samples.append(_Sample(self.policy.fork(seq, index, first), rng))
-                forks.append(first)
-            self._accept(record, sample_state, token, tally, now)
-            for index, first in enumerate(forks, start=params.n - len(forks)):
-                self._accept(record, record.samples[index], first, tally, now, appended=True)
+                forks.append((row, seq, index, sample_generator(params, index, self._rng)))
+        tokens = self._sample(
+            logits,
+            [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads]
+            + [(row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks],
+        )
+        accepted = []
+        for (_, s), token in zip(heads, tokens, strict=False):
+            s.seq.token_ids.append(token)
+            accepted.append((s, token))
+        # Fork before accepting: a first sample that finishes frees the prompt's blocks.
+        for (_, parent, index, rng), token in zip(forks, tokens[len(heads) :], strict=True):
+            record = parent.owner
+            child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
+            record.samples.append(child)
+            accepted.append((child, token))
+        for s, token in accepted:
+            self._new_tokens(s.seq.owner, now, tally)
+            self._accept(s.seq.owner, s, token, tally, now)
+
+    def _sample(
+        self,
+        logits: np.ndarray[Any, Any],
+        draws: list[tuple[int, SamplingParams, np.random.Generator]],
+    ) -> list[int]:
+        """The next token of each draw: argmax for greedy ones, the rest in one pass."""
+        greedy = logits.argmax(axis=1).tolist()
+        tokens = [greedy[row] for row, _, _ in draws]
+        random = [i for i, (_, params, _) in enumerate(draws) if not is_greedy(params)]
+        if random:
+            chosen = sample_rows(
+                logits[[draws[i][0] for i in random]],
+                [draws[i][1] for i in random],
+                np.array([draws[i][2].random() for i in random]),
+            )
+            for i, token in zip(random, chosen, strict=True):
+                tokens[i] = token
+        return tokens
+
+    def _output(self, record: EngineRequest) -> SampleOutput:
+        return SampleOutput(self.model.decode, record.prompt_len, record.request.sampling.stop)
 
     def _new_tokens(self, record: EngineRequest, now: float, tally: _StepTally) -> None:
         """Event NEW_TOKENS, once per request per step."""
@@ -278,37 +319,23 @@ class LLMEngine:
         record.token_step = self._step_no
 
     def _accept(
-        self,
-        record: EngineRequest,
-        s: _Sample,
-        token: int,
-        tally: _StepTally,
-        now: float,
-        *,
-        appended: bool = False,
+        self, record: EngineRequest, s: _Sample, token: int, tally: _StepTally, now: float
     ) -> None:
-        """Take one sampled token into a sample: text, stop conditions, the sink."""
+        """Take a sample's newest token: text, stop conditions, the sink."""
         seq = s.seq
-        if not appended:
-            seq.token_ids.append(token)
         tally.generation_tokens += 1
-        params = record.request.sampling
         reason: FinishReason | None = None
-        if token == self.model.eos_token_id and not params.ignore_eos:
+        if token == record.stop_token:
             reason = "stop"
+            text = s.output.flush()
         else:
-            s.text += self._detokenize(s)
-            if params.stop and self._truncate_at_stop(s, params.stop):
+            text, stopped = s.output.add(seq.token_ids)
+            if stopped:
                 reason = "stop"
-        if reason is None and (
-            seq.num_output >= params.max_tokens or len(seq.token_ids) >= self.model.max_model_len
-        ):
-            reason = "length"
-        # Hold back what could still turn out to be the start of a stop string.
-        held = 0 if reason else max((len(x) for x in params.stop), default=1) - 1
-        end = max(s.emitted, len(s.text) - held)
-        record.sink.chunk(GenerationChunk(seq.index, s.text[s.emitted : end], (token,), reason))
-        s.emitted = end
+            elif len(seq.token_ids) >= record.length_limit:
+                reason = "length"
+                text += s.output.flush()
+        record.sink.chunk(GenerationChunk(seq.index, text, (token,), reason))
         if reason is not None:
             s.finish_reason = reason
             self.policy.remove(seq)
@@ -316,32 +343,6 @@ class LLMEngine:
             if record.live == 0:
                 lengths = any(x.finish_reason == "length" for x in record.samples)
                 self._finish_request(record, "length" if lengths else "stop", now, tally)
-
-    def _detokenize(self, s: _Sample) -> str:
-        ids = s.seq.token_ids
-        start = s.seq.prompt_len
-        before = self.model.decode(ids[start + s.prefix_offset : start + s.read_offset])
-        after = self.model.decode(ids[start + s.prefix_offset :])
-        waiting = len(ids) - start - s.read_offset
-        # An incomplete character: wait for its next tokens, but no longer than a
-        # character can be (4 UTF-8 bytes); past that the bytes are simply invalid.
-        if len(after) <= len(before) or (after.endswith("\ufffd") and waiting < 4):
-            return ""
-        s.prefix_offset = s.read_offset
-        s.read_offset = len(ids) - start
-        return after[len(before) :]
-
-    @staticmethod
-    def _truncate_at_stop(s: _Sample, stops: Seq[str]) -> bool:
-        longest = max(len(x) for x in stops)
-        # Only the new text, with room for a stop string that began before it.
-        window = max(0, s.emitted - longest)
-        cut = min((i for i in (s.text.find(x, window) for x in stops) if i >= 0), default=-1)
-        if cut < 0:
-            return False
-        s.text = s.text[:cut]
-        s.emitted = min(s.emitted, cut)
-        return True
 
     def _finish_request(
         self, record: EngineRequest, reason: FinishReason, now: float, tally: _StepTally

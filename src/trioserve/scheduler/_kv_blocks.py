@@ -93,6 +93,8 @@ class KVBlockManager:
 
     def can_allocate(self, count: int, reusing: Sequence[int] = ()) -> bool:
         """Whether ``count`` new blocks are free once ``reusing`` (cached blocks) are taken."""
+        if not reusing:
+            return count <= len(self._free)
         taken_from_free = sum(1 for b in reusing if self._refs[b] == 0)
         return count + taken_from_free <= len(self._free)
 

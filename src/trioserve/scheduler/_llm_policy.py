@@ -112,7 +112,7 @@ class ContinuousBatchingPolicy:
                 continue  # preempted earlier in this loop
             count = min(len(seq.token_ids) - seq.num_computed, budget)
             need = self.blocks.blocks_needed(seq.num_computed + count, len(seq.blocks))
-            while not self.blocks.can_allocate(need):
+            while need and not self.blocks.can_allocate(need):  # a decode rarely needs one
                 victim = max(self.running, key=_order)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -120,7 +120,8 @@ class ContinuousBatchingPolicy:
                 if victim is seq:
                     break
             else:
-                seq.blocks += self.blocks.allocate(need)
+                if need:
+                    seq.blocks += self.blocks.allocate(need)
                 scheduled[seq] = count
                 budget -= count
         if not plan.preempted:

@@ -2,11 +2,14 @@
 
 Each sample owns a ``numpy.random.Generator``: seeded requests get one from
 ``(seed, sample index)``, so a seeded request gives the same text whatever else runs
-beside it; unseeded ones draw their seed from the engine's own generator.
+beside it; unseeded ones draw their seed from the engine's own generator. A step's
+random draws are made together: one uniform number per sample from its own
+generator, then one vectorized pass over all their logits rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,24 +31,25 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature == 0 or params.top_k == 1
 
 
-def sample(logits: Array, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id drawn from one row of logits."""
-    if is_greedy(params):
-        return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
-    vocab = scaled.shape[0]
-    if 0 < params.top_k < vocab:
-        # Everything below the k-th largest logit is out (ties at the k-th stay in).
-        kth = np.partition(scaled, vocab - params.top_k)[vocab - params.top_k]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    if params.top_p < 1:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        # Keep the smallest head whose mass reaches top_p (at least one token).
-        keep = int(np.searchsorted(cumulative, params.top_p)) + 1
-        kept = np.zeros_like(probs)
-        kept[order[:keep]] = probs[order[:keep]]
-        probs = kept / kept.sum()
-    return int(rng.choice(vocab, p=probs))
+def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array) -> list[int]:
+    """One token id per row of ``logits``, each under its own parameters.
+
+    Tokens are ranked by logit; top-k keeps the first k, top-p the shortest head whose
+    probability reaches p (always at least one token); the uniform number of each row
+    picks from what is kept by inverse CDF.
+    """
+    rows, vocab = logits.shape
+    temperature = np.array([p.temperature for p in params])[:, None]
+    top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+    top_p = np.array([p.top_p for p in params])[:, None]
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, axis=1, kind="stable")
+    ranked = np.take_along_axis(scaled, order, axis=1)
+    probs = np.exp(ranked - ranked[:, :1])
+    probs /= probs.sum(axis=1, keepdims=True)
+    mass_before = np.cumsum(probs, axis=1) - probs
+    keep = (np.arange(vocab)[None, :] < top_k) & (mass_before < top_p)
+    kept = np.cumsum(np.where(keep, probs, 0.0), axis=1)
+    choice = (kept < (uniforms * kept[:, -1])[:, None]).sum(axis=1)
+    choice = np.minimum(choice, vocab - 1)
+    return order[np.arange(rows), choice].tolist()  # type: ignore[no-any-return]
