@@ -52,8 +52,8 @@ class ConstantLM(GenerativeModel):
             max_num_batched_tokens=max(2048, sequences),
         )
         self.sequences = sequences
-        self._logits = np.zeros((256, VOCAB), np.float32)
-        self._logits[np.arange(256), 97 + (np.arange(256) + 1) % 26] = 1.0
+        self._logits = np.zeros((VOCAB, VOCAB), np.float32)
+        self._logits[np.arange(VOCAB), 97 + (np.arange(VOCAB) + 1) % 26] = 1.0
         self._left: float | None = None
         self.gaps: list[float] = []
 
@@ -61,7 +61,10 @@ class ConstantLM(GenerativeModel):
         return list(text.encode())
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return bytes(token_ids).decode(errors="replace")  # never sees EOS: only letters
+        try:
+            return bytes(token_ids).decode(errors="replace")
+        except ValueError:  # a sampled EOS among them
+            return bytes(t for t in token_ids if t < 256).decode(errors="replace")
 
     def entered(self, batch: Sequence[StepSequence]) -> np.ndarray:
         full = len(batch) == self.sequences and all(len(b.token_ids) == 1 for b in batch)
@@ -121,7 +124,13 @@ def main() -> None:
             False,
         ),
         (
-            "engine, top-p sampling",
+            "engine, temperature 0.8",
+            InTrioLM,
+            SamplingParams(max_tokens=args.tokens, temperature=0.8, ignore_eos=True),
+            False,
+        ),
+        (
+            "engine, top-p 0.9",
             InTrioLM,
             SamplingParams(max_tokens=args.tokens, temperature=0.8, top_p=0.9, ignore_eos=True),
             False,

@@ -21,13 +21,17 @@ from trioserve import (
     GenerativeModel,
     InferenceRequest,
     InputTensor,
+    InternalError,
     InvalidArgumentError,
     StepSequence,
+    UnsupportedError,
 )
 from trioserve._tensor import datatype
 from trioserve.metrics._stat_logger import VllmTelemetry
-from trioserve.scheduler._generation import GenerationRequest, SamplingParams
+from trioserve.models import reference_zoo
+from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
 from trioserve.scheduler._generative_runner import GenerativeRunner
+from trioserve.scheduler._runner import ModelRunner
 
 STEP = 0.012  # seconds per model step, whatever the batch (off every bucket boundary)
 EOS = 256
@@ -298,3 +302,36 @@ async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
         h.runner.submit(_oip_request(b"\xff"))
     with pytest.raises(InvalidArgumentError, match="'max_tokens' must be an integer"):
         h.runner.submit(_oip_request(b"a", max_tokens="many"))
+
+
+class BadTokenizerLM(CountingLM):
+    def decode(self, token_ids):
+        if ord("d") in token_ids:
+            raise ValueError("no d")
+        return super().decode(token_ids)
+
+
+async def test_a_failing_tokenizer_fails_its_request_not_the_engine(nursery, autojump_clock):
+    runner = GenerativeRunner(BadTokenizerLM(), "1")
+    await nursery.start(runner.run)
+    bad = GenerationRequest(
+        "bad", "a", SamplingParams(max_tokens=5, temperature=0), trio.current_time()
+    )
+    with pytest.raises(InternalError, match="no d"):
+        async with runner.generate(bad) as stream:
+            assert [c.text async for c in stream]
+    good = GenerationRequest(
+        "good", "w", SamplingParams(max_tokens=2, temperature=0), trio.current_time()
+    )
+    async with runner.generate(good) as stream:
+        assert "".join([c.text async for c in stream]) == "xy"
+    assert runner.kv_cache_state().used_blocks == 0
+
+
+async def test_the_runner_is_a_generative_served_model(make_harness, autojump_clock):
+    h = await make_harness()
+    assert generative(h.runner) is h.runner
+    assert h.runner.model.name == "counting" and h.runner.ready
+    plain = ModelRunner(reference_zoo()[0], "1")
+    with pytest.raises(UnsupportedError, match="not a generative model"):
+        generative(plain)

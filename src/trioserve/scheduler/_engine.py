@@ -278,8 +278,15 @@ class LLMEngine:
             record.samples.append(child)
             accepted.append((child, token))
         for s, token in accepted:
-            self._new_tokens(s.seq.owner, now, tally)
-            self._accept(s.seq.owner, s, token, tally, now)
+            record = s.seq.owner
+            if record.finished:
+                continue  # another of its samples failed below
+            self._new_tokens(record, now, tally)
+            try:
+                self._accept(record, s, token, tally, now)
+            except Exception as exc:  # the model's tokenizer failed: this request fails
+                logger.warning("model %r decode failed: %r", self.model.name, exc)
+                self._drop(record, InternalError(f"model '{self.model.name}' failed: {exc}"))
 
     def _sample(
         self,

@@ -34,22 +34,61 @@ def is_greedy(params: SamplingParams) -> bool:
 def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array) -> list[int]:
     """One token id per row of ``logits``, each under its own parameters.
 
-    Tokens are ranked by logit; top-k keeps the first k, top-p the shortest head whose
-    probability reaches p (always at least one token); the uniform number of each row
-    picks from what is kept by inverse CDF.
+    top-k keeps the k highest logits, top-p the shortest run of most likely tokens whose
+    probability reaches p (always at least one token); each row's uniform number picks
+    from what is kept by inverse CDF. Rows with top-p are ranked by a full sort; the
+    others skip it (a sort over the vocabulary is most of the cost), so whether a row
+    is sorted depends only on its own parameters, and a seeded request stays repeatable.
     """
     rows, vocab = logits.shape
-    temperature = np.array([p.temperature for p in params])[:, None]
-    top_k = np.array([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
-    top_p = np.array([p.top_p for p in params])[:, None]
-    scaled = logits.astype(np.float64) / temperature
+    scaled = logits.astype(np.float64) / np.array([p.temperature for p in params])[:, None]
+    top_k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    nucleus = np.array([p.top_p < 1 for p in params])
+    tokens = np.empty(rows, dtype=np.int64)
+    if nucleus.any():
+        tokens[nucleus] = _sorted_draw(
+            scaled[nucleus],
+            top_k[nucleus],
+            np.array([p.top_p for p in params])[nucleus],
+            uniforms[nucleus],
+        )
+    if not nucleus.all():
+        rest = ~nucleus
+        tokens[rest] = _unsorted_draw(scaled[rest], top_k[rest], uniforms[rest])
+    return tokens.tolist()  # type: ignore[no-any-return]
+
+
+def _sorted_draw(scaled: Array, top_k: Array, top_p: Array, uniforms: Array) -> Array:
     order = np.argsort(-scaled, axis=1, kind="stable")
     ranked = np.take_along_axis(scaled, order, axis=1)
     probs = np.exp(ranked - ranked[:, :1])
     probs /= probs.sum(axis=1, keepdims=True)
     mass_before = np.cumsum(probs, axis=1) - probs
-    keep = (np.arange(vocab)[None, :] < top_k) & (mass_before < top_p)
-    kept = np.cumsum(np.where(keep, probs, 0.0), axis=1)
-    choice = (kept < (uniforms * kept[:, -1])[:, None]).sum(axis=1)
-    choice = np.minimum(choice, vocab - 1)
-    return order[np.arange(rows), choice].tolist()  # type: ignore[no-any-return]
+    keep = (np.arange(scaled.shape[1])[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+    return np.take_along_axis(order, _inverse_cdf(np.where(keep, probs, 0.0), uniforms), axis=1)[
+        :, 0
+    ]
+
+
+def _unsorted_draw(scaled: Array, top_k: Array, uniforms: Array) -> Array:
+    vocab = scaled.shape[1]
+    limited = top_k < vocab
+    if limited.any():
+        # The k-th largest logit of each limited row; everything below it is out.
+        kth = np.array(
+            [
+                np.partition(row, vocab - k)[vocab - k]
+                for row, k in zip(scaled[limited], top_k[limited], strict=True)
+            ]
+        )
+        scaled[limited] = np.where(scaled[limited] < kth[:, None], -np.inf, scaled[limited])
+    probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    return _inverse_cdf(probs, uniforms)[:, 0]
+
+
+def _inverse_cdf(weights: Array, uniforms: Array) -> Array:
+    """Per row, the first index whose cumulative weight reaches ``uniform * total``."""
+    cumulative = np.cumsum(weights, axis=1)
+    chosen = (cumulative < (uniforms * cumulative[:, -1])[:, None]).sum(axis=1)
+    clipped: Array = np.minimum(chosen, weights.shape[1] - 1)[:, None]
+    return clipped
