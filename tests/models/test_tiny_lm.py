@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 import trio
@@ -102,3 +104,39 @@ async def test_greedy_generation_is_deterministic():
     first = await _greedy_texts(prompts)
     assert first == await _greedy_texts(prompts)
     assert all(first) and len(set(first)) > 1
+
+
+def _cuda_devices() -> int:
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    import cupy
+
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # a driver without a device
+        return 0
+
+
+@pytest.mark.skipif(_cuda_devices() > 0, reason="a CUDA device is present")
+def test_gpu_device_falls_back_to_numpy_without_a_gpu():
+    lm = TinyLM(num_kv_blocks=16, max_model_len=64, device="gpu")
+    lm.load()
+    assert lm.xp is np
+    assert lm.step([StepSequence([1, 2, 3], 0, [0])]).shape == (1, 257)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+def test_cupy_steps_match_numpy(model):
+    import cupy
+
+    gpu = TinyLM(num_kv_blocks=16, max_model_len=64, device="gpu")
+    gpu.load()
+    assert gpu.xp is cupy
+    tokens = model.encode("paged attention on the device")
+    steps = [StepSequence(tokens[:20], 0, [5, 1]), StepSequence(tokens[20:], 20, [5, 1])]
+    on_cpu = [model.step([step]) for step in steps]
+    on_gpu = [gpu.step([step]) for step in steps]
+    for cpu_logits, gpu_logits in zip(on_cpu, on_gpu, strict=True):
+        assert isinstance(gpu_logits, np.ndarray)  # handed back to the engine on the host
+        np.testing.assert_allclose(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)
