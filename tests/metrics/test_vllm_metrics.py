@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from trioserve.metrics._trt_llm import TrtLlmMetrics
 from trioserve.metrics._vllm import EngineShape, VllmMetrics, buckets_1_2_5
 from trioserve.scheduler._llm_stats import FinishedRequest, IterationStats
 
@@ -14,10 +15,11 @@ SHAPE = EngineShape(
 )
 
 
-def _exposed(metrics: VllmMetrics) -> dict[str, object]:
+def _exposed(*sources) -> dict[str, object]:
     registry = CollectorRegistry()
-    for collector in metrics.collectors():
-        registry.register(collector)
+    for source in sources:
+        for collector in source.collectors():
+            registry.register(collector)
     text = generate_latest(registry).decode()
     return {family.name: family for family in text_string_to_metric_families(text)}
 
@@ -138,27 +140,28 @@ def _finished(reason, e2e):
 
 def test_record_updates_vllm_and_trt_llm_families():
     metrics = VllmMetrics(SHAPE, show_hidden_metrics_for_version="0.9")
-    metrics.record(
-        IterationStats(
-            time=1.0,
-            num_running=3,
-            num_waiting=2,
-            kv_used_blocks=25,
-            kv_total_blocks=100,
-            num_scheduled=3,
-            num_prefilling=1,
-            num_batched_tokens=40,
-            prompt_tokens=7,
-            generation_tokens=3,
-            preemptions=1,
-            prefix_lookups=((20, 16), (7, 0)),
-            reused_blocks=1,
-            time_to_first_token=(0.03,),
-            inter_token=(0.02, 0.3),
-            finished=(_finished("stop", 0.4), _finished("length", 3.0)),
-        )
+    trt_llm = TrtLlmMetrics(SHAPE)
+    stats = IterationStats(
+        time=1.0,
+        num_running=3,
+        num_waiting=2,
+        kv_used_blocks=25,
+        kv_total_blocks=100,
+        num_scheduled=3,
+        num_prefilling=1,
+        num_batched_tokens=40,
+        prompt_tokens=7,
+        generation_tokens=3,
+        preemptions=1,
+        prefix_lookups=((20, 16), (7, 0)),
+        reused_blocks=1,
+        time_to_first_token=(0.03,),
+        inter_token=(0.02, 0.3),
+        finished=(_finished("stop", 0.4), _finished("length", 3.0)),
     )
-    families = _exposed(metrics)
+    metrics.record(stats)
+    trt_llm.record(stats)
+    families = _exposed(metrics, trt_llm)
 
     def value(name, sample=None, **labels):
         found = _samples(families[name], sample or name)

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from .._generative import GenerativeModel
 from ..scheduler._llm_stats import IterationStats
+from ._trt_llm import TrtLlmMetrics
 from ._vllm import EngineShape, VllmMetrics
 
 logger = logging.getLogger("trioserve.llm.stats")
@@ -74,7 +75,8 @@ class EngineStatLogger:
 
 
 class VllmTelemetry:
-    """The stats task of one generative model version: metrics plus the periodic log."""
+    """The stats task of one generative model version: vLLM and TRT-LLM metrics, and the
+    periodic log."""
 
     def __init__(
         self,
@@ -96,12 +98,13 @@ class VllmTelemetry:
         self.metrics = VllmMetrics(
             shape, show_hidden_metrics_for_version=show_hidden_metrics_for_version
         )
+        self.trt_llm = TrtLlmMetrics(shape)
         self.model_name = model.name
         self.interval_s = interval_s
         self.stat_logger: EngineStatLogger | None = None
 
     def collectors(self) -> Sequence[Collector]:
-        return self.metrics.collectors()
+        return (*self.metrics.collectors(), *self.trt_llm.collectors())
 
     async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None:
         """Record every IterationStats as it comes; log every ``interval_s``."""
@@ -112,6 +115,7 @@ class VllmTelemetry:
             with trio.move_on_at(next_log):
                 async for item in stats:
                     self.metrics.record(item)
+                    self.trt_llm.record(item)
                     log.record(item)
                 return  # the engine closed its side
             log.log(next_log)

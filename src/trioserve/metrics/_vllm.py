@@ -1,4 +1,4 @@
-"""vLLM v1's Prometheus families for a generative model, and the TRT-LLM ones gateways read.
+"""vLLM v1's Prometheus families for a generative model.
 
 Names, types, buckets and the ``model_name`` label are vLLM's, so vLLM's Grafana
 dashboards and the Kubernetes inference gateways work unchanged. Counters go through
@@ -7,10 +7,6 @@ prometheus_client, which exposes them with ``_total`` as vLLM's are.
 Deprecated names follow vLLM's policy: hidden unless ``--show-hidden-metrics-for-version``
 names the (vLLM) release that deprecated them, and marked so in their help text. The
 versions are vLLM's because the flag's values are meant to read the same as on vLLM.
-
-``nv_trt_llm_kv_cache_block_metrics`` and ``nv_trt_llm_request_metrics`` (labels
-``model``, ``version``) are what gateways configured for Triton's TensorRT-LLM backend
-read (the KV-cache fraction, waiting and scheduled requests).
 
 All metric objects belong to this instance (never the default registry); the server
 registers ``collectors()`` in its own registry.
@@ -273,7 +269,6 @@ class VllmMetrics:
         )
         self._deprecated(shape)
         self._cache_config_info(shape)
-        self._trt_llm(shape)
 
     def collectors(self) -> Sequence[Collector]:
         return tuple(self._collectors)
@@ -291,8 +286,6 @@ class VllmMetrics:
         self.prefix_hits.inc(hit)
         if s.num_batched_tokens:  # a step, not an abort between steps
             self.iteration_tokens.observe(s.num_batched_tokens)
-            self.trt_requests["scheduled"].set(s.num_scheduled)
-            self.trt_requests["context"].set(s.num_prefilling)
         for ttft in s.time_to_first_token:
             self.ttft.observe(ttft)
         for interval in s.inter_token:
@@ -313,12 +306,6 @@ class VllmMetrics:
             self.params_max_tokens.observe(f.max_tokens)
             if f.time_per_output_token is not None:
                 self.per_output_token.observe(f.time_per_output_token)
-        self.trt_blocks["used"].set(s.kv_used_blocks)
-        self.trt_blocks["free"].set(s.kv_total_blocks - s.kv_used_blocks)
-        self.trt_blocks["fraction"].set(s.kv_usage)
-        self.trt_blocks["reused"].inc(s.reused_blocks)
-        self.trt_requests["active"].set(s.num_running + s.num_waiting)
-        self.trt_requests["waiting"].set(s.num_waiting)
         if self.old_cache_usage is not None:
             self.old_cache_usage.set(s.kv_usage)
         if self.old_queries is not None and self.old_hits is not None:
@@ -375,33 +362,6 @@ class VllmMetrics:
             str(shape.num_blocks),
         ).set(1)
         self._collectors.append(info)
-
-    def _trt_llm(self, shape: EngineShape) -> None:
-        blocks = Gauge(
-            "nv_trt_llm_kv_cache_block_metrics",
-            "TRT LLM KV cache block metrics",
-            ["kv_cache_block_type", "model", "version"],
-            registry=None,
-        )
-        requests = Gauge(
-            "nv_trt_llm_request_metrics",
-            "TRT LLM request metrics",
-            ["request_type", "model", "version"],
-            registry=None,
-        )
-        self._collectors += [blocks, requests]
-        self.trt_blocks = {
-            kind: blocks.labels(kind, shape.model_name, shape.version)
-            for kind in ("max", "free", "used", "tokens_per", "reused", "fraction")
-        }
-        self.trt_requests = {
-            kind: requests.labels(kind, shape.model_name, shape.version)
-            for kind in ("active", "max", "scheduled", "context", "waiting")
-        }
-        self.trt_blocks["max"].set(shape.num_blocks)
-        self.trt_blocks["free"].set(shape.num_blocks)
-        self.trt_blocks["tokens_per"].set(shape.block_size)
-        self.trt_requests["max"].set(shape.max_num_seqs)
 
     def _gauge(self, name: str, doc: str, model_name: str) -> Gauge:
         gauge = Gauge(name, doc, ["model_name"], registry=None)
