@@ -165,24 +165,34 @@ class TinyLM(GenerativeModel):
         batch: Sequence[StepSequence],
         tables: list[np.ndarray[Any, Any]],
     ) -> Array:
-        """Causal attention of each entry's queries over its cached keys and values."""
+        """Causal attention of each entry's queries over its cached keys and values.
+
+        Decode entries (one query each) go together through one padded pass; prompt
+        chunks go one by one.
+        """
         xp, scale = self.xp, self.shape.head_dim**-0.5
-        if all(len(b.token_ids) == 1 for b in batch):
-            return self._attend_decodes(layer, q, batch, tables)
-        out = []
-        first = 0
-        for b, table in zip(batch, tables, strict=True):
+        out = xp.empty_like(q)
+        offsets = np.cumsum([0] + [len(b.token_ids) for b in batch])
+        decodes = [i for i, b in enumerate(batch) if len(b.token_ids) == 1]
+        if decodes:
+            rows = xp.asarray(offsets[decodes])
+            out[rows] = self._attend_decodes(
+                layer, q[rows], [batch[i] for i in decodes], [tables[i] for i in decodes]
+            )
+        for i, (b, table) in enumerate(zip(batch, tables, strict=True)):
             count = len(b.token_ids)
+            if count == 1:
+                continue
             context = b.start + count
             blocks = xp.asarray(table)
             keys = self.k_cache[layer, blocks].reshape(-1, *q.shape[1:])[:context]
             values = self.v_cache[layer, blocks].reshape(-1, *q.shape[1:])[:context]
+            first = offsets[i]
             scores = xp.einsum("qhd,khd->hqk", q[first : first + count], keys) * scale
             query_pos = xp.arange(b.start, context)[:, None]
             scores = xp.where(xp.arange(context)[None, :] <= query_pos, scores, -xp.inf)
-            out.append(xp.einsum("hqk,khd->qhd", _softmax(xp, scores), values))
-            first += count
-        return xp.concatenate(out)
+            out[first : first + count] = xp.einsum("hqk,khd->qhd", _softmax(xp, scores), values)
+        return out
 
     def _attend_decodes(
         self,
