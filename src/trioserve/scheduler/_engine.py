@@ -277,6 +277,7 @@ class LLMEngine:
             child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
             record.samples.append(child)
             accepted.append((child, token))
+        tally.generation_tokens += len(accepted)
         for s, token in accepted:
             record = s.seq.owner
             if record.finished:
@@ -330,7 +331,6 @@ class LLMEngine:
     ) -> None:
         """Take a sample's newest token: text, stop conditions, the sink."""
         seq = s.seq
-        tally.generation_tokens += 1
         reason: FinishReason | None = None
         if token == record.stop_token:
             reason = "stop"

@@ -104,6 +104,7 @@ class ContinuousBatchingPolicy:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.limits.max_num_batched_tokens
+        size = self.blocks.block_size
         scheduled: dict[Sequence, int] = {}
         for seq in list(self.running):
             if budget == 0:
@@ -111,8 +112,9 @@ class ContinuousBatchingPolicy:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
             count = min(len(seq.token_ids) - seq.num_computed, budget)
-            need = self.blocks.blocks_needed(seq.num_computed + count, len(seq.blocks))
-            while need and not self.blocks.can_allocate(need):  # a decode rarely needs one
+            # Blocks to add (inline: this runs for every running sequence every step).
+            need = -(-(seq.num_computed + count) // size) - len(seq.blocks)
+            while need > 0 and not self.blocks.can_allocate(need):  # decodes rarely need one
                 victim = max(self.running, key=_order)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -120,7 +122,7 @@ class ContinuousBatchingPolicy:
                 if victim is seq:
                     break
             else:
-                if need:
+                if need > 0:
                     seq.blocks += self.blocks.allocate(need)
                 scheduled[seq] = count
                 budget -= count
