@@ -58,6 +58,10 @@ class _Sample:
     finish_reason: FinishReason | None = None
 
 
+# A sample to fork off a sequence whose prompt is done: (logits row, parent, index, rng).
+_Fork = tuple[int, Sequence, int, np.random.Generator]
+
+
 @dataclass(eq=False, slots=True)
 class EngineRequest:
     request: GenerationRequest
@@ -248,9 +252,7 @@ class LLMEngine:
         # Sequences whose tokens are all processed now get their next token; the other
         # samples of a request fork off its first once its prompt is done.
         heads: list[tuple[int, _Sample]] = []  # (logits row, sample)
-        forks: list[
-            tuple[int, Sequence, int, np.random.Generator]
-        ] = []  # (row, parent, index, rng)
+        forks: list[_Fork] = []
         for row, (seq, count) in enumerate(plan.chunks):
             record: EngineRequest = seq.owner
             if record.finished:
