@@ -132,6 +132,8 @@ class ContinuousBatchingPolicy:
         return plan
 
     def _admit(self, plan: StepPlan, scheduled: dict[Sequence, int], budget: int) -> int:
+        if not self.waiting:
+            return budget
         slots = sum(s.slots for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
