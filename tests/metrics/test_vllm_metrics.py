@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from trioserve.metrics._stat_logger import EngineStatLogger
 from trioserve.metrics._trt_llm import TrtLlmMetrics
 from trioserve.metrics._vllm import EngineShape, VllmMetrics, buckets_1_2_5
 from trioserve.scheduler._llm_stats import FinishedRequest, IterationStats
@@ -198,3 +199,30 @@ def test_record_updates_vllm_and_trt_llm_families():
     by_type = {dict(k)["request_type"]: v for k, v in requests.items()}
     assert by_type == {"active": 5, "max": 8, "scheduled": 3, "context": 1, "waiting": 2}
     assert all(dict(k)["model"] == "m" and dict(k)["version"] == "1" for k in requests)
+
+
+def _lookups(*pairs):
+    return IterationStats(
+        time=0.0,
+        num_running=0,
+        num_waiting=0,
+        kv_used_blocks=0,
+        kv_total_blocks=1,
+        prefix_lookups=pairs,
+    )
+
+
+def test_the_log_hit_rate_covers_the_last_1000_queries():
+    log = EngineStatLogger("m", 0.0)
+    log.record(_lookups(*[(10, 10)] * 500))
+    assert log.prefix_hit_rate == 1.0
+    log.record(_lookups(*[(10, 0)] * 750))  # pushes out 250 of the hits
+    assert log.prefix_hit_rate == pytest.approx(250 / 1000)
+
+
+def test_the_deprecated_hit_rate_gauge_reads_the_log_window():
+    metrics = VllmMetrics(SHAPE, show_hidden_metrics_for_version="0.8")
+    metrics.set_prefix_hit_rate(0.25)
+    families = _exposed(metrics)
+    rate = families["vllm:gpu_prefix_cache_hit_rate"]
+    assert rate.samples[0].value == 0.25 and "DEPRECATED in 0.8" in rate.documentation
