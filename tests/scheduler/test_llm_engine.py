@@ -294,7 +294,7 @@ async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
     await trio.sleep(2.5 * STEP)
     assert h.runner.kv_cache_state().used_blocks == 2
     ticket.withdraw()
-    assert ticket.done.is_set() and ticket.withdrawn
+    assert ticket.finished and ticket.withdrawn
     assert h.runner.kv_cache_state().used_blocks == 0
     with pytest.raises(CancelledError):
         ticket.outcome()
