@@ -11,7 +11,7 @@ import trio.testing
 from prometheus_client import CollectorRegistry
 
 from trioserve import StepSequence
-from trioserve.metrics._stat_logger import VllmTelemetry
+from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import TinyLM
 from trioserve.scheduler._generation import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
@@ -147,7 +147,7 @@ def test_cupy_steps_match_numpy(model):
 
 async def _run_prompts(lm: TinyLM, prompts: list[str], rounds: int = 1):
     """Greedy texts of ``prompts`` (all at once, ``rounds`` times) and the metrics after."""
-    telemetry = VllmTelemetry(lm, "1")
+    telemetry = LLMMetricFamilies([lm]).telemetry(lm, "1")
     runner = GenerativeRunner(lm, "1", telemetry)
     registry = CollectorRegistry()
     for collector in runner.collectors():

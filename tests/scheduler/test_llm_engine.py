@@ -27,7 +27,7 @@ from trioserve import (
     UnsupportedError,
 )
 from trioserve._tensor import datatype
-from trioserve.metrics._stat_logger import VllmTelemetry
+from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
 from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
 from trioserve.scheduler._generative_runner import GenerativeRunner
@@ -63,7 +63,7 @@ class CountingLM(GenerativeModel):
 class Harness:
     def __init__(self, model: CountingLM, nursery: trio.Nursery) -> None:
         self.model = model
-        self.telemetry = VllmTelemetry(model, "1")
+        self.telemetry = LLMMetricFamilies([model]).telemetry(model, "1")
         self.runner = GenerativeRunner(model, "1", self.telemetry, seed=0)
         self.registry = CollectorRegistry()
         for collector in self.runner.collectors():
