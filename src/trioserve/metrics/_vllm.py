@@ -153,10 +153,10 @@ class VllmMetrics:
             c["params_max_tokens"].observe(f.max_tokens)
             if f.time_per_output_token is not None:
                 c["per_output_token"].observe(f.time_per_output_token)
-        if len(c) > len(FAMILIES) - len(DEPRECATED):
-            self._record_deprecated(s, used / total if total else 0.0, queried, hit)
+        self._record_deprecated(s, used / total if total else 0.0, queried, hit)
 
     def _record_deprecated(self, s: IterationStats, usage: float, queried: int, hit: int) -> None:
+        """The deprecated families that are shown (most often none)."""
         c = self.children
         if "old_cache_usage" in c:
             c["old_cache_usage"].set(usage)
