@@ -15,6 +15,7 @@ from ._errors import (
     UnavailableError,
     UnsupportedError,
 )
+from ._generative import GenerativeModel, StepSequence
 from ._limits import HttpLimits
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._restricted import Restriction
@@ -34,6 +35,7 @@ __all__ = [
     "DynamicBatching",
     "ErrorKind",
     "FunctionModel",
+    "GenerativeModel",
     "HttpLimits",
     "InferenceRequest",
     "InferenceResponse",
@@ -48,6 +50,7 @@ __all__ = [
     "Restriction",
     "Server",
     "ServerConfig",
+    "StepSequence",
     "TensorSpec",
     "UnavailableError",
     "UnsupportedError",

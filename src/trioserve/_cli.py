@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
             help="answer API (shared-memory, model-repository) only to requests with header KEY=VALUE",
         )
     run.add_argument(
+        "--show-hidden-metrics-for-version",
+        metavar="VERSION",
+        help="also export the deprecated vLLM metrics that this (vLLM) release deprecated, "
+        "e.g. 0.9",
+    )
+    run.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     return parser
@@ -100,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         exit_timeout_s=args.exit_timeout_secs,
         http_restricted_apis=parse_restrictions(args.http_restricted_api),
         grpc_restricted_apis=parse_restrictions(args.grpc_restricted_protocol),
+        show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
     )
 
 

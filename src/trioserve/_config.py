@@ -28,6 +28,8 @@ class ServerConfig:
     # API group ("shared-memory", ...) -> the header its requests must carry, per transport
     http_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
     grpc_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
+    # Show the deprecated vLLM metric families that release ("0.9") deprecated.
+    show_hidden_metrics_for_version: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -22,9 +22,13 @@ from typing import Any
 import trio
 
 from ._config import ServerConfig
-from ._repository import ModelRepository
+from ._generative import GenerativeModel
+from ._model import Model
+from ._repository import ModelRepository, ServedModel
 from ._version import __version__
+from .metrics._llm_telemetry import LLMMetricFamilies
 from .metrics._orca import LoadReporter
+from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
 from .shm import SharedMemoryRegistry
 
@@ -102,8 +106,13 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
+    llm_metrics = LLMMetricFamilies(
+        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+    )
     repository = ModelRepository(
-        ModelRunner(model, version) for model in config.models for version in model.versions
+        _served(model, version, llm_metrics)
+        for model in config.models
+        for version in model.versions
     )
     stop_accepting = trio.Event()
     load = LoadReporter()  # one per server: both front ends report the same load
@@ -137,6 +146,12 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             root.cancel_scope.cancel()
             # Requests still in flight keep their regions mapped until they end.
             shared_memory.close()
+
+
+def _served(model: Model, version: str, llm_metrics: LLMMetricFamilies) -> ServedModel:
+    if isinstance(model, GenerativeModel):
+        return GenerativeRunner(model, version, llm_metrics.telemetry(model, version))
+    return ModelRunner(model, version)
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:

@@ -1,1 +1,1 @@
-"""Metrics: what the server reports about its own load and activity."""
+"""Prometheus collectors (Triton and vLLM families), the periodic stat logger, ORCA."""
