@@ -25,7 +25,7 @@ def test_public_api_is_what_we_mean():
             "AlreadyExistsError", "CancelledError", "DynamicBatching", "ErrorKind",
             "FunctionModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
             "InferenceServerError", "InputTensor", "InternalError", "InvalidArgumentError",
-            "Model", "NotFoundError", "OutputTensor", "RequestedOutput", "Server",
+            "MemoryUsage", "MetricsConfig", "Model", "NotFoundError", "OutputTensor", "RequestedOutput", "Server",
             "ServerConfig", "TensorSpec", "UnavailableError", "UnsupportedError",
             "__version__", "model", "open_server", "serve",
         ]

@@ -16,8 +16,10 @@ from ._errors import (
     UnsupportedError,
 )
 from ._limits import HttpLimits
+from ._metrics_config import MetricsConfig
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._server import Server, open_server, serve
+from ._stats import MemoryUsage
 from ._types import (
     InferenceRequest,
     InferenceResponse,
@@ -40,6 +42,8 @@ __all__ = [
     "InputTensor",
     "InternalError",
     "InvalidArgumentError",
+    "MemoryUsage",
+    "MetricsConfig",
     "Model",
     "NotFoundError",
     "OutputTensor",

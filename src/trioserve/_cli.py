@@ -17,8 +17,10 @@ import trio
 from ._config import ServerConfig
 from ._limits import HttpLimits
 from ._loader import RepositoryError, load_repository
+from ._metrics_config import metrics_config_from_flags
 from ._server import open_server
 from ._version import __version__
+from .scheduler._cache import cache_size_from_flags
 
 logger = logging.getLogger("trioserve")
 
@@ -52,6 +54,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    run.add_argument("--allow-metrics", type=_boolean, default=True, metavar="BOOL")
+    run.add_argument(
+        "--metrics-port", type=int, help="also serve GET /metrics on this port (Triton: 8002)"
+    )
+    run.add_argument(
+        "--metrics-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="histogram_latencies=true|false, histogram_buckets=S,S,... (seconds)",
+    )
+    run.add_argument(
+        "--cache-config",
+        action="append",
+        default=[],
+        metavar="local,size=BYTES",
+        help="the response cache, for models that enable it (as in Triton)",
+    )
     run.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
@@ -89,6 +109,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             idle_timeout_s=args.http_idle_timeout_secs,
         ),
         exit_timeout_s=args.exit_timeout_secs,
+        metrics=metrics_config_from_flags(
+            allow=args.allow_metrics, port=args.metrics_port, options=args.metrics_config
+        ),
+        response_cache_bytes=cache_size_from_flags(args.cache_config),
     )
 
 
@@ -96,7 +120,11 @@ async def run_until_signalled(config: ServerConfig) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_server(config) as server:
-            for kind, addresses in (("HTTP", server.http_addresses), ("gRPC", server.grpc_addresses)):
+            for kind, addresses in (
+                ("HTTP", server.http_addresses),
+                ("gRPC", server.grpc_addresses),
+                ("Metrics", server.metrics_addresses),
+            ):
                 for host, port in addresses:
                     logger.info("%s service listening on %s:%d", kind, host, port)
             logger.info("serving models: %s", ", ".join(server.repository.names()))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._limits import HttpLimits
+from ._metrics_config import MetricsConfig
 from ._model import Model
 
 
@@ -24,6 +25,8 @@ class ServerConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     grpc_max_message_bytes: int = 2**31 - 1  # tritonclient's own limit: INT32_MAX
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    response_cache_bytes: int = 0  # server-wide response cache size; 0: no cache
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -38,3 +41,5 @@ class ServerConfig:
             raise ValueError("TLS is served by the hypercorn HTTP server (http_server='hypercorn')")
         if self.exit_timeout_s < 0:
             raise ValueError("exit_timeout_s must be >= 0")
+        if self.response_cache_bytes < 0:
+            raise ValueError("response_cache_bytes must be >= 0")

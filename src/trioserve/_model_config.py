@@ -66,6 +66,7 @@ def model_config(model: Model) -> dict[str, Any]:
             }
         ],
         "parameters": {k: {"string_value": v} for k, v in model.parameters.items()},
+        "response_cache": {"enable": model.response_cache},
     }
     batching = model.dynamic_batching
     if batching is not None:

@@ -3,7 +3,8 @@
     open_server(config)                 async context manager (the root nursery)
     ├── repository.run                  one task tree per model version
     ├── REST front end                  our HTTP/1.1 core, or Hypercorn
-    └── gRPC front end                  grpclib through trio-asyncio
+    ├── gRPC front end                  grpclib through trio-asyncio
+    └── metrics listener                GET /metrics on its own port, when configured
 
 ``serve(config, task_status=...)`` follows trio's start protocol: it reports the running
 ``Server`` (with its bound ports) once every model is loaded and every port listens.
@@ -13,23 +14,32 @@ flight finish for up to ``exit_timeout_s``, then cancels everything.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from ._config import ServerConfig
+from ._model import Model
 from ._repository import ModelRepository
 from ._version import __version__
+from .metrics import server_registry
+from .scheduler._cache import ResponseCache
 from .scheduler._runner import ModelRunner
+
+logger = logging.getLogger("trioserve")
 
 Address = tuple[str, int]
 
 # What works today, by Triton's extension names; listed in server metadata.
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "parameters", "schedule_policy")
+EXTENSIONS = (
+    "binary_tensor_data", "model_configuration", "parameters", "schedule_policy", "statistics",
+)  # fmt: skip
 
 
 def server_metadata() -> dict[str, Any]:
@@ -48,6 +58,8 @@ class Server:
     _front_ends_done: trio.Event
     _services: trio.CancelScope
     _stopped: trio.Event
+    registry: CollectorRegistry | None = None  # the server's Prometheus metrics
+    metrics_addresses: list[Address] = field(default_factory=list)  # the metrics port's
 
     @property
     def http_port(self) -> int | None:
@@ -94,9 +106,8 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
-    repository = ModelRepository(
-        ModelRunner(model, version) for model in config.models for version in model.versions
-    )
+    repository = ModelRepository(_runners(config))
+    registry = server_registry(repository, config.metrics) if config.metrics.enabled else None
     stop_accepting = trio.Event()
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
@@ -107,21 +118,45 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         http: list[Address] = []
         grpc: list[Address] = []
         if config.http_port is not None:
-            rest = _rest(config, config.http_port, repository, stop_accepting)
+            rest = _rest(config, config.http_port, repository, stop_accepting, registry)
             http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
             grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting)
             grpc = await services.start(front_ends.run, grpc_front_end)
+        metrics: list[Address] = []
+        if registry is not None and config.metrics.port is not None:
+            listener = _metrics_listener(config, config.metrics.port, registry, stop_accepting)
+            metrics = await services.start(front_ends.run, listener)
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
             config, repository, http, grpc, stop_accepting, front_ends.done,
-            services.cancel_scope, trio.Event(),
+            services.cancel_scope, trio.Event(), registry, metrics,
         )
         try:
             yield server
         finally:
             root.cancel_scope.cancel()
+
+
+def _runners(config: ServerConfig) -> list[ModelRunner]:
+    """A runner per model version; those that opt in share the server's response cache."""
+    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
+    bounds = config.metrics.histogram_bounds_ns()
+    return [
+        ModelRunner(model, version, cache=_cache_for(model, cache), histogram_bounds_ns=bounds)
+        for model in config.models
+        for version in model.versions
+    ]
+
+
+def _cache_for(model: Model, cache: ResponseCache | None) -> ResponseCache | None:
+    if model.response_cache and cache is None:
+        logger.warning(
+            "model %r enables the response cache, but the server has none "
+            "(--cache-config local,size=BYTES): serving it uncached", model.name
+        )
+    return cache if model.response_cache else None
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
@@ -140,11 +175,15 @@ async def serve(
 
 
 def _rest(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event
+    config: ServerConfig,
+    port: int,
+    repository: ModelRepository,
+    stop: trio.Event,
+    registry: CollectorRegistry | None,
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
-    app = build_app(repository, server_metadata(), config.http_limits.max_body_bytes)
+    app = build_app(repository, server_metadata(), config.http_limits.max_body_bytes, registry)
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
@@ -168,3 +207,15 @@ def _grpc(
         serve_grpc, repository, server_metadata(), config.host, port,
         max_message_bytes=config.grpc_max_message_bytes, shutdown_trigger=stop.wait,
     )
+
+
+def _metrics_listener(
+    config: ServerConfig, port: int, registry: CollectorRegistry, stop: trio.Event
+) -> Callable[..., Awaitable[None]]:
+    from .rest._http11 import serve_http11
+    from .rest._metrics import metrics_app
+
+    app = metrics_app(registry, config.http_limits.max_body_bytes)
+    return partial(app.serve_with, partial(
+        serve_http11, app, config.host, port, config.http_limits, shutdown_trigger=stop.wait,
+    ))

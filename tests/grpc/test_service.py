@@ -585,7 +585,7 @@ async def test_infer_errors(
 
 
 UNIMPLEMENTED = [
-    "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
     "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister",
     "TraceSetting", "LogSettings",

@@ -1,4 +1,5 @@
-"""The Open Inference Protocol endpoints over REST: health, metadata, config, infer."""
+"""The Open Inference Protocol endpoints over REST: health, metadata, config, infer,
+statistics (and ``/metrics`` when the server exports metrics)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import json
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository
+from .._stats import statistics_document
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._infer_codec import decode_request, encode_response
+from ._metrics import metrics_endpoint
 from ._router import Router
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
@@ -62,6 +66,11 @@ class _Endpoints:
         runner = self.repository.get(request.params["model"], request.params.get("version", ""))
         return _json(model_config(runner.model))
 
+    async def statistics(self, request: Request) -> Response:
+        params = request.params
+        stats = self.repository.statistics(params.get("model", ""), params.get("version", ""))
+        return _json(statistics_document(stats))
+
     async def infer(self, request: Request) -> Response | None:
         name = request.params["model"]
         version = request.params.get("version", "")
@@ -103,7 +112,10 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 
 def build_app(
-    repository: ModelRepository, server_metadata: dict[str, Any], max_body_bytes: int
+    repository: ModelRepository,
+    server_metadata: dict[str, Any],
+    max_body_bytes: int,
+    metrics: CollectorRegistry | None = None,
 ) -> RestApp:
     disconnects = DisconnectWatch()
     e = _Endpoints(repository, server_metadata, disconnects)
@@ -111,9 +123,13 @@ def build_app(
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
     router.add("GET", "/v2", e.metadata)
+    router.add("GET", "/v2/models/stats", e.statistics)  # before {model} claims "stats"
+    if metrics is not None:
+        router.add("GET", "/metrics", metrics_endpoint(metrics))
     for base in (_MODEL, _VERSION):
         router.add("GET", base, e.model_metadata)
         router.add("GET", f"{base}/ready", e.model_ready)
         router.add("GET", f"{base}/config", e.model_config)
+        router.add("GET", f"{base}/stats", e.statistics)
         router.add("POST", f"{base}/infer", e.infer)
     return RestApp(router, max_body_bytes, background=[disconnects.run])

@@ -6,7 +6,8 @@ owner of the queue; it applies ``decide`` from ``_batching`` and starts executio
 each holding one token of the instance group's ``CapacityLimiter``.
 
 Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
-why (model failure, full queue, timeout in queue, cancellation).
+why (model failure, full queue, timeout in queue, cancellation). ``_finish`` is also where
+each request's statistics are recorded (``_stats.py`` names the timestamps it uses).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from .._errors import (
     UnavailableError,
 )
 from .._model import Model, Outputs, batch_size
+from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import batch_key, validate_request
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
+from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
 from ._model_calls import call_hook
 
@@ -81,6 +84,9 @@ class Ticket:
     done: trio.Event = field(default_factory=trio.Event)
     response: InferenceResponse | None = None
     error: InferenceServerError | None = None
+    execution: ExecutionTimes | None = None  # the batch that answered it
+    cache_key: bytes | None = None  # set on a cache miss: store the response under it
+    cache_ns: int = 0  # time spent looking it up in the response cache
 
     def withdraw(self) -> None:
         """The client gave up: fail this request as cancelled and take it out of the queue."""
@@ -111,9 +117,18 @@ _WAKE = None  # an instance came free: decide again
 class ModelRunner:
     """One model version's task tree and the front ends' way into it."""
 
-    def __init__(self, model: Model, version: str) -> None:
+    def __init__(
+        self,
+        model: Model,
+        version: str,
+        *,
+        cache: ResponseCache | None = None,
+        histogram_bounds_ns: Sequence[int] = (),
+    ) -> None:
         self.model = model
         self.version = version
+        self.stats = ModelStats(model.name, version, histogram_bounds_ns=histogram_bounds_ns)
+        self._cache = cache  # None: this version does not use the response cache
         self.policy = policy_for(model)
         self.ready = False
         self._send, self._receive = trio.open_memory_channel[Ticket | _Withdraw | None](math.inf)
@@ -128,6 +143,14 @@ class ModelRunner:
     def statistics(self) -> RunnerStatistics:
         busy = self.model.instance_count - int(self._limiter.available_tokens)
         return RunnerStatistics(queued=len(self._queue), executing=busy)
+
+    def inference_statistics(self) -> ModelStatistics:
+        return self.stats.statistics(
+            pending=len(self._queue), response_cache=self._cache is not None
+        )
+
+    def collectors(self) -> tuple[()]:
+        return ()  # the server's Triton collector reads inference_statistics()
 
     async def wait_until(self, predicate: Callable[[RunnerStatistics], bool]) -> None:
         """Return once ``predicate(self.statistics())`` holds (checked on every change)."""
@@ -149,12 +172,28 @@ class ModelRunner:
         )
         ticket = Ticket(request, item, self)
         item.payload = ticket
+        if self._cache is not None and self._answer_from_cache(ticket):
+            return ticket
         self._send.send_nowait(ticket)
         return ticket
 
+    def _answer_from_cache(self, ticket: Ticket) -> bool:
+        """Finish ``ticket`` from the response cache if it holds the answer; on a miss,
+        note the key so that a successful response gets stored."""
+        assert self._cache is not None
+        key = cache_key(ticket.request, self.name, self.version)
+        response = self._cache.lookup(key, ticket.request)
+        ticket.cache_ns = now_ns() - ticket.item.arrival_ns  # the lookup starts on arrival
+        if response is None:
+            ticket.cache_key = key
+            return False
+        self._finish(ticket, response=response)
+        return True
+
     def withdraw(self, ticket: Ticket) -> None:
         """The client gave up: fail the ticket as cancelled and take it out of the queue."""
-        if self._finish(ticket, error=CancelledError("request cancelled")):
+        cancelled = CancelledError("request cancelled")
+        if self._finish(ticket, error=cancelled, reason=FailureReason.CANCELED):
             self._send.send_nowait(_Withdraw(ticket))
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
@@ -170,6 +209,7 @@ class ModelRunner:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, serve until cancelled, then fail what waits and unload."""
         await call_hook(self.model.load)
+        self.stats.memory_usage = tuple(self.model.memory_usage())
         self.ready = True
         task_status.started()
         try:
@@ -186,7 +226,11 @@ class ModelRunner:
         while True:
             now = now_ns()
             for item in self._queue.pop_expired(now):
-                self._finish(_payload(item), error=UnavailableError("Request timeout expired"))
+                self._finish(
+                    _payload(item),
+                    error=UnavailableError("Request timeout expired"),
+                    reason=FailureReason.REJECTED,
+                )
             decision = decide(self._queue, now, int(self._limiter.available_tokens), self.policy)
             if isinstance(decision, Dispatch):
                 items = self._queue.pop_front(decision.count)
@@ -195,7 +239,7 @@ class ModelRunner:
                     continue  # all withdrawn; their _Withdraw messages find nothing
                 token = object()
                 self._limiter.acquire_on_behalf_of_nowait(token)
-                executions.start_soon(self._execute, batch, token)
+                executions.start_soon(self._execute, batch, token, now)  # now: dequeued
                 self._notify()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
@@ -213,27 +257,38 @@ class ModelRunner:
             if message.done.is_set():
                 return  # cancelled before the batcher saw it
             if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
-                self._finish(message, error=UnavailableError("Exceeds maximum queue size"))
+                self._finish(
+                    message,
+                    error=UnavailableError("Exceeds maximum queue size"),
+                    reason=FailureReason.REJECTED,
+                )
             else:
                 self._queue.push(message.item)
         elif isinstance(message, _Withdraw):
             self._queue.remove(message.ticket.item)
         self._notify()
 
-    async def _execute(self, batch: list[Ticket], token: object) -> None:
+    async def _execute(self, batch: list[Ticket], token: object, dequeued_ns: int) -> None:
         try:
             requests = [p.request for p in batch]
             try:
+                input_ready_ns = now_ns()
                 results = await self._call_model(requests)
+                executed_ns = now_ns()
                 responses = [
                     self._response(p.request, out) for p, out in zip(batch, results, strict=True)
                 ]
             except Exception as exc:
                 error = _model_error(self.name, exc)
                 for ticket in batch:
-                    self._finish(ticket, error=error)
+                    self._finish(ticket, error=error, reason=FailureReason.BACKEND)
             else:
+                times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, now_ns())
+                self.stats.executed(sum(p.item.batch_size for p in batch), times)
                 for ticket, response in zip(batch, responses, strict=True):
+                    ticket.execution = times
+                    if ticket.cache_key is not None and not ticket.done.is_set():
+                        self._store_in_cache(ticket.cache_key, ticket.cache_ns, response)
                     self._finish(ticket, response=response)
         finally:
             for ticket in batch:  # no-op unless the execution itself was cancelled
@@ -271,6 +326,12 @@ class ModelRunner:
             tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
         return InferenceResponse(self.name, self.version, tensors, id=request.id)
 
+    def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
+        assert self._cache is not None
+        start = now_ns()
+        self._cache.insert(key, response)
+        self.stats.cache_miss(lookup_ns + now_ns() - start)
+
     def _notify(self) -> None:
         if self._changes:  # waking an empty parking lot still costs, on every request
             self._changes.unpark_all()
@@ -281,6 +342,7 @@ class ModelRunner:
         *,
         response: InferenceResponse | None = None,
         error: InferenceServerError | None = None,
+        reason: FailureReason = FailureReason.OTHER,
     ) -> bool:
         """Record a request's one outcome; False if it already had one."""
         if ticket.done.is_set():
@@ -288,6 +350,14 @@ class ModelRunner:
         ticket.response = response
         ticket.error = error
         ticket.done.set()
+        sent_ns = now_ns()  # "response sent": the outcome is in the caller's hands
+        arrival_ns = ticket.item.arrival_ns
+        if error is not None:
+            self.stats.failed(arrival_ns, sent_ns, reason)
+        elif ticket.execution is not None:
+            self.stats.succeeded(arrival_ns, sent_ns, ticket.item.batch_size, ticket.execution)
+        else:
+            self.stats.cache_hit(arrival_ns, sent_ns, ticket.cache_ns)
         self._notify()
         return True
 

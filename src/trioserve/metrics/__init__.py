@@ -1,0 +1,6 @@
+"""Prometheus metrics: Triton's families, latency histograms, host metrics; one registry
+per server instance."""
+
+from ._registry import CONTENT_TYPE, exposition, server_registry
+
+__all__ = ["CONTENT_TYPE", "exposition", "server_registry"]
