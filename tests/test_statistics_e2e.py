@@ -1,7 +1,8 @@
 """Statistics, metrics and the response cache end to end, through Triton's own clients.
 
 One real server (HTTP, gRPC and a separate metrics port, all on 127.0.0.1 port 0) serves
-the reference zoo plus a model that uses the response cache; tritonclient drives it.
+the reference zoo plus a model that uses the response cache; tritonclient drives it. Once
+with each HTTP server (ours and Hypercorn).
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ def cached_square(X):
     return {"Y": X * X}
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
+@pytest.fixture(scope="module", params=["stdlib", "hypercorn"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     config = ServerConfig(
         models=[*reference_zoo(), cached_square],
+        http_server=request.param,
         http_port=0,
         grpc_port=0,
         metrics=MetricsConfig(port=0),

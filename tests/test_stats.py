@@ -8,6 +8,7 @@ import pytest
 from google.protobuf.json_format import ParseDict
 
 from trioserve import MemoryUsage, MetricsConfig
+from trioserve._cli import _parser, config_from_args
 from trioserve._metrics_config import DEFAULT_HISTOGRAM_BUCKETS_S, metrics_config_from_flags
 from trioserve._stats import ExecutionTimes, FailureReason, ModelStats, statistics_document
 from trioserve.grpc._generated import grpc_service_pb2 as pb
@@ -123,3 +124,21 @@ def test_metrics_config_and_flags():
             metrics_config_from_flags(allow=True, port=None, options=bad)
     with pytest.raises(ValueError, match="port"):
         MetricsConfig(port=70000)
+
+
+def test_cli_flags_for_metrics_and_the_cache():
+    args = _parser().parse_args(
+        [
+            "run", "--metrics-port", "8002", "--metrics-config", "histogram_buckets=0.01,1",
+            "--cache-config", "local,size=4096",
+        ]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.metrics == MetricsConfig(port=8002, histogram_buckets_s=(0.01, 1.0))
+    assert config.response_cache_bytes == 4096
+    defaults = config_from_args(_parser().parse_args(["run"]))
+    assert defaults.metrics == MetricsConfig() and defaults.response_cache_bytes == 0
+    off = config_from_args(_parser().parse_args(["run", "--allow-metrics", "false"]))
+    assert not off.metrics.enabled
+    with pytest.raises(ValueError, match="local"):
+        config_from_args(_parser().parse_args(["run", "--cache-config", "redis,size=1"]))

@@ -87,7 +87,7 @@ class Histogram:
     sum_ns: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built once per batch, on the hot path
 class ExecutionTimes:
     """The timestamps of one executed batch, shared by each of its requests."""
 
@@ -176,38 +176,17 @@ class _Duration:
         return DurationStat(self.count, self.ns)
 
 
-class _Batch:
-    __slots__ = ("compute_infer", "compute_input", "compute_output")
-
-    def __init__(self) -> None:
-        self.compute_input = _Duration()
-        self.compute_infer = _Duration()
-        self.compute_output = _Duration()
-
-
-class _Histogram:
-    __slots__ = ("bounds_ns", "counts", "sum_ns")
-
-    def __init__(self, bounds_ns: tuple[int, ...]) -> None:
-        self.bounds_ns = bounds_ns
-        self.counts = [0] * (len(bounds_ns) + 1)
-        self.sum_ns = 0
-
-    def observe(self, ns: int) -> None:
-        # bisect_left: a value equal to a bound belongs to that bound's bucket (le).
-        self.counts[bisect_left(self.bounds_ns, ns)] += 1
-        self.sum_ns += ns
-
-    def frozen(self) -> Histogram:
-        return Histogram(self.bounds_ns, tuple(self.counts), self.sum_ns)
-
-
 class ModelStats:
     """The accumulators of one model version; fed by its runner, read as snapshots.
 
     ``histogram_bounds_ns`` (ascending bucket bounds) turns on the latency histograms of
     successful requests: end to end, in the queue, and in compute (input, infer and
     output together). Empty: no histograms, no cost.
+
+    The per-request methods run on every request, so they only add to plain integers:
+    counts that Triton's rules make equal are kept once (every success counts in queue;
+    every success but a cache hit counts in the compute figures), and the histograms'
+    sums are the matching totals.
     """
 
     def __init__(self, name: str, version: str, *, histogram_bounds_ns: Sequence[int] = ()) -> None:
@@ -217,20 +196,23 @@ class ModelStats:
         self._last_inference_ms = 0
         self._inference_count = 0
         self._execution_count = 0
-        self._success = _Duration()
-        self._fail = _Duration()
-        self._queue = _Duration()
-        self._compute_input = _Duration()
-        self._compute_infer = _Duration()
-        self._compute_output = _Duration()
+        self._success_count = 0
+        self._success_ns = 0
+        self._queue_ns = 0
+        self._compute_input_ns = 0
+        self._compute_infer_ns = 0
+        self._compute_output_ns = 0
         self._cache_hit = _Duration()
         self._cache_miss = _Duration()
-        self._batches: dict[int, _Batch] = {}
+        self._fail = _Duration()
         self._failures = dict.fromkeys(FailureReason, 0)
-        bounds = tuple(histogram_bounds_ns)
-        self._histograms = (
-            {kind: _Histogram(bounds) for kind in ("request", "queue", "compute")} if bounds else {}
-        )
+        # batch size -> [executions, compute_input ns, compute_infer ns, compute_output ns]
+        self._batches: dict[int, list[int]] = {}
+        self._bounds = tuple(histogram_bounds_ns)
+        # Observations per bucket, the last above every bound (+Inf).
+        self._request_buckets = [0] * (len(self._bounds) + 1)
+        self._queue_buckets = [0] * (len(self._bounds) + 1)
+        self._compute_buckets = [0] * (len(self._bounds) + 1)
 
     # --- what the runner reports ------------------------------------------------------
 
@@ -240,36 +222,42 @@ class ModelStats:
         self._execution_count += 1
         batch = self._batches.get(batch_size)
         if batch is None:
-            batch = self._batches[batch_size] = _Batch()
-        batch.compute_input.add(times.input_ready_ns - times.dequeued_ns)
-        batch.compute_infer.add(times.executed_ns - times.input_ready_ns)
-        batch.compute_output.add(times.output_ready_ns - times.executed_ns)
+            batch = self._batches[batch_size] = [0, 0, 0, 0]
+        batch[0] += 1
+        batch[1] += times.input_ready_ns - times.dequeued_ns
+        batch[2] += times.executed_ns - times.input_ready_ns
+        batch[3] += times.output_ready_ns - times.executed_ns
 
     def succeeded(
         self, arrival_ns: int, sent_ns: int, batch_size: int, times: ExecutionTimes
     ) -> None:
         """A request answered by an execution; each request of a batch reports the
         batch's compute durations, as Triton does."""
+        dequeued_ns = times.dequeued_ns
         self._inference_count += batch_size
-        self._success.add(sent_ns - arrival_ns)
-        self._queue.add(times.dequeued_ns - arrival_ns)
-        self._compute_input.add(times.input_ready_ns - times.dequeued_ns)
-        self._compute_infer.add(times.executed_ns - times.input_ready_ns)
-        self._compute_output.add(times.output_ready_ns - times.executed_ns)
-        if self._histograms:
-            self._histograms["request"].observe(sent_ns - arrival_ns)
-            self._histograms["queue"].observe(times.dequeued_ns - arrival_ns)
-            self._histograms["compute"].observe(times.output_ready_ns - times.dequeued_ns)
+        self._success_count += 1
+        self._success_ns += sent_ns - arrival_ns
+        self._queue_ns += dequeued_ns - arrival_ns
+        self._compute_input_ns += times.input_ready_ns - dequeued_ns
+        self._compute_infer_ns += times.executed_ns - times.input_ready_ns
+        self._compute_output_ns += times.output_ready_ns - times.executed_ns
+        bounds = self._bounds
+        if bounds:
+            # bisect_left: a value equal to a bound belongs to that bound's bucket (le).
+            self._request_buckets[bisect_left(bounds, sent_ns - arrival_ns)] += 1
+            self._queue_buckets[bisect_left(bounds, dequeued_ns - arrival_ns)] += 1
+            self._compute_buckets[bisect_left(bounds, times.output_ready_ns - dequeued_ns)] += 1
 
     def cache_hit(self, arrival_ns: int, sent_ns: int, lookup_ns: int) -> None:
-        """A request answered from the response cache (its lookup took ``lookup_ns``)."""
+        """A request answered from the response cache (its lookup took ``lookup_ns``).
+        It counts in queue with no time: the lookup happens on arrival, before any queue."""
         self._last_inference_ms = time.time_ns() // 1_000_000
-        self._success.add(sent_ns - arrival_ns)
-        self._queue.add(0)  # the lookup happens on arrival, before any queue
+        self._success_count += 1
+        self._success_ns += sent_ns - arrival_ns
         self._cache_hit.add(lookup_ns)
-        if self._histograms:
-            self._histograms["request"].observe(sent_ns - arrival_ns)
-            self._histograms["queue"].observe(0)
+        if self._bounds:
+            self._request_buckets[bisect_left(self._bounds, sent_ns - arrival_ns)] += 1
+            self._queue_buckets[0] += 1
 
     def cache_miss(self, lookup_and_insert_ns: int) -> None:
         """A successful response computed after a missed lookup, now in the cache."""
@@ -282,32 +270,42 @@ class ModelStats:
     # --- what readers get -------------------------------------------------------------
 
     def statistics(self, *, pending: int = 0, response_cache: bool = False) -> ModelStatistics:
+        computed = self._success_count - self._cache_hit.count  # successes that executed
+        compute_ns = self._compute_input_ns + self._compute_infer_ns + self._compute_output_ns
+        histograms = {}
+        if self._bounds:
+            for kind, buckets, total_ns in (
+                ("request", self._request_buckets, self._success_ns),
+                ("queue", self._queue_buckets, self._queue_ns),
+                ("compute", self._compute_buckets, compute_ns),
+            ):
+                histograms[kind] = Histogram(self._bounds, tuple(buckets), total_ns)
         return ModelStatistics(
             name=self.name,
             version=self.version,
             last_inference=self._last_inference_ms,
             inference_count=self._inference_count,
             execution_count=self._execution_count,
-            success=self._success.frozen(),
+            success=DurationStat(self._success_count, self._success_ns),
             fail=self._fail.frozen(),
-            queue=self._queue.frozen(),
-            compute_input=self._compute_input.frozen(),
-            compute_infer=self._compute_infer.frozen(),
-            compute_output=self._compute_output.frozen(),
+            queue=DurationStat(self._success_count, self._queue_ns),
+            compute_input=DurationStat(computed, self._compute_input_ns),
+            compute_infer=DurationStat(computed, self._compute_infer_ns),
+            compute_output=DurationStat(computed, self._compute_output_ns),
             cache_hit=self._cache_hit.frozen(),
             cache_miss=self._cache_miss.frozen(),
             batch_stats=tuple(
                 BatchStat(
                     size,
-                    b.compute_input.frozen(),
-                    b.compute_infer.frozen(),
-                    b.compute_output.frozen(),
+                    DurationStat(count, input_ns),
+                    DurationStat(count, infer_ns),
+                    DurationStat(count, output_ns),
                 )
-                for size, b in sorted(self._batches.items())
+                for size, (count, input_ns, infer_ns, output_ns) in sorted(self._batches.items())
             ),
             memory_usage=self.memory_usage,
             failures=dict(self._failures),
             pending=pending,
             response_cache=response_cache,
-            histograms={kind: h.frozen() for kind, h in self._histograms.items()},
+            histograms=histograms,
         )

@@ -135,9 +135,11 @@ async def test_triton_families_agree_with_the_statistics(autojump_clock):
 
 
 async def test_served_models_bring_their_own_collectors(autojump_clock):
-    runner = EngineLike(sleepy, "1")
+    runner, other_version = EngineLike(sleepy, "1"), EngineLike(sleepy, "2")
+    other_version.tokens = runner.tokens  # one engine's collector, shared by two versions
     runner.tokens.labels(model_name="sleepy").inc(7)
-    registry = server_registry(ModelRepository([runner]), MetricsConfig(latency_histograms=False))
+    repository = ModelRepository([runner, other_version])
+    registry = server_registry(repository, MetricsConfig(latency_histograms=False))
     text = exposition(registry)
     # prometheus_client's own counters keep their usual exposition.
     assert b'vllm:prompt_tokens_total{model_name="sleepy"} 7.0' in text

@@ -38,9 +38,12 @@ def server_registry(repository: ModelRepository, config: MetricsConfig) -> Colle
     gpus = gpu_collector()
     if gpus is not None:
         registry.register(gpus)
+    registered: set[int] = set()  # versions of one model may share their engine's collector
     for served in repository:
         for collector in served.collectors():
-            registry.register(collector)
+            if id(collector) not in registered:
+                registered.add(id(collector))
+                registry.register(collector)
     return registry
 
 

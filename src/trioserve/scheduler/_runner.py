@@ -284,7 +284,7 @@ class ModelRunner:
                     self._finish(ticket, error=error, reason=FailureReason.BACKEND)
             else:
                 times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, now_ns())
-                self.stats.executed(sum(p.item.batch_size for p in batch), times)
+                self.stats.executed(sum([p.item.batch_size for p in batch]), times)
                 for ticket, response in zip(batch, responses, strict=True):
                     ticket.execution = times
                     if ticket.cache_key is not None and not ticket.done.is_set():
