@@ -212,10 +212,8 @@ def _grpc(
 def _metrics_listener(
     config: ServerConfig, port: int, registry: CollectorRegistry, stop: trio.Event
 ) -> Callable[..., Awaitable[None]]:
-    from .rest._http11 import serve_http11
-    from .rest._metrics import metrics_app
+    from .rest._metrics import serve_metrics
 
-    app = metrics_app(registry, config.http_limits.max_body_bytes)
-    return partial(app.serve_with, partial(
-        serve_http11, app, config.host, port, config.http_limits, shutdown_trigger=stop.wait,
-    ))
+    return partial(
+        serve_metrics, registry, config.host, port, config.http_limits, shutdown_trigger=stop.wait
+    )
