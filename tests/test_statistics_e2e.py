@@ -142,8 +142,8 @@ def _scrape(port: int) -> tuple[str, dict]:
 def test_metrics_on_both_ports_agree_with_the_statistics(clients, server):
     http, _ = clients
     stats = _by_model(http.get_inference_statistics())
-    assert server.metrics_addresses and server.metrics_addresses[0][1] != server.http_port
-    for port in (server.http_port, server.metrics_addresses[0][1]):
+    assert server.metrics_addresses and server.metrics_port != server.http_port
+    for port in (server.http_port, server.metrics_port):
         content_type, samples = _scrape(port)
         assert content_type == "text/plain; version=0.0.4; charset=utf-8"
         for (name, _), stat in stats.items():
@@ -185,6 +185,14 @@ def test_metrics_can_be_turned_off():
         metrics=MetricsConfig(enabled=False, port=0),
     )
     with server_in_thread(config) as server:
-        assert server.registry is None and server.metrics_addresses == []
+        assert server.registry is None and server.metrics_port is None
         response = httpx.get(f"http://127.0.0.1:{server.http_port}/metrics")
         assert response.status_code == 404
+
+
+async def test_a_model_that_wants_a_cache_the_server_lacks_runs_uncached(caplog):
+    config = ServerConfig(models=[cached_square], http_port=None, grpc_port=None)
+    async with trioserve.open_server(config) as server:
+        stats = server.repository.get("cached_square").inference_statistics()
+        assert not stats.response_cache
+    assert "enables the response cache, but the server has none" in caplog.text

@@ -69,6 +69,10 @@ class Server:
     def grpc_port(self) -> int | None:
         return self.grpc_addresses[0][1] if self.grpc_addresses else None
 
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_addresses[0][1] if self.metrics_addresses else None
+
     async def shutdown(self) -> None:
         """Stop accepting, drain requests in flight (bounded by exit_timeout_s), then stop."""
         self._stop_accepting.set()
