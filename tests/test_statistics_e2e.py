@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import numpy as np
 import pytest
+import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf.json_format import ParseDict
@@ -21,6 +22,8 @@ from tritonclient.utils import InferenceServerException
 
 import trioserve
 from trioserve import MetricsConfig, Server, ServerConfig, TensorSpec
+from trioserve._stats import FailureReason
+from trioserve._tensor import datatype
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
@@ -196,3 +199,51 @@ async def test_a_model_that_wants_a_cache_the_server_lacks_runs_uncached(caplog)
         stats = server.repository.get("cached_square").inference_statistics()
         assert not stats.response_cache
     assert "enables the response cache, but the server has none" in caplog.text
+
+
+async def test_clients_that_leave_count_as_canceled(nursery):
+    """A REST client disconnects and a gRPC client cancels, both while queued."""
+    release = trio.Event()
+
+    @trioserve.model(
+        name="gated",
+        inputs=[TensorSpec("X", "FP32", [1])],
+        outputs=[TensorSpec("Y", "FP32", [1])],
+    )
+    async def gated(X):
+        await release.wait()
+        return {"Y": X}
+
+    config = ServerConfig(models=[gated], http_port=0, grpc_port=0)
+    server: Server = await nursery.start(trioserve.serve, config)
+    runner = server.repository.get("gated")
+    one = np.ones(1, dtype=np.float32)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as clients:
+            clients.start_soon(runner.infer, _direct_request(one))  # holds the one instance
+            await runner.wait_until(lambda load: load.executing == 1)
+            body = b'{"inputs":[{"name":"X","shape":[1],"datatype":"FP32","data":[2]}]}'
+            stream = await trio.open_tcp_stream("127.0.0.1", server.http_port)
+            await stream.send_all(
+                b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await runner.wait_until(lambda load: load.queued == 1)
+            await stream.aclose()  # the client goes away while its request waits
+            await runner.wait_until(lambda load: load.queued == 0)
+            grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+            x = grpcclient.InferInput("X", [1], "FP32")
+            x.set_data_from_numpy(one)
+            with pytest.raises(InferenceServerException, match="Deadline"):
+                await trio.to_thread.run_sync(lambda: grpc.infer("gated", [x], client_timeout=0.5))
+            await runner.wait_until(lambda load: load.queued == 0)
+            grpc.close()
+            release.set()
+    stats = runner.inference_statistics()
+    assert stats.failures[FailureReason.CANCELED] == 2 and stats.fail.count == 2
+    assert stats.success.count == 1
+
+
+def _direct_request(x: np.ndarray) -> trioserve.InferenceRequest:
+    tensor = trioserve.InputTensor("X", datatype("FP32"), x.shape, x)
+    return trioserve.InferenceRequest("gated", "", {"X": tensor})
