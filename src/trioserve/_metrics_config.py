@@ -48,16 +48,17 @@ def metrics_config_from_flags(
 ) -> MetricsConfig:
     """``--allow-metrics``, ``--metrics-port`` and each ``--metrics-config KEY=VALUE``:
     ``histogram_latencies=true|false``, ``histogram_buckets=S,S,...`` (seconds)."""
-    settings: dict[str, object] = {}
+    histograms = True
+    buckets: Sequence[float] = DEFAULT_HISTOGRAM_BUCKETS_S
     for option in options:
         key, sep, value = option.partition("=")
         if not sep:
             raise ValueError(f"--metrics-config expects KEY=VALUE, got {option!r}")
         if key == "histogram_latencies":
-            settings["latency_histograms"] = _boolean(value, key)
+            histograms = _boolean(value, key)
         elif key == "histogram_buckets":
             try:
-                settings["histogram_buckets_s"] = tuple(float(v) for v in value.split(","))
+                buckets = tuple(float(v) for v in value.split(","))
             except ValueError:
                 raise ValueError(f"histogram_buckets must be numbers, got {value!r}") from None
         else:
@@ -65,7 +66,9 @@ def metrics_config_from_flags(
                 f"unknown --metrics-config key {key!r} "
                 "(known: histogram_latencies, histogram_buckets)"
             )
-    return MetricsConfig(enabled=allow, port=port, **settings)  # type: ignore[arg-type]
+    return MetricsConfig(
+        enabled=allow, port=port, latency_histograms=histograms, histogram_buckets_s=buckets
+    )
 
 
 def _boolean(value: str, key: str) -> bool:
