@@ -25,8 +25,9 @@ def test_public_api_is_what_we_mean():
             "AlreadyExistsError", "CancelledError", "DynamicBatching", "ErrorKind",
             "FunctionModel", "GenerativeModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
             "InferenceServerError", "InputTensor", "InternalError", "InvalidArgumentError",
-            "Model", "NotFoundError", "OutputTensor", "RequestedOutput", "Restriction", "Server",
-            "ServerConfig", "StepSequence", "TensorSpec", "UnavailableError", "UnsupportedError",
+            "MemoryUsage", "MetricsConfig", "Model", "NotFoundError", "OutputTensor",
+            "RequestedOutput", "Restriction", "Server", "ServerConfig", "StepSequence",
+            "TensorSpec", "UnavailableError", "UnsupportedError",
             "__version__", "model", "open_server", "serve",
         ]
     )

@@ -17,9 +17,11 @@ from ._errors import (
 )
 from ._generative import GenerativeModel, StepSequence
 from ._limits import HttpLimits
+from ._metrics_config import MetricsConfig
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._restricted import Restriction
 from ._server import Server, open_server, serve
+from ._stats import MemoryUsage
 from ._types import (
     InferenceRequest,
     InferenceResponse,
@@ -43,6 +45,8 @@ __all__ = [
     "InputTensor",
     "InternalError",
     "InvalidArgumentError",
+    "MemoryUsage",
+    "MetricsConfig",
     "Model",
     "NotFoundError",
     "OutputTensor",

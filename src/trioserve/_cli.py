@@ -17,9 +17,11 @@ import trio
 from ._config import ServerConfig
 from ._limits import HttpLimits
 from ._loader import RepositoryError, load_repository
+from ._metrics_config import metrics_config_from_flags
 from ._restricted import parse_restrictions
 from ._server import open_server
 from ._version import __version__
+from .scheduler._cache import cache_size_from_flags
 
 logger = logging.getLogger("trioserve")
 
@@ -67,6 +69,24 @@ def _parser() -> argparse.ArgumentParser:
         help="also export the deprecated vLLM metrics that this (vLLM) release deprecated, "
         "e.g. 0.9",
     )
+    run.add_argument("--allow-metrics", type=_boolean, default=True, metavar="BOOL")
+    run.add_argument(
+        "--metrics-port", type=int, help="also serve GET /metrics on this port (Triton: 8002)"
+    )
+    run.add_argument(
+        "--metrics-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="histogram_latencies=true|false, histogram_buckets=S,S,... (seconds)",
+    )
+    run.add_argument(
+        "--cache-config",
+        action="append",
+        default=[],
+        metavar="local,size=BYTES",
+        help="the response cache, for models that enable it (as in Triton)",
+    )
     run.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
@@ -107,6 +127,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_restricted_apis=parse_restrictions(args.http_restricted_api),
         grpc_restricted_apis=parse_restrictions(args.grpc_restricted_protocol),
         show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
+        metrics=metrics_config_from_flags(
+            allow=args.allow_metrics, port=args.metrics_port, options=args.metrics_config
+        ),
+        response_cache_bytes=cache_size_from_flags(args.cache_config),
     )
 
 
@@ -114,7 +138,11 @@ async def run_until_signalled(config: ServerConfig) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with open_server(config) as server:
-            for kind, addresses in (("HTTP", server.http_addresses), ("gRPC", server.grpc_addresses)):
+            for kind, addresses in (
+                ("HTTP", server.http_addresses),
+                ("gRPC", server.grpc_addresses),
+                ("Metrics", server.metrics_addresses),
+            ):
                 for host, port in addresses:
                     logger.info("%s service listening on %s:%d", kind, host, port)
             logger.info("serving models: %s", ", ".join(server.repository.names()))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ._limits import HttpLimits
+from ._metrics_config import MetricsConfig
 from ._model import Model
 from ._restricted import Restriction, check_restrictions
 
@@ -30,6 +31,8 @@ class ServerConfig:
     grpc_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
     # Show the deprecated vLLM metric families that release ("0.9") deprecated.
     show_hidden_metrics_for_version: str | None = None
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    response_cache_bytes: int = 0  # server-wide response cache size; 0: no cache
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -46,3 +49,5 @@ class ServerConfig:
             raise ValueError("exit_timeout_s must be >= 0")
         check_restrictions(self.http_restricted_apis)
         check_restrictions(self.grpc_restricted_apis)
+        if self.response_cache_bytes < 0:
+            raise ValueError("response_cache_bytes must be >= 0")

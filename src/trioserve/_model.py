@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._errors import InvalidArgumentError
+from ._stats import MemoryUsage
 from ._tensor import Datatype, datatype
 from ._types import InferenceRequest
 
@@ -92,6 +93,7 @@ class Model:
     versions: Sequence[str] = ("1",)
     platform: str = "python"
     parameters: Mapping[str, str] = field(default_factory=dict)
+    response_cache: bool = False  # answer repeated requests from the server's response cache
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0 or self.instance_count < 1:
@@ -109,6 +111,10 @@ class Model:
     def unload(self) -> Awaitable[None] | None:
         """Called once after the model stopped serving; may be ``async``."""
         return None
+
+    def memory_usage(self) -> Sequence[MemoryUsage]:
+        """What the model holds once loaded, as the statistics extension reports it."""
+        return ()
 
     def execute(
         self, requests: Sequence[InferenceRequest]

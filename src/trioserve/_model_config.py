@@ -69,6 +69,7 @@ def model_config(model: Model) -> dict[str, Any]:
         "parameters": {k: {"string_value": v} for k, v in model.parameters.items()},
         # A generative model streams any number of responses per request.
         "model_transaction_policy": {"decoupled": isinstance(model, GenerativeModel)},
+        "response_cache": {"enable": model.response_cache},
     }
     batching = model.dynamic_batching
     if batching is not None:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 import trio
+from prometheus_client.registry import Collector
 
 from ._errors import NotFoundError, unknown_model
 from ._model import Model
+from ._stats import ModelStatistics
 from ._types import InferenceRequest, InferenceResponse
 
 
@@ -24,6 +26,16 @@ class ServedModel(Protocol):
     async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
 
     def submit(self, request: InferenceRequest) -> Ticket: ...
+
+    def inference_statistics(self) -> ModelStatistics:
+        """Triton's statistics of this version (what the statistics extension and the
+        nv_inference_* metrics report)."""
+        ...
+
+    def collectors(self) -> Sequence[Collector]:
+        """Prometheus collectors of metrics of its own kind, registered with the server's
+        registry once the model is served (e.g. an engine's vllm: families)."""
+        ...
 
 
 class Ticket(Protocol):
@@ -79,6 +91,20 @@ class ModelRepository:
                 f"Request for unknown model: '{name}' version {version} is not found"
             )
         return runner
+
+    def statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
+        """The statistics of every version of every model (no name), of every version of
+        ``name`` (no version), or of one version; NOT_FOUND for an unknown one. As in
+        Triton, a version without a name is ignored."""
+        if not name:
+            names = sorted(self._models)
+        elif version:
+            return [self.get(name, version).inference_statistics()]
+        else:
+            names = [name]
+        return [
+            self._versions(n)[v].inference_statistics() for n in names for v in self.versions(n)
+        ]
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:

@@ -3,7 +3,8 @@
     open_server(config)                 async context manager (the root nursery)
     ├── repository.run                  one task tree per model version
     ├── REST front end                  our HTTP/1.1 core, or Hypercorn
-    └── gRPC front end                  grpclib through trio-asyncio
+    ├── gRPC front end                  grpclib through trio-asyncio
+    └── metrics listener                GET /metrics on its own port, when configured
 
 ``serve(config, task_status=...)`` follows trio's start protocol: it reports the running
 ``Server`` (with its bound ports) once every model is loaded and every port listens.
@@ -13,30 +14,36 @@ flight finish for up to ``exit_timeout_s``, then cancels everything.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from ._config import ServerConfig
 from ._generative import GenerativeModel
 from ._model import Model
 from ._repository import ModelRepository, ServedModel
 from ._version import __version__
+from .metrics import server_registry
 from .metrics._llm_telemetry import LLMMetricFamilies
 from .metrics._orca import LoadReporter
+from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
 from .shm import SharedMemoryRegistry
+
+logger = logging.getLogger("trioserve")
 
 Address = tuple[str, int]
 
 # What works today, by Triton's extension names; listed in server metadata.
 EXTENSIONS = (
-    "binary_tensor_data", "model_configuration", "parameters", "schedule_policy",
+    "binary_tensor_data", "model_configuration", "parameters", "schedule_policy", "statistics",
     "system_shared_memory",
 )  # fmt: skip
 
@@ -60,6 +67,8 @@ class Server:
     _services: trio.CancelScope
     _stopped: trio.Event
     shared_memory: SharedMemoryRegistry
+    registry: CollectorRegistry | None = None  # the server's Prometheus metrics
+    metrics_addresses: list[Address] = field(default_factory=list)  # the metrics port's
 
     @property
     def http_port(self) -> int | None:
@@ -68,6 +77,10 @@ class Server:
     @property
     def grpc_port(self) -> int | None:
         return self.grpc_addresses[0][1] if self.grpc_addresses else None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_addresses[0][1] if self.metrics_addresses else None
 
     async def shutdown(self) -> None:
         """Stop accepting, drain requests in flight (bounded by exit_timeout_s), then stop."""
@@ -106,14 +119,8 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
-    llm_metrics = LLMMetricFamilies(
-        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
-    )
-    repository = ModelRepository(
-        _served(model, version, llm_metrics)
-        for model in config.models
-        for version in model.versions
-    )
+    repository = ModelRepository(_served(config))
+    registry = server_registry(repository, config.metrics) if config.metrics.enabled else None
     stop_accepting = trio.Event()
     load = LoadReporter()  # one per server: both front ends report the same load
     front_ends = _FrontEnds()
@@ -128,17 +135,21 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         grpc: list[Address] = []
         if config.http_port is not None:
             rest = _rest(config, config.http_port, repository, stop_accepting, shared_memory,
-                         metadata, load)
+                         metadata, load, registry)
             http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
             grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting,
                                    shared_memory, metadata, load)
             grpc = await services.start(front_ends.run, grpc_front_end)
+        metrics: list[Address] = []
+        if registry is not None and config.metrics.port is not None:
+            listener = _metrics_listener(config, config.metrics.port, registry, stop_accepting)
+            metrics = await services.start(front_ends.run, listener)
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
             config, repository, http, grpc, stop_accepting, front_ends.done,
-            services.cancel_scope, trio.Event(), shared_memory=shared_memory,
+            services.cancel_scope, trio.Event(), shared_memory, registry, metrics,
         )
         try:
             yield server
@@ -148,10 +159,35 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             shared_memory.close()
 
 
-def _served(model: Model, version: str, llm_metrics: LLMMetricFamilies) -> ServedModel:
-    if isinstance(model, GenerativeModel):
-        return GenerativeRunner(model, version, llm_metrics.telemetry(model, version))
-    return ModelRunner(model, version)
+def _served(config: ServerConfig) -> list[ServedModel]:
+    """What serves each model version: the continuous-batching engine for generative
+    models, a runner otherwise. Runners that opt in share the server's response cache."""
+    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
+    bounds = config.metrics.histogram_bounds_ns()
+    llm_metrics = LLMMetricFamilies(
+        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+    )
+    served: list[ServedModel] = []
+    for model in config.models:
+        for version in model.versions:
+            if isinstance(model, GenerativeModel):
+                telemetry = llm_metrics.telemetry(model, version)
+                served.append(GenerativeRunner(model, version, telemetry))
+            else:
+                cached = _cache_for(model, cache)
+                served.append(
+                    ModelRunner(model, version, cache=cached, histogram_bounds_ns=bounds)
+                )
+    return served
+
+
+def _cache_for(model: Model, cache: ResponseCache | None) -> ResponseCache | None:
+    if model.response_cache and cache is None:
+        logger.warning(
+            "model %r enables the response cache, but the server has none "
+            "(--cache-config local,size=BYTES): serving it uncached", model.name
+        )
+    return cache if model.response_cache else None
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:
@@ -172,12 +208,13 @@ async def serve(
 def _rest(
     config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
     shared_memory: SharedMemoryRegistry, metadata: dict[str, Any], load: LoadReporter,
+    registry: CollectorRegistry | None,
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
     app = build_app(
         repository, metadata, config.http_limits.max_body_bytes, shared_memory=shared_memory,
-        restrictions=config.http_restricted_apis, load=load,
+        restrictions=config.http_restricted_apis, load=load, metrics=registry,
     )
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
@@ -203,4 +240,14 @@ def _grpc(
         serve_grpc, repository, metadata, config.host, port,
         max_message_bytes=config.grpc_max_message_bytes, shared_memory=shared_memory,
         restrictions=config.grpc_restricted_apis, shutdown_trigger=stop.wait, load=load,
+    )
+
+
+def _metrics_listener(
+    config: ServerConfig, port: int, registry: CollectorRegistry, stop: trio.Event
+) -> Callable[..., Awaitable[None]]:
+    from .rest._metrics import serve_metrics
+
+    return partial(
+        serve_metrics, registry, config.host, port, config.http_limits, shutdown_trigger=stop.wait
     )

@@ -585,7 +585,7 @@ async def test_infer_errors(
 
 
 UNIMPLEMENTED = [
-    "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
     "TraceSetting", "LogSettings",
 ]  # fmt: skip
 

@@ -12,6 +12,7 @@ import trio
 
 import trioserve
 from trioserve import InferenceRequest, InferenceResponse, TensorSpec
+from trioserve._stats import ModelStatistics
 from trioserve.scheduler._generation import (
     GenerationChunk,
     GenerationRequest,
@@ -55,6 +56,12 @@ class KVEngineDouble:
 
     def submit(self, request: InferenceRequest) -> Ticket:
         return self._runner.submit(request)
+
+    def inference_statistics(self) -> ModelStatistics:
+        return self._runner.inference_statistics()
+
+    def collectors(self) -> tuple[()]:
+        return ()
 
     @asynccontextmanager
     async def generate(

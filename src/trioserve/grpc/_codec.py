@@ -21,6 +21,7 @@ from google.protobuf.json_format import ParseDict
 from .._errors import InternalError, InvalidArgumentError, UnsupportedError
 from .._model import Model
 from .._model_config import model_config, model_metadata
+from .._stats import ModelStatistics, statistics_document
 from .._tensor import Datatype, array_from_raw, array_to_raw, check_shape, datatype, element_count
 from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from ..shm import (
@@ -254,3 +255,10 @@ def model_metadata_message(model: Model, versions: list[str]) -> pb.ModelMetadat
 def model_config_message(model: Model) -> pb.ModelConfigResponse:
     config = ParseDict(model_config(model), model_config_pb2.ModelConfig())
     return pb.ModelConfigResponse(config=config)
+
+
+def statistics_message(stats: Sequence[ModelStatistics]) -> pb.ModelStatisticsResponse:
+    # The REST document parsed into the message: both transports report the same numbers.
+    message = pb.ModelStatisticsResponse()
+    ParseDict(statistics_document(stats), message)  # fills ``message`` in place
+    return message

@@ -39,6 +39,7 @@ from ._codec import (
     model_config_message,
     model_metadata_message,
     server_metadata_message,
+    statistics_message,
 )
 from ._errors import grpc_error
 from ._generated import grpc_service_grpc, health_grpc, health_pb2
@@ -187,10 +188,16 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
     CudaSharedMemoryRegister = _shared_memory_rpc("CudaSharedMemoryRegister")
     CudaSharedMemoryUnregister = _shared_memory_rpc("CudaSharedMemoryUnregister")
 
-    # Later roadmap items (streaming, statistics, repository API, trace, logging). Each
-    # RPC must exist because the base class is abstract.
+
+    @_rpc
+    async def ModelStatistics(self, stream: Stream[Any, Any]) -> None:
+        request = await _receive(stream)
+        stats = self._repository.statistics(request.name, request.version)
+        await stream.send_message(statistics_message(stats))
+
+    # Later roadmap items (streaming, repository API, trace, logging).
+    # Each RPC must exist because the base class is abstract.
     ModelStreamInfer = _unimplemented("ModelStreamInfer")
-    ModelStatistics = _unimplemented("ModelStatistics")
     RepositoryIndex = _unimplemented("RepositoryIndex")
     RepositoryModelLoad = _unimplemented("RepositoryModelLoad")
     RepositoryModelUnload = _unimplemented("RepositoryModelUnload")

@@ -1,4 +1,5 @@
-"""The Open Inference Protocol endpoints over REST: health, metadata, config, infer."""
+"""The Open Inference Protocol endpoints over REST: health, metadata, config, infer,
+statistics (and ``/metrics`` when the server exports metrics)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository, ServedModel
 from .._restricted import Restriction
+from .._stats import statistics_document
 from ..metrics._orca import LoadReporter
 from ..shm import RequestRegions, SharedMemoryRegistry
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._infer_codec import decode_request, encode_response
+from ._metrics import metrics_endpoint
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 
@@ -70,6 +74,11 @@ class _Endpoints:
     async def model_config(self, request: Request) -> Response:
         runner = self.repository.get(request.params["model"], request.params.get("version", ""))
         return _json(model_config(runner.model))
+
+    async def statistics(self, request: Request) -> Response:
+        params = request.params
+        stats = self.repository.statistics(params.get("model", ""), params.get("version", ""))
+        return _json(statistics_document(stats))
 
     async def infer(self, request: Request) -> Response | None:
         name = request.params["model"]
@@ -126,6 +135,7 @@ def build_app(
     shared_memory: SharedMemoryRegistry | None = None,
     restrictions: Mapping[str, Restriction] | None = None,
     load: LoadReporter | None = None,
+    metrics: CollectorRegistry | None = None,
 ) -> RestApp:
     """The REST app. The server passes what it owns (its shared-memory regions, its load
     reporter); an app built without them gets its own."""
@@ -139,10 +149,14 @@ def build_app(
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
     router.add("GET", "/v2", e.metadata)
+    router.add("GET", "/v2/models/stats", e.statistics)  # before {model} claims "stats"
+    if metrics is not None:
+        router.add("GET", "/metrics", metrics_endpoint(metrics))
     for base in (_MODEL, _VERSION):
         router.add("GET", base, e.model_metadata)
         router.add("GET", f"{base}/ready", e.model_ready)
         router.add("GET", f"{base}/config", e.model_config)
+        router.add("GET", f"{base}/stats", e.statistics)
         router.add("POST", f"{base}/infer", e.infer)
     add_shared_memory_routes(router, shared_memory, restriction)
     return RestApp(router, max_body_bytes, background=[disconnects.run])

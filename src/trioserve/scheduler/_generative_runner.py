@@ -2,7 +2,13 @@
 
     GenerativeRunner.run
     ├── LLMEngine.run           the continuous-batching loop
-    └── telemetry.consume       per-iteration stats -> metrics and the periodic log
+    └── _consume_stats          per-iteration stats -> the statistics extension
+        └── telemetry.consume   the same stats -> metrics and the periodic log
+
+The statistics extension sees a generative request as one inference and one execution
+(batch size 1): success and fail durations are its end to end time, queue its queue
+interval and compute_infer its inference interval (first scheduled to last token); an
+aborted request is a CANCELED failure.
 
 Front ends reach the engine three ways: ``generate`` (a stream of chunks, for REST
 generate / generate_stream and gRPC ModelStreamInfer), and ``infer`` / ``submit`` (OIP
@@ -25,12 +31,13 @@ from prometheus_client.registry import Collector
 from .._errors import CancelledError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel
 from .._model import Model
+from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
 from ._engine import EngineRequest, LLMEngine
 from ._generation import GenerationChunk, GenerationRequest, KVCacheState, SamplingParams
-from ._llm_stats import IterationStats
+from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import call_hook
 
 _BYTES = datatype("BYTES")
@@ -143,13 +150,17 @@ class GenerativeRunner:
         self.version = version
         self.ready = False
         self._telemetry = telemetry
+        self.stats = ModelStats(model.name, version)
         self._stats_send, self._stats_receive = trio.open_memory_channel[IterationStats](math.inf)
-        self.engine = LLMEngine(model, self._stats_send if telemetry else None, seed=seed)
+        self.engine = LLMEngine(model, self._stats_send, seed=seed)
         self.engine.accepting = False
         self._ids = itertools.count(1)
 
     def collectors(self) -> Sequence[Collector]:
         return self._telemetry.collectors() if self._telemetry else ()
+
+    def inference_statistics(self) -> ModelStatistics:
+        return self.stats.statistics(pending=len(self.engine.policy.waiting))
 
     def kv_cache_state(self) -> KVCacheState:
         return self.engine.kv_cache_state()
@@ -159,8 +170,7 @@ class GenerativeRunner:
         await call_hook(self.model.load)
         try:
             async with trio.open_nursery() as nursery:
-                if self._telemetry is not None:
-                    nursery.start_soon(self._telemetry.consume, self._stats_receive)
+                nursery.start_soon(self._consume_stats)
                 nursery.start_soon(self.engine.run)
                 self.engine.accepting = self.ready = True
                 task_status.started()
@@ -169,6 +179,30 @@ class GenerativeRunner:
             self.engine.fail_all(UnavailableError("server is shutting down"))
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
+
+    async def _consume_stats(self) -> None:
+        """Record each finished request, and hand every iteration on to the telemetry."""
+        relay_send, relay_receive = trio.open_memory_channel[IterationStats](math.inf)
+        async with trio.open_nursery() as nursery:
+            if self._telemetry is not None:
+                nursery.start_soon(self._telemetry.consume, relay_receive)
+            async with relay_send:
+                async for item in self._stats_receive:
+                    for finished in item.finished:
+                        self._record(finished)
+                    if self._telemetry is not None:
+                        relay_send.send_nowait(item)
+
+    def _record(self, finished: FinishedRequest) -> None:
+        e2e_ns = round(finished.e2e * 1e9)
+        if finished.finish_reason == "abort":
+            self.stats.failed(0, e2e_ns, FailureReason.CANCELED)
+            return
+        scheduled_ns = round(finished.queue * 1e9)
+        done_ns = scheduled_ns + round(finished.inference * 1e9)
+        times = ExecutionTimes(scheduled_ns, scheduled_ns, done_ns, done_ns)
+        self.stats.executed(1, times)
+        self.stats.succeeded(0, e2e_ns, 1, times)
 
     @asynccontextmanager
     async def generate(

@@ -7,7 +7,8 @@ idle instance task (one per model instance, ``instance_count`` of them). An inst
 comes free while requests wait wakes the batcher to decide again.
 
 Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
-why (model failure, full queue, timeout in queue, cancellation).
+why (model failure, full queue, timeout in queue, cancellation). ``_finish`` is also where
+each request's statistics are recorded (``_stats.py`` names the timestamps it uses).
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from .._errors import (
     UnavailableError,
 )
 from .._model import Model, Outputs
+from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
 from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
+from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
 from ._inbox import Inbox
 from ._model_calls import call_hook
@@ -86,6 +89,9 @@ class Ticket:
     finished: bool = False
     response: InferenceResponse | None = None
     error: InferenceServerError | None = None
+    execution: ExecutionTimes | None = None  # the batch that answered it
+    cache_key: bytes | None = None  # set on a cache miss: store the response under it
+    cache_ns: int = 0  # time spent looking it up in the response cache
     _waiter: trio.lowlevel.Task | None = None
 
     async def wait(self) -> None:
@@ -142,14 +148,25 @@ _WAKE = None  # an instance came free while requests wait: decide again
 class ModelRunner:
     """One model version's task tree and the front ends' way into it."""
 
-    def __init__(self, model: Model, version: str) -> None:
+    def __init__(
+        self,
+        model: Model,
+        version: str,
+        *,
+        cache: ResponseCache | None = None,
+        histogram_bounds_ns: Sequence[int] = (),
+    ) -> None:
         self.model = model
         self.version = version
+        self.stats = ModelStats(model.name, version, histogram_bounds_ns=histogram_bounds_ns)
+        self._cache = cache  # None: this version does not use the response cache
         self.policy = policy_for(model)
         self.ready = False
         self._inbox = Inbox[Ticket | _Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
-        self._batches_send, self._batches = trio.open_memory_channel[list[Ticket]](math.inf)
+        self._batches_send, self._batches = trio.open_memory_channel[tuple[list[Ticket], int]](
+            math.inf
+        )
         self._idle = model.instance_count
         self._queue = RequestQueue(self.policy.priority_levels)
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
@@ -161,6 +178,14 @@ class ModelRunner:
     def statistics(self) -> RunnerStatistics:
         busy = self.model.instance_count - self._idle
         return RunnerStatistics(queued=len(self._queue), executing=busy)
+
+    def inference_statistics(self) -> ModelStatistics:
+        return self.stats.statistics(
+            pending=len(self._queue), response_cache=self._cache is not None
+        )
+
+    def collectors(self) -> tuple[()]:
+        return ()  # the server's Triton collector reads inference_statistics()
 
     async def wait_until(self, predicate: Callable[[RunnerStatistics], bool]) -> None:
         """Return once ``predicate(self.statistics())`` holds (checked on every change)."""
@@ -182,12 +207,28 @@ class ModelRunner:
         )
         ticket = Ticket(request, item, self)
         item.payload = ticket
+        if self._cache is not None and self._answer_from_cache(ticket):
+            return ticket
         self._inbox.put(ticket)
         return ticket
 
+    def _answer_from_cache(self, ticket: Ticket) -> bool:
+        """Finish ``ticket`` from the response cache if it holds the answer; on a miss,
+        note the key so that a successful response gets stored."""
+        assert self._cache is not None
+        key = cache_key(ticket.request, self.name, self.version)
+        response = self._cache.lookup(key, ticket.request)
+        ticket.cache_ns = now_ns() - ticket.item.arrival_ns  # the lookup starts on arrival
+        if response is None:
+            ticket.cache_key = key
+            return False
+        self._finish(ticket, response=response)
+        return True
+
     def withdraw(self, ticket: Ticket) -> None:
         """The client gave up: fail the ticket as cancelled and take it out of the queue."""
-        if self._finish(ticket, error=CancelledError("request cancelled")):
+        cancelled = CancelledError("request cancelled")
+        if self._finish(ticket, error=cancelled, reason=FailureReason.CANCELED):
             self._inbox.put(_Withdraw(ticket))
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
@@ -203,6 +244,7 @@ class ModelRunner:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, serve until cancelled, then fail what waits and unload."""
         await call_hook(self.model.load)
+        self.stats.memory_usage = tuple(self.model.memory_usage())
         self.ready = True
         task_status.started()
         try:
@@ -221,7 +263,11 @@ class ModelRunner:
         while True:
             now = now_ns()
             for ticket in _tickets(self._queue.pop_expired(now)):
-                self._finish(ticket, error=UnavailableError("Request timeout expired"))
+                self._finish(
+                    ticket,
+                    error=UnavailableError("Request timeout expired"),
+                    reason=FailureReason.REJECTED,
+                )
             decision = decide(self._queue, now, self._idle, self.policy)
             if isinstance(decision, Dispatch):
                 items = self._queue.pop_front(decision.count)
@@ -229,7 +275,7 @@ class ModelRunner:
                 if not batch:
                     continue  # all withdrawn; their _Withdraw messages find nothing
                 self._idle -= 1
-                self._batches_send.send_nowait(batch)
+                self._batches_send.send_nowait((batch, now))  # now: dequeued into a batch
                 # This loop outlives its requests: holding the last batch until the next
                 # one would keep its tensors (and shared-memory mappings) alive.
                 del items, batch
@@ -247,7 +293,11 @@ class ModelRunner:
             if message.finished:
                 return  # cancelled before the batcher saw it
             if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
-                self._finish(message, error=UnavailableError("Exceeds maximum queue size"))
+                self._finish(
+                    message,
+                    error=UnavailableError("Exceeds maximum queue size"),
+                    reason=FailureReason.REJECTED,
+                )
             else:
                 self._queue.push(message.item)
         elif isinstance(message, _Withdraw):
@@ -258,9 +308,9 @@ class ModelRunner:
 
     async def _instance(self) -> None:
         """One model instance: runs the batches the batcher hands it, one at a time."""
-        async for batch in self._batches:
+        async for batch, dequeued_ns in self._batches:
             try:
-                await self._execute(batch)
+                await self._execute(batch, dequeued_ns)
             finally:
                 self._idle += 1
                 self._notify()
@@ -268,20 +318,27 @@ class ModelRunner:
                     self._inbox.put(_WAKE)
             del batch  # held until the next batch, it would keep its tensors alive
 
-    async def _execute(self, batch: list[Ticket]) -> None:
+    async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
         try:
             requests = [p.request for p in batch]
             try:
+                input_ready_ns = now_ns()
                 results = await self._call_model(requests)
+                executed_ns = now_ns()
                 responses = [
                     self._response(p.request, out) for p, out in zip(batch, results, strict=True)
                 ]
             except Exception as exc:
                 error = _model_error(self.name, exc)
                 for ticket in batch:
-                    self._finish(ticket, error=error)
+                    self._finish(ticket, error=error, reason=FailureReason.BACKEND)
             else:
+                times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, now_ns())
+                self.stats.executed(sum([p.item.batch_size for p in batch]), times)
                 for ticket, response in zip(batch, responses, strict=True):
+                    ticket.execution = times
+                    if ticket.cache_key is not None and not ticket.finished:
+                        self._store_in_cache(ticket.cache_key, ticket.cache_ns, response)
                     self._finish(ticket, response=response)
         finally:
             for ticket in batch:
@@ -320,6 +377,12 @@ class ModelRunner:
             tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
         return InferenceResponse(self.name, self.version, tensors, id=request.id)
 
+    def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
+        assert self._cache is not None
+        start = now_ns()
+        self._cache.insert(key, response)
+        self.stats.cache_miss(lookup_ns + now_ns() - start)
+
     def _notify(self) -> None:
         if self._changes:  # waking an empty parking lot still costs, on every request
             self._changes.unpark_all()
@@ -330,11 +393,20 @@ class ModelRunner:
         *,
         response: InferenceResponse | None = None,
         error: InferenceServerError | None = None,
+        reason: FailureReason = FailureReason.OTHER,
     ) -> bool:
         """Record a request's one outcome; False if it already had one."""
         if ticket.finished:
             return False
         ticket._resolve(response, error)
+        sent_ns = now_ns()  # "response sent": the outcome is in the caller's hands
+        arrival_ns = ticket.item.arrival_ns
+        if error is not None:
+            self.stats.failed(arrival_ns, sent_ns, reason)
+        elif ticket.execution is not None:
+            self.stats.succeeded(arrival_ns, sent_ns, ticket.item.batch_size, ticket.execution)
+        else:
+            self.stats.cache_hit(arrival_ns, sent_ns, ticket.cache_ns)
         self._notify()
         return True
 

@@ -1,0 +1,76 @@
+"""A server instance's ``CollectorRegistry`` and its text exposition.
+
+Each server builds its own registry (never prometheus_client's global one), so two
+servers in one process report separately. It holds the Triton families of every served
+model version, the latency histograms, host metrics, and whatever collectors each served
+model brings of its own (``ServedModel.collectors()``, e.g. an engine's vllm: families).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from .._metrics_config import MetricsConfig
+from .._repository import ModelRepository
+from .._stats import ModelStatistics
+from ._histograms import LatencyHistogramCollector
+from ._system import CpuCollector, gpu_collector
+from ._triton import TritonCollector
+
+# The Prometheus text format, version 0.0.4, which is what ``exposition`` writes.
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+def server_registry(repository: ModelRepository, config: MetricsConfig) -> CollectorRegistry:
+    def snapshots() -> Iterator[ModelStatistics]:
+        for served in repository:
+            yield served.inference_statistics()
+
+    registry = CollectorRegistry()
+    registry.register(TritonCollector(snapshots))
+    if config.latency_histograms:
+        registry.register(LatencyHistogramCollector(snapshots))
+    registry.register(CpuCollector())
+    gpus = gpu_collector()
+    if gpus is not None:
+        registry.register(gpus)
+    registered: set[int] = set()  # versions of one model may share their engine's collector
+    for served in repository:
+        for collector in served.collectors():
+            if id(collector) not in registered:
+                registered.add(id(collector))
+                registry.register(collector)
+    return registry
+
+
+class _One(Collector):
+    def __init__(self, family: Metric) -> None:
+        self._family = family
+
+    def collect(self) -> list[Metric]:
+        return [self._family]
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The registry in the Prometheus text format.
+
+    prometheus_client's writer prints every counter as ``<name>_total``. A counter family
+    whose samples carry the family's own name (Triton's, from ``unsuffixed_counter``) is
+    printed with that name instead, as Triton prints it; every other family exactly as
+    prometheus_client prints it.
+    """
+    parts = []
+    for family in registry.collect():
+        if family.type == "counter" and all(s.name == family.name for s in family.samples):
+            as_gauge = Metric(family.name, family.documentation, "gauge")
+            as_gauge.samples = family.samples
+            text = generate_latest(_One(as_gauge))
+            gauge_line = f"# TYPE {family.name} gauge\n".encode()
+            parts.append(text.replace(gauge_line, f"# TYPE {family.name} counter\n".encode(), 1))
+        else:
+            parts.append(generate_latest(_One(family)))
+    return b"".join(parts)
