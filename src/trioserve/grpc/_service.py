@@ -1,9 +1,10 @@
 """The handlers of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
 
 Handlers run on the asyncio side of the bridge (grpclib is asyncio code) and never touch
-trio themselves: the one step that must run in trio, ``ServedModel.infer``, goes through
-the ``Infer`` callable the bridge hands in. Everything else they read (readiness,
-metadata, config) is plain synchronous state of the repository.
+trio themselves: what must run in trio, ``ServedModel.infer`` and a whole
+ModelStreamInfer call, goes through the ``Infer`` and ``StreamInfer`` callables the
+bridge hands in. Everything else they read (readiness, metadata, config) is plain
+synchronous state of the repository.
 
 Each handler body is wrapped by ``_rpc``, the one place that turns failures into gRPC
 statuses: an ``InferenceServerError`` through the table in ``_errors``, anything else
@@ -46,6 +47,8 @@ logger = logging.getLogger("trioserve.grpc")
 # Cancelling the await must cancel the call: that is how a client's disconnect or
 # deadline withdraws a queued request.
 Infer = Callable[[ServedModel, InferenceRequest], Awaitable[InferenceResponse]]
+# Serves one ModelStreamInfer call in trio (``_stream.StreamInfer``), awaited from asyncio.
+StreamInfer = Callable[[Stream[Any, Any]], Awaitable[None]]
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[None]])
 
@@ -94,11 +97,16 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
     """``inference.GRPCInferenceService`` over a model repository."""
 
     def __init__(
-        self, repository: ModelRepository, server_metadata: Mapping[str, Any], infer: Infer
+        self,
+        repository: ModelRepository,
+        server_metadata: Mapping[str, Any],
+        infer: Infer,
+        stream_infer: StreamInfer,
     ) -> None:
         self._repository = repository
         self._server_metadata = server_metadata_message(server_metadata)  # never changes
         self._infer = infer
+        self._stream_infer = stream_infer
 
     @_rpc
     async def ServerLive(self, stream: Stream[Any, Any]) -> None:
@@ -143,9 +151,12 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         response = await self._infer(served, request)
         await stream.send_message(encode_response(response))
 
-    # Later roadmap items (streaming, statistics, repository API, shared memory, trace,
+    @_rpc
+    async def ModelStreamInfer(self, stream: Stream[Any, Any]) -> None:
+        await self._stream_infer(stream)
+
+    # Later roadmap items (statistics, repository API, shared memory, trace,
     # logging). Each RPC must exist because the base class is abstract.
-    ModelStreamInfer = _unimplemented("ModelStreamInfer")
     ModelStatistics = _unimplemented("ModelStatistics")
     RepositoryIndex = _unimplemented("RepositoryIndex")
     RepositoryModelLoad = _unimplemented("RepositoryModelLoad")

@@ -12,6 +12,7 @@ from .._model_config import model_config, model_metadata
 from .._repository import ModelRepository
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
+from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._router import Router
 
@@ -107,6 +108,7 @@ def build_app(
 ) -> RestApp:
     disconnects = DisconnectWatch()
     e = _Endpoints(repository, server_metadata, disconnects)
+    generate = GenerateEndpoints(repository)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -116,4 +118,6 @@ def build_app(
         router.add("GET", f"{base}/ready", e.model_ready)
         router.add("GET", f"{base}/config", e.model_config)
         router.add("POST", f"{base}/infer", e.infer)
+        router.add("POST", f"{base}/generate", generate.generate)
+        router.add("POST", f"{base}/generate_stream", generate.generate_stream)
     return RestApp(router, max_body_bytes, background=[disconnects.run])
