@@ -23,10 +23,10 @@ def test_public_api_is_what_we_mean():
     assert sorted(trioserve.__all__) == sorted(
         [
             "AlreadyExistsError", "CancelledError", "DynamicBatching", "ErrorKind",
-            "FunctionModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
+            "FunctionModel", "GenerativeModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
             "InferenceServerError", "InputTensor", "InternalError", "InvalidArgumentError",
             "Model", "NotFoundError", "OutputTensor", "RequestedOutput", "Server",
-            "ServerConfig", "TensorSpec", "UnavailableError", "UnsupportedError",
+            "ServerConfig", "StepSequence", "TensorSpec", "UnavailableError", "UnsupportedError",
             "__version__", "model", "open_server", "serve",
         ]
     )
@@ -103,7 +103,10 @@ def test_cli_builds_a_config_for_the_builtin_models():
     config = config_from_args(args)
     assert config.grpc_port is None and config.http_port == 0
     assert {m.name for m in config.models} >= {"simple", "simple_string", "identity_fp32",
-                                                "identity_bytes", "delay", "fail"}
+                                                "identity_bytes", "delay", "fail", "tiny_lm"}
+    assert config.show_hidden_metrics_for_version is None
+    args = _parser().parse_args(["run", "--show-hidden-metrics-for-version", "0.9"])
+    assert config_from_args(args).show_hidden_metrics_for_version == "0.9"
     with pytest.raises(SystemExit):
         _parser().parse_args(["run", "--allow-http", "maybe"])
 

@@ -51,6 +51,7 @@ class Result:
 
 # --- the workload: `simple`, one row --------------------------------------------------
 
+
 def simple_inputs() -> tuple[np.ndarray, np.ndarray]:
     x = np.arange(16, dtype=np.int32).reshape(1, 16)
     return x, np.ones((1, 16), dtype=np.int32)
@@ -99,8 +100,17 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
         script = Path(tmp) / "post.lua"
         script.write_text(_LUA.format(body=Path(tmp) / "body", headers=lines))
         command = [
-            "taskset", "-c", cpus, "wrk", "-t1", f"-c{concurrency}", f"-d{round(duration)}s",
-            "--latency", "-s", str(script), f"http://{url}/v2/models/simple/infer",
+            "taskset",
+            "-c",
+            cpus,
+            "wrk",
+            "-t1",
+            f"-c{concurrency}",
+            f"-d{round(duration)}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"http://{url}/v2/models/simple/infer",
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     if "Non-2xx" in out or "Socket errors" in out:
@@ -113,7 +123,10 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
 
 # --- gRPC through grpc.aio in worker processes ------------------------------------------
 
-def _grpc_worker(url: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue) -> None:
+
+def _grpc_worker(
+    url: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue
+) -> None:
     os.sched_setaffinity(0, {cpu})
     import grpc
     from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -142,7 +155,9 @@ def _grpc_worker(url: str, concurrency: int, duration: float, cpu: int, out: mul
     out.put(asyncio.run(main()))
 
 
-def run_grpc(url: str, concurrency: int, duration: float, cpus: list[int], processes: int) -> Result:
+def run_grpc(
+    url: str, concurrency: int, duration: float, cpus: list[int], processes: int
+) -> Result:
     queue: multiprocessing.Queue = multiprocessing.Queue()
     processes = min(processes, concurrency)
     shares = [concurrency // processes + (i < concurrency % processes) for i in range(processes)]
@@ -158,12 +173,16 @@ def run_grpc(url: str, concurrency: int, duration: float, cpus: list[int], proce
     for worker in workers:
         worker.join()
     return Result(
-        "grpc", concurrency, len(latencies) / duration,
-        float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99)),
+        "grpc",
+        concurrency,
+        len(latencies) / duration,
+        float(np.percentile(latencies, 50)),
+        float(np.percentile(latencies, 99)),
     )
 
 
 # --- the server under test ------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -188,9 +207,23 @@ def _wait_ready(url: str, timeout: float = 60.0) -> None:
 def trioserve_process(cpus: str, http_server: str) -> Iterator[tuple[str, str]]:
     http, grpc = _free_port(), _free_port()
     command = [
-        "taskset", "-c", cpus, sys.executable, "-m", "trioserve", "run", "--host", "127.0.0.1",
-        "--http-port", str(http), "--grpc-port", str(grpc), "--http-server", http_server,
-        "--log-level", "warning",
+        "taskset",
+        "-c",
+        cpus,
+        sys.executable,
+        "-m",
+        "trioserve",
+        "run",
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http),
+        "--grpc-port",
+        str(grpc),
+        "--http-server",
+        http_server,
+        "--log-level",
+        "warning",
     ]
     process = subprocess.Popen(command)
     try:
@@ -231,8 +264,9 @@ def main() -> None:
         for mode in modes:
             for concurrency in levels:
                 if mode == "grpc":
-                    result = run_grpc(grpc_url, concurrency, args.duration, client_cpus,
-                                      args.grpc_processes)
+                    result = run_grpc(
+                        grpc_url, concurrency, args.duration, client_cpus, args.grpc_processes
+                    )
                 else:
                     result = run_wrk(http_url, mode, concurrency, args.duration, args.client_cpus)
                 print(result.row(), flush=True)

@@ -15,6 +15,7 @@ from ._errors import (
     UnavailableError,
     UnsupportedError,
 )
+from ._generative import GenerativeModel, StepSequence
 from ._limits import HttpLimits
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._server import Server, open_server, serve
@@ -33,6 +34,7 @@ __all__ = [
     "DynamicBatching",
     "ErrorKind",
     "FunctionModel",
+    "GenerativeModel",
     "HttpLimits",
     "InferenceRequest",
     "InferenceResponse",
@@ -46,6 +48,7 @@ __all__ = [
     "RequestedOutput",
     "Server",
     "ServerConfig",
+    "StepSequence",
     "TensorSpec",
     "UnavailableError",
     "UnsupportedError",

@@ -53,6 +53,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
     run.add_argument(
+        "--show-hidden-metrics-for-version",
+        metavar="VERSION",
+        help="also export the deprecated vLLM metrics that this (vLLM) release deprecated, "
+        "e.g. 0.9",
+    )
+    run.add_argument(
         "--log-level", default="info", choices=("debug", "info", "warning", "error")
     )
     return parser
@@ -89,6 +95,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             idle_timeout_s=args.http_idle_timeout_secs,
         ),
         exit_timeout_s=args.exit_timeout_secs,
+        show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
     )
 
 

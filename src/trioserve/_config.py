@@ -24,6 +24,8 @@ class ServerConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     grpc_max_message_bytes: int = 2**31 - 1  # tritonclient's own limit: INT32_MAX
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
+    # Show the deprecated vLLM metric families that release ("0.9") deprecated.
+    show_hidden_metrics_for_version: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

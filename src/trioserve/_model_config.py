@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._generative import GenerativeModel
 from ._model import Model, TensorSpec
 
 
@@ -66,6 +67,8 @@ def model_config(model: Model) -> dict[str, Any]:
             }
         ],
         "parameters": {k: {"string_value": v} for k, v in model.parameters.items()},
+        # A generative model streams any number of responses per request.
+        "model_transaction_policy": {"decoupled": isinstance(model, GenerativeModel)},
     }
     batching = model.dynamic_batching
     if batching is not None:

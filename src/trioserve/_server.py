@@ -22,8 +22,12 @@ from typing import Any
 import trio
 
 from ._config import ServerConfig
-from ._repository import ModelRepository
+from ._generative import GenerativeModel
+from ._model import Model
+from ._repository import ModelRepository, ServedModel
 from ._version import __version__
+from .metrics._stat_logger import VllmTelemetry
+from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
 
 Address = tuple[str, int]
@@ -95,7 +99,7 @@ class _FrontEnds:
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
     repository = ModelRepository(
-        ModelRunner(model, version) for model in config.models for version in model.versions
+        _served(model, version, config) for model in config.models for version in model.versions
     )
     stop_accepting = trio.Event()
     front_ends = _FrontEnds()
@@ -122,6 +126,15 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             yield server
         finally:
             root.cancel_scope.cancel()
+
+
+def _served(model: Model, version: str, config: ServerConfig) -> ServedModel:
+    if isinstance(model, GenerativeModel):
+        telemetry = VllmTelemetry(
+            model, version, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+        )
+        return GenerativeRunner(model, version, telemetry)
+    return ModelRunner(model, version)
 
 
 async def _hold_nursery(*, task_status: trio.TaskStatus[trio.Nursery]) -> None:

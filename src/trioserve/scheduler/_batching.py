@@ -118,7 +118,9 @@ class Wait:
     until_ns: int | None
 
 
-def decide(queue: RequestQueue, now_ns: int, free_instances: int, policy: BatchingPolicy) -> Dispatch | Wait:
+def decide(
+    queue: RequestQueue, now_ns: int, free_instances: int, policy: BatchingPolicy
+) -> Dispatch | Wait:
     """What to do now. Expired requests must already have been taken out."""
     deadline = queue.next_deadline()
     if not queue or free_instances <= 0:
@@ -152,4 +154,3 @@ def _head_batch(queue: RequestQueue, policy: BatchingPolicy) -> tuple[int, int, 
         if size in policy.preferred_batch_sizes:
             best_preferred = count
     return count, size, best_preferred, False
-

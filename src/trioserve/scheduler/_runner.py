@@ -307,4 +307,3 @@ def _model_error(name: str, exc: Exception) -> InferenceServerError:
         return exc
     logger.warning("model %r failed: %r", name, exc)
     return InternalError(f"model '{name}' failed: {exc}")
-

@@ -1,0 +1,113 @@
+"""The generative-model API users implement; the engine does everything else.
+
+A generative model is a tokenizer and a step function over a paged KV cache::
+
+    class MyLM(trioserve.GenerativeModel):
+        def load(self):                    # allocate num_kv_blocks x block_size of K/V
+            ...
+        def encode(self, text): ...        # str -> token ids
+        def decode(self, token_ids): ...   # token ids -> str
+        def step(self, batch):             # -> logits, one row per entry of batch
+            ...
+
+The engine (``scheduler/``) decides which sequences run in each iteration, which of
+their tokens are processed (a chunk of a prompt, or the one token sampled last) and in
+which cache blocks they live; ``step`` computes K/V for those tokens, writes them into
+the named blocks, attends over everything the block table holds and returns the
+logits of the token that follows each sequence's last processed token. Sampling,
+stop conditions, streaming and metrics are the engine's.
+
+A plain ``step`` runs in a worker thread (GPU work too: the thread blocks on the
+device, the event loop does not); an ``async def step`` runs in trio.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from ._model import Model, TensorSpec
+
+Logits = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class StepSequence:
+    """One sequence's work in one engine step."""
+
+    token_ids: Sequence[int]  # the tokens to process now: a prompt chunk or one decode token
+    start: int  # position of token_ids[0]: how many of this sequence's tokens the cache holds
+    # Cache blocks for positions 0 .. start + len(token_ids) - 1, in order; position p
+    # lives in block_table[p // block_size] at slot p % block_size.
+    block_table: Sequence[int]
+
+
+class GenerativeModel(Model):
+    """A text-generation model served by the continuous-batching engine.
+
+    The inputs and outputs are fixed: ``text_input`` (BYTES) -> ``text_output`` (BYTES),
+    like Triton's vLLM backend. The keyword settings size the engine: ``num_kv_blocks``
+    cache blocks of ``block_size`` tokens (``load`` allocates them), at most
+    ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step, and
+    sequences of at most ``max_model_len`` tokens (prompt and output together).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        eos_token_id: int,
+        max_model_len: int,
+        num_kv_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        versions: Sequence[str] = ("1",),
+        device: Literal["cpu", "gpu"] = "cpu",
+        parameters: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            name=name,
+            inputs=[TensorSpec("text_input", "BYTES", [1])],
+            outputs=[TensorSpec("text_output", "BYTES", [-1])],
+            versions=versions,
+            device=device,
+            parameters=dict(parameters or {}),
+        )
+        if min(max_model_len, num_kv_blocks, block_size, max_num_seqs) < 1:
+            raise ValueError("engine sizes must be positive")
+        if max_model_len > num_kv_blocks * block_size:
+            # A sequence must fit the cache on its own, or preemption could never end.
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the KV cache "
+                f"({num_kv_blocks} blocks of {block_size} tokens)"
+            )
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be at least max_num_seqs")
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} must implement encode()")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``; an incomplete multi-byte character decodes as U+FFFD."""
+        raise NotImplementedError(f"{type(self).__name__} must implement decode()")
+
+    def step(self, batch: Sequence[StepSequence]) -> Logits | Awaitable[Logits]:
+        """Process ``batch``; return logits of shape ``(len(batch), vocab_size)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    @property
+    def steps_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.step)

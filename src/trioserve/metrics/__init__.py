@@ -1,0 +1,1 @@
+"""Prometheus collectors (Triton and vLLM families), the periodic stat logger, ORCA."""

@@ -1,0 +1,229 @@
+"""``tiny_lm``: the built-in demo generative model, a small transformer over a paged KV cache.
+
+Untrained: its weights come from a fixed seed, so the text it writes is noise. What is
+real is the serving: a byte-level tokenizer (token = UTF-8 byte, 256 = end of
+sequence), learned positions, pre-norm layers of multi-head causal attention and a
+ReLU MLP, and attention that reads K/V from the engine's cache blocks through each
+sequence's block table, exactly as a production model would.
+
+It runs on numpy; with the ``gpu`` extra (cupy) and a CUDA device present and
+``device="gpu"``, the same code runs on cupy. Dimensions are small so that a step of
+64 decoding sequences takes a few milliseconds on a CPU, which keeps benchmarks about
+the server rather than the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+
+from .._generative import GenerativeModel, StepSequence
+
+Array = Any  # numpy or cupy ndarray
+EOS = 256
+VOCAB = 257
+
+
+def array_module(device: Literal["cpu", "gpu"]) -> ModuleType:
+    """cupy for ``device="gpu"`` when cupy and a CUDA device are present, else numpy."""
+    if device == "gpu":
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() > 0:
+                return cupy  # type: ignore[no-any-return]
+        except Exception:  # no cupy, no driver, no device: the CPU serves
+            pass
+    return np
+
+
+@dataclass(frozen=True)
+class TinyLMShape:
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    d_ff: int = 128
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class TinyLM(GenerativeModel):
+    def __init__(
+        self,
+        name: str = "tiny_lm",
+        *,
+        shape: TinyLMShape | None = None,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        num_kv_blocks: int = 2048,
+        block_size: int = 16,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        device: Literal["cpu", "gpu"] = "cpu",
+    ) -> None:
+        super().__init__(
+            name,
+            eos_token_id=EOS,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            device=device,
+            parameters={"description": "untrained demo transformer (byte-level)"},
+        )
+        self.shape = shape or TinyLMShape()
+        self.seed = seed
+        self.xp: ModuleType = np
+        self.weights: dict[str, Array] = {}
+        self.k_cache: Array = None
+        self.v_cache: Array = None
+
+    def load(self) -> None:
+        xp = self.xp = array_module(self.device)
+        s = self.shape
+        rng = np.random.default_rng(self.seed)
+
+        def init(*dims: int) -> Array:
+            return xp.asarray(rng.normal(0, dims[0] ** -0.5, dims).astype(np.float32))
+
+        # Untrained logits would mostly pick bytes that are not text; a fixed bias
+        # towards printable ASCII makes the noise at least readable noise.
+        bias = np.full(VOCAB, -2.0, dtype=np.float32)
+        bias[32:127] = 2.0
+        self.weights = {
+            "embed": init(VOCAB, s.d_model) * s.d_model**0.5,
+            "pos": init(self.max_model_len, s.d_model) * 0.1,
+            "bias": xp.asarray(bias),
+        }
+        for layer in range(s.n_layers):
+            self.weights |= {
+                f"{layer}.qkv": init(s.d_model, 3 * s.d_model),
+                f"{layer}.out": init(s.d_model, s.d_model),
+                f"{layer}.up": init(s.d_model, s.d_ff),
+                f"{layer}.down": init(s.d_ff, s.d_model),
+            }
+        cache = (s.n_layers, self.num_kv_blocks, self.block_size, s.n_heads, s.head_dim)
+        self.k_cache = xp.zeros(cache, dtype=xp.float32)
+        self.v_cache = xp.zeros(cache, dtype=xp.float32)
+
+    def unload(self) -> None:
+        self.weights = {}
+        self.k_cache = self.v_cache = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        try:
+            data = bytes(token_ids)
+        except ValueError:  # EOS among them
+            data = bytes(t for t in token_ids if t < EOS)
+        return data.decode(errors="replace")
+
+    def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        xp, w, s = self.xp, self.weights, self.shape
+        tokens = np.concatenate([np.asarray(b.token_ids, dtype=np.int64) for b in batch])
+        spans = [np.arange(b.start, b.start + len(b.token_ids)) for b in batch]
+        tables = [np.asarray(b.block_table, dtype=np.int64) for b in batch]
+        positions = np.concatenate(spans)
+        # Where each processed token's K/V go: its block and its slot in the block.
+        slots_block = xp.asarray(
+            np.concatenate(
+                [table[span // self.block_size] for table, span in zip(tables, spans, strict=True)]
+            )
+        )
+        slots_offset = xp.asarray(positions % self.block_size)
+        x = w["embed"][xp.asarray(tokens)] + w["pos"][xp.asarray(positions)]
+        for layer in range(s.n_layers):
+            qkv = _norm(xp, x) @ w[f"{layer}.qkv"]
+            q, k, v = (
+                qkv[:, i * s.d_model : (i + 1) * s.d_model].reshape(-1, s.n_heads, s.head_dim)
+                for i in range(3)
+            )
+            self.k_cache[layer, slots_block, slots_offset] = k
+            self.v_cache[layer, slots_block, slots_offset] = v
+            attended = self._attend(layer, q, batch, tables)
+            x = x + attended.reshape(-1, s.d_model) @ w[f"{layer}.out"]
+            x = x + xp.maximum(_norm(xp, x) @ w[f"{layer}.up"], 0) @ w[f"{layer}.down"]
+        ends = np.cumsum([len(b.token_ids) for b in batch]) - 1
+        logits = _norm(xp, x[xp.asarray(ends)]) @ w["embed"].T + w["bias"]
+        return logits.get() if xp is not np else logits  # type: ignore[no-any-return]
+
+    def _attend(
+        self,
+        layer: int,
+        q: Array,
+        batch: Sequence[StepSequence],
+        tables: list[np.ndarray[Any, Any]],
+    ) -> Array:
+        """Causal attention of each entry's queries over its cached keys and values.
+
+        Decode entries (one query each) go together through one padded pass; prompt
+        chunks go one by one.
+        """
+        xp, scale = self.xp, self.shape.head_dim**-0.5
+        out = xp.empty_like(q)
+        offsets = np.cumsum([0] + [len(b.token_ids) for b in batch])
+        decodes = [i for i, b in enumerate(batch) if len(b.token_ids) == 1]
+        if decodes:
+            rows = xp.asarray(offsets[decodes])
+            out[rows] = self._attend_decodes(
+                layer, q[rows], [batch[i] for i in decodes], [tables[i] for i in decodes]
+            )
+        for i, (b, table) in enumerate(zip(batch, tables, strict=True)):
+            count = len(b.token_ids)
+            if count == 1:
+                continue
+            context = b.start + count
+            blocks = xp.asarray(table)
+            keys = self.k_cache[layer, blocks].reshape(-1, *q.shape[1:])[:context]
+            values = self.v_cache[layer, blocks].reshape(-1, *q.shape[1:])[:context]
+            first = offsets[i]
+            scores = xp.einsum("qhd,khd->hqk", q[first : first + count], keys) * scale
+            query_pos = xp.arange(b.start, context)[:, None]
+            scores = xp.where(xp.arange(context)[None, :] <= query_pos, scores, -xp.inf)
+            out[first : first + count] = xp.einsum("hqk,khd->qhd", _softmax(xp, scores), values)
+        return out
+
+    def _attend_decodes(
+        self,
+        layer: int,
+        q: Array,
+        batch: Sequence[StepSequence],
+        tables: list[np.ndarray[Any, Any]],
+    ) -> Array:
+        """One query per sequence: all sequences at once over a padded block table."""
+        xp, scale = self.xp, self.shape.head_dim**-0.5
+        width = max(len(t) for t in tables)
+        padded = np.zeros((len(tables), width), dtype=np.int64)
+        for row, table in enumerate(tables):
+            padded[row, : len(table)] = table
+        lengths = np.array([b.start + 1 for b in batch])
+        padded = xp.asarray(padded)
+        keys = self.k_cache[layer, padded].reshape(len(batch), -1, *q.shape[1:])
+        values = self.v_cache[layer, padded].reshape(len(batch), -1, *q.shape[1:])
+        # (b, h, k, d) @ (b, h, d, 1): batched matmul is much faster than einsum here.
+        scores = xp.matmul(keys.transpose(0, 2, 1, 3), q[..., None])[..., 0] * scale
+        valid = xp.asarray(np.arange(keys.shape[1])[None, :] < lengths[:, None])
+        scores = xp.where(valid[:, None, :], scores, -xp.inf)
+        weights = _softmax(xp, scores)[:, :, None, :]  # (b, h, 1, k)
+        return xp.matmul(weights, values.transpose(0, 2, 1, 3))[:, :, 0, :]
+
+
+def _norm(xp: ModuleType, x: Array) -> Array:
+    mean = x.mean(axis=-1, keepdims=True)
+    return (x - mean) / xp.sqrt(x.var(axis=-1, keepdims=True) + 1e-5)
+
+
+def _softmax(xp: ModuleType, scores: Array) -> Array:
+    e = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)

@@ -1,0 +1,403 @@
+"""The continuous-batching engine: one trio task that schedules, steps and emits.
+
+Each iteration asks the policy for a plan, runs the model's step on it (in a worker
+thread, or in trio for an ``async`` step), samples the next token of every sequence
+whose tokens are all processed, turns tokens into text, applies stop conditions and
+hands each request's new text to its sink. Then it sends one ``IterationStats`` down
+the stats channel and goes again; with nothing to do it sleeps until a request comes.
+
+``add`` and ``abort`` are called from the front ends' tasks. They change the engine's
+state directly (everything runs on the one trio thread): an abort frees the request's
+blocks at once, even while a step that includes it is in flight; the step's results
+for it are then dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import trio
+
+from .._errors import InternalError, InvalidArgumentError, UnavailableError
+from .._generative import GenerativeModel, StepSequence
+from ._generation import (
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    KVCacheState,
+    SamplingParams,
+)
+from ._kv_blocks import KVBlockManager
+from ._llm_output import SampleOutput
+from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
+from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
+from ._sampling import is_greedy, sample_generator, sample_rows
+
+logger = logging.getLogger("trioserve.llm")
+
+
+class Sink(Protocol):
+    """Where a request's output goes: a stream, or a collected response."""
+
+    def chunk(self, chunk: GenerationChunk) -> None: ...
+
+    def close(self) -> None: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class _Sample:
+    seq: Sequence
+    rng: np.random.Generator
+    output: SampleOutput
+    finish_reason: FinishReason | None = None
+
+
+# A sample to fork off a sequence whose prompt is done: (logits row, parent, index, rng).
+_Fork = tuple[int, Sequence, int, np.random.Generator]
+
+
+@dataclass(eq=False, slots=True)
+class EngineRequest:
+    request: GenerationRequest
+    sink: Sink
+    times: RequestTimes
+    prompt_len: int
+    stop_token: int  # EOS, or -1 with ignore_eos
+    length_limit: int  # tokens (prompt and output) at which a sample ends with "length"
+    samples: list[_Sample] = field(default_factory=list)
+    live: int = 0  # samples not finished
+    token_step: int = -1  # the last iteration that produced tokens for this request
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class _StepTally:
+    """Per-iteration counts, turned into IterationStats at the end of the iteration."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: GenerativeModel,
+        stats: trio.MemorySendChannel[IterationStats] | None = None,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.blocks = KVBlockManager(
+            model.num_kv_blocks, model.block_size, prefix_caching=model.enable_prefix_caching
+        )
+        self.policy = ContinuousBatchingPolicy(
+            self.blocks, SchedulerLimits(model.max_num_seqs, model.max_num_batched_tokens)
+        )
+        self._stats = stats
+        self._rng = np.random.default_rng(seed)  # seeds of unseeded samples
+        self._arrivals = itertools.count()
+        self._requests: set[EngineRequest] = set()
+        self._work = trio.Event()
+        self._step_no = 0
+        self.accepting = True
+
+    def kv_cache_state(self) -> KVCacheState:
+        return KVCacheState(self.blocks.num_blocks, self.blocks.num_used, self.blocks.block_size)
+
+    def add(self, request: GenerationRequest, sink: Sink) -> EngineRequest:
+        """Queue ``request`` (event QUEUED); its output goes to ``sink``."""
+        if not self.accepting:
+            raise UnavailableError(f"model '{self.model.name}' is not ready")
+        params = request.sampling
+        try:
+            prompt = self.model.encode(request.prompt)
+        except Exception as exc:
+            raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
+        if not prompt:
+            raise InvalidArgumentError("the prompt is empty")
+        if len(prompt) >= self.model.max_model_len:
+            raise InvalidArgumentError(
+                f"the prompt is {len(prompt)} tokens; model '{self.model.name}' takes "
+                f"at most {self.model.max_model_len} tokens, prompt and output together"
+            )
+        if params.n > self.model.max_num_seqs:
+            raise InvalidArgumentError(
+                f"n={params.n} exceeds max_num_seqs={self.model.max_num_seqs}"
+            )
+        now = trio.current_time()
+        record = EngineRequest(
+            request,
+            sink,
+            RequestTimes(request.arrival_time, now),
+            len(prompt),
+            stop_token=-1 if params.ignore_eos else self.model.eos_token_id,
+            length_limit=min(len(prompt) + params.max_tokens, self.model.max_model_len),
+        )
+        seq = Sequence(
+            record,
+            0,
+            prompt,
+            len(prompt),
+            request.priority,
+            next(self._arrivals),
+            pending_forks=params.n - 1,
+        )
+        rng = sample_generator(params, 0, self._rng)
+        record.samples.append(_Sample(seq, rng, self._output(record)))
+        record.live = params.n
+        self._requests.add(record)
+        self.policy.add(seq)
+        self._work.set()
+        return record
+
+    def abort(self, record: EngineRequest) -> None:
+        """End ``record`` as aborted and free its blocks now; no-op once it finished."""
+        if record.finished:
+            return
+        for s in record.samples:
+            self.policy.remove(s.seq)
+        tally = _StepTally()
+        self._finish_request(record, "abort", trio.current_time(), tally)
+        self._send_stats(trio.current_time(), tally)
+
+    def fail_all(self, error: Exception) -> None:
+        """Shutting down: every request still in the engine fails with ``error``."""
+        self.accepting = False
+        for record in list(self._requests):
+            self._drop(record, error)
+
+    async def run(self) -> None:
+        while True:
+            if not self.policy.has_work:
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            plan = self.policy.schedule()
+            await self._iterate(plan)
+
+    async def _iterate(self, plan: StepPlan) -> None:
+        now = trio.current_time()
+        for seq in plan.admitted:
+            times = seq.owner.times
+            if times.scheduled is None:
+                times.scheduled = now  # SCHEDULED: the first time only
+        for seq in plan.preempted:
+            seq.owner.times.preemptions.append(now)  # PREEMPTED
+        batch = [
+            StepSequence(
+                seq.token_ids[seq.num_computed : seq.num_computed + n], seq.num_computed, seq.blocks
+            )
+            for seq, n in plan.chunks
+        ]
+        if not batch:  # everything running was just preempted; admission comes next
+            await trio.lowlevel.checkpoint()
+            return
+        try:
+            logits = await self._step(batch)
+        except Exception as exc:
+            self._fail_step(plan, exc)
+            return
+        now = trio.current_time()
+        self._step_no += 1
+        tally = _StepTally()
+        prefilling = sum(1 for seq, _ in plan.chunks if seq.num_computed < seq.prompt_len)
+        self._apply(plan, logits, now, tally)
+        self._send_stats(now, tally, plan, prefilling)
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
+        """The model failed: its batch's requests fail, the engine goes on."""
+        logger.warning("model %r step failed: %r", self.model.name, exc)
+        error = InternalError(f"model '{self.model.name}' failed: {exc}")
+        for record in {seq.owner for seq, _ in plan.chunks}:
+            self._drop(record, error)
+
+    def _drop(self, record: EngineRequest, error: Exception) -> None:
+        if record.finished:
+            return
+        for s in record.samples:
+            self.policy.remove(s.seq)
+        record.finish_reason = "abort"
+        self._requests.discard(record)
+        record.sink.fail(error)
+
+    async def _step(self, batch: list[StepSequence]) -> np.ndarray[Any, Any]:
+        if self.model.steps_async:
+            logits = await self.model.step(batch)  # type: ignore[misc]
+        else:
+            logits = await trio.to_thread.run_sync(self.model.step, batch)
+        logits = np.asarray(logits)
+        if logits.ndim != 2 or logits.shape[0] != len(batch):
+            raise RuntimeError(
+                f"model '{self.model.name}' step returned logits of shape {logits.shape} "
+                f"for a batch of {len(batch)}"
+            )
+        return logits
+
+    def _apply(
+        self, plan: StepPlan, logits: np.ndarray[Any, Any], now: float, tally: _StepTally
+    ) -> None:
+        # Sequences whose tokens are all processed now get their next token; the other
+        # samples of a request fork off its first once its prompt is done.
+        heads: list[tuple[int, _Sample]] = []  # (logits row, sample)
+        forks: list[_Fork] = []
+        for row, (seq, count) in enumerate(plan.chunks):
+            record: EngineRequest = seq.owner
+            if record.finished:
+                continue  # aborted while the step ran
+            self.policy.computed(seq, count)
+            if seq.num_computed < len(seq.token_ids):
+                continue  # a prompt chunk: more of it to process first
+            heads.append((row, record.samples[seq.index]))
+            params = record.request.sampling
+            for index in range(params.n - seq.pending_forks, params.n):
+                forks.append((row, seq, index, sample_generator(params, index, self._rng)))
+        tokens = self._sample(
+            logits,
+            [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads]
+            + [(row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks],
+        )
+        accepted = []
+        for (_, s), token in zip(heads, tokens, strict=False):
+            s.seq.token_ids.append(token)
+            accepted.append((s, token))
+        # Fork before accepting: a first sample that finishes frees the prompt's blocks.
+        for (_, parent, index, rng), token in zip(forks, tokens[len(heads) :], strict=True):
+            record = parent.owner
+            child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
+            record.samples.append(child)
+            accepted.append((child, token))
+        tally.generation_tokens += len(accepted)
+        for s, token in accepted:
+            record = s.seq.owner
+            if record.finished:
+                continue  # another of its samples failed below
+            self._new_tokens(record, now, tally)
+            try:
+                self._accept(record, s, token, tally, now)
+            except Exception as exc:  # the model's tokenizer failed: this request fails
+                logger.warning("model %r decode failed: %r", self.model.name, exc)
+                self._drop(record, InternalError(f"model '{self.model.name}' failed: {exc}"))
+
+    def _sample(
+        self,
+        logits: np.ndarray[Any, Any],
+        draws: list[tuple[int, SamplingParams, np.random.Generator]],
+    ) -> list[int]:
+        """The next token of each draw: argmax for greedy ones, the rest in one pass."""
+        greedy = logits.argmax(axis=1).tolist()
+        tokens = [greedy[row] for row, _, _ in draws]
+        random = [i for i, (_, params, _) in enumerate(draws) if not is_greedy(params)]
+        if random:
+            chosen = sample_rows(
+                logits[[draws[i][0] for i in random]],
+                [draws[i][1] for i in random],
+                np.array([draws[i][2].random() for i in random]),
+            )
+            for i, token in zip(random, chosen, strict=True):
+                tokens[i] = token
+        return tokens
+
+    def _output(self, record: EngineRequest) -> SampleOutput:
+        return SampleOutput(self.model.decode, record.prompt_len, record.request.sampling.stop)
+
+    def _new_tokens(self, record: EngineRequest, now: float, tally: _StepTally) -> None:
+        """Event NEW_TOKENS, once per request per step."""
+        if record.token_step == self._step_no:
+            return
+        times = record.times
+        if times.first_token is None:
+            times.first_token = now
+            tally.ttft.append(now - times.arrival)
+            tally.prompt_tokens += record.prompt_len
+        else:
+            assert times.last_token is not None
+            tally.inter_token.append(now - times.last_token)
+        times.last_token = now
+        record.token_step = self._step_no
+
+    def _accept(
+        self, record: EngineRequest, s: _Sample, token: int, tally: _StepTally, now: float
+    ) -> None:
+        """Take a sample's newest token: text, stop conditions, the sink."""
+        seq = s.seq
+        reason: FinishReason | None = None
+        if token == record.stop_token:
+            reason = "stop"
+            text = s.output.flush()
+        else:
+            text, stopped = s.output.add(seq.token_ids)
+            if stopped:
+                reason = "stop"
+            elif len(seq.token_ids) >= record.length_limit:
+                reason = "length"
+                text += s.output.flush()
+        record.sink.chunk(GenerationChunk(seq.index, text, (token,), reason))
+        if reason is not None:
+            s.finish_reason = reason
+            self.policy.remove(seq)
+            record.live -= 1
+            if record.live == 0:
+                lengths = any(x.finish_reason == "length" for x in record.samples)
+                self._finish_request(record, "length" if lengths else "stop", now, tally)
+
+    def _finish_request(
+        self, record: EngineRequest, reason: FinishReason, now: float, tally: _StepTally
+    ) -> None:
+        record.finish_reason = reason
+        self._requests.discard(record)
+        params = record.request.sampling
+        tally.finished.append(
+            finished_request(
+                record.times,
+                now,
+                reason,
+                prompt_tokens=record.prompt_len,
+                sample_tokens=[s.seq.num_output for s in record.samples],
+                n=params.n,
+                max_tokens=params.max_tokens,
+            )
+        )
+        if reason == "abort":
+            return  # the requester left: nobody reads its sink
+        record.sink.close()
+
+    def _send_stats(
+        self, now: float, tally: _StepTally, plan: StepPlan | None = None, prefilling: int = 0
+    ) -> None:
+        if self._stats is None:
+            return
+        self._stats.send_nowait(
+            IterationStats(
+                time=now,
+                num_running=len(self.policy.running),
+                num_waiting=len(self.policy.waiting),
+                kv_used_blocks=self.blocks.num_used,
+                kv_total_blocks=self.blocks.num_blocks,
+                num_scheduled=len(plan.chunks) if plan else 0,
+                num_prefilling=prefilling,
+                num_batched_tokens=plan.num_tokens if plan else 0,
+                prompt_tokens=tally.prompt_tokens,
+                generation_tokens=tally.generation_tokens,
+                preemptions=len(plan.preempted) if plan else 0,
+                prefix_lookups=tuple(plan.prefix_lookups) if plan else (),
+                reused_blocks=sum(hit for _, hit in plan.prefix_lookups) // self.blocks.block_size
+                if plan
+                else 0,
+                time_to_first_token=tuple(tally.ttft),
+                inter_token=tuple(tally.inter_token),
+                finished=tuple(tally.finished),
+            )
+        )

@@ -1,0 +1,213 @@
+"""Serves one version of one generative model: the engine's task tree and its front door.
+
+    GenerativeRunner.run
+    ├── LLMEngine.run           the continuous-batching loop
+    └── telemetry.consume       per-iteration stats -> metrics and the periodic log
+
+Front ends reach the engine three ways: ``generate`` (a stream of chunks, for REST
+generate / generate_stream and gRPC ModelStreamInfer), and ``infer`` / ``submit`` (OIP
+inference: ``text_input`` BYTES in, ``text_output`` BYTES out, one element per sample,
+the request's ``parameters`` as sampling parameters).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+import numpy as np
+import trio
+from prometheus_client.registry import Collector
+
+from .._errors import CancelledError, InvalidArgumentError, UnavailableError
+from .._generative import GenerativeModel
+from .._model import Model
+from .._tensor import datatype
+from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from .._validation import validate_request
+from ._engine import EngineRequest, LLMEngine
+from ._generation import GenerationChunk, GenerationRequest, KVCacheState, SamplingParams
+from ._llm_stats import IterationStats
+from ._model_calls import call_hook
+
+_BYTES = datatype("BYTES")
+
+
+class EngineTelemetry(Protocol):
+    """What turns the engine's stats into metrics and logs (``metrics/`` provides one)."""
+
+    def collectors(self) -> Sequence[Collector]: ...
+
+    async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None: ...
+
+
+class _ChunkStream:
+    """A request's chunks as an async iterator; the engine writes, the front end reads."""
+
+    def __init__(self) -> None:
+        self._send, self._receive = trio.open_memory_channel[GenerationChunk | Exception](math.inf)
+        self.chunk = self._send.send_nowait  # called for every token: no extra frame
+
+    def close(self) -> None:
+        self._send.close()
+
+    def fail(self, error: Exception) -> None:
+        self._send.send_nowait(error)
+        self._send.close()
+
+    def __aiter__(self) -> _ChunkStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        try:
+            item = await self._receive.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class _CollectedTicket:
+    """An OIP inference request: the engine's output is gathered into one response."""
+
+    def __init__(self, runner: GenerativeRunner, request: InferenceRequest, n: int) -> None:
+        self._runner = runner
+        self._request = request
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._done = trio.Event()
+        self._response: InferenceResponse | None = None
+        self._error: Exception | None = None
+        self.record: EngineRequest | None = None
+
+    @property
+    def done(self) -> trio.Event:
+        return self._done
+
+    @property
+    def withdrawn(self) -> bool:
+        return isinstance(self._error, CancelledError)
+
+    def chunk(self, chunk: GenerationChunk) -> None:
+        self._texts[chunk.index].append(chunk.text)
+
+    def close(self) -> None:
+        texts = np.array(["".join(t).encode() for t in self._texts], dtype=object)
+        runner = self._runner
+        self._response = InferenceResponse(
+            runner.model.name,
+            runner.version,
+            [OutputTensor("text_output", _BYTES, texts)],
+            id=self._request.id,
+        )
+        self._done.set()
+
+    def fail(self, error: Exception) -> None:
+        self._error = error
+        self._done.set()
+
+    def withdraw(self) -> None:
+        """The client gave up: abort the generation and fail this ticket as cancelled."""
+        if self._done.is_set():
+            return
+        if self.record is not None:
+            self._runner.engine.abort(self.record)
+        self.fail(CancelledError("request cancelled"))
+
+    def outcome(self) -> InferenceResponse:
+        if self._error is not None:
+            raise self._error
+        assert self._response is not None
+        return self._response
+
+
+class GenerativeRunner:
+    """One generative model version: implements ``GenerativeServed``."""
+
+    def __init__(
+        self,
+        model: GenerativeModel,
+        version: str,
+        telemetry: EngineTelemetry | None = None,
+        *,
+        seed: int | None = None,
+    ) -> None:
+        self.model: Model = model  # what ServedModel promises; the engine keeps the full type
+        self.version = version
+        self.ready = False
+        self._telemetry = telemetry
+        self._stats_send, self._stats_receive = trio.open_memory_channel[IterationStats](math.inf)
+        self.engine = LLMEngine(model, self._stats_send if telemetry else None, seed=seed)
+        self.engine.accepting = False
+        self._ids = itertools.count(1)
+
+    def collectors(self) -> Sequence[Collector]:
+        return self._telemetry.collectors() if self._telemetry else ()
+
+    def kv_cache_state(self) -> KVCacheState:
+        return self.engine.kv_cache_state()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model, run the engine until cancelled, then fail what is left and unload."""
+        await call_hook(self.model.load)
+        try:
+            async with trio.open_nursery() as nursery:
+                if self._telemetry is not None:
+                    nursery.start_soon(self._telemetry.consume, self._stats_receive)
+                nursery.start_soon(self.engine.run)
+                self.engine.accepting = self.ready = True
+                task_status.started()
+        finally:
+            self.ready = False
+            self.engine.fail_all(UnavailableError("server is shutting down"))
+            with trio.CancelScope(shield=True):
+                await call_hook(self.model.unload)
+
+    @asynccontextmanager
+    async def generate(
+        self, request: GenerationRequest
+    ) -> AsyncIterator[AsyncIterator[GenerationChunk]]:
+        """The request's chunks; leaving the block early aborts the request."""
+        stream = _ChunkStream()
+        record = self.engine.add(request, stream)
+        try:
+            yield stream
+        finally:
+            self.engine.abort(record)
+
+    def submit(self, request: InferenceRequest) -> _CollectedTicket:
+        """Queue an OIP request; its response arrives on the returned ticket."""
+        validate_request(self.model, request)
+        generation = self._generation_request(request)
+        ticket = _CollectedTicket(self, request, generation.sampling.n)
+        ticket.record = self.engine.add(generation, ticket)
+        return ticket
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        ticket = self.submit(request)
+        try:
+            await ticket.done.wait()
+        except trio.Cancelled:
+            ticket.withdraw()
+            raise
+        return ticket.outcome()
+
+    def _generation_request(self, request: InferenceRequest) -> GenerationRequest:
+        tensor = request.inputs["text_input"]
+        try:
+            prompt = bytes(tensor.data.reshape(-1)[0]).decode()
+        except UnicodeDecodeError:
+            raise InvalidArgumentError("text_input must be UTF-8 text") from None
+        priority = request.parameters.get("priority", 0)
+        if type(priority) is not int:
+            raise InvalidArgumentError("parameter 'priority' must be an integer")
+        return GenerationRequest(
+            request_id=request.id or f"infer-{next(self._ids)}",
+            prompt=prompt,
+            sampling=SamplingParams.from_parameters(request.parameters),
+            arrival_time=trio.current_time(),
+            priority=priority,
+        )

@@ -1,0 +1,200 @@
+"""The vLLM and TRT-LLM families as exposed text: names, buckets, labels, deprecations."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from trioserve.metrics._trt_llm import TrtLlmMetrics
+from trioserve.metrics._vllm import EngineShape, VllmMetrics, buckets_1_2_5
+from trioserve.scheduler._llm_stats import FinishedRequest, IterationStats
+
+SHAPE = EngineShape(
+    "m", "1", block_size=16, num_blocks=100, prefix_caching=True, max_model_len=1024, max_num_seqs=8
+)
+
+
+def _exposed(*sources) -> dict[str, object]:
+    registry = CollectorRegistry()
+    for source in sources:
+        for collector in source.collectors():
+            registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def _samples(family, name):
+    return {tuple(sorted(s.labels.items())): s.value for s in family.samples if s.name == name}
+
+
+def test_vllm_v1_families_and_buckets():
+    families = _exposed(VllmMetrics(SHAPE))
+    for gauge in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
+    ):
+        assert families[gauge].type == "gauge"
+    for counter in (
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "vllm:num_preemptions",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+    ):
+        assert families[counter].type == "counter"
+        assert any(s.name == f"{counter}_total" for s in families[counter].samples)
+    ttft = families["vllm:time_to_first_token_seconds"]
+    les = [s.labels["le"] for s in ttft.samples if s.name.endswith("_bucket")]
+    assert les == [
+        "0.001",
+        "0.005",
+        "0.01",
+        "0.02",
+        "0.04",
+        "0.06",
+        "0.08",
+        "0.1",
+        "0.25",
+        "0.5",
+        "0.75",
+        "1.0",
+        "2.5",
+        "5.0",
+        "7.5",
+        "10.0",
+        "20.0",
+        "40.0",
+        "80.0",
+        "160.0",
+        "640.0",
+        "2560.0",
+        "+Inf",
+    ]
+    assert all(s.labels["model_name"] == "m" for s in ttft.samples)
+    prompt = families["vllm:request_prompt_tokens"]
+    assert [s.labels["le"] for s in prompt.samples if s.name.endswith("_bucket")] == [
+        "1.0",
+        "2.0",
+        "5.0",
+        "10.0",
+        "20.0",
+        "50.0",
+        "100.0",
+        "200.0",
+        "500.0",
+        "1000.0",
+        "+Inf",
+    ]
+    e2e = families["vllm:e2e_request_latency_seconds"]
+    assert len([s for s in e2e.samples if s.name.endswith("_bucket")]) == 22
+    iteration = families["vllm:iteration_tokens_total"]
+    assert len([s for s in iteration.samples if s.name.endswith("_bucket")]) == 14
+    reasons = _samples(families["vllm:request_success"], "vllm:request_success_total")
+    assert {dict(k)["finished_reason"] for k in reasons} == {"stop", "length", "abort"}
+    info = families["vllm:cache_config_info"].samples[0]
+    assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "100"
+    assert info.value == 1
+
+
+def test_buckets_1_2_5():
+    assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert buckets_1_2_5(1) == [1]
+
+
+@pytest.mark.parametrize(
+    ("version", "shown"),
+    [
+        (None, set()),
+        (
+            "0.9",
+            {
+                "vllm:gpu_cache_usage_perc",
+                "vllm:gpu_prefix_cache_queries",
+                "vllm:gpu_prefix_cache_hits",
+            },
+        ),
+        ("0.11.2", {"vllm:time_per_output_token_seconds"}),
+        ("0.8", {"vllm:gpu_prefix_cache_hit_rate"}),
+        ("0.10", set()),
+    ],
+)
+def test_deprecated_families_are_hidden_unless_their_version_is_named(version, shown):
+    families = _exposed(VllmMetrics(SHAPE, show_hidden_metrics_for_version=version))
+    deprecated = {
+        name
+        for name, family in families.items()
+        if "DEPRECATED" in family.documentation and not name.endswith("_created")
+    }
+    assert deprecated == shown
+    for name in shown:
+        assert "--show-hidden-metrics-for-version=" in families[name].documentation
+
+
+def _finished(reason, e2e):
+    return FinishedRequest(reason, e2e, 0.1, 0.2, 0.3, 0.5, 0.05, 7, 4, 4, 1, 16)
+
+
+def test_record_updates_vllm_and_trt_llm_families():
+    metrics = VllmMetrics(SHAPE, show_hidden_metrics_for_version="0.9")
+    trt_llm = TrtLlmMetrics(SHAPE)
+    stats = IterationStats(
+        time=1.0,
+        num_running=3,
+        num_waiting=2,
+        kv_used_blocks=25,
+        kv_total_blocks=100,
+        num_scheduled=3,
+        num_prefilling=1,
+        num_batched_tokens=40,
+        prompt_tokens=7,
+        generation_tokens=3,
+        preemptions=1,
+        prefix_lookups=((20, 16), (7, 0)),
+        reused_blocks=1,
+        time_to_first_token=(0.03,),
+        inter_token=(0.02, 0.3),
+        finished=(_finished("stop", 0.4), _finished("length", 3.0)),
+    )
+    metrics.record(stats)
+    trt_llm.record(stats)
+    families = _exposed(metrics, trt_llm)
+
+    def value(name, sample=None, **labels):
+        found = _samples(families[name], sample or name)
+        return found[tuple(sorted({"model_name": "m", **labels}.items()))]
+
+    assert value("vllm:num_requests_running") == 3
+    assert value("vllm:kv_cache_usage_perc") == 0.25
+    assert value("vllm:gpu_cache_usage_perc") == 0.25
+    assert value("vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 27
+    assert value("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 16
+    assert value("vllm:num_preemptions", "vllm:num_preemptions_total") == 1
+    assert (
+        value("vllm:request_success", "vllm:request_success_total", finished_reason="length") == 1
+    )
+    itl = "vllm:inter_token_latency_seconds"
+    assert value(itl, f"{itl}_bucket", le="0.025") == 1
+    assert value(itl, f"{itl}_bucket", le="0.3") == 2
+    e2e = "vllm:e2e_request_latency_seconds"
+    assert value(e2e, f"{e2e}_bucket", le="0.5") == 1
+    assert value(e2e, f"{e2e}_bucket", le="2.5") == 1 and value(e2e, f"{e2e}_bucket", le="5.0") == 2
+    blocks = _samples(
+        families["nv_trt_llm_kv_cache_block_metrics"], "nv_trt_llm_kv_cache_block_metrics"
+    )
+    by_kind = {dict(k)["kv_cache_block_type"]: v for k, v in blocks.items()}
+    assert by_kind == {
+        "max": 100,
+        "free": 75,
+        "used": 25,
+        "tokens_per": 16,
+        "reused": 1,
+        "fraction": 0.25,
+    }
+    requests = _samples(families["nv_trt_llm_request_metrics"], "nv_trt_llm_request_metrics")
+    by_type = {dict(k)["request_type"]: v for k, v in requests.items()}
+    assert by_type == {"active": 5, "max": 8, "scheduled": 3, "context": 1, "waiting": 2}
+    assert all(dict(k)["model"] == "m" and dict(k)["version"] == "1" for k in requests)
