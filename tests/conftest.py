@@ -125,3 +125,51 @@ class ScriptedLM:
 @pytest.fixture
 def scripted_lm() -> ScriptedLM:
     return ScriptedLM()
+
+
+class GenerateExits:
+    """Counts the ``generate()`` blocks of a served model that have exited (the engine frees
+    a request's blocks there), so a test can wait for one instead of guessing when."""
+
+    def __init__(self, served: Any) -> None:
+        self.count = 0
+        self._generate = served.generate
+        self._changed = trio.Event()
+        served.generate = self.generate  # the front ends look it up on every request
+
+    @asynccontextmanager
+    async def generate(self, request: Any) -> AsyncIterator[AsyncIterator[Any]]:
+        try:
+            async with self._generate(request) as chunks:
+                yield chunks
+        finally:
+            self.count += 1
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        while self.count < count:
+            await self._changed.wait()
+
+
+@pytest.fixture
+def generate_exits() -> type[GenerateExits]:
+    return GenerateExits
+
+
+@pytest.fixture
+async def tiny_server(nursery: trio.Nursery, request: pytest.FixtureRequest) -> Server:
+    """``tiny_lm`` beside the zoo on an in-process server (both transports); the HTTP
+    server kind comes from ``http_server`` when a test parametrizes it."""
+    from trioserve import serve
+    from trioserve.models import TinyLM
+
+    http_server = getattr(request, "param", "stdlib")
+    config = ServerConfig(
+        models=[*reference_zoo(), TinyLM(num_kv_blocks=256)],
+        http_port=0,
+        grpc_port=0,
+        http_server=http_server,
+    )
+    started: Server = await nursery.start(serve, config)
+    return started

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
 
 from trioserve._repository import ModelRepository
 from trioserve._server import server_metadata
@@ -234,3 +235,73 @@ async def test_cancelling_the_stream_aborts_its_generations(url: str, scripted_l
         await trio.to_thread.run_sync(opened.close, True)
         await scripted_lm.wait_until(lambda: scripted_lm.ended)
     assert list(scripted_lm.ended.values()) == ["abort"]
+
+
+# --- end to end with tiny_lm -----------------------------------------------------------
+
+
+@pytest.fixture
+async def tiny_stream(tiny_server: Any) -> AsyncIterator[Stream]:
+    opened = await trio.to_thread.run_sync(Stream, f"127.0.0.1:{tiny_server.grpc_port}")
+    yield opened
+    await trio.to_thread.run_sync(opened.close, True)
+
+
+async def test_tiny_lm_streams_what_infer_answers(tiny_server: Any, tiny_stream: Stream) -> None:
+    """Two greedy requests on one stream; each one's pieces add up to the text that unary
+    ModelInfer answers for the same prompt."""
+    parameters = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    with trio.fail_after(TIMEOUT):
+        for prompt in ("one", "two"):
+            tiny_stream.send("tiny_lm", prompt, request_id=prompt, parameters=parameters)
+        replies = await tiny_stream.until(finals(2))
+        for prompt in ("one", "two"):
+            mine = [r for r in replies if r.id == prompt]
+            assert [r.final for r in mine] == [False] * (len(mine) - 1) + [True]
+            assert mine[-1].parameters["finish_reason"] == "length"
+            streamed = b"".join(r.text[0] for r in mine if r.text)
+            answer = await trio.to_thread.run_sync(
+                partial(
+                    tiny_stream.client.infer,
+                    "tiny_lm",
+                    [_text_input(prompt)],
+                    parameters=parameters,
+                )
+            )
+            assert streamed == answer.as_numpy("text_output")[0]
+
+
+async def test_tiny_lm_bad_parameters_on_a_stream(tiny_stream: Stream) -> None:
+    with trio.fail_after(TIMEOUT):
+        tiny_stream.send("tiny_lm", "x", parameters={"top_k": -5})
+        (reply,) = await tiny_stream.until(finals(1))
+    assert reply.error == "top_k must be -1 (all tokens) or >= 0"
+
+
+async def test_tiny_lm_bad_parameters_on_model_infer(tiny_server: Any) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{tiny_server.grpc_port}")
+    try:
+        with trio.fail_after(TIMEOUT), pytest.raises(InferenceServerException) as info:
+            await trio.to_thread.run_sync(
+                partial(client.infer, "tiny_lm", [_text_input("x")], parameters={"n": 0})
+            )
+    finally:
+        client.close()
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert info.value.message() == "n must be at least 1"
+
+
+async def test_tiny_lm_cancelled_stream_frees_every_block(
+    tiny_server: Any, generate_exits: Any
+) -> None:
+    runner = tiny_server.repository.get("tiny_lm")
+    exits = generate_exits(runner)
+    opened = await trio.to_thread.run_sync(Stream, f"127.0.0.1:{tiny_server.grpc_port}")
+    with trio.fail_after(TIMEOUT):
+        opened.send("tiny_lm", "x" * 100, parameters={"max_tokens": 900, "ignore_eos": True})
+        await opened.until(lambda replies: len(replies) == 1)
+        assert runner.kv_cache_state().used_blocks > 0
+        await trio.to_thread.run_sync(opened.close, True)
+        await exits.wait_for(1)
+    assert runner.kv_cache_state().used_blocks == 0
+    assert not runner.engine.policy.has_work

@@ -282,12 +282,16 @@ async def test_concurrent_streams(http: httpx.AsyncClient, scripted_lm: Any) -> 
 
 
 async def _post(endpoint: str, document: Any, port: int) -> trio.SocketStream:
+    return await _post_to("scripted_lm", endpoint, document, port)
+
+
+async def _post_to(model: str, endpoint: str, document: Any, port: int) -> trio.SocketStream:
     body = json.dumps(document).encode()
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     await stream.send_all(
-        b"POST /v2/models/scripted_lm/%s HTTP/1.1\r\nhost: test\r\n"
+        b"POST /v2/models/%s/%s HTTP/1.1\r\nhost: test\r\n"
         b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-        % (endpoint.encode(), len(body), body)
+        % (model.encode(), endpoint.encode(), len(body), body)
     )
     return stream
 
@@ -312,3 +316,95 @@ def _unchunk(body: bytes) -> bytes:
         data += body[:size]
         assert body[size : size + 2] == b"\r\n"
         body = body[size + 2 :]
+
+
+# --- end to end with tiny_lm -----------------------------------------------------------
+
+tiny = pytest.mark.parametrize("tiny_server", sorted(SERVERS), indirect=True)
+
+
+@pytest.fixture
+async def tiny_http(tiny_server: Any) -> AsyncIterator[httpx.AsyncClient]:
+    base = f"http://127.0.0.1:{tiny_server.http_port}"
+    async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as client:
+        yield client
+
+
+@tiny
+async def test_tiny_lm_concurrent_streams_match_generate(tiny_http: httpx.AsyncClient) -> None:
+    """16 streams at once; greedy sampling, so each stream's text, pieced together, is what
+    generate answers for the same prompt."""
+    streamed: dict[int, list[Any]] = {}
+
+    async def one(i: int) -> None:
+        document = {"text_input": f"prompt {i}:", "max_tokens": 12, "temperature": 0}
+        async with tiny_http.stream(
+            "POST", "/v2/models/tiny_lm/generate_stream", json={**document, "ignore_eos": True}
+        ) as response:
+            assert response.status_code == 200
+            streamed[i] = [event async for event in events(response)]
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        for i, received in streamed.items():
+            assert received[-1]["finish_reason"] == "length"
+            assert all("finish_reason" not in event for event in received[:-1])
+            document = {"text_input": f"prompt {i}:", "parameters": {"max_tokens": 12}}
+            document["parameters"] |= {"temperature": 0, "ignore_eos": True}
+            answer = (await tiny_http.post("/v2/models/tiny_lm/generate", json=document)).json()
+            assert "".join(event["text_output"] for event in received) == answer["text_output"]
+            assert answer["finish_reason"] == "length"
+
+
+@tiny
+async def test_tiny_lm_generate_with_n(tiny_http: httpx.AsyncClient) -> None:
+    document = {"text_input": "Hello", "parameters": {"max_tokens": 6, "n": 3, "seed": 1}}
+    with trio.fail_after(TIMEOUT):
+        response = await tiny_http.post("/v2/models/tiny_lm/generate", json=document)
+        again = await tiny_http.post("/v2/models/tiny_lm/generate", json=document)
+    assert response.status_code == 200
+    answer = response.json()
+    assert (answer["model_name"], answer["model_version"]) == ("tiny_lm", "1")
+    assert len(answer["text_output"]) == 3 and all(answer["text_output"])
+    assert len(answer["finish_reason"]) == 3
+    assert set(answer["finish_reason"]) <= {"stop", "length"}
+    assert again.json() == answer  # seeded: the same samples again
+
+
+@tiny
+async def test_tiny_lm_disconnect_frees_every_block(tiny_server: Any, generate_exits: Any) -> None:
+    runner = tiny_server.repository.get("tiny_lm")
+    exits = generate_exits(runner)
+    document = {"text_input": "x" * 100, "max_tokens": 900, "ignore_eos": True}
+    with trio.fail_after(TIMEOUT):
+        client = await _post_to("tiny_lm", "generate_stream", document, tiny_server.http_port)
+        await _read_until(client, b"\n\n")  # the first event: prefill done, decoding
+        assert runner.kv_cache_state().used_blocks > 0
+        await client.aclose()
+        await exits.wait_for(1)
+    assert runner.kv_cache_state().used_blocks == 0
+    assert not runner.engine.policy.has_work
+
+
+@tiny
+async def test_tiny_lm_errors(tiny_http: httpx.AsyncClient) -> None:
+    with trio.fail_after(TIMEOUT):
+        bad = await tiny_http.post(
+            "/v2/models/tiny_lm/generate_stream", json={"text_input": "x", "temperature": -1}
+        )
+        too_long = await tiny_http.post(
+            "/v2/models/tiny_lm/generate_stream", json={"text_input": "x" * 2000}
+        )
+        not_generative = await tiny_http.post(
+            "/v2/models/simple/generate", json={"text_input": "x"}
+        )
+    assert bad.status_code == 400
+    assert bad.json() == {"error": "temperature must be a finite number >= 0"}
+    # The engine refuses it before the first token: an ordinary JSON error, not an event.
+    assert too_long.status_code == 400
+    assert too_long.headers["content-type"] == "application/json"
+    assert "takes at most 1024 tokens" in too_long.json()["error"]
+    assert not_generative.status_code == 501
+    assert not_generative.json() == {"error": "model 'simple' is not a generative model"}
