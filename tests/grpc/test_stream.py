@@ -305,3 +305,11 @@ async def test_tiny_lm_cancelled_stream_frees_every_block(
         await exits.wait_for(1)
     assert runner.kv_cache_state().used_blocks == 0
     assert not runner.engine.policy.has_work
+
+
+async def test_a_request_over_the_size_limit_ends_the_call(stream: Stream) -> None:
+    with trio.fail_after(TIMEOUT):
+        stream.send("scripted_lm", "x" * (2 << 20))  # the server takes 1 MiB messages
+        (reply,) = await stream.until(lambda replies: len(replies) == 1)
+    assert reply.error is not None
+    assert reply.error.startswith("Received message larger than max")

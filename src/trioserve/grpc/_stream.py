@@ -68,7 +68,9 @@ class StreamInfer:
 
     async def serve(self, io: StreamIO) -> None:
         """Answer every request of one call; returns when all are answered or the client
-        is gone."""
+        is gone. A request the transport could not read (one over the size limit) ends
+        the call with its status, raised here rather than inside an exception group."""
+        failure: Exception | None = None
         async with trio.open_nursery() as requests:
             replies = _Replies(io, requests.cancel_scope)
             while True:
@@ -76,10 +78,16 @@ class StreamInfer:
                     message = await io.recv()
                 except ClientGone:
                     requests.cancel_scope.cancel()
-                    return
+                    break
+                except Exception as exc:
+                    failure = exc
+                    requests.cancel_scope.cancel()
+                    break
                 if message is None:
-                    return  # the nursery waits for the requests in flight
+                    break  # the nursery waits for the requests in flight
                 requests.start_soon(self._answer, message, replies)
+        if failure is not None:
+            raise failure
 
     async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
         try:
