@@ -250,14 +250,19 @@ async def test_stream_error_midway_is_an_event(http: httpx.AsyncClient) -> None:
     ]
 
 
-async def test_stream_aborts_when_the_client_leaves(port: int, scripted_lm: Any) -> None:
+async def test_stream_aborts_when_the_client_leaves(
+    port: int, scripted_lm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     scripted_lm.hold_after = 1
     with trio.fail_after(TIMEOUT):
         client = await _post("generate_stream", {"text_input": "x", "max_tokens": 5}, port)
         await _read_until(client, b'" w0"}\n\n')
         await client.aclose()
         await scripted_lm.wait_until(lambda: scripted_lm.ended)
+        await _served_once_more(port)  # the server has finished with the abandoned one
     assert list(scripted_lm.ended.values()) == ["abort"]
+    # A client leaving is no failure of the server's.
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
 
 
 async def test_concurrent_streams(http: httpx.AsyncClient, scripted_lm: Any) -> None:
@@ -294,6 +299,11 @@ async def _post_to(model: str, endpoint: str, document: Any, port: int) -> trio.
         % (model.encode(), endpoint.encode(), len(body), body)
     )
     return stream
+
+
+async def _served_once_more(port: int) -> None:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        assert (await client.get("/v2/health/live")).status_code == 200
 
 
 async def _read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
