@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+import h2.connection
+import h2.events
 import httpx
 import pytest
 import trio
@@ -418,3 +420,45 @@ async def test_tiny_lm_errors(tiny_http: httpx.AsyncClient) -> None:
     assert "takes at most 1024 tokens" in too_long.json()["error"]
     assert not_generative.status_code == 501
     assert not_generative.json() == {"error": "model 'simple' is not a generative model"}
+
+
+async def test_http2_streams_and_aborts_on_reset(nursery: trio.Nursery, scripted_lm: Any) -> None:
+    """Hypercorn over h2c: the first event arrives while the engine holds the rest, and
+    resetting the HTTP/2 stream aborts the generation."""
+    app = build_app(ModelRepository([scripted_lm]), server_metadata(), 1 << 20)
+    serve = partial(serve_hypercorn, app, "127.0.0.1", 0, HttpLimits())
+    (address,) = await nursery.start(app.serve_with, serve)
+    scripted_lm.hold_after = 1
+    connection = h2.connection.H2Connection()
+    body = b'{"text_input": "x"}'
+    with trio.fail_after(TIMEOUT):
+        sock = await trio.open_tcp_stream("127.0.0.1", address[1])
+        connection.initiate_connection()
+        connection.send_headers(
+            1,
+            [
+                (":method", "POST"),
+                (":path", "/v2/models/scripted_lm/generate_stream"),
+                (":scheme", "http"),
+                (":authority", "test"),
+                ("content-length", str(len(body))),
+            ],
+        )
+        connection.send_data(1, body, end_stream=True)
+        await sock.send_all(connection.data_to_send())
+        received = b""
+        while b"\n\n" not in received:
+            for event in connection.receive_data(await sock.receive_some()):
+                if isinstance(event, h2.events.ResponseReceived):
+                    assert (b":status", b"200") in event.headers
+                    assert (b"content-type", EVENT_STREAM.encode()) in event.headers
+                elif isinstance(event, h2.events.DataReceived):
+                    received += event.data
+                    connection.acknowledge_received_data(event.flow_controlled_length, 1)
+            await sock.send_all(connection.data_to_send())
+        assert json.loads(received.removeprefix(b"data: ")) == head(text_output=" w0")
+        connection.reset_stream(1)
+        await sock.send_all(connection.data_to_send())
+        await scripted_lm.wait_until(lambda: scripted_lm.ended)
+        await sock.aclose()
+    assert list(scripted_lm.ended.values()) == ["abort"]
