@@ -159,12 +159,16 @@ async def test_sampling_parameters_input_as_the_vllm_backend_takes_it(
     flag.set_data_from_numpy(np.array([True]))
     with trio.fail_after(TIMEOUT):
         stream.client.async_stream_infer(
-            "scripted_lm", [_text_input("x"), sampling, flag], parameters={"temperature": 0.5}
+            "scripted_lm",
+            [_text_input("x"), sampling, flag],
+            priority=2,
+            parameters={"temperature": 0.5},
         )
         replies = await stream.until(finals(1))
     assert [r.text for r in replies] == [[b" w0"]]
     (request,) = scripted_lm.requests
     assert (request.sampling.max_tokens, request.sampling.temperature) == (1, 0.5)
+    assert request.priority == 2
 
 
 async def test_failed_requests_answer_error_messages_and_the_stream_goes_on(
