@@ -42,7 +42,7 @@ import numpy as np
 import trio
 
 from trioserve import GenerativeModel, StepSequence
-from trioserve.metrics._stat_logger import VllmTelemetry
+from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import TinyLM
 from trioserve.scheduler._generation import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
@@ -110,7 +110,8 @@ async def one_run(
     model: ConstantLM, sampling: SamplingParams, telemetry: bool
 ) -> tuple[float, float | None]:
     """Median microseconds between two full decode steps: wall clock, and CPU time."""
-    runner = GenerativeRunner(model, "1", VllmTelemetry(model, "1") if telemetry else None)
+    metrics = LLMMetricFamilies([model]).telemetry(model, "1") if telemetry else None
+    runner = GenerativeRunner(model, "1", metrics)
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
 
@@ -133,7 +134,7 @@ async def one_run(
 
 async def load_run(concurrency: int, duration: float, max_tokens: int) -> dict[str, float]:
     model = TinyLM()
-    runner = GenerativeRunner(model, "1", VllmTelemetry(model, "1"))
+    runner = GenerativeRunner(model, "1", LLMMetricFamilies([model]).telemetry(model, "1"))
     ttft: list[float] = []
     itl: list[float] = []
     generated = 0

@@ -27,10 +27,12 @@ class ServedModel(Protocol):
 
 
 class Ticket(Protocol):
-    """A submitted request whose outcome is known once ``done`` is set."""
+    """A submitted request whose outcome is known once ``wait`` returns."""
 
     @property
-    def done(self) -> trio.Event: ...
+    def finished(self) -> bool: ...
+
+    async def wait(self) -> None: ...
 
     def outcome(self) -> InferenceResponse: ...
 

@@ -26,7 +26,7 @@ from ._generative import GenerativeModel
 from ._model import Model
 from ._repository import ModelRepository, ServedModel
 from ._version import __version__
-from .metrics._stat_logger import VllmTelemetry
+from .metrics._llm_telemetry import LLMMetricFamilies
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
 
@@ -98,8 +98,13 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
+    llm_metrics = LLMMetricFamilies(
+        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+    )
     repository = ModelRepository(
-        _served(model, version, config) for model in config.models for version in model.versions
+        _served(model, version, llm_metrics)
+        for model in config.models
+        for version in model.versions
     )
     stop_accepting = trio.Event()
     front_ends = _FrontEnds()
@@ -128,12 +133,9 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             root.cancel_scope.cancel()
 
 
-def _served(model: Model, version: str, config: ServerConfig) -> ServedModel:
+def _served(model: Model, version: str, llm_metrics: LLMMetricFamilies) -> ServedModel:
     if isinstance(model, GenerativeModel):
-        telemetry = VllmTelemetry(
-            model, version, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
-        )
-        return GenerativeRunner(model, version, telemetry)
+        return GenerativeRunner(model, version, llm_metrics.telemetry(model, version))
     return ModelRunner(model, version)
 
 

@@ -2,39 +2,83 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from ._errors import InvalidArgumentError
-from ._model import Model, TensorSpec
+from ._model import Model
 from ._types import InferenceRequest
 
 
-def validate_request(model: Model, request: InferenceRequest) -> None:
+def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hashable]:
+    """Check ``request`` against ``model``; return its batch size and batch key.
+
+    Requests batch together only when their inputs agree in name and per-item shape:
+    the key is the set of (name, item shape) pairs. One pass over the inputs does both,
+    since it runs for every request.
+    """
     declared = model.input_specs
-    for name, tensor in request.inputs.items():
+    inputs = request.inputs
+    batches = model.batches
+    size = 0
+    key = []
+    for name, tensor in inputs.items():
         spec = declared.get(name)
         if spec is None:
             raise InvalidArgumentError(
                 f"unexpected inference input '{name}' for model '{model.name}'"
             )
-        if tensor.datatype.name != spec.datatype:
+        if tensor.datatype is not spec.wire_datatype:
             raise InvalidArgumentError(
                 f"inference input '{name}' data-type is '{tensor.datatype.name}', "
                 f"but model '{model.name}' expects '{spec.datatype}'"
             )
-        _check_shape(model, spec, tensor.shape)
+        shape = tensor.shape
+        if batches:
+            if not shape or not 1 <= shape[0] <= model.max_batch_size:
+                raise InvalidArgumentError(
+                    f"inference input '{name}' batch size {shape[0] if shape else 0} "
+                    f"is outside 1..{model.max_batch_size} for model '{model.name}'"
+                )
+            if size and shape[0] != size:
+                raise InvalidArgumentError(
+                    f"inputs of a request to model '{model.name}' must share one batch size"
+                )
+            size = shape[0]
+            item = shape[1:]
+        else:
+            size = 1
+            item = shape
+        if item != spec.dims and not _fits(spec.dims, item):
+            expected = ([-1] if batches else []) + list(spec.dims)
+            raise InvalidArgumentError(
+                f"unexpected shape for input '{name}' for model '{model.name}'. "
+                f"Expected {expected}, got {list(shape)}"
+            )
+        key.append((name, item))
+    if len(inputs) != len(declared):
+        _check_required(model, request)
+    if request.outputs:
+        _check_outputs(model, request)
+    return size, frozenset(key)
+
+
+def _fits(dims: Sequence[int], shape: tuple[int, ...]) -> bool:
+    """Whether ``shape`` matches declared ``dims`` (-1: any size)."""
+    return len(shape) == len(dims) and all(
+        d == -1 or d == s for d, s in zip(dims, shape, strict=True)
+    )
+
+
+def _check_required(model: Model, request: InferenceRequest) -> None:
     missing = [s.name for s in model.inputs if not s.optional and s.name not in request.inputs]
     if missing:
         raise InvalidArgumentError(
             f"expected {len(model.inputs)} inputs but got {len(request.inputs)} inputs "
             f"for model '{model.name}'; missing: {', '.join(missing)}"
         )
-    if model.batches:
-        sizes = {tensor.shape[0] for tensor in request.inputs.values()}
-        if len(sizes) > 1:
-            raise InvalidArgumentError(
-                f"inputs of a request to model '{model.name}' must share one batch size"
-            )
+
+
+def _check_outputs(model: Model, request: InferenceRequest) -> None:
     seen: set[str] = set()
     for output in request.outputs:
         if output.name not in model.output_specs:
@@ -44,29 +88,3 @@ def validate_request(model: Model, request: InferenceRequest) -> None:
         if output.name in seen:
             raise InvalidArgumentError(f"output '{output.name}' is requested twice")
         seen.add(output.name)
-
-
-def _check_shape(model: Model, spec: TensorSpec, shape: tuple[int, ...]) -> None:
-    dims = spec.dims
-    if model.batches:
-        if not shape or not 1 <= shape[0] <= model.max_batch_size:
-            raise InvalidArgumentError(
-                f"inference input '{spec.name}' batch size {shape[0] if shape else 0} "
-                f"is outside 1..{model.max_batch_size} for model '{model.name}'"
-            )
-        item_shape = shape[1:]
-    else:
-        item_shape = shape
-    if len(item_shape) != len(dims) or any(
-        d != -1 and d != s for d, s in zip(dims, item_shape, strict=True)
-    ):
-        expected = ([-1] if model.batches else []) + list(dims)
-        raise InvalidArgumentError(
-            f"unexpected shape for input '{spec.name}' for model '{model.name}'. "
-            f"Expected {expected}, got {list(shape)}"
-        )
-
-
-def batch_key(request: InferenceRequest) -> Hashable:
-    """Requests batch together only when their inputs agree in name and item shape."""
-    return tuple(sorted((name, t.shape[1:]) for name, t in request.inputs.items()))

@@ -6,13 +6,22 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from trioserve.metrics._trt_llm import TrtLlmMetrics
-from trioserve.metrics._vllm import EngineShape, VllmMetrics, buckets_1_2_5
+from trioserve.metrics._llm_telemetry import LLMMetricFamilies
+from trioserve.metrics._stat_logger import EngineStatLogger
+from trioserve.metrics._trt_llm import TrtLlmFamilies, TrtLlmMetrics
+from trioserve.metrics._vllm import EngineShape, VllmFamilies, VllmMetrics
+from trioserve.metrics._vllm_names import buckets_1_2_5
+from trioserve.models import TinyLM
 from trioserve.scheduler._llm_stats import FinishedRequest, IterationStats
 
 SHAPE = EngineShape(
     "m", "1", block_size=16, num_blocks=100, prefix_caching=True, max_model_len=1024, max_num_seqs=8
 )
+
+
+def _vllm(show_hidden=None) -> VllmMetrics:
+    families = VllmFamilies(max_model_len=1024, show_hidden_metrics_for_version=show_hidden)
+    return VllmMetrics(families, SHAPE)
 
 
 def _exposed(*sources) -> dict[str, object]:
@@ -29,7 +38,7 @@ def _samples(family, name):
 
 
 def test_vllm_v1_families_and_buckets():
-    families = _exposed(VllmMetrics(SHAPE))
+    families = _exposed(_vllm().families)
     for gauge in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -123,7 +132,7 @@ def test_buckets_1_2_5():
     ],
 )
 def test_deprecated_families_are_hidden_unless_their_version_is_named(version, shown):
-    families = _exposed(VllmMetrics(SHAPE, show_hidden_metrics_for_version=version))
+    families = _exposed(_vllm(version).families)
     deprecated = {
         name
         for name, family in families.items()
@@ -139,8 +148,8 @@ def _finished(reason, e2e):
 
 
 def test_record_updates_vllm_and_trt_llm_families():
-    metrics = VllmMetrics(SHAPE, show_hidden_metrics_for_version="0.9")
-    trt_llm = TrtLlmMetrics(SHAPE)
+    metrics = _vllm("0.9")
+    trt_llm = TrtLlmMetrics(TrtLlmFamilies(), SHAPE)
     stats = IterationStats(
         time=1.0,
         num_running=3,
@@ -161,7 +170,7 @@ def test_record_updates_vllm_and_trt_llm_families():
     )
     metrics.record(stats)
     trt_llm.record(stats)
-    families = _exposed(metrics, trt_llm)
+    families = _exposed(metrics.families, trt_llm.families)
 
     def value(name, sample=None, **labels):
         found = _samples(families[name], sample or name)
@@ -198,3 +207,87 @@ def test_record_updates_vllm_and_trt_llm_families():
     by_type = {dict(k)["request_type"]: v for k, v in requests.items()}
     assert by_type == {"active": 5, "max": 8, "scheduled": 3, "context": 1, "waiting": 2}
     assert all(dict(k)["model"] == "m" and dict(k)["version"] == "1" for k in requests)
+
+
+def _lookups(*pairs):
+    return IterationStats(
+        time=0.0,
+        num_running=0,
+        num_waiting=0,
+        kv_used_blocks=0,
+        kv_total_blocks=1,
+        prefix_lookups=pairs,
+    )
+
+
+def test_the_log_hit_rate_covers_the_last_1000_queries():
+    log = EngineStatLogger("m", 0.0)
+    log.record(_lookups(*[(10, 10)] * 500))
+    assert log.prefix_hit_rate == 1.0
+    log.record(_lookups(*[(10, 0)] * 750))  # pushes out 250 of the hits
+    assert log.prefix_hit_rate == pytest.approx(250 / 1000)
+
+
+def test_the_deprecated_hit_rate_gauge_reads_the_log_window():
+    metrics = _vllm("0.8")
+    metrics.set_prefix_hit_rate(0.25)
+    families = _exposed(metrics.families)
+    rate = families["vllm:gpu_prefix_cache_hit_rate"]
+    assert rate.samples[0].value == 0.25 and "DEPRECATED in 0.8" in rate.documentation
+
+
+def _engine(running, used):
+    return IterationStats(
+        time=0.0,
+        num_running=running,
+        num_waiting=1,
+        kv_used_blocks=used,
+        kv_total_blocks=100,
+        num_scheduled=running,
+        num_batched_tokens=running,
+    )
+
+
+def test_a_servers_generative_models_share_one_set_of_families():
+    lm, other = TinyLM(num_kv_blocks=100), TinyLM("other_lm", num_kv_blocks=100)
+    families = LLMMetricFamilies([lm, other])
+    v1, v2 = families.telemetry(lm, "1"), families.telemetry(lm, "2")
+    third = families.telemetry(other, "1")
+    # Every served model's collectors go into the server's registry: no family twice.
+    registry = CollectorRegistry()
+    for telemetry in (v1, v2, third):
+        for collector in telemetry.collectors():
+            registry.register(collector)
+    assert v2.collectors() == () and third.collectors() == ()
+    v1.metrics.record(_engine(running=3, used=10))
+    v2.metrics.record(_engine(running=2, used=30))
+    third.metrics.record(_engine(running=7, used=50))
+    v1.trt_llm.record(_engine(running=3, used=10))
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, labels)
+
+    # Versions of one model add up under its model_name, as one vLLM instance would.
+    assert value("vllm:num_requests_running", model_name="tiny_lm") == 5
+    assert value("vllm:num_requests_waiting", model_name="tiny_lm") == 2
+    assert value("vllm:kv_cache_usage_perc", model_name="tiny_lm") == 0.2
+    assert value("vllm:num_requests_running", model_name="other_lm") == 7
+    # TRT-LLM series carry the version.
+    assert (
+        value(
+            "nv_trt_llm_kv_cache_block_metrics",
+            kv_cache_block_type="used",
+            model="tiny_lm",
+            version="1",
+        )
+        == 10
+    )
+    assert (
+        value(
+            "nv_trt_llm_kv_cache_block_metrics",
+            kv_cache_block_type="used",
+            model="tiny_lm",
+            version="2",
+        )
+        == 0
+    )

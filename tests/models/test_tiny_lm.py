@@ -7,8 +7,11 @@ import importlib.util
 import numpy as np
 import pytest
 import trio
+import trio.testing
+from prometheus_client import CollectorRegistry
 
 from trioserve import StepSequence
+from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import TinyLM
 from trioserve.scheduler._generation import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
@@ -140,3 +143,44 @@ def test_cupy_steps_match_numpy(model):
     for cpu_logits, gpu_logits in zip(on_cpu, on_gpu, strict=True):
         assert isinstance(gpu_logits, np.ndarray)  # handed back to the engine on the host
         np.testing.assert_allclose(gpu_logits, cpu_logits, rtol=1e-3, atol=1e-3)
+
+
+async def _run_prompts(lm: TinyLM, prompts: list[str], rounds: int = 1):
+    """Greedy texts of ``prompts`` (all at once, ``rounds`` times) and the metrics after."""
+    telemetry = LLMMetricFamilies([lm]).telemetry(lm, "1")
+    runner = GenerativeRunner(lm, "1", telemetry)
+    registry = CollectorRegistry()
+    for collector in runner.collectors():
+        registry.register(collector)
+    texts: dict[tuple[int, str], str] = {}
+
+    async def one(round_no, prompt):
+        sampling = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        request = GenerationRequest(prompt, prompt, sampling, trio.current_time())
+        async with runner.generate(request) as chunks:
+            texts[round_no, prompt] = "".join([c.text async for c in chunks])
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        for round_no in range(rounds):
+            async with trio.open_nursery() as requests:
+                for prompt in prompts:
+                    requests.start_soon(one, round_no, prompt)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+
+    def metric(name):
+        return registry.get_sample_value(name, {"model_name": lm.name})
+
+    return texts, metric
+
+
+async def test_preemption_and_prefix_reuse_leave_greedy_text_unchanged():
+    prompts = [f"prompt number {i}: the same long shared opening" for i in range(4)]
+    roomy, _ = await _run_prompts(TinyLM(num_kv_blocks=64, max_model_len=128), prompts)
+    # 8 blocks of 16 tokens cannot hold four 48-token prompts with 40 tokens each.
+    tight, metric = await _run_prompts(TinyLM(num_kv_blocks=8, max_model_len=128), prompts, 2)
+    assert metric("vllm:num_preemptions_total") > 0
+    assert metric("vllm:prefix_cache_hits_total") > 0
+    for (_, prompt), text in tight.items():
+        assert text == roomy[0, prompt]

@@ -27,7 +27,7 @@ from trioserve import (
     UnsupportedError,
 )
 from trioserve._tensor import datatype
-from trioserve.metrics._stat_logger import VllmTelemetry
+from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
 from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
 from trioserve.scheduler._generative_runner import GenerativeRunner
@@ -63,7 +63,7 @@ class CountingLM(GenerativeModel):
 class Harness:
     def __init__(self, model: CountingLM, nursery: trio.Nursery) -> None:
         self.model = model
-        self.telemetry = VllmTelemetry(model, "1")
+        self.telemetry = LLMMetricFamilies([model]).telemetry(model, "1")
         self.runner = GenerativeRunner(model, "1", self.telemetry, seed=0)
         self.registry = CollectorRegistry()
         for collector in self.runner.collectors():
@@ -294,7 +294,7 @@ async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
     await trio.sleep(2.5 * STEP)
     assert h.runner.kv_cache_state().used_blocks == 2
     ticket.withdraw()
-    assert ticket.done.is_set() and ticket.withdrawn
+    assert ticket.finished and ticket.withdrawn
     assert h.runner.kv_cache_state().used_blocks == 0
     with pytest.raises(CancelledError):
         ticket.outcome()

@@ -1,4 +1,4 @@
-"""The periodic engine log line, and the task that feeds it and the Prometheus families.
+"""The periodic engine log line.
 
 Every ``interval_s`` (5 s) one line per generative model, at INFO, or at DEBUG when the
 engine was idle for this interval and the one before (an idle server stays quiet)::
@@ -15,15 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
 
-import trio
-from prometheus_client.registry import Collector
-
-from .._generative import GenerativeModel
 from ..scheduler._llm_stats import IterationStats
-from ._trt_llm import TrtLlmMetrics
-from ._vllm import EngineShape, VllmMetrics
 
 logger = logging.getLogger("trioserve.llm.stats")
 
@@ -72,52 +65,3 @@ class EngineStatLogger:
         self._last_busy = busy
         self._since = now
         self._prompt_tokens = self._generation_tokens = 0
-
-
-class VllmTelemetry:
-    """The stats task of one generative model version: vLLM and TRT-LLM metrics, and the
-    periodic log."""
-
-    def __init__(
-        self,
-        model: GenerativeModel,
-        version: str,
-        *,
-        show_hidden_metrics_for_version: str | None = None,
-        interval_s: float = 5.0,
-    ) -> None:
-        shape = EngineShape(
-            model.name,
-            version,
-            model.block_size,
-            model.num_kv_blocks,
-            model.enable_prefix_caching,
-            model.max_model_len,
-            model.max_num_seqs,
-        )
-        self.metrics = VllmMetrics(
-            shape, show_hidden_metrics_for_version=show_hidden_metrics_for_version
-        )
-        self.trt_llm = TrtLlmMetrics(shape)
-        self.model_name = model.name
-        self.interval_s = interval_s
-        self.stat_logger: EngineStatLogger | None = None
-
-    def collectors(self) -> Sequence[Collector]:
-        return (*self.metrics.collectors(), *self.trt_llm.collectors())
-
-    async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None:
-        """Record every IterationStats as it comes; log every ``interval_s``."""
-        now = trio.current_time()
-        self.stat_logger = log = EngineStatLogger(self.model_name, now)
-        next_log = now + self.interval_s
-        while True:
-            with trio.move_on_at(next_log):
-                async for item in stats:
-                    self.metrics.record(item)
-                    self.trt_llm.record(item)
-                    log.record(item)
-                return  # the engine closed its side
-            log.log(next_log)
-            self.metrics.set_prefix_hit_rate(log.prefix_hit_rate)
-            next_log += self.interval_s

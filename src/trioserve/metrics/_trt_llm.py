@@ -26,32 +26,39 @@ BLOCK_TYPES = ("max", "free", "used", "tokens_per", "reused", "fraction")
 REQUEST_TYPES = ("active", "max", "scheduled", "context", "waiting")
 
 
-class TrtLlmMetrics:
-    def __init__(self, shape: EngineShape) -> None:
-        blocks = Gauge(
+class TrtLlmFamilies:
+    """A server's two TRT-LLM families, shared by its generative model versions."""
+
+    def __init__(self) -> None:
+        self.blocks = Gauge(
             "nv_trt_llm_kv_cache_block_metrics",
             "TRT LLM KV cache block metrics",
             ["kv_cache_block_type", "model", "version"],
             registry=None,
         )
-        requests = Gauge(
+        self.requests = Gauge(
             "nv_trt_llm_request_metrics",
             "TRT LLM request metrics",
             ["request_type", "model", "version"],
             registry=None,
         )
-        self._collectors: tuple[Collector, ...] = (blocks, requests)
-        self.blocks = {k: blocks.labels(k, shape.model_name, shape.version) for k in BLOCK_TYPES}
-        self.requests = {
-            k: requests.labels(k, shape.model_name, shape.version) for k in REQUEST_TYPES
-        }
+
+    def collectors(self) -> Sequence[Collector]:
+        return (self.blocks, self.requests)
+
+
+class TrtLlmMetrics:
+    """One generative model version's series (labelled with its model and version)."""
+
+    def __init__(self, families: TrtLlmFamilies, shape: EngineShape) -> None:
+        self.families = families
+        labels = (shape.model_name, shape.version)
+        self.blocks = {k: families.blocks.labels(k, *labels) for k in BLOCK_TYPES}
+        self.requests = {k: families.requests.labels(k, *labels) for k in REQUEST_TYPES}
         self.blocks["max"].set(shape.num_blocks)
         self.blocks["free"].set(shape.num_blocks)
         self.blocks["tokens_per"].set(shape.block_size)
         self.requests["max"].set(shape.max_num_seqs)
-
-    def collectors(self) -> Sequence[Collector]:
-        return self._collectors
 
     def record(self, s: IterationStats) -> None:
         self.blocks["used"].set(s.kv_used_blocks)

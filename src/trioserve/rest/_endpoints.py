@@ -73,7 +73,7 @@ class _Endpoints:
         ticket = runner.submit(inference)
         entry = self.disconnects.track(ticket, request.receive)
         try:
-            await ticket.done.wait()
+            await ticket.wait()
         except trio.Cancelled:
             ticket.withdraw()
             raise

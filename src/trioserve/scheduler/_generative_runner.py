@@ -84,8 +84,12 @@ class _CollectedTicket:
         self.record: EngineRequest | None = None
 
     @property
-    def done(self) -> trio.Event:
-        return self._done
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self) -> None:
+        """Return once the outcome is known."""
+        await self._done.wait()
 
     @property
     def withdrawn(self) -> bool:
@@ -189,7 +193,7 @@ class GenerativeRunner:
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         ticket = self.submit(request)
         try:
-            await ticket.done.wait()
+            await ticket.wait()
         except trio.Cancelled:
             ticket.withdraw()
             raise

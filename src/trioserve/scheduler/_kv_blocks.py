@@ -139,6 +139,3 @@ class KVBlockManager:
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
-
-    def is_cached(self, h: int) -> bool:
-        return h in self._cached

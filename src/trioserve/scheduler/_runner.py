@@ -2,8 +2,9 @@
 
 A front end calls ``ModelRunner.infer``, which validates the request, sends it down the
 runner's memory channel and waits for its outcome. The batcher task (``run``) is the only
-owner of the queue; it applies ``decide`` from ``_batching`` and starts executions,
-each holding one token of the instance group's ``CapacityLimiter``.
+owner of the queue; it applies ``decide`` from ``_batching`` and hands each batch to an
+idle instance task (one per model instance, ``instance_count`` of them). An instance that
+comes free while requests wait wakes the batcher to decide again.
 
 Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
 why (model failure, full queue, timeout in queue, cancellation).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import trio
@@ -25,12 +26,13 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
-from .._model import Model, Outputs, batch_size
+from .._model import Model, Outputs
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
-from .._validation import batch_key, validate_request
+from .._validation import validate_request
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._clock import now_ns, ns_to_seconds
+from ._inbox import Inbox
 from ._model_calls import call_hook
 
 logger = logging.getLogger("trioserve.scheduler")
@@ -69,18 +71,46 @@ class RunnerStatistics:
 
 @dataclass(eq=False, slots=True)
 class Ticket:
-    """A submitted request: ``done`` is set once its one outcome is known.
+    """A submitted request: ``finished`` once its one outcome is known.
 
-    Waiting on ``done`` can be cancelled without consequence; the caller decides
-    whether to ``withdraw`` the request.
+    ``wait`` can be cancelled without consequence; the caller decides whether to
+    ``withdraw`` the request. One task waits on a ticket (the front end that submitted
+    it), so it is rescheduled directly rather than through a ``trio.Event``, which would
+    cost a parking lot per request.
     """
 
     request: InferenceRequest
     item: QueuedItem
     runner: ModelRunner
-    done: trio.Event = field(default_factory=trio.Event)
+    finished: bool = False
     response: InferenceResponse | None = None
     error: InferenceServerError | None = None
+    _waiter: trio.lowlevel.Task | None = None
+
+    async def wait(self) -> None:
+        """Return once the outcome is known."""
+        if self.finished:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._waiter is not None:
+            raise RuntimeError("another task already waits on this ticket")
+        self._waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _resolve(
+        self, response: InferenceResponse | None, error: InferenceServerError | None
+    ) -> None:
+        self.response = response
+        self.error = error
+        self.finished = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     def withdraw(self) -> None:
         """The client gave up: fail this request as cancelled and take it out of the queue."""
@@ -91,7 +121,7 @@ class Ticket:
         return isinstance(self.error, CancelledError)
 
     def outcome(self) -> InferenceResponse:
-        """The response, or the error raised; only once ``done`` is set."""
+        """The response, or the error raised; only once ``finished``."""
         if self.error is not None:
             raise self.error
         assert self.response is not None
@@ -105,7 +135,7 @@ class _Withdraw:
     ticket: Ticket
 
 
-_WAKE = None  # an instance came free: decide again
+_WAKE = None  # an instance came free while requests wait: decide again
 
 
 class ModelRunner:
@@ -116,8 +146,10 @@ class ModelRunner:
         self.version = version
         self.policy = policy_for(model)
         self.ready = False
-        self._send, self._receive = trio.open_memory_channel[Ticket | _Withdraw | None](math.inf)
-        self._limiter = trio.CapacityLimiter(model.instance_count)
+        self._inbox = Inbox[Ticket | _Withdraw | None]()
+        # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
+        self._batches_send, self._batches = trio.open_memory_channel[list[Ticket]](math.inf)
+        self._idle = model.instance_count
         self._queue = RequestQueue(self.policy.priority_levels)
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
 
@@ -126,7 +158,7 @@ class ModelRunner:
         return self.model.name
 
     def statistics(self) -> RunnerStatistics:
-        busy = self.model.instance_count - int(self._limiter.available_tokens)
+        busy = self.model.instance_count - self._idle
         return RunnerStatistics(queued=len(self._queue), executing=busy)
 
     async def wait_until(self, predicate: Callable[[RunnerStatistics], bool]) -> None:
@@ -138,30 +170,30 @@ class ModelRunner:
         """Validate and queue ``request``; its outcome arrives on the returned ticket."""
         if not self.ready:
             raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
-        validate_request(self.model, request)
+        size, key = validate_request(self.model, request)
         arrival = now_ns()
         item = QueuedItem(
-            batch_size=batch_size(request) if self.model.batches else 1,
-            batch_key=batch_key(request),
+            batch_size=size,
+            batch_key=key,
             arrival_ns=arrival,
             level=self.policy.level(request.priority),
             deadline_ns=self.policy.deadline(arrival, request.timeout_us),
         )
         ticket = Ticket(request, item, self)
         item.payload = ticket
-        self._send.send_nowait(ticket)
+        self._inbox.put(ticket)
         return ticket
 
     def withdraw(self, ticket: Ticket) -> None:
         """The client gave up: fail the ticket as cancelled and take it out of the queue."""
         if self._finish(ticket, error=CancelledError("request cancelled")):
-            self._send.send_nowait(_Withdraw(ticket))
+            self._inbox.put(_Withdraw(ticket))
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
         ticket = self.submit(request)
         try:
-            await ticket.done.wait()
+            await ticket.wait()
         except trio.Cancelled:
             self.withdraw(ticket)
             raise
@@ -173,8 +205,10 @@ class ModelRunner:
         self.ready = True
         task_status.started()
         try:
-            async with trio.open_nursery() as executions:
-                await self._batch_loop(executions)
+            async with trio.open_nursery() as instances:
+                for _ in range(self.model.instance_count):
+                    instances.start_soon(self._instance)
+                await self._batch_loop()
         finally:
             self.ready = False
             for item in self._queue.pop_front(len(self._queue)):
@@ -182,35 +216,28 @@ class ModelRunner:
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
 
-    async def _batch_loop(self, executions: trio.Nursery) -> None:
+    async def _batch_loop(self) -> None:
         while True:
             now = now_ns()
             for item in self._queue.pop_expired(now):
                 self._finish(_payload(item), error=UnavailableError("Request timeout expired"))
-            decision = decide(self._queue, now, int(self._limiter.available_tokens), self.policy)
+            decision = decide(self._queue, now, self._idle, self.policy)
             if isinstance(decision, Dispatch):
                 items = self._queue.pop_front(decision.count)
-                batch = [p for p in map(_payload, items) if not p.done.is_set()]
+                batch = [p for p in map(_payload, items) if not p.finished]
                 if not batch:
                     continue  # all withdrawn; their _Withdraw messages find nothing
-                token = object()
-                self._limiter.acquire_on_behalf_of_nowait(token)
-                executions.start_soon(self._execute, batch, token)
+                self._idle -= 1
+                self._batches_send.send_nowait(batch)
                 self._notify()
                 continue
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
-            with trio.move_on_at(until):
-                self._handle(await self._receive.receive())
-            while True:  # take everything that arrived meanwhile before deciding again
-                try:
-                    message = self._receive.receive_nowait()
-                except trio.WouldBlock:
-                    break
+            for message in await self._inbox.take(until):
                 self._handle(message)
 
     def _handle(self, message: Ticket | _Withdraw | None) -> None:
         if isinstance(message, Ticket):
-            if message.done.is_set():
+            if message.finished:
                 return  # cancelled before the batcher saw it
             if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
                 self._finish(message, error=UnavailableError("Exceeds maximum queue size"))
@@ -220,7 +247,18 @@ class ModelRunner:
             self._queue.remove(message.ticket.item)
         self._notify()
 
-    async def _execute(self, batch: list[Ticket], token: object) -> None:
+    async def _instance(self) -> None:
+        """One model instance: runs the batches the batcher hands it, one at a time."""
+        async for batch in self._batches:
+            try:
+                await self._execute(batch)
+            finally:
+                self._idle += 1
+                self._notify()
+                if self._queue:  # requests wait for an instance: decide again
+                    self._inbox.put(_WAKE)
+
+    async def _execute(self, batch: list[Ticket]) -> None:
         try:
             requests = [p.request for p in batch]
             try:
@@ -236,11 +274,9 @@ class ModelRunner:
                 for ticket, response in zip(batch, responses, strict=True):
                     self._finish(ticket, response=response)
         finally:
-            for ticket in batch:  # no-op unless the execution itself was cancelled
-                self._finish(ticket, error=_shutting_down())
-            self._limiter.release_on_behalf_of(token)
-            self._notify()
-            self._send.send_nowait(_WAKE)
+            for ticket in batch:
+                if not ticket.finished:  # the execution itself was cancelled
+                    self._finish(ticket, error=_shutting_down())
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
         if self.model.is_async:
@@ -283,11 +319,9 @@ class ModelRunner:
         error: InferenceServerError | None = None,
     ) -> bool:
         """Record a request's one outcome; False if it already had one."""
-        if ticket.done.is_set():
+        if ticket.finished:
             return False
-        ticket.response = response
-        ticket.error = error
-        ticket.done.set()
+        ticket._resolve(response, error)
         self._notify()
         return True
 

@@ -1,0 +1,99 @@
+"""What a server's generative models report: metric families, and one stats task each.
+
+    LLMMetricFamilies              one per server: the vLLM and TRT-LLM families
+    └── VllmTelemetry              one per generative model version: its children of
+                                   those families, its periodic log line, and the task
+                                   that reads its engine's IterationStats
+
+Every served model's ``collectors()`` is registered in the server's registry, so the
+shared families must come out exactly once: the first version to join the families
+hands them out, the others hand out nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+from prometheus_client.registry import Collector
+
+from .._generative import GenerativeModel
+from .._model import Model
+from ..scheduler._llm_stats import IterationStats
+from ._stat_logger import EngineStatLogger
+from ._trt_llm import TrtLlmFamilies, TrtLlmMetrics
+from ._vllm import EngineShape, VllmFamilies, VllmMetrics
+
+
+class LLMMetricFamilies:
+    """A server's LLM families, sized for ``models`` (the generative ones among them)."""
+
+    def __init__(
+        self, models: Sequence[Model], *, show_hidden_metrics_for_version: str | None = None
+    ) -> None:
+        lengths = [m.max_model_len for m in models if isinstance(m, GenerativeModel)]
+        self.vllm = VllmFamilies(
+            max_model_len=max(lengths, default=1),
+            show_hidden_metrics_for_version=show_hidden_metrics_for_version,
+        )
+        self.trt_llm = TrtLlmFamilies()
+        self._exported = False
+
+    def telemetry(
+        self, model: GenerativeModel, version: str, *, interval_s: float = 5.0
+    ) -> VllmTelemetry:
+        exporter = not self._exported
+        self._exported = True
+        return VllmTelemetry(self, model, version, exporter=exporter, interval_s=interval_s)
+
+    def collectors(self) -> Sequence[Collector]:
+        return (*self.vllm.collectors(), *self.trt_llm.collectors())
+
+
+class VllmTelemetry:
+    """The stats task of one generative model version: metrics and the periodic log."""
+
+    def __init__(
+        self,
+        families: LLMMetricFamilies,
+        model: GenerativeModel,
+        version: str,
+        *,
+        exporter: bool,
+        interval_s: float,
+    ) -> None:
+        shape = EngineShape(
+            model.name,
+            version,
+            model.block_size,
+            model.num_kv_blocks,
+            model.enable_prefix_caching,
+            model.max_model_len,
+            model.max_num_seqs,
+        )
+        self.families = families
+        self.metrics = VllmMetrics(families.vllm, shape)
+        self.trt_llm = TrtLlmMetrics(families.trt_llm, shape)
+        self.model_name = model.name
+        self.interval_s = interval_s
+        self._exporter = exporter
+        self.stat_logger: EngineStatLogger | None = None
+
+    def collectors(self) -> Sequence[Collector]:
+        return self.families.collectors() if self._exporter else ()
+
+    async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None:
+        """Record every IterationStats as it comes; log every ``interval_s``."""
+        now = trio.current_time()
+        self.stat_logger = log = EngineStatLogger(self.model_name, now)
+        next_log = now + self.interval_s
+        while True:
+            with trio.move_on_at(next_log):
+                async for item in stats:
+                    self.metrics.record(item)
+                    self.trt_llm.record(item)
+                    log.record(item)
+                return  # the engine closed its side
+            log.log(next_log)
+            self.metrics.set_prefix_hit_rate(log.prefix_hit_rate)
+            next_log += self.interval_s
