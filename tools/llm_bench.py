@@ -35,6 +35,10 @@ import trio
 
 from bench import trioserve_process  # tools/ is the script's folder, so on sys.path
 
+# For a server this tool starts: tiny_lm's matrices are small, and BLAS threads on the
+# server's one pinned core only fight its event loop (see tools/llm_engine_bench.py).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 
 @dataclass
 class Sample:
@@ -77,6 +81,7 @@ class StreamingClient:
         self._head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
         self._buffer = b""
         self._length = 0  # the content-length of a non-chunked answer
+        self._received_at = 0.0  # when the last recv returned
 
     async def generate(self, document: dict[str, object], tokens: int) -> Sample:
         body = json.dumps(document).encode()
@@ -86,25 +91,30 @@ class StreamingClient:
         status, chunked = await self._response_head()
         if status != 200 or not chunked:
             raise RuntimeError(f"status {status}: {(await self._rest(chunked)).decode()!r}")
+        # Events are stamped with the time of the recv that brought them and parsed as
+        # JSON only at the end: per-event work in this client would delay its reads and
+        # show up as bunched events in the figures.
         arrivals: list[float] = []
-        events = b""
-        last: dict[str, object] = {}
+        pending = b""
+        last = b""
         while (data := await self._chunk()) is not None:
-            events += data
-            now = trio.current_time()
-            while b"\n\n" in events:
-                event, events = events.split(b"\n\n", 1)
-                last = json.loads(event.removeprefix(b"data: "))
-                if "error" in last:
-                    raise RuntimeError(f"error event: {last['error']}")
-                arrivals.append(now)
-        if not arrivals or last.get("finish_reason") != "length":
-            raise RuntimeError(f"stream ended without finish_reason length: {last}")
+            pending += data
+            if b"\n\n" in pending:
+                *complete, pending = pending.split(b"\n\n")
+                for event in complete:
+                    if event.startswith(b'data: {"error"'):
+                        raise RuntimeError(f"error event: {event.decode()}")
+                arrivals.extend([self._received_at] * len(complete))
+                last = complete[-1]
+        final = json.loads(last.removeprefix(b"data: ")) if last else {}
+        if final.get("finish_reason") != "length":
+            raise RuntimeError(f"stream ended without finish_reason length: {final}")
         gaps = [b - a for a, b in itertools.pairwise(arrivals)]
         return Sample(arrivals[0] - sent, gaps, tokens)
 
     async def _fill(self) -> None:
         data = await self._stream.receive_some(65536)
+        self._received_at = trio.current_time()
         if not data:
             raise RuntimeError("the server closed the connection")
         self._buffer += data
