@@ -220,13 +220,14 @@ async def test_requests_of_one_stream_run_concurrently(stream: Stream, scripted_
     scripted_lm.hold_after = 1
     with trio.fail_after(TIMEOUT):
         stream.send("scripted_lm", "x", request_id="held", parameters={"max_tokens": 3})
-        await scripted_lm.wait_until(lambda: len(scripted_lm.requests) == 1)
+        (first,) = await stream.until(lambda replies: len(replies) == 1)  # then it waits
         stream.send("scripted_lm", "x", request_id="quick", parameters={"max_tokens": 1})
-        # "quick" stops after its one token, before the hold: it finishes while "held" waits.
-        first = await stream.until(lambda replies: any(r.id == "quick" for r in replies))
+        (quick,) = await stream.until(lambda replies: len(replies) == 1)
+        assert not scripted_lm.release.is_set()
         scripted_lm.release.set()
-        rest = await stream.until(lambda replies: any(r.final and r.id == "held" for r in replies))
-    assert [r.id for r in first] == ["held", "quick"]
+        rest = await stream.until(lambda replies: any(r.final for r in replies))
+    assert (first.id, first.final) == ("held", False)
+    assert (quick.id, quick.final) == ("quick", True)
     assert [r.id for r in rest] == ["held", "held"]
 
 
