@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from trioserve import ServerConfig
+from trioserve import ServerConfig, open_server
+from trioserve._loader import load_repository
 from trioserve.models import TinyLM, reference_zoo
+from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
 from trioserve.testing import server_in_thread
 
 
@@ -60,3 +63,19 @@ def test_grpc_infer_generates_text(server):
         assert config.model_transaction_policy.decoupled
     finally:
         client.close()
+
+
+async def test_a_repository_generative_model_is_served_by_the_engine(tmp_path):
+    (tmp_path / "llm" / "2").mkdir(parents=True)
+    (tmp_path / "llm" / "2" / "model.py").write_text(
+        "from trioserve.models import TinyLM\nmodel = TinyLM(num_kv_blocks=64, max_model_len=128)\n"
+    )
+    config = ServerConfig(models=load_repository(tmp_path), http_port=None, grpc_port=None)
+    async with open_server(config) as running:
+        served = generative(running.repository.get("llm"))
+        assert served.version == "2" and served.kv_cache_state().total_blocks == 64
+        request = GenerationRequest("r", "Hi", SamplingParams(max_tokens=5), trio.current_time())
+        async with served.generate(request) as chunks:
+            received = [chunk async for chunk in chunks]
+        assert sum(len(c.token_ids) for c in received) == 5
+        assert received[-1].finish_reason == "length"

@@ -34,7 +34,7 @@ def test_top_k_keeps_the_k_most_likely():
     np.testing.assert_allclose(frequencies[:2], [0.625, 0.375], atol=0.03)
 
 
-@pytest.mark.parametrize(("top_p", "kept"), [(0.4, 1), (0.5, 1), (0.6, 2), (0.9, 3), (0.99, 4)])
+@pytest.mark.parametrize(("top_p", "kept"), [(0.4, 1), (0.55, 2), (0.7, 2), (0.9, 3), (0.99, 4)])
 def test_top_p_keeps_the_shortest_head_reaching_p(top_p, kept):
     frequencies = _draws(SamplingParams(top_p=top_p))
     assert (frequencies > 0).sum() == kept
