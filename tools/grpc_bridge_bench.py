@@ -76,10 +76,14 @@ def _direct_infer() -> Any:
 
 
 def _service(repository: Any, infer: Any) -> Any:
+    from trioserve._errors import UnsupportedError
     from trioserve._server import server_metadata
     from trioserve.grpc._service import InferenceService
 
-    return InferenceService(repository, server_metadata(), infer)
+    async def no_streams(stream: Any) -> None:  # this bench measures unary calls only
+        raise UnsupportedError("ModelStreamInfer is not part of this bench")
+
+    return InferenceService(repository, server_metadata(), infer, no_streams)
 
 
 def _announce(port: int) -> None:

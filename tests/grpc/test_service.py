@@ -598,14 +598,6 @@ async def test_unimplemented(stub: Any, rpc: str) -> None:
     assert message == f"{rpc} is not supported by this server yet"
 
 
-async def test_stream_infer_unimplemented(stub: Any) -> None:
-    def stream() -> list[Any]:
-        return list(stub.ModelStreamInfer(iter([service_pb2.ModelInferRequest()])))
-
-    with trio.fail_after(TIMEOUT):
-        await expect_rpc_error(grpc.StatusCode.UNIMPLEMENTED, stream)
-
-
 # --- cancellation ----------------------------------------------------------------------
 
 

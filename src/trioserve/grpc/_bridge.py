@@ -2,11 +2,13 @@
 
 This is the only module that knows both worlds. grpclib runs its connections and
 handlers as asyncio tasks on a trio-asyncio loop, which itself runs as trio tasks under
-``serve_grpc``, so the whole front end lives inside the server's nursery. One thing
-crosses back into trio: ``ServedModel.infer``, started with ``loop.trio_as_future``.
+``serve_grpc``, so the whole front end lives inside the server's nursery. Two things
+cross back into trio, started with ``loop.trio_as_future``: ``ServedModel.infer``, and a
+whole ModelStreamInfer call (``_stream.StreamInfer``), which in turn reads and writes
+its grpclib stream through ``_TrioStream``, each message one step back into asyncio.
 grpclib cancels a handler's asyncio task when its client resets the stream or its
 deadline passes; cancelling the awaited future cancels the trio call, and that
-withdraws the request from the model's queue.
+withdraws the request from the model's queue or aborts its generation.
 
 Shutdown, once ``shutdown_trigger`` returns:
 1. new RPCs answer UNAVAILABLE; those in flight finish, trailers included;
@@ -42,7 +44,9 @@ from .._types import InferenceRequest, InferenceResponse
 from ..metrics._orca import LoadReporter
 from ..shm import SharedMemoryRegistry
 from ._errors import MESSAGE_TOO_LARGE, grpc_error
+from ._generated import grpc_service_pb2 as pb
 from ._service import HealthService, InferenceService
+from ._stream import ClientGone, StreamInfer
 
 Address = tuple[str, int]
 _RpcFunc = Callable[[Stream[Any, Any]], Awaitable[None]]
@@ -81,11 +85,19 @@ async def serve_grpc(
             future: Awaitable[InferenceResponse] = loop.trio_as_future(served.infer, request)
             return future
 
+        load = load or LoadReporter()  # one for both services: they report the same load
+        streams = StreamInfer(repository, load)
+
+        def stream_infer(stream: Stream[Any, Any]) -> Awaitable[None]:
+            future: Awaitable[None] = loop.trio_as_future(streams.serve, _TrioStream(stream))
+            return future
+
         services = [
             InferenceService(
                 repository,
                 server_metadata,
                 infer,
+                stream_infer,
                 shared_memory=shared_memory,
                 restrictions=restrictions,
                 load=load,
@@ -114,6 +126,27 @@ async def serve_grpc(
             # and drops the connections. After a graceful shutdown: nothing left to do.
             server.close()
             server.abort_connections()
+
+
+class _TrioStream:
+    """A ModelStreamInfer call's grpclib stream, for trio code (``_stream.StreamIO``)."""
+
+    def __init__(self, stream: Stream[Any, Any]) -> None:
+        self._recv = trio_asyncio.aio_as_trio(stream.recv_message)
+        self._send = trio_asyncio.aio_as_trio(stream.send_message)
+
+    async def recv(self) -> pb.ModelInferRequest | None:
+        try:
+            message: pb.ModelInferRequest | None = await self._recv()
+        except (StreamClosedError, StreamTerminatedError) as exc:
+            raise ClientGone from exc
+        return message
+
+    async def send(self, response: pb.ModelStreamInferResponse) -> None:
+        try:
+            await self._send(response)
+        except (StreamClosedError, StreamTerminatedError) as exc:
+            raise ClientGone from exc
 
 
 async def _start(servable: _Guarded, listener: socket.socket, limit: int) -> _Server:

@@ -1,10 +1,11 @@
 """The handlers of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
 
 Handlers run on the asyncio side of the bridge (grpclib is asyncio code) and never touch
-trio themselves: the one step that must run in trio, ``ServedModel.infer``, goes through
-the ``Infer`` callable the bridge hands in. Everything else they read (readiness,
-metadata, config) is plain synchronous state of the repository; the load reporter only
-reads trio's clock, which this thread's trio run answers.
+trio themselves: what must run in trio, ``ServedModel.infer`` and a whole
+ModelStreamInfer call, goes through the ``Infer`` and ``StreamInfer`` callables the
+bridge hands in. Everything else they read (readiness, metadata, config) is plain
+synchronous state of the repository; the load reporter only reads trio's clock, which
+this thread's trio run answers.
 
 Each handler body is wrapped by ``_rpc``, the one place that turns failures into gRPC
 statuses: an ``InferenceServerError`` through the table in ``_errors``, anything else
@@ -53,6 +54,8 @@ logger = logging.getLogger("trioserve.grpc")
 # Cancelling the await must cancel the call: that is how a client's disconnect or
 # deadline withdraws a queued request.
 Infer = Callable[[ServedModel, InferenceRequest], Awaitable[InferenceResponse]]
+# Serves one ModelStreamInfer call in trio (``_stream.StreamInfer``), awaited from asyncio.
+StreamInfer = Callable[[Stream[Any, Any]], Awaitable[None]]
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[None]])
 
@@ -118,6 +121,7 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         repository: ModelRepository,
         server_metadata: Mapping[str, Any],
         infer: Infer,
+        stream_infer: StreamInfer,
         *,
         shared_memory: SharedMemoryRegistry | None = None,
         restrictions: Mapping[str, Restriction] | None = None,
@@ -128,6 +132,7 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         self._repository = repository
         self._server_metadata = server_metadata_message(server_metadata)  # never changes
         self._infer = infer
+        self._stream_infer = stream_infer
         self._shared_memory = shared_memory or SharedMemoryRegistry()
         self._shared_memory_restriction = (restrictions or {}).get("shared-memory")
         self._load = load or LoadReporter()  # the server's, shared with the REST front end
@@ -188,16 +193,18 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
     CudaSharedMemoryRegister = _shared_memory_rpc("CudaSharedMemoryRegister")
     CudaSharedMemoryUnregister = _shared_memory_rpc("CudaSharedMemoryUnregister")
 
-
     @_rpc
     async def ModelStatistics(self, stream: Stream[Any, Any]) -> None:
         request = await _receive(stream)
         stats = self._repository.statistics(request.name, request.version)
         await stream.send_message(statistics_message(stats))
 
-    # Later roadmap items (streaming, repository API, trace, logging).
-    # Each RPC must exist because the base class is abstract.
-    ModelStreamInfer = _unimplemented("ModelStreamInfer")
+    @_rpc
+    async def ModelStreamInfer(self, stream: Stream[Any, Any]) -> None:
+        await self._stream_infer(stream)
+
+    # Later roadmap items (repository API, trace, logging). Each RPC must exist
+    # because the base class is abstract.
     RepositoryIndex = _unimplemented("RepositoryIndex")
     RepositoryModelLoad = _unimplemented("RepositoryModelLoad")
     RepositoryModelUnload = _unimplemented("RepositoryModelUnload")

@@ -33,6 +33,7 @@ class Request:
     headers: dict[bytes, bytes]
     body: bytes
     receive: Receive
+    send: Send  # for endpoints that stream their response; they then return None
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class RestApp:
             if body is None:
                 return  # the client went away
             response = await endpoint(
-                Request(scope["method"], scope["path"], params, headers, body, receive)
+                Request(scope["method"], scope["path"], params, headers, body, receive, send)
             )
         except MethodNotAllowed as exc:
             response = _error(405, exc.message)
@@ -97,7 +98,7 @@ class RestApp:
         except InferenceServerError as exc:
             response = _error(error_status(exc), exc.message)
         if response is None:
-            return  # cancelled by a client disconnect: nobody to answer
+            return  # answered by the endpoint itself, or the client went away
         await _send(send, response, headers)
 
     async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | None:

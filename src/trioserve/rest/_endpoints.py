@@ -19,6 +19,7 @@ from ..metrics._orca import LoadReporter
 from ..shm import RequestRegions, SharedMemoryRegistry
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
+from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._metrics import metrics_endpoint
 from ._router import Router
@@ -142,9 +143,9 @@ def build_app(
     disconnects = DisconnectWatch()
     shared_memory = shared_memory or SharedMemoryRegistry()
     restriction = (restrictions or {}).get("shared-memory")
-    e = _Endpoints(
-        repository, server_metadata, disconnects, shared_memory, load or LoadReporter()
-    )
+    load = load or LoadReporter()
+    e = _Endpoints(repository, server_metadata, disconnects, shared_memory, load)
+    generate = GenerateEndpoints(repository, load)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -158,5 +159,7 @@ def build_app(
         router.add("GET", f"{base}/config", e.model_config)
         router.add("GET", f"{base}/stats", e.statistics)
         router.add("POST", f"{base}/infer", e.infer)
+        router.add("POST", f"{base}/generate", generate.generate)
+        router.add("POST", f"{base}/generate_stream", generate.generate_stream)
     add_shared_memory_routes(router, shared_memory, restriction)
     return RestApp(router, max_body_bytes, background=[disconnects.run])

@@ -129,9 +129,11 @@ class Exchange:
             if self.state != _DONE:
                 await self._app_failed()
         else:
-            if self.state != _DONE:
+            if self.state != _DONE and not (self.dropped or conn.peer_closed):
                 logger.error("ASGI application returned without completing its response")
                 await self._app_failed()
+            # Otherwise the app was told the client left and gave up: nobody to answer,
+            # and the connection closes below (a response may be cut short).
         self.state = _DONE
         if self.waiter is not None:
             self.waiter.cancel()

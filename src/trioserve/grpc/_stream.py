@@ -1,0 +1,186 @@
+"""ModelStreamInfer, on the trio side of the bridge.
+
+A stream carries any number of ``ModelInferRequest`` messages; each is answered on its
+own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled mode):
+
+* A generative model answers one response per piece of new text: a one-element BYTES
+  ``text_output`` with the new text and the parameter ``triton_final_response`` (false,
+  and true on the request's last response). With ``n > 1`` each response also carries
+  the sample's ``index``; a sample's last one carries its ``finish_reason``. A request
+  with ``triton_enable_empty_final_response: true`` (tritonclient's
+  ``enable_empty_final_response=True``) gets every text response with the flag false
+  and then an empty response (no outputs) with it true.
+* Any other model answers its one response, flagged final.
+* A request that fails is answered by ``error_message`` (the stream goes on), with the
+  request's ``id`` so clients can tell which one failed.
+
+Stream-level events: when the client closes its side, the requests in flight finish and
+the call ends. When it cancels the call, or a send finds it gone, every request of the
+stream is cancelled; a generation cancelled that way is aborted by the engine.
+
+The bridge hands in ``StreamIO``, the grpclib stream wrapped for trio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Protocol
+
+import numpy as np
+import trio
+
+from .._errors import InferenceServerError
+from .._repository import ModelRepository
+from .._tensor import datatype
+from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from ..metrics._orca import LoadReporter
+from ..scheduler._generation import GenerationChunk, GenerativeServed
+from ..scheduler._generation_input import generation_request, prompt_and_parameters
+from ._codec import decode_request, encode_response
+from ._generated import grpc_service_pb2 as pb
+
+logger = logging.getLogger("trioserve.grpc")
+
+FINAL = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
+TEXT_OUTPUT = "text_output"
+_BYTES = datatype("BYTES")
+
+
+class ClientGone(Exception):
+    """The client reset the stream or the connection: nothing can be sent any more."""
+
+
+class StreamIO(Protocol):
+    async def recv(self) -> pb.ModelInferRequest | None:
+        """The next request; None once the client closed its side. May raise ClientGone."""
+
+    async def send(self, response: pb.ModelStreamInferResponse) -> None:
+        """Send one response. Raises ClientGone."""
+
+
+class StreamInfer:
+    """Serves ModelStreamInfer calls over a model repository."""
+
+    def __init__(self, repository: ModelRepository, load: LoadReporter) -> None:
+        self._repository = repository
+        self._load = load  # each request counts toward the server's load reports
+        self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
+
+    async def serve(self, io: StreamIO) -> None:
+        """Answer every request of one call; returns when all are answered or the client
+        is gone. A request the transport could not read (one over the size limit) ends
+        the call with its status, raised here rather than inside an exception group."""
+        failure: Exception | None = None
+        async with trio.open_nursery() as requests:
+            replies = _Replies(io, requests.cancel_scope)
+            while True:
+                try:
+                    message = await io.recv()
+                except ClientGone:
+                    requests.cancel_scope.cancel()
+                    break
+                except Exception as exc:
+                    failure = exc
+                    requests.cancel_scope.cancel()
+                    break
+                if message is None:
+                    break  # the nursery waits for the requests in flight
+                requests.start_soon(self._answer, message, replies)
+        if failure is not None:
+            raise failure
+
+    async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
+        try:
+            served = self._repository.get(message.model_name, message.model_version)
+            request = decode_request(message)
+            with self._load.counting(served):
+                if isinstance(served, GenerativeServed):
+                    await self._generate(served, request, replies)
+                else:
+                    response = await served.infer(request)
+                    await replies.send(_response(response, final=True))
+        except InferenceServerError as exc:
+            await replies.send(_error(message, exc.message))
+        except Exception:
+            logger.exception("ModelStreamInfer request for %r failed", message.model_name)
+            await replies.send(_error(message, "the request failed unexpectedly"))
+
+    async def _generate(
+        self, served: GenerativeServed, request: InferenceRequest, replies: _Replies
+    ) -> None:
+        prompt, parameters = prompt_and_parameters(request.inputs, request.parameters)
+        generation = generation_request(
+            f"grpc-{next(self._ids)}", prompt, parameters, trio.current_time()
+        )
+        empty_final = parameters.get(EMPTY_FINAL) is True
+        n = generation.sampling.n
+        unfinished = n
+        async with served.generate(generation) as chunks:
+            async for chunk in chunks:
+                if chunk.finish_reason is not None:
+                    unfinished -= 1
+                elif not chunk.text:
+                    continue  # a multi-byte character still incomplete: nothing to say
+                final = unfinished == 0 and not empty_final
+                await replies.send(_chunk_response(served, request, chunk, n, final))
+        if empty_final or unfinished:
+            empty = InferenceResponse(served.model.name, served.version, [], request.id)
+            await replies.send(_response(empty, final=True))
+
+
+class _Replies:
+    """Sends of one call, one at a time (grpclib's may not interleave); a send that finds
+    the client gone cancels every request of the call."""
+
+    def __init__(self, io: StreamIO, requests: trio.CancelScope) -> None:
+        self._io = io
+        self._requests = requests
+        self._lock = trio.Lock()
+
+    async def send(self, response: pb.ModelStreamInferResponse) -> None:
+        async with self._lock:
+            try:
+                await self._io.send(response)
+            except ClientGone:
+                self._requests.cancel()
+                await trio.lowlevel.checkpoint()  # raises Cancelled: unwind this request
+
+
+def _chunk_response(
+    served: GenerativeServed,
+    request: InferenceRequest,
+    chunk: GenerationChunk,
+    n: int,
+    final: bool,
+) -> pb.ModelStreamInferResponse:
+    text = np.array([chunk.text.encode()], dtype=object)
+    parameters: dict[str, Any] = {}
+    if n > 1:
+        parameters["index"] = chunk.index
+    if chunk.finish_reason is not None:
+        parameters["finish_reason"] = chunk.finish_reason
+    response = InferenceResponse(
+        served.model.name,
+        served.version,
+        [OutputTensor(TEXT_OUTPUT, _BYTES, text)],
+        request.id,
+        parameters,
+    )
+    return _response(response, final=final)
+
+
+def _response(response: InferenceResponse, *, final: bool) -> pb.ModelStreamInferResponse:
+    reply = encode_response(response)
+    reply.parameters[FINAL].bool_param = final
+    return pb.ModelStreamInferResponse(infer_response=reply)
+
+
+def _error(message: pb.ModelInferRequest, text: str) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(
+        error_message=text,
+        infer_response=pb.ModelInferResponse(
+            model_name=message.model_name, model_version=message.model_version, id=message.id
+        ),
+    )

@@ -1,0 +1,240 @@
+"""Triton's generate extension: ``generate`` (one JSON answer) and ``generate_stream`` (SSE).
+
+Request (both endpoints)::
+
+    {"id"?: str, "text_input": str, "parameters"?: {...}, <sampling key>?: value, ...}
+
+Sampling keys (vLLM's names: max_tokens, temperature, top_p, top_k, seed, stop,
+ignore_eos, n, and priority) are read from ``parameters``; as in Triton, where extra
+top-level keys feed the model's inputs, they may also stand at the top level. Other keys
+in ``parameters`` are ignored (clients send e.g. ``stream``); other top-level keys are an
+error.
+
+``generate`` answers ``{"id"?, "model_name", "model_version", "text_output",
+"finish_reason"}``. With ``n > 1`` both are arrays in sample order, the shape Triton's
+vLLM backend gives an output with one element per sample.
+
+``generate_stream`` answers ``text/event-stream; charset=utf-8``, one ``data: <json>``
+event per piece of new text: ``{"id"?, "model_name", "model_version", "text_output":
+<new text>}``, with ``"index"`` (which sample) when ``n > 1`` and ``"finish_reason"`` on
+a sample's last event. The stream simply ends after the last event (no ``[DONE]``). An
+error before the first piece of text is an ordinary JSON error response; a later one is
+a ``data: {"error": ...}`` event under the 200 already sent.
+
+A client that goes away aborts its request: a task waits on ``receive()`` for the
+disconnect and cancels the generation, whose ``generate()`` block then exits early.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from .._errors import InferenceServerError, InvalidArgumentError
+from .._repository import ModelRepository
+from ..metrics._orca import LoadReporter
+from ..scheduler._generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerativeServed,
+    generative,
+)
+from ..scheduler._generation_input import TEXT_INPUT, generation_request
+from ._app import Request, Response
+from ._asgi import Receive
+
+logger = logging.getLogger("trioserve.rest")
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_EVENT_STREAM = b"text/event-stream; charset=utf-8"
+_SSE = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
+# Keys a generate request may carry at the top level besides the sampling parameters.
+_REQUEST_KEYS = frozenset({"id", TEXT_INPUT, "parameters"})
+_SAMPLING_KEYS = frozenset(
+    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "priority"}
+)
+
+T = TypeVar("T")
+
+
+class GenerateEndpoints:
+    def __init__(self, repository: ModelRepository, load: LoadReporter) -> None:
+        self.repository = repository
+        self.load = load
+        self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
+
+    async def generate(self, request: Request) -> Response | None:
+        served, generation, head = self._prepare(request)
+
+        async def collect() -> dict[str, Any]:
+            n = generation.sampling.n
+            texts: list[list[str]] = [[] for _ in range(n)]
+            reasons: list[str | None] = [None] * n
+            async with served.generate(generation) as chunks:
+                async for chunk in chunks:
+                    texts[chunk.index].append(chunk.text)
+                    if chunk.finish_reason is not None:
+                        reasons[chunk.index] = chunk.finish_reason
+            outputs = ["".join(parts) for parts in texts]
+            if n == 1:
+                return {**head, "text_output": outputs[0], "finish_reason": reasons[0]}
+            return {**head, "text_output": outputs, "finish_reason": reasons}
+
+        with self.load.counting(served):
+            answered, document = await _unless_client_leaves(request.receive, collect)
+        if not answered:
+            return None
+        report = self.load.http_header(served, request.headers)
+        return Response(
+            200,
+            _COMPACT.encode(document).encode(),
+            headers=[] if report is None else [report],
+            compressible=True,
+        )
+
+    async def generate_stream(self, request: Request) -> Response | None:
+        served, generation, head = self._prepare(request)
+        with_index = generation.sampling.n > 1
+        send = request.send
+        counted = self.load.counting(served)
+
+        async def stream() -> None:
+            async with served.generate(generation) as chunks:
+                pieces = aiter(chunks)
+                # Wait for the first piece before answering, so that a request the engine
+                # refuses gets an ordinary error response with its status.
+                piece = await _next_piece(pieces)
+                report = self.load.http_header(served, request.headers)  # on the first response
+                headers = _SSE if report is None else [*_SSE, report]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                try:
+                    while piece is not None:
+                        await _send_event(send, _event(head, piece, with_index))
+                        piece = await _next_piece(pieces)
+                except InferenceServerError as exc:
+                    await _send_event(send, {"error": exc.message})
+                except Exception:
+                    logger.exception("generation %s failed", generation.request_id)
+                    await _send_event(send, {"error": "generation failed unexpectedly"})
+
+        with counted:
+            answered, _ = await _unless_client_leaves(request.receive, stream)
+        if answered:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return None
+
+    def _prepare(
+        self, request: Request
+    ) -> tuple[GenerativeServed, GenerationRequest, dict[str, Any]]:
+        """The model, the engine's request, and the keys every answer starts with."""
+        served = generative(
+            self.repository.get(request.params["model"], request.params.get("version", ""))
+        )
+        document = _parse(request.body)
+        parameters = _parameters(document)
+        generation = generation_request(
+            f"http-{next(self._ids)}",
+            document.get(TEXT_INPUT),
+            parameters,
+            trio.current_time(),
+        )
+        head: dict[str, Any] = {}
+        if "id" in document:
+            if not isinstance(document["id"], str):
+                raise InvalidArgumentError("request 'id' must be a string")
+            head["id"] = document["id"]
+        head["model_name"] = served.model.name
+        head["model_version"] = served.version
+        return served, generation, head
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
+    if not isinstance(document, dict):
+        raise InvalidArgumentError("the request must be a JSON object")
+    if TEXT_INPUT not in document:
+        raise InvalidArgumentError(f"the request must carry '{TEXT_INPUT}'")
+    unknown = document.keys() - _REQUEST_KEYS - _SAMPLING_KEYS
+    if unknown:
+        raise InvalidArgumentError(
+            f"unexpected keys in the request: {sorted(unknown)}; sampling parameters go in "
+            "'parameters'"
+        )
+    return document
+
+
+def _parameters(document: dict[str, Any]) -> dict[str, Any]:
+    """``parameters`` with the sampling keys given at the top level added."""
+    parameters = document.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidArgumentError("request 'parameters' must be a JSON object")
+    top_level = {key: document[key] for key in _SAMPLING_KEYS & document.keys()}
+    both = top_level.keys() & parameters.keys()
+    if both:
+        raise InvalidArgumentError(
+            f"{sorted(both)} given both at the top level and in 'parameters'"
+        )
+    return {**parameters, **top_level}
+
+
+async def _next_piece(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
+    """The next chunk worth an event (new text, or a sample's end), None after the last.
+    An empty chunk only means that a multi-byte character is not complete yet."""
+    async for chunk in chunks:
+        if chunk.text or chunk.finish_reason is not None:
+            return chunk
+    return None
+
+
+def _event(head: dict[str, Any], chunk: GenerationChunk, with_index: bool) -> dict[str, Any]:
+    event = {**head, "text_output": chunk.text}
+    if with_index:
+        event["index"] = chunk.index
+    if chunk.finish_reason is not None:
+        event["finish_reason"] = chunk.finish_reason
+    return event
+
+
+async def _send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> None:
+    # Compact JSON escapes every newline, so one line is one event's data.
+    frame = b"data: " + _COMPACT.encode(document).encode() + b"\n\n"
+    await send({"type": "http.response.body", "body": frame, "more_body": True})
+
+
+async def _unless_client_leaves(
+    receive: Receive, work: Callable[[], Awaitable[T]]
+) -> tuple[bool, T | None]:
+    """Run ``work``, cancelled if the client disconnects first: (finished, its result).
+
+    Failures of ``work`` are raised here, outside the nursery, so they arrive as
+    themselves rather than inside an exception group.
+    """
+    left = False
+    result: T | None = None
+    failure: Exception | None = None
+
+    async def watch(scope: trio.CancelScope) -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch, nursery.cancel_scope)
+        try:
+            result = await work()
+        except Exception as exc:
+            failure = exc
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+    return not left, result
