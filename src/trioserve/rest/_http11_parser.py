@@ -82,6 +82,8 @@ _CACHE_ENTRIES = 1024
 _CACHE_LINE_BYTES = 256
 _request_lines: dict[bytes, tuple[str, str, str, bytes, bytes]] = {}
 _field_lines: dict[bytes, tuple[bytes, bytes]] = {}
+# Content-Length lines with a single plain value, and that value (bodies of one size recur).
+_length_lines: dict[bytes, tuple[tuple[bytes, bytes], int]] = {}
 _REQUEST_LINE_CHARS = b" " + _VCHAR
 
 
@@ -111,6 +113,12 @@ def parse_head(buf: bytes, pos: int, end: int, limits: HttpLimits) -> RequestHea
         if field is not None:
             headers.append(field)
             continue
+        known_length = _length_lines.get(line)
+        if known_length is not None:
+            field, length = known_length
+            headers.append(field)
+            content_length = _merge_length(length, content_length, limits)
+            continue
         field = _parse_field(line)
         headers.append(field)
         name, value = field
@@ -121,6 +129,10 @@ def parse_head(buf: bytes, pos: int, end: int, limits: HttpLimits) -> RequestHea
                 _field_lines[line] = field
         elif name == _CONTENT_LENGTH:
             content_length = _content_length(value, content_length, limits)
+            if value.isdigit() and len(line) <= _CACHE_LINE_BYTES:
+                if len(_length_lines) >= _CACHE_ENTRIES:
+                    _length_lines.clear()
+                _length_lines[line] = (field, int(value))
         elif name == _TRANSFER_ENCODING:
             transfer_codings = (transfer_codings or []) + _tokens(value)
         elif name == _CONNECTION:
@@ -228,9 +240,13 @@ def _content_length(value: bytes, previous: int, limits: HttpLimits) -> int:
             raise HttpError(400, "invalid Content-Length")
         # More than 18 significant digits is above any sane limit; skip the huge int.
         n = int(digits) if len(digits.lstrip(b"0")) <= 18 else limits.max_body_bytes + 1
-        if length >= 0 and n != length:
-            raise HttpError(400, "conflicting Content-Length values")
-        length = n
+        length = _merge_length(n, length, limits)
+    return length
+
+
+def _merge_length(length: int, previous: int, limits: HttpLimits) -> int:
+    if previous >= 0 and length != previous:
+        raise HttpError(400, "conflicting Content-Length values")
     if length > limits.max_body_bytes:
         raise HttpError(413, "request body too large")
     return length

@@ -243,7 +243,7 @@ def encode_response(
         parts += (
             '{"name":' if index == 0 else ',{"name":', _string(tensor.name),
             ',"datatype":"', tensor.datatype.name,
-            '","shape":[', ",".join(map(str, tensor.shape)),
+            '","shape":[', ",".join(map(str, tensor.data.shape)),
         )  # fmt: skip
         if is_shared_memory_output(tensor.parameters):
             # Where it was written, and no data.

@@ -369,7 +369,10 @@ class ModelRunner:
             produced = outputs[name]
             # A GPU model's cupy array stays on the device: the front end copies it into a
             # CUDA region directly, or to the host for the wire.
-            array = produced if is_device_array(produced) else np.asarray(produced)
+            if type(produced) is np.ndarray or is_device_array(produced):
+                array = produced
+            else:
+                array = np.asarray(produced)
             if not dt.is_bytes and array.dtype != dt.dtype:
                 array = array.astype(dt.dtype)
             elif dt.is_bytes and datatype_of(array) is not dt:
