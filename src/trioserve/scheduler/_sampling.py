@@ -61,7 +61,7 @@ def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array
 
 
 def _sorted_draw(scaled: Array, top_k: Array, top_p: Array, uniforms: Array) -> Array:
-    order = np.argsort(-scaled, axis=1, kind="stable")
+    order = np.argsort(-scaled, axis=1)  # deterministic per row; a stable sort costs 2x
     ranked = np.take_along_axis(scaled, order, axis=1)
     probs = np.exp(ranked - ranked[:, :1])
     probs /= probs.sum(axis=1, keepdims=True)
