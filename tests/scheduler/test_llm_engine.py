@@ -335,3 +335,29 @@ async def test_the_runner_is_a_generative_served_model(make_harness, autojump_cl
     plain = ModelRunner(reference_zoo()[0], "1")
     with pytest.raises(UnsupportedError, match="not a generative model"):
         generative(plain)
+
+
+async def test_statistics_extension_figures(make_harness, autojump_clock):
+    """Each request is one inference and one execution: success is its end to end time,
+    queue its queue interval, compute_infer its inference interval; an abort fails as
+    CANCELED."""
+    h = await make_harness(max_num_seqs=1, max_num_batched_tokens=16)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(h.generate, "a", arrival_offset=0.004, max_tokens=3))
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(partial(h.generate, "k", max_tokens=2))  # waits for the first
+    request = GenerationRequest("r", "abc", SamplingParams(max_tokens=9), trio.current_time())
+    async with h.runner.generate(request) as stream:
+        async for _ in stream:
+            break  # abort after the first token
+    await h.settled()
+    stats = h.runner.inference_statistics()
+    ns = round(STEP * 1e9)
+    assert (stats.inference_count, stats.execution_count) == (2, 2)
+    assert stats.success.count == 2
+    assert stats.success.ns == 4_000_000 + 3 * ns + 5 * ns  # the second waited 3 steps
+    assert (stats.queue.count, stats.queue.ns) == (2, 3 * ns)
+    assert (stats.compute_infer.count, stats.compute_infer.ns) == (2, 5 * ns)
+    assert (stats.compute_input.ns, stats.compute_output.ns) == (0, 0)
+    assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(1, 2)]
+    assert (stats.fail.count, stats.fail.ns) == (1, ns)
