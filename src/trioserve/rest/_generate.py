@@ -47,6 +47,7 @@ from ..scheduler._generation import (
 from ..scheduler._generation_input import TEXT_INPUT, generation_request
 from ._app import Request, Response
 from ._asgi import Receive
+from ._json_body import json_object
 
 logger = logging.getLogger("trioserve.rest")
 
@@ -154,12 +155,7 @@ class GenerateEndpoints:
 
 
 def _parse(body: bytes) -> dict[str, Any]:
-    try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
-    if not isinstance(document, dict):
-        raise InvalidArgumentError("the request must be a JSON object")
+    document = json_object(body)
     if TEXT_INPUT not in document:
         raise InvalidArgumentError(f"the request must carry '{TEXT_INPUT}'")
     unknown = document.keys() - _REQUEST_KEYS - _SAMPLING_KEYS

@@ -32,6 +32,7 @@ from ..shm import (
     shared_memory_input,
     shared_memory_outputs,
 )
+from ._json_body import json_object
 
 _JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 
@@ -80,11 +81,10 @@ def decode_request(
 def _parse_json(header: memoryview) -> dict[str, Any]:
     try:
         # Decoded here: given bytes, json.loads would first sniff for UTF-16 and UTF-32.
-        document = json.loads(str(header, "utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = str(header, "utf-8")
+    except UnicodeDecodeError as exc:
         raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
-    if not isinstance(document, dict):
-        raise InvalidArgumentError("the request must be a JSON object")
+    document = json_object(text)
     unknown = document.keys() - _JSON_KEYS
     if unknown:
         raise InvalidArgumentError(f"unexpected keys in the request: {sorted(unknown)}")

@@ -20,6 +20,7 @@ from .._restricted import Restriction
 from ..shm import SharedMemoryRegistry
 from ._app import Endpoint, Request, Response
 from ._errors import error_body
+from ._json_body import json_object
 from ._router import Router
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
@@ -35,7 +36,7 @@ class _SharedMemoryEndpoints:
         return _json(self.registry.status("system", request.params.get("name", "")))
 
     async def system_register(self, request: Request) -> Response:
-        body = _object(request.body)
+        body = json_object(request.body)
         self.registry.register_system(
             request.params["name"], body.get("key"), body.get("offset", 0), body.get("byte_size")
         )
@@ -49,7 +50,7 @@ class _SharedMemoryEndpoints:
         return _json(self.registry.status("cuda", request.params.get("name", "")))
 
     async def cuda_register(self, request: Request) -> Response:
-        body = _object(request.body)
+        body = json_object(request.body)
         self.registry.register_cuda(
             request.params["name"], _raw_handle(body.get("raw_handle")), body.get("device_id"),
             body.get("byte_size"),
@@ -99,14 +100,6 @@ def _json(document: Any) -> Response:
     return Response(200, _COMPACT.encode(document).encode())
 
 
-def _object(body: bytes) -> dict[str, Any]:
-    try:
-        document = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
-    if not isinstance(document, dict):
-        raise InvalidArgumentError("the request must be a JSON object")
-    return document
 
 
 def _raw_handle(value: Any) -> bytes:
