@@ -140,7 +140,9 @@ async def test_client_disconnect_withdraws_a_queued_request(http_server):
 async def test_binary_inputs_are_views_of_the_body_and_reach_the_model_uncopied():
     seen: list[np.ndarray] = []
 
-    @model(name="peek", inputs=[TensorSpec("X", "FP32", [-1])], outputs=[TensorSpec("Y", "FP32", [-1])])
+    @model(
+        name="peek", inputs=[TensorSpec("X", "FP32", [-1])], outputs=[TensorSpec("Y", "FP32", [-1])]
+    )
     def peek(X):
         seen.append(X)
         return {"Y": X}

@@ -22,13 +22,36 @@ SRC = Path(trioserve.__file__).parent
 def test_public_api_is_what_we_mean():
     assert sorted(trioserve.__all__) == sorted(
         [
-            "AlreadyExistsError", "CancelledError", "DynamicBatching", "ErrorKind",
-            "FunctionModel", "GenerativeModel", "HttpLimits", "InferenceRequest", "InferenceResponse",
-            "InferenceServerError", "InputTensor", "InternalError", "InvalidArgumentError",
-            "MemoryUsage", "MetricsConfig", "Model", "NotFoundError", "OutputTensor",
-            "RequestedOutput", "Restriction", "Server", "ServerConfig", "StepSequence",
-            "TensorSpec", "UnavailableError", "UnsupportedError",
-            "__version__", "model", "open_server", "serve",
+            "AlreadyExistsError",
+            "CancelledError",
+            "DynamicBatching",
+            "ErrorKind",
+            "FunctionModel",
+            "GenerativeModel",
+            "HttpLimits",
+            "InferenceRequest",
+            "InferenceResponse",
+            "InferenceServerError",
+            "InputTensor",
+            "InternalError",
+            "InvalidArgumentError",
+            "MemoryUsage",
+            "MetricsConfig",
+            "Model",
+            "NotFoundError",
+            "OutputTensor",
+            "RequestedOutput",
+            "Restriction",
+            "Server",
+            "ServerConfig",
+            "StepSequence",
+            "TensorSpec",
+            "UnavailableError",
+            "UnsupportedError",
+            "__version__",
+            "model",
+            "open_server",
+            "serve",
         ]
     )
     for name in trioserve.__all__:
@@ -37,7 +60,17 @@ def test_public_api_is_what_we_mean():
 
 # Which top-level parts of the package may not import which (DESIGN.md's direction:
 # _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
-_ABOVE_CORE = {"rest", "grpc", "testing", "_cli", "_server", "scheduler", "metrics", "shm", "models"}
+_ABOVE_CORE = {
+    "rest",
+    "grpc",
+    "testing",
+    "_cli",
+    "_server",
+    "scheduler",
+    "metrics",
+    "shm",
+    "models",
+}
 FORBIDDEN = {
     "__init__": {"testing"},
     "__main__": {"testing"},
@@ -103,8 +136,15 @@ def test_cli_builds_a_config_for_the_builtin_models():
     args = _parser().parse_args(["run", "--http-port", "0", "--allow-grpc", "false"])
     config = config_from_args(args)
     assert config.grpc_port is None and config.http_port == 0
-    assert {m.name for m in config.models} >= {"simple", "simple_string", "identity_fp32",
-                                                "identity_bytes", "delay", "fail", "tiny_lm"}
+    assert {m.name for m in config.models} >= {
+        "simple",
+        "simple_string",
+        "identity_fp32",
+        "identity_bytes",
+        "delay",
+        "fail",
+        "tiny_lm",
+    }
     assert config.show_hidden_metrics_for_version is None
     args = _parser().parse_args(["run", "--show-hidden-metrics-for-version", "0.9"])
     assert config_from_args(args).show_hidden_metrics_for_version == "0.9"
@@ -139,7 +179,9 @@ def test_load_repository(tmp_path):
     _write_repository(tmp_path)
     models = load_repository(tmp_path)
     assert [(m.name, tuple(m.versions)) for m in models] == [
-        ("double", ("1",)), ("scaled", ("1",)), ("scaled", ("2",))
+        ("double", ("1",)),
+        ("scaled", ("1",)),
+        ("scaled", ("2",)),
     ]
 
 
@@ -172,8 +214,18 @@ def test_trioserve_run_serves_a_repository_until_sigterm(tmp_path):
     )
     port = int(subprocess.check_output([sys.executable, "-c", script]).decode())
     command = [
-        sys.executable, "-m", "trioserve", "run", "--model-repository", str(tmp_path / "repo"),
-        "--host", "127.0.0.1", "--http-port", str(port), "--allow-grpc", "false",
+        sys.executable,
+        "-m",
+        "trioserve",
+        "run",
+        "--model-repository",
+        str(tmp_path / "repo"),
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(port),
+        "--allow-grpc",
+        "false",
     ]
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
         try:

@@ -61,6 +61,7 @@ class Result:
 
 # --- the workload: `simple`, one row --------------------------------------------------
 
+
 def simple_inputs() -> tuple[np.ndarray, np.ndarray]:
     x = np.arange(16, dtype=np.int32).reshape(1, 16)
     return x, np.ones((1, 16), dtype=np.int32)
@@ -177,8 +178,17 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
         script = Path(tmp) / "post.lua"
         script.write_text(_LUA.format(body=Path(tmp) / "body", headers=lines))
         command = [
-            "taskset", "-c", cpus, "wrk", "-t1", f"-c{concurrency}", f"-d{round(duration)}s",
-            "--latency", "-s", str(script), f"http://{url}/v2/models/{model_of(mode)}/infer",
+            "taskset",
+            "-c",
+            cpus,
+            "wrk",
+            "-t1",
+            f"-c{concurrency}",
+            f"-d{round(duration)}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"http://{url}/v2/models/{model_of(mode)}/infer",
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     if "Non-2xx" in out or "Socket errors" in out:
@@ -190,6 +200,7 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
 
 
 # --- gRPC through grpc.aio in worker processes ------------------------------------------
+
 
 def _grpc_worker(
     url: str, mode: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue
@@ -245,12 +256,16 @@ def run_grpc(
     for worker in workers:
         worker.join()
     return Result(
-        mode, concurrency, len(latencies) / duration,
-        float(np.percentile(latencies, 50)), float(np.percentile(latencies, 99)),
+        mode,
+        concurrency,
+        len(latencies) / duration,
+        float(np.percentile(latencies, 50)),
+        float(np.percentile(latencies, 99)),
     )
 
 
 # --- the server under test ------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -275,9 +290,23 @@ def _wait_ready(url: str, timeout: float = 60.0) -> None:
 def trioserve_process(cpus: str, http_server: str) -> Iterator[tuple[str, str]]:
     http, grpc = _free_port(), _free_port()
     command = [
-        "taskset", "-c", cpus, sys.executable, "-m", "trioserve", "run", "--host", "127.0.0.1",
-        "--http-port", str(http), "--grpc-port", str(grpc), "--http-server", http_server,
-        "--log-level", "warning",
+        "taskset",
+        "-c",
+        cpus,
+        sys.executable,
+        "-m",
+        "trioserve",
+        "run",
+        "--host",
+        "127.0.0.1",
+        "--http-port",
+        str(http),
+        "--grpc-port",
+        str(grpc),
+        "--http-server",
+        http_server,
+        "--log-level",
+        "warning",
     ]
     process = subprocess.Popen(command)
     try:
@@ -319,8 +348,14 @@ def main() -> None:
             with big_regions(http_url) if mode == "big-shm" else nullcontext():
                 for concurrency in levels:
                     if mode.endswith("grpc"):
-                        result = run_grpc(grpc_url, mode, concurrency, args.duration, client_cpus,
-                                          args.grpc_processes)
+                        result = run_grpc(
+                            grpc_url,
+                            mode,
+                            concurrency,
+                            args.duration,
+                            client_cpus,
+                            args.grpc_processes,
+                        )
                     else:
                         result = run_wrk(
                             http_url, mode, concurrency, args.duration, args.client_cpus

@@ -87,9 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="local,size=BYTES",
         help="the response cache, for models that enable it (as in Triton)",
     )
-    run.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error")
-    )
+    run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
 
@@ -147,8 +145,11 @@ async def run_until_signalled(config: ServerConfig) -> None:
                     logger.info("%s service listening on %s:%d", kind, host, port)
             logger.info("serving models: %s", ", ".join(server.repository.names()))
             async for signum in signals:
-                logger.info("received %s: draining (up to %.0f s)",
-                            signal.Signals(signum).name, config.exit_timeout_s)
+                logger.info(
+                    "received %s: draining (up to %.0f s)",
+                    signal.Signals(signum).name,
+                    config.exit_timeout_s,
+                )
                 break
             await server.shutdown()
 

@@ -40,7 +40,9 @@ class ServerConfig:
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"invalid port {port}")
         if self.http_server not in ("stdlib", "hypercorn"):
-            raise ValueError(f"http_server must be 'stdlib' or 'hypercorn', not {self.http_server!r}")
+            raise ValueError(
+                f"http_server must be 'stdlib' or 'hypercorn', not {self.http_server!r}"
+            )
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("TLS needs both a certificate and a key file")
         if self.tls_certfile is not None and self.http_server != "hypercorn":

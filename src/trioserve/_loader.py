@@ -30,7 +30,8 @@ def load_repository(root: Path) -> list[Model]:
             models.append(_load(folder / "model.py", folder.name, None))
             continue
         versions = sorted(
-            (v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()), key=lambda v: int(v.name)
+            (v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()),
+            key=lambda v: int(v.name),
         )
         if not versions:
             raise RepositoryError(f"{folder}: no model.py and no numeric version folders")
@@ -60,4 +61,3 @@ def _load(path: Path, name: str, version: str | None) -> Model:
     if version is not None:
         loaded.versions = (version,)
     return loaded
-

@@ -134,12 +134,21 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         http: list[Address] = []
         grpc: list[Address] = []
         if config.http_port is not None:
-            rest = _rest(config, config.http_port, repository, stop_accepting, shared_memory,
-                         metadata, load, registry)
+            rest = _rest(
+                config,
+                config.http_port,
+                repository,
+                stop_accepting,
+                shared_memory,
+                metadata,
+                load,
+                registry,
+            )
             http = await services.start(front_ends.run, rest)
         if config.grpc_port is not None:
-            grpc_front_end = _grpc(config, config.grpc_port, repository, stop_accepting,
-                                   shared_memory, metadata, load)
+            grpc_front_end = _grpc(
+                config, config.grpc_port, repository, stop_accepting, shared_memory, metadata, load
+            )
             grpc = await services.start(front_ends.run, grpc_front_end)
         metrics: list[Address] = []
         if registry is not None and config.metrics.port is not None:
@@ -148,8 +157,17 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
-            config, repository, http, grpc, stop_accepting, front_ends.done,
-            services.cancel_scope, trio.Event(), shared_memory, registry, metrics,
+            config,
+            repository,
+            http,
+            grpc,
+            stop_accepting,
+            front_ends.done,
+            services.cancel_scope,
+            trio.Event(),
+            shared_memory,
+            registry,
+            metrics,
         )
         try:
             yield server
@@ -175,9 +193,7 @@ def _served(config: ServerConfig) -> list[ServedModel]:
                 served.append(GenerativeRunner(model, version, telemetry))
             else:
                 cached = _cache_for(model, cache)
-                served.append(
-                    ModelRunner(model, version, cache=cached, histogram_bounds_ns=bounds)
-                )
+                served.append(ModelRunner(model, version, cache=cached, histogram_bounds_ns=bounds))
     return served
 
 
@@ -185,7 +201,8 @@ def _cache_for(model: Model, cache: ResponseCache | None) -> ResponseCache | Non
     if model.response_cache and cache is None:
         logger.warning(
             "model %r enables the response cache, but the server has none "
-            "(--cache-config local,size=BYTES): serving it uncached", model.name
+            "(--cache-config local,size=BYTES): serving it uncached",
+            model.name,
         )
     return cache if model.response_cache else None
 
@@ -206,40 +223,79 @@ async def serve(
 
 
 def _rest(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
-    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any], load: LoadReporter,
+    config: ServerConfig,
+    port: int,
+    repository: ModelRepository,
+    stop: trio.Event,
+    shared_memory: SharedMemoryRegistry,
+    metadata: dict[str, Any],
+    load: LoadReporter,
     registry: CollectorRegistry | None,
 ) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
     app = build_app(
-        repository, metadata, config.http_limits.max_body_bytes, shared_memory=shared_memory,
-        restrictions=config.http_restricted_apis, load=load, metrics=registry,
+        repository,
+        metadata,
+        config.http_limits.max_body_bytes,
+        shared_memory=shared_memory,
+        restrictions=config.http_restricted_apis,
+        load=load,
+        metrics=registry,
     )
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
-        return partial(app.serve_with, partial(
-            serve_hypercorn, app, config.host, port, config.http_limits,
-            certfile=config.tls_certfile, keyfile=config.tls_keyfile, shutdown_trigger=stop.wait,
-        ))
+        return partial(
+            app.serve_with,
+            partial(
+                serve_hypercorn,
+                app,
+                config.host,
+                port,
+                config.http_limits,
+                certfile=config.tls_certfile,
+                keyfile=config.tls_keyfile,
+                shutdown_trigger=stop.wait,
+            ),
+        )
     from .rest._http11 import serve_http11
 
-    return partial(app.serve_with, partial(
-        serve_http11, app, config.host, port, config.http_limits, shutdown_trigger=stop.wait,
-    ))
+    return partial(
+        app.serve_with,
+        partial(
+            serve_http11,
+            app,
+            config.host,
+            port,
+            config.http_limits,
+            shutdown_trigger=stop.wait,
+        ),
+    )
 
 
 def _grpc(
-    config: ServerConfig, port: int, repository: ModelRepository, stop: trio.Event,
-    shared_memory: SharedMemoryRegistry, metadata: dict[str, Any], load: LoadReporter,
+    config: ServerConfig,
+    port: int,
+    repository: ModelRepository,
+    stop: trio.Event,
+    shared_memory: SharedMemoryRegistry,
+    metadata: dict[str, Any],
+    load: LoadReporter,
 ) -> Callable[..., Awaitable[None]]:
     from .grpc import serve_grpc
 
     return partial(
-        serve_grpc, repository, metadata, config.host, port,
-        max_message_bytes=config.grpc_max_message_bytes, shared_memory=shared_memory,
-        restrictions=config.grpc_restricted_apis, shutdown_trigger=stop.wait, load=load,
+        serve_grpc,
+        repository,
+        metadata,
+        config.host,
+        port,
+        max_message_bytes=config.grpc_max_message_bytes,
+        shared_memory=shared_memory,
+        restrictions=config.grpc_restricted_apis,
+        shutdown_trigger=stop.wait,
+        load=load,
     )
 
 

@@ -145,7 +145,9 @@ def _element_bytes(item: Any) -> bytes:
     return str(item).encode()
 
 
-def deserialize_bytes(buffer: bytes | bytearray | memoryview, count: int, what: str) -> np.ndarray[Any, Any]:
+def deserialize_bytes(
+    buffer: bytes | bytearray | memoryview, count: int, what: str
+) -> np.ndarray[Any, Any]:
     """Exactly ``count`` length-prefixed elements filling ``buffer``, as an object array."""
     view = memoryview(buffer).cast("B")
     items: list[bytes] = []
@@ -204,7 +206,9 @@ def array_to_raw(array: np.ndarray[Any, Any], dt: Datatype) -> bytes | memoryvie
 # --- JSON --------------------------------------------------------------------------
 
 
-def array_from_json(dt: Datatype, shape: Sequence[int], data: Any, what: str) -> np.ndarray[Any, Any]:
+def array_from_json(
+    dt: Datatype, shape: Sequence[int], data: Any, what: str
+) -> np.ndarray[Any, Any]:
     """The tensor that JSON ``data`` (flat or nested) holds, with strict type checks."""
     if not dt.json_kinds:
         raise InvalidArgumentError(f"{what}: {dt.name} data can only be sent as binary")

@@ -83,7 +83,9 @@ def test_binary_data_output_makes_every_output_binary_unless_overridden(http):
 
 
 def test_json_only_response_is_application_json(http):
-    response = http.post("/v2/models/simple/infer", json={"inputs": _simple_inputs(False), "id": "a"})
+    response = http.post(
+        "/v2/models/simple/infer", json={"inputs": _simple_inputs(False), "id": "a"}
+    )
     assert response.headers["content-type"] == "application/json"
     assert "inference-header-content-length" not in response.headers
     assert response.json()["id"] == "a"
@@ -91,9 +93,13 @@ def test_json_only_response_is_application_json(http):
 
 
 def test_versioned_route(http):
-    response = http.post("/v2/models/simple/versions/1/infer", json={"inputs": _simple_inputs(False)})
+    response = http.post(
+        "/v2/models/simple/versions/1/infer", json={"inputs": _simple_inputs(False)}
+    )
     assert response.status_code == 200
-    missing = http.post("/v2/models/simple/versions/3/infer", json={"inputs": _simple_inputs(False)})
+    missing = http.post(
+        "/v2/models/simple/versions/3/infer", json={"inputs": _simple_inputs(False)}
+    )
     assert missing.status_code == 404
 
 
@@ -120,7 +126,9 @@ def test_header_length_zero_sends_the_single_input_raw(http):
 
 def test_raw_form_needs_a_single_input_model(http):
     response = http.post(
-        "/v2/models/simple/infer", content=b"\x00" * 128, headers={"Inference-Header-Content-Length": "0"}
+        "/v2/models/simple/infer",
+        content=b"\x00" * 128,
+        headers={"Inference-Header-Content-Length": "0"},
     )
     assert response.status_code == 400
     assert "one input" in response.json()["error"]
@@ -148,17 +156,47 @@ def test_compressed_request_and_response(http, encoding):
         (b'{"inputs": 5}', "'inputs'"),
         (b'{"inputs": [], "extra": 1}', "unexpected keys"),
         (b'{"inputs": [{"name": "INPUT0"}]}', "invalid datatype"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, -16], "data": [1]}]}', "non-negative"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "x", "data": [1]}]}', "shape"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1]}]}', "needs 16"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1099511627776], "data": [1]}]}', "needs 1099511627776"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": {"a": 1}}]}', "integers"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": ["1"]}]}', "integers"),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, -16], "data": [1]}]}',
+            "non-negative",
+        ),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": "x", "data": [1]}]}',
+            "shape",
+        ),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1]}]}',
+            "needs 16",
+        ),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1099511627776], "data": [1]}]}',
+            "needs 1099511627776",
+        ),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": {"a": 1}}]}',
+            "integers",
+        ),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": ["1"]}]}',
+            "integers",
+        ),
         (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1]}]}', "no data"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "BF16", "shape": [1], "data": [1]}]}', "binary"),
-        (b'{"id": 5, "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}', "'id'"),
-        (b'{"inputs": [{"name": "X", "datatype": "INT32", "shape": [1, 16], "data": [0]}]}', "needs 16"),
-        (b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]}, {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [0]}]}', "twice"),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "BF16", "shape": [1], "data": [1]}]}',
+            "binary",
+        ),
+        (
+            b'{"id": 5, "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}',
+            "'id'",
+        ),
+        (
+            b'{"inputs": [{"name": "X", "datatype": "INT32", "shape": [1, 16], "data": [0]}]}',
+            "needs 16",
+        ),
+        (
+            b'{"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]}, {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [0]}]}',
+            "twice",
+        ),
     ],
 )
 def test_malformed_requests_answer_400_with_an_error_body(http, body, message):
@@ -203,10 +241,14 @@ def test_binary_sizes_must_account_for_the_body(http):
 
 
 def test_bad_encodings(http):
-    response = http.post("/v2/models/simple/infer", content=b"xx", headers={"Content-Encoding": "br"})
+    response = http.post(
+        "/v2/models/simple/infer", content=b"xx", headers={"Content-Encoding": "br"}
+    )
     assert response.status_code == 400 and "Content-Encoding" in response.json()["error"]
     truncated = gzip.compress(b'{"inputs": []}')[:-6]
-    response = http.post("/v2/models/simple/infer", content=truncated, headers={"Content-Encoding": "gzip"})
+    response = http.post(
+        "/v2/models/simple/infer", content=truncated, headers={"Content-Encoding": "gzip"}
+    )
     assert response.status_code == 400
 
 
@@ -248,7 +290,9 @@ def _echo_models():
 @pytest.fixture(scope="module")
 def echo_url():
     config = ServerConfig(
-        models=_echo_models(), http_port=0, grpc_port=None,
+        models=_echo_models(),
+        http_port=0,
+        grpc_port=None,
         http_limits=HttpLimits(max_body_bytes=4096),
     )
     with server_in_thread(config) as server:
@@ -272,11 +316,20 @@ def test_every_datatype_round_trips_binary(echo_url, name):
     x = _sample(name)
     raw = bytes(array_to_raw(x, DATATYPES[name]))
     document = {
-        "inputs": [{"name": "X", "shape": [2, 2], "datatype": name, "parameters": {"binary_data_size": len(raw)}}],
+        "inputs": [
+            {
+                "name": "X",
+                "shape": [2, 2],
+                "datatype": name,
+                "parameters": {"binary_data_size": len(raw)},
+            }
+        ],
         "parameters": {"binary_data_output": True},
     }
     body, headers = _binary_request(document, raw)
-    response = httpx.post(f"{echo_url}/v2/models/echo_{name.lower()}/infer", content=body, headers=headers)
+    response = httpx.post(
+        f"{echo_url}/v2/models/echo_{name.lower()}/infer", content=body, headers=headers
+    )
     document, returned = _split(response)
     assert document["outputs"][0]["datatype"] == name
     assert returned == raw

@@ -20,12 +20,21 @@ def test_exact_and_parameterised_paths(router):
     assert router.resolve("GET", "/v2/models/m") == ("metadata", {"model": "m"})
     assert router.resolve("POST", "/v2/models/m/infer") == ("infer", {"model": "m"})
     assert router.resolve("GET", "/v2/models/m/versions/3") == (
-        "versioned", {"model": "m", "version": "3"}
+        "versioned",
+        {"model": "m", "version": "3"},
     )
 
 
 @pytest.mark.parametrize(
-    "path", ["/v2/", "/v2/models", "/v2/models//infer", "/v2/models/m/explode", "/v3", "/v2/models/m/versions"]
+    "path",
+    [
+        "/v2/",
+        "/v2/models",
+        "/v2/models//infer",
+        "/v2/models/m/explode",
+        "/v3",
+        "/v2/models/m/versions",
+    ],
 )
 def test_unknown_paths(router, path):
     with pytest.raises(NotFoundError):

@@ -44,7 +44,9 @@ def test_model_config(client):
     assert config["input"][0]["data_type"] == "TYPE_INT32"
     assert "dynamic_batching" in config
     assert "dynamic_batching" not in client.get_model_config("identity_fp32")
-    assert client.get_model_config("delay")["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert (
+        client.get_model_config("delay")["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    )
     assert client.get_model_config("identity_bytes")["input"][0]["data_type"] == "TYPE_STRING"
 
 
@@ -54,7 +56,9 @@ def test_simple(client, binary, rows):
     rng = np.random.default_rng(rows)
     x = rng.integers(-1000, 1000, (rows, 16), dtype=np.int32)
     y = rng.integers(-1000, 1000, (rows, 16), dtype=np.int32)
-    outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")]
+    outputs = [
+        httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")
+    ]
     result = client.infer(
         "simple",
         [_input("INPUT0", x, "INT32", binary), _input("INPUT1", y, "INT32", binary)],
@@ -81,12 +85,15 @@ def test_simple_output_subset(client):
 def test_simple_string(client, binary):
     a = np.array([[str(i).encode() for i in range(16)]], dtype=object)
     b = np.array([[b"7"] * 16], dtype=object)
-    outputs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")]
+    outputs = [
+        httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("OUTPUT0", "OUTPUT1")
+    ]
     result = client.infer(
         "simple_string",
         [_input("INPUT0", a, "BYTES", binary), _input("INPUT1", b, "BYTES", binary)],
         outputs=outputs,
     )
+
     def text(array):  # JSON outputs come back as str, binary ones as bytes
         return [x.decode() if isinstance(x, bytes) else x for x in array.reshape(-1)]
 

@@ -88,8 +88,9 @@ def test_deadlines_wake_the_batcher_and_expire():
 
 
 def test_policy_levels_and_deadlines():
-    policy = BatchingPolicy(batching=True, priority_levels=3, default_priority_level=2,
-                            default_timeout_ns=7 * MS)
+    policy = BatchingPolicy(
+        batching=True, priority_levels=3, default_priority_level=2, default_timeout_ns=7 * MS
+    )
     assert [policy.level(p) for p in (0, 1, 3, 4)] == [2, 1, 3, 2]
     assert policy.deadline(10, 0) == 10 + 7 * MS
     assert policy.deadline(10, 5) == 10 + 5_000

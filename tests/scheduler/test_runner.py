@@ -89,7 +89,11 @@ async def test_burst_fills_a_batch_and_the_rest_waits_for_a_free_instance(autoju
     # The 4th request fills the batch at 0.3 ms; the 5th waits for the instance.
     assert executions == [(0.0003, [0, 1, 2, 3]), (0.0103, [4])]
     assert results == {
-        0: (0.0103, 0), 1: (0.0103, 10), 2: (0.0103, 20), 3: (0.0103, 30), 4: (0.0203, 40)
+        0: (0.0103, 0),
+        1: (0.0103, 10),
+        2: (0.0103, 20),
+        3: (0.0103, 30),
+        4: (0.0203, 40),
     }
 
 

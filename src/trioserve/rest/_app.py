@@ -175,4 +175,3 @@ async def _send(send: Send, response: Response, request_headers: dict[bytes, byt
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-

@@ -100,8 +100,6 @@ def _json(document: Any) -> Response:
     return Response(200, _COMPACT.encode(document).encode())
 
 
-
-
 def _raw_handle(value: Any) -> bytes:
     """``{"b64": "<base64>"}`` -> the handle's bytes."""
     encoded = value.get("b64") if isinstance(value, dict) else None
