@@ -257,6 +257,47 @@ async def test_grpc_trailer_parses_as_orca_load_report(
     assert report.rps_fractional > 0
 
 
+async def stream_with_trailers(
+    url: str, request: service_pb2.ModelInferRequest, metadata: dict[str, str]
+) -> tuple[list[Any], dict[str, Any]]:
+    """One request over ModelStreamInfer (grpclib's client, as above): the stream's
+    responses and its trailing metadata."""
+
+    async def call() -> tuple[list[Any], dict[str, Any]]:
+        host, port = url.split(":")
+        channel = Channel(host, int(port))
+        try:
+            async with channel.request(
+                "/inference.GRPCInferenceService/ModelStreamInfer",
+                Cardinality.STREAM_STREAM,
+                service_pb2.ModelInferRequest,
+                service_pb2.ModelStreamInferResponse,
+                metadata=metadata,
+            ) as stream:
+                await stream.send_message(request, end=True)
+                responses = [response async for response in stream]
+                await stream.recv_trailing_metadata()
+                return responses, dict(stream.trailing_metadata or {})
+        finally:
+            channel.close()
+
+    with trio.fail_after(30):
+        return await trio.to_thread.run_sync(asyncio.run, call(), abandon_on_cancel=True)
+
+
+async def test_grpc_stream_trailer_reports_the_model_it_served(
+    nursery: trio.Nursery, kv_engine: Callable[..., Any]
+) -> None:
+    url = await serve_rpc(nursery, [kv_engine(KV)], reporter())
+    responses, trailers = await stream_with_trailers(url, text_request(), {ASK: "json"})
+    assert [r.error_message for r in responses] == [""]
+    report = OrcaLoadReport.FromString(trailers["endpoint-load-metrics-bin"])
+    assert dict(report.named_metrics) == {"kv_cache_utilization": 0.75, "max_token_capacity": 8192}
+    assert report.rps_fractional == 1.0
+    _, unasked = await stream_with_trailers(url, text_request(), {})
+    assert "endpoint-load-metrics-bin" not in unasked
+
+
 async def test_grpc_no_trailer_unless_asked_or_possible(
     nursery: trio.Nursery, kv_engine: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:

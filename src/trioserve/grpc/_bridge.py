@@ -88,8 +88,10 @@ async def serve_grpc(
         load = load or LoadReporter()  # one for both services: they report the same load
         streams = StreamInfer(repository, load)
 
-        def stream_infer(stream: Stream[Any, Any]) -> Awaitable[None]:
-            future: Awaitable[None] = loop.trio_as_future(streams.serve, _TrioStream(stream))
+        def stream_infer(stream: Stream[Any, Any]) -> Awaitable[ServedModel | None]:
+            future: Awaitable[ServedModel | None] = loop.trio_as_future(
+                streams.serve, _TrioStream(stream)
+            )
             return future
 
         services = [

@@ -55,7 +55,8 @@ logger = logging.getLogger("trioserve.grpc")
 # deadline withdraws a queued request.
 Infer = Callable[[ServedModel, InferenceRequest], Awaitable[InferenceResponse]]
 # Serves one ModelStreamInfer call in trio (``_stream.StreamInfer``), awaited from asyncio.
-StreamInfer = Callable[[Stream[Any, Any]], Awaitable[None]]
+# It returns the model the call last asked for.
+StreamInfer = Callable[[Stream[Any, Any]], Awaitable[ServedModel | None]]
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[None]])
 
@@ -182,6 +183,10 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
                 response = await self._infer(served, request)
                 regions.write_outputs(response)
             await stream.send_message(encode_response(response))
+        await self._send_load_report(stream, served)
+
+    async def _send_load_report(self, stream: Stream[Any, Any], served: ServedModel) -> None:
+        """The ORCA trailer, when the call's metadata asks for one."""
         trailer = load_report_trailer(stream.metadata, self._load, served)
         if trailer is not None:
             await stream.send_trailing_metadata(metadata=trailer)
@@ -201,7 +206,9 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
 
     @_rpc
     async def ModelStreamInfer(self, stream: Stream[Any, Any]) -> None:
-        await self._stream_infer(stream)
+        served = await self._stream_infer(stream)
+        if served is not None:
+            await self._send_load_report(stream, served)
 
     # Later roadmap items (repository API, trace, logging). Each RPC must exist
     # because the base class is abstract.

@@ -31,7 +31,7 @@ import numpy as np
 import trio
 
 from .._errors import InferenceServerError
-from .._repository import ModelRepository
+from .._repository import ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
@@ -68,9 +68,10 @@ class StreamInfer:
         self._load = load  # each request counts toward the server's load reports
         self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
 
-    async def serve(self, io: StreamIO) -> None:
+    async def serve(self, io: StreamIO) -> ServedModel | None:
         """Answer every request of one call; returns when all are answered or the client
-        is gone. A request the transport could not read (one over the size limit) ends
+        is gone, with the model the call last asked for (its load report goes in the
+        trailer). A request the transport could not read (one over the size limit) ends
         the call with its status, raised here rather than inside an exception group."""
         failure: Exception | None = None
         async with trio.open_nursery() as requests:
@@ -90,10 +91,12 @@ class StreamInfer:
                 requests.start_soon(self._answer, message, replies)
         if failure is not None:
             raise failure
+        return replies.served
 
     async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
         try:
             served = self._repository.get(message.model_name, message.model_version)
+            replies.served = served
             request = decode_request(message)
             with self._load.counting(served):
                 if isinstance(served, GenerativeServed):
@@ -138,6 +141,7 @@ class _Replies:
         self._io = io
         self._requests = requests
         self._lock = trio.Lock()
+        self.served: ServedModel | None = None  # the model the call last asked for
 
     async def send(self, response: pb.ModelStreamInferResponse) -> None:
         async with self._lock:
