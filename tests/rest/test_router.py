@@ -45,3 +45,13 @@ def test_wrong_method_lists_the_allowed_ones(router):
     with pytest.raises(MethodNotAllowed) as info:
         router.resolve("GET", "/v2/models/m/infer")
     assert info.value.allow == ["POST"]
+
+
+@pytest.mark.parametrize("literal_first", [True, False])
+def test_the_most_literal_pattern_wins_whatever_the_order(literal_first):
+    router: Router[str] = Router()
+    routes = [("/v2/models/stats", "all stats"), ("/v2/models/{model}", "metadata")]
+    for path, handler in routes if literal_first else reversed(routes):
+        router.add("GET", path, handler)
+    assert router.resolve("GET", "/v2/models/stats") == ("all stats", {})
+    assert router.resolve("GET", "/v2/models/simple") == ("metadata", {"model": "simple"})

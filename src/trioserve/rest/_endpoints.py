@@ -150,7 +150,7 @@ def build_app(
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
     router.add("GET", "/v2", e.metadata)
-    router.add("GET", "/v2/models/stats", e.statistics)  # before {model} claims "stats"
+    router.add("GET", "/v2/models/stats", e.statistics)
     if metrics is not None:
         router.add("GET", "/metrics", metrics_endpoint(metrics))
     for base in (_MODEL, _VERSION):

@@ -1,9 +1,10 @@
 """Path routing: compiled patterns; a path matched with the wrong method answers 405.
 
 Patterns use ``{name}`` for one whole path segment. A pattern compiles to its segments;
-a path is split once and compared only with the patterns of its segment count, literal
-segments first. That is cheaper than trying one regular expression after another, which
-matters because routing runs on every request.
+a path is split once and compared only with the patterns of its segment count. When
+several match, the one with the most literal segments wins (``/v2/models/stats`` over
+``/v2/models/{model}``), whatever order they were added in. Resolved paths are
+remembered, so the comparison runs once per distinct path, not on every request.
 """
 
 from __future__ import annotations
@@ -69,9 +70,14 @@ class Router(Generic[H]):
 
     def _match(self, path: str) -> tuple[_Route[H], dict[str, str]]:
         segments = path.split("/")
+        best: _Route[H] | None = None
         for route in self._by_length.get(len(segments), {}).values():
-            if all(segments[i] == text for i, text in route.literals) and all(
-                segments[i] for i, _ in route.captures
+            if (
+                (best is None or len(route.literals) > len(best.literals))
+                and all(segments[i] == text for i, text in route.literals)
+                and all(segments[i] for i, _ in route.captures)
             ):
-                return route, {name: segments[i] for i, name in route.captures}
-        raise NotFoundError(f"Not Found: {path}")
+                best = route
+        if best is None:
+            raise NotFoundError(f"Not Found: {path}")
+        return best, {name: segments[i] for i, name in best.captures}
