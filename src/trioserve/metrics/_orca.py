@@ -49,7 +49,7 @@ import trio
 from .._repository import ServedModel
 from ..scheduler._generation import GenerativeServed, KVCacheState
 from ._host_usage import HostUsage
-from ._recent import RecentActivity
+from ._recent import RecentActivity, combined_totals
 
 logger = logging.getLogger("trioserve.metrics")
 
@@ -147,8 +147,8 @@ class LoadReporter:
     def __init__(self, *, host: HostUsage | None = None, window_s: int = 10) -> None:
         self._host = host if host is not None else HostUsage()
         self._window_s = window_s
-        self._server = RecentActivity(window_s)
         self._models: dict[tuple[str, str], _ModelLoad] = {}  # by model name and version
+        self._by_served: dict[ServedModel, _ModelLoad] = {}  # the same, found faster
 
     def counting(self, served: ServedModel) -> _Counting:
         """A request to ``served`` arrives now: ``with`` the result around the step that
@@ -157,7 +157,10 @@ class LoadReporter:
         Leaving with an exception counts it as an error; a cancellation (a
         ``BaseException``: the client went away, the server stops) is not counted.
         """
-        return _Counting(self, served, trio.current_time())
+        model = self._by_served.get(served)
+        if model is None:
+            model = self._by_served[served] = self._model(served)
+        return _Counting(model.activity, trio.current_time())
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
@@ -196,12 +199,6 @@ class LoadReporter:
             )
         return model
 
-    def record(self, served: ServedModel, arrived: float, *, failed: bool) -> None:
-        """Count a request to ``served`` that arrived at ``arrived`` and ends now."""
-        now = trio.current_time()
-        self._server.add(now, arrived=arrived, failed=failed)
-        self._model(served).activity.add(now, arrived=arrived, failed=failed)
-
     def _report(self, served: ServedModel) -> LoadReport:
         now = trio.current_time()
         model = self._model(served)
@@ -220,7 +217,9 @@ class LoadReporter:
             # while it drains a queue, rather than starving it of traffic.
             in_flight = model.activity.totals(now).in_flight
             utilization = min(in_flight / model.instances, 1.0)
-        server = self._server.totals(now)
+        # The server's figures are its models' together: requests are counted only once,
+        # by their model, which keeps the per-request cost to one window update.
+        server = combined_totals([m.activity for m in self._models.values()], now)
         cpu, memory = self._host.sample(now)
         return LoadReport(
             application_utilization=utilization,
@@ -237,10 +236,10 @@ class LoadReporter:
 class _Counting:
     """``LoadReporter.counting``: a class, not a generator, as it runs on every request."""
 
-    __slots__ = ("_arrived", "_load", "_served")
+    __slots__ = ("_activity", "_arrived")
 
-    def __init__(self, load: LoadReporter, served: ServedModel, arrived: float) -> None:
-        self._load, self._served, self._arrived = load, served, arrived
+    def __init__(self, activity: RecentActivity, arrived: float) -> None:
+        self._activity, self._arrived = activity, arrived
 
     def __enter__(self) -> None:
         return None
@@ -249,7 +248,7 @@ class _Counting:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if kind is None or issubclass(kind, Exception):
-            self._load.record(self._served, self._arrived, failed=kind is not None)
+            self._activity.add(trio.current_time(), arrived=self._arrived, failed=kind is not None)
 
 
 def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:

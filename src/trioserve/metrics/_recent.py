@@ -9,6 +9,7 @@ of ``trio.current_time()``), which keeps this module pure and testable synchrono
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -66,14 +67,25 @@ class RecentActivity:
         bucket.busy_s += now - arrived
 
     def totals(self, now: float) -> Totals:
-        oldest = math.floor(now) - len(self._buckets) + 1
-        requests = errors = 0
-        busy_s = 0.0
-        for bucket in self._buckets:
+        return combined_totals([self], now)
+
+
+def combined_totals(activities: Iterable[RecentActivity], now: float) -> Totals:
+    """What several windows of the same length hold together (a server's, from its
+    models': each request is counted once, by the model it went to)."""
+    requests = errors = 0
+    busy_s = 0.0
+    first: float | None = None
+    oldest = math.floor(now)
+    for activity in activities:
+        oldest = math.floor(now) - len(activity._buckets) + 1
+        for bucket in activity._buckets:
             if bucket.second >= oldest:
                 requests += bucket.requests
                 errors += bucket.errors
                 busy_s += bucket.busy_s
-        # The window begins at its oldest second, or later if no request had come before.
-        begin = oldest if self._first is None else max(self._first, oldest)
-        return Totals(requests, errors, busy_s, span_s=max(now - begin, 1.0))
+        if activity._first is not None and (first is None or activity._first < first):
+            first = activity._first
+    # The window begins at its oldest second, or later if no request had come before.
+    begin = oldest if first is None else max(first, oldest)
+    return Totals(requests, errors, busy_s, span_s=max(now - begin, 1.0))
