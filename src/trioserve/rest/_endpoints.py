@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
-from .._repository import ModelRepository, ServedModel
+from .._repository import ModelRepository
 from .._restricted import Restriction
 from .._stats import statistics_document
 from ..metrics._orca import LoadReporter
@@ -85,31 +85,31 @@ class _Endpoints:
         name = request.params["model"]
         version = request.params.get("version", "")
         runner = self.repository.get(name, version)
-        with RequestRegions(self.shared_memory, runner.model.device) as regions:
-            return await self._infer(request, runner, name, version, regions)
-
-    async def _infer(
-        self, request: Request, runner: ServedModel, name: str, version: str,
-        regions: RequestRegions,
-    ) -> Response | None:  # fmt: skip
-        inference = decode_request(
-            request.body, _header_length(request.headers), runner.model, name, version, regions
-        )
-        counted = self.load.counting(runner)  # on arrival: the model's load as found
-        ticket = runner.submit(inference)
-        entry = self.disconnects.track(ticket, request.receive)
+        # One coroutine from here to the wait: every frame in the chain of awaits is
+        # suspended and resumed again when the outcome arrives.
+        regions = RequestRegions(self.shared_memory, runner.model.device)
         try:
-            await ticket.wait()
-        except trio.Cancelled:
-            ticket.withdraw()
-            raise
+            inference = decode_request(
+                request.body, _header_length(request.headers), runner.model, name, version,
+                regions,
+            )  # fmt: skip
+            counted = self.load.counting(runner)  # on arrival: the model's load as found
+            ticket = runner.submit(inference)
+            entry = self.disconnects.track(ticket, request.receive)
+            try:
+                await ticket.wait()
+            except trio.Cancelled:
+                ticket.withdraw()
+                raise
+            finally:
+                self.disconnects.untrack(ticket, entry)
+            if ticket.withdrawn:
+                return None  # withdrawn because the client disconnected: nobody to answer
+            with counted:
+                result = ticket.outcome()
+                regions.write_outputs(result)
         finally:
-            self.disconnects.untrack(ticket, entry)
-        if ticket.withdrawn:
-            return None  # withdrawn because the client disconnected: nobody to answer
-        with counted:
-            result = ticket.outcome()
-            regions.write_outputs(result)
+            regions.close()
         body, header_length = encode_response(result, inference)
         load_report = self.load.http_header(runner, request.headers)
         headers = [] if load_report is None else [load_report]

@@ -339,7 +339,9 @@ class ModelRunner:
                     ticket.execution = times
                     if ticket.cache_key is not None and not ticket.finished:
                         self._store_in_cache(ticket.cache_key, ticket.cache_ns, response)
-                    self._finish(ticket, response=response)
+                        self._finish(ticket, response=response)  # sent after the insertion
+                    else:  # handed over as the batch's outputs are ready: no clock to read
+                        self._finish(ticket, response=response, sent_ns=times.output_ready_ns)
         finally:
             for ticket in batch:
                 if not ticket.finished:  # the execution itself was cancelled
@@ -397,12 +399,15 @@ class ModelRunner:
         response: InferenceResponse | None = None,
         error: InferenceServerError | None = None,
         reason: FailureReason = FailureReason.OTHER,
+        sent_ns: int | None = None,
     ) -> bool:
-        """Record a request's one outcome; False if it already had one."""
+        """Record a request's one outcome; False if it already had one. ``sent_ns``:
+        when the outcome is in the caller's hands ("response sent"), if not now."""
         if ticket.finished:
             return False
         ticket._resolve(response, error)
-        sent_ns = now_ns()  # "response sent": the outcome is in the caller's hands
+        if sent_ns is None:
+            sent_ns = now_ns()
         arrival_ns = ticket.item.arrival_ns
         if error is not None:
             self.stats.failed(arrival_ns, sent_ns, reason)
