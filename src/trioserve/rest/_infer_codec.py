@@ -127,8 +127,10 @@ def _decode_inputs(
         shape = check_shape(entry.get("shape"), what)
         parameters = _parameters(entry.get("parameters"), what)
         size = parameters.get("binary_data_size")
-        has_data = size is not None or "data" in entry
-        in_shared_memory = shared_memory_input(regions, parameters, dt, shape, what, has_data)
+        in_shared_memory = None
+        if parameters:  # most inputs have none: nothing can place them in shared memory
+            has_data = size is not None or "data" in entry
+            in_shared_memory = shared_memory_input(regions, parameters, dt, shape, what, has_data)
         if in_shared_memory is not None:
             array = in_shared_memory
         elif size is not None:

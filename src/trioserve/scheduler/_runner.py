@@ -198,13 +198,14 @@ class ModelRunner:
             raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
         size, key = validate_request(self.model, request)
         arrival = now_ns()
-        item = QueuedItem(
-            batch_size=size,
-            batch_key=key,
-            arrival_ns=arrival,
-            level=self.policy.level(request.priority),
-            deadline_ns=self.policy.deadline(arrival, request.timeout_us),
-        )
+        policy = self.policy
+        if request.parameters:  # a priority or a timeout may be asked for
+            level = policy.level(request.priority)
+            deadline = policy.deadline(arrival, request.timeout_us)
+        else:
+            level = policy.default_priority_level
+            deadline = policy.deadline(arrival, 0)
+        item = QueuedItem(size, key, arrival, level, deadline)
         ticket = Ticket(request, item, self)
         item.payload = ticket
         if self._cache is not None and self._answer_from_cache(ticket):
