@@ -116,16 +116,34 @@ class _FrontEnds:
                 self.done.set()
 
 
+@dataclass(frozen=True)
+class _Owned:
+    """What a server instance owns and its front ends share."""
+
+    config: ServerConfig
+    repository: ModelRepository
+    shared_memory: SharedMemoryRegistry
+    metadata: dict[str, Any]
+    load: LoadReporter  # one per server: every front end reports the same load
+    registry: CollectorRegistry | None  # None: metrics are off
+    stop_accepting: trio.Event
+
+
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
     repository = ModelRepository(_served(config))
-    registry = server_registry(repository, config.metrics) if config.metrics.enabled else None
-    stop_accepting = trio.Event()
-    load = LoadReporter()  # one per server: both front ends report the same load
-    front_ends = _FrontEnds()
     shared_memory = SharedMemoryRegistry()
-    metadata = server_metadata(shared_memory.cuda_available)
+    owned = _Owned(
+        config,
+        repository,
+        shared_memory,
+        server_metadata(shared_memory.cuda_available),
+        LoadReporter(),
+        server_registry(repository, config.metrics) if config.metrics.enabled else None,
+        trio.Event(),
+    )
+    front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
         # The services get a nursery of their own, so that shutdown() stops them without
         # cancelling the caller's block, which runs in ``root``.
@@ -133,26 +151,13 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         await services.start(repository.run)
         http: list[Address] = []
         grpc: list[Address] = []
-        if config.http_port is not None:
-            rest = _rest(
-                config,
-                config.http_port,
-                repository,
-                stop_accepting,
-                shared_memory,
-                metadata,
-                load,
-                registry,
-            )
-            http = await services.start(front_ends.run, rest)
-        if config.grpc_port is not None:
-            grpc_front_end = _grpc(
-                config, config.grpc_port, repository, stop_accepting, shared_memory, metadata, load
-            )
-            grpc = await services.start(front_ends.run, grpc_front_end)
         metrics: list[Address] = []
-        if registry is not None and config.metrics.port is not None:
-            listener = _metrics_listener(config, config.metrics.port, registry, stop_accepting)
+        if config.http_port is not None:
+            http = await services.start(front_ends.run, _rest(owned, config.http_port))
+        if config.grpc_port is not None:
+            grpc = await services.start(front_ends.run, _grpc(owned, config.grpc_port))
+        if owned.registry is not None and config.metrics.port is not None:
+            listener = _metrics_listener(owned, owned.registry, config.metrics.port)
             metrics = await services.start(front_ends.run, listener)
         if front_ends.running == 0:
             front_ends.done.set()
@@ -161,12 +166,12 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             repository,
             http,
             grpc,
-            stop_accepting,
+            owned.stop_accepting,
             front_ends.done,
             services.cancel_scope,
             trio.Event(),
             shared_memory,
-            registry,
+            owned.registry,
             metrics,
         )
         try:
@@ -222,27 +227,20 @@ async def serve(
         await server.wait_stopped()
 
 
-def _rest(
-    config: ServerConfig,
-    port: int,
-    repository: ModelRepository,
-    stop: trio.Event,
-    shared_memory: SharedMemoryRegistry,
-    metadata: dict[str, Any],
-    load: LoadReporter,
-    registry: CollectorRegistry | None,
-) -> Callable[..., Awaitable[None]]:
+def _rest(owned: _Owned, port: int) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
+    config = owned.config
     app = build_app(
-        repository,
-        metadata,
+        owned.repository,
+        owned.metadata,
         config.http_limits.max_body_bytes,
-        shared_memory=shared_memory,
+        shared_memory=owned.shared_memory,
         restrictions=config.http_restricted_apis,
-        load=load,
-        metrics=registry,
+        load=owned.load,
+        metrics=owned.registry,
     )
+    stop = owned.stop_accepting
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
@@ -274,36 +272,35 @@ def _rest(
     )
 
 
-def _grpc(
-    config: ServerConfig,
-    port: int,
-    repository: ModelRepository,
-    stop: trio.Event,
-    shared_memory: SharedMemoryRegistry,
-    metadata: dict[str, Any],
-    load: LoadReporter,
-) -> Callable[..., Awaitable[None]]:
+def _grpc(owned: _Owned, port: int) -> Callable[..., Awaitable[None]]:
     from .grpc import serve_grpc
 
+    config = owned.config
     return partial(
         serve_grpc,
-        repository,
-        metadata,
+        owned.repository,
+        owned.metadata,
         config.host,
         port,
         max_message_bytes=config.grpc_max_message_bytes,
-        shared_memory=shared_memory,
+        shared_memory=owned.shared_memory,
         restrictions=config.grpc_restricted_apis,
-        shutdown_trigger=stop.wait,
-        load=load,
+        shutdown_trigger=owned.stop_accepting.wait,
+        load=owned.load,
     )
 
 
 def _metrics_listener(
-    config: ServerConfig, port: int, registry: CollectorRegistry, stop: trio.Event
+    owned: _Owned, registry: CollectorRegistry, port: int
 ) -> Callable[..., Awaitable[None]]:
     from .rest._metrics import serve_metrics
 
+    config = owned.config
     return partial(
-        serve_metrics, registry, config.host, port, config.http_limits, shutdown_trigger=stop.wait
+        serve_metrics,
+        registry,
+        config.host,
+        port,
+        config.http_limits,
+        shutdown_trigger=owned.stop_accepting.wait,
     )
