@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from trioserve import (
     DynamicBatching,
@@ -225,3 +229,26 @@ async def test_stopping_the_runner_fails_what_is_queued_or_executing(autojump_cl
         runner_nursery.cancel_scope.cancel()
     assert outcomes == {0: "server is shutting down", 1: "server is shutting down"}
     assert rec.runner.ready is False
+
+
+async def test_a_finished_request_is_freed_without_the_garbage_collector(nursery):
+    """Nothing a request leaves behind refers back to it, so its tensors go as soon as the
+    last reference does: a shared-memory region in use is released right then."""
+    recorder = Recorder()
+    await nursery.start(recorder.runner.run)
+    gc.collect()
+    gc.disable()
+    try:
+        withdrawn_request = request(2)
+        done = request(1)
+        inputs = [weakref.ref(r.inputs["X"].data) for r in (done, withdrawn_request)]
+        response = await recorder.runner.infer(done)
+        output = weakref.ref(response.outputs[0].data)
+        ticket = recorder.runner.submit(withdrawn_request)
+        ticket.withdraw()  # before the batcher saw it
+        await trio.testing.wait_all_tasks_blocked()
+        del done, withdrawn_request, response, ticket
+        assert [ref() for ref in inputs] == [None, None]
+        assert output() is None
+    finally:
+        gc.enable()

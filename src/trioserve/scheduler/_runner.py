@@ -223,6 +223,7 @@ class ModelRunner:
         if response is None:
             ticket.cache_key = key
             return False
+        ticket.item.payload = None  # never queued: no cycle left for the collector
         self._finish(ticket, response=response)
         return True
 
@@ -292,7 +293,8 @@ class ModelRunner:
     def _handle(self, message: Ticket | _Withdraw | None) -> None:
         if isinstance(message, Ticket):
             if message.finished:
-                return  # cancelled before the batcher saw it
+                message.item.payload = None  # cancelled before the batcher saw it
+                return
             if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
                 self._finish(
                     message,
