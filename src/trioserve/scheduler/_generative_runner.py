@@ -28,7 +28,7 @@ import numpy as np
 import trio
 from prometheus_client.registry import Collector
 
-from .._errors import CancelledError, InvalidArgumentError, UnavailableError
+from .._errors import CancelledError, UnavailableError
 from .._generative import GenerativeModel
 from .._model import Model
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
@@ -36,7 +36,8 @@ from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
 from ._engine import EngineRequest, LLMEngine
-from ._generation import GenerationChunk, GenerationRequest, KVCacheState, SamplingParams
+from ._generation import GenerationChunk, GenerationRequest, KVCacheState
+from ._generation_input import generation_request, prompt_and_parameters
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import call_hook
 
@@ -234,18 +235,7 @@ class GenerativeRunner:
         return ticket.outcome()
 
     def _generation_request(self, request: InferenceRequest) -> GenerationRequest:
-        tensor = request.inputs["text_input"]
-        try:
-            prompt = bytes(tensor.data.reshape(-1)[0]).decode()
-        except UnicodeDecodeError:
-            raise InvalidArgumentError("text_input must be UTF-8 text") from None
-        priority = request.parameters.get("priority", 0)
-        if type(priority) is not int:
-            raise InvalidArgumentError("parameter 'priority' must be an integer")
-        return GenerationRequest(
-            request_id=request.id or f"infer-{next(self._ids)}",
-            prompt=prompt,
-            sampling=SamplingParams.from_parameters(request.parameters),
-            arrival_time=trio.current_time(),
-            priority=priority,
+        prompt, parameters = prompt_and_parameters(request.inputs, request.parameters)
+        return generation_request(
+            request.id or f"infer-{next(self._ids)}", prompt, parameters, trio.current_time()
         )
