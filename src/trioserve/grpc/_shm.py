@@ -12,7 +12,7 @@ from typing import Any
 
 from .._errors import UnavailableError
 from .._restricted import Restriction
-from ..shm import SharedMemoryRegistry
+from ..shm import Kind, SharedMemoryRegistry
 from ._generated import grpc_service_pb2 as pb
 
 
@@ -25,13 +25,16 @@ def check_restriction(restriction: Restriction | None, metadata: Mapping[str, An
         raise UnavailableError(restriction.message())
 
 
-def _system_status(registry: SharedMemoryRegistry, request: Any) -> Any:
-    reply = pb.SystemSharedMemoryStatusResponse()
-    for status in registry.status("system", request.name):
-        reply.regions[status["name"]].CopyFrom(
-            pb.SystemSharedMemoryStatusResponse.RegionStatus(**status)
-        )
-    return reply
+def _status(kind: Kind, reply_type: Any) -> Callable[[SharedMemoryRegistry, Any], Any]:
+    """The status RPC of one kind of region: every region's status, keyed by its name."""
+
+    def status(registry: SharedMemoryRegistry, request: Any) -> Any:
+        reply = reply_type()
+        for region in registry.status(kind, request.name):
+            reply.regions[region["name"]].CopyFrom(reply_type.RegionStatus(**region))
+        return reply
+
+    return status
 
 
 def _system_register(registry: SharedMemoryRegistry, request: Any) -> Any:
@@ -42,15 +45,6 @@ def _system_register(registry: SharedMemoryRegistry, request: Any) -> Any:
 def _system_unregister(registry: SharedMemoryRegistry, request: Any) -> Any:
     registry.unregister("system", request.name)
     return pb.SystemSharedMemoryUnregisterResponse()
-
-
-def _cuda_status(registry: SharedMemoryRegistry, request: Any) -> Any:
-    reply = pb.CudaSharedMemoryStatusResponse()
-    for status in registry.status("cuda", request.name):
-        reply.regions[status["name"]].CopyFrom(
-            pb.CudaSharedMemoryStatusResponse.RegionStatus(**status)
-        )
-    return reply
 
 
 def _cuda_register(registry: SharedMemoryRegistry, request: Any) -> Any:
@@ -64,10 +58,10 @@ def _cuda_unregister(registry: SharedMemoryRegistry, request: Any) -> Any:
 
 
 SHARED_MEMORY_RPCS: dict[str, Callable[[SharedMemoryRegistry, Any], Any]] = {
-    "SystemSharedMemoryStatus": _system_status,
+    "SystemSharedMemoryStatus": _status("system", pb.SystemSharedMemoryStatusResponse),
     "SystemSharedMemoryRegister": _system_register,
     "SystemSharedMemoryUnregister": _system_unregister,
-    "CudaSharedMemoryStatus": _cuda_status,
+    "CudaSharedMemoryStatus": _status("cuda", pb.CudaSharedMemoryStatusResponse),
     "CudaSharedMemoryRegister": _cuda_register,
     "CudaSharedMemoryUnregister": _cuda_unregister,
 }

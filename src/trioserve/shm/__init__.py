@@ -7,6 +7,7 @@ request's use of them (leases, inputs read, outputs written). The front ends cal
 """
 
 from ._cuda import is_device_array
+from ._region import Kind
 from ._registry import SharedMemoryRegistry
 from ._tensors import (
     RequestRegions,
@@ -16,6 +17,7 @@ from ._tensors import (
 )
 
 __all__ = [
+    "Kind",
     "RequestRegions",
     "SharedMemoryRegistry",
     "is_device_array",
