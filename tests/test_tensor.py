@@ -112,6 +112,10 @@ def test_bool_raw_must_be_zero_or_one():
         ("INT32", ["1", 2], "integers"),
         ("UINT8", [256], "out of range"),
         ("INT8", [-129], "out of range"),
+        ("UINT32", [-1], "out of range"),
+        ("INT64", [2**63], "out of range"),
+        ("UINT64", [2**64], "out of range"),
+        ("INT32", [[2**31]], "out of range"),  # nested: numpy's own conversion path
         ("BOOL", [1, 0], "true/false"),
         ("FP32", ["x"], "numbers"),
         ("FP32", [[1, 2], [3]], "rectangular"),
@@ -124,6 +128,21 @@ def test_json_type_errors(name, data, message):
     shape = [4] if message == "needs 4" else [len(data)]
     with pytest.raises(InvalidArgumentError, match=message):
         array_from_json(datatype(name), shape, data, "x")
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("INT8", [-128, 127]),
+        ("UINT8", [0, 255]),
+        ("INT64", [-(2**63), 2**63 - 1]),
+        ("UINT64", [0, 2**64 - 1]),
+    ],
+)
+def test_json_integers_at_the_ends_of_their_range_are_exact(name, data):
+    array = array_from_json(datatype(name), [2], data, "x")
+    assert array.dtype == datatype(name).dtype
+    assert array.tolist() == data
 
 
 def test_json_nested_data_is_accepted():

@@ -68,6 +68,10 @@ class ModelRepository:
                     f"model {entry.model.name!r} version {entry.version} is defined twice"
                 )
             versions[entry.version] = entry
+        # What a request naming no version gets, looked up once rather than per request.
+        self._latest = {
+            name: versions[max(versions, key=int)] for name, versions in self._models.items()
+        }
 
     def __iter__(self) -> Iterator[ServedModel]:
         for versions in self._models.values():
@@ -82,10 +86,12 @@ class ModelRepository:
 
     def get(self, name: str, version: str = "") -> ServedModel:
         """The runner for ``name`` at ``version`` ("" picks the latest version)."""
-        versions = self._versions(name)
         if not version:
-            version = max(versions, key=int)
-        runner = versions.get(version)
+            latest = self._latest.get(name)
+            if latest is None:
+                raise unknown_model(name)
+            return latest
+        runner = self._versions(name).get(version)
         if runner is None:
             raise NotFoundError(
                 f"Request for unknown model: '{name}' version {version} is not found"

@@ -217,10 +217,14 @@ def array_from_json(
     count = element_count(shape)
     if dt.is_bytes:
         return _bytes_from_json(data, count, what).reshape(shape)
-    if len(data) == count <= _SMALL and _plain(data, dt):
+    if len(data) == count <= _SMALL and set(map(type, data)) <= _PLAIN_TYPES[dt.json_kinds]:
         # The common small flat list: checking element types in Python is cheaper than
-        # letting numpy infer a dtype and then checking it with reductions.
-        return np.array(data, dtype=dt.dtype).reshape(shape)
+        # letting numpy infer a dtype and then checking it with reductions. numpy checks
+        # the integer range itself, raising OverflowError.
+        try:
+            return np.array(data, dtype=dt.dtype).reshape(shape)
+        except OverflowError:
+            raise InvalidArgumentError(f"{what}: value out of range for {dt.name}") from None
     try:
         parsed = np.array(data)
     except ValueError:
@@ -244,16 +248,6 @@ def array_from_json(
 
 _SMALL = 256
 _PLAIN_TYPES = {"b": frozenset({bool}), "iu": frozenset({int}), "iuf": frozenset({int, float})}
-
-
-def _plain(data: list[Any], dt: Datatype) -> bool:
-    """Whether ``data`` is a flat list of values that ``dt`` takes exactly as they are."""
-    if not set(map(type, data)) <= _PLAIN_TYPES[dt.json_kinds]:
-        return False
-    if dt.bounds is None or not data:
-        return True
-    low, high = dt.bounds
-    return bool(low <= min(data) and max(data) <= high)
 
 
 def _big_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:

@@ -25,7 +25,13 @@ from .._tensor import (
     datatype,
     element_count,
 )
-from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from .._types import (
+    InferenceRequest,
+    InferenceResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+)
 from ..shm import (
     RequestRegions,
     is_shared_memory_output,
@@ -255,13 +261,19 @@ def encode_response(
             parts += ('],"parameters":{"binary_data_size":', str(len(raw)), "}}")
             raw_parts.append(raw)  # bytes, or a uint8 view
         else:
-            data = array_to_json(tensor.data, tensor.datatype, f"output '{tensor.name}'")
-            parts += ('],"data":', _encode(data), "}")
+            parts += ('],"data":', _json_data(tensor), "}")
     parts.append("]}")
     header = "".join(parts).encode()
     if not raw_parts:
         return header, None
     return b"".join([header, *raw_parts]), len(header)
+
+
+def _json_data(tensor: OutputTensor) -> str:
+    data = array_to_json(tensor.data, tensor.datatype, f"output '{tensor.name}'")
+    if tensor.datatype.dtype.kind in "iu":
+        return repr(data)  # a list of ints reads as JSON, and repr writes it quicker
+    return _encode(data)
 
 
 def _unserializable(value: object) -> object:
