@@ -1,0 +1,156 @@
+"""CUDA shared memory over both front ends, on a fake device (``fake_cupy.py``).
+
+The server and tritonclient are real; only the GPU is modelled, on the host. Besides the
+answers, the tests check where the device work ran: opening a handle in a worker thread,
+never on the event loop's thread (which, the server running in the test's trio run, is
+the test's own).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections import Counter
+from types import ModuleType
+from typing import Any
+
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import trioserve
+from trioserve import Server, ServerConfig
+from trioserve.models import reference_zoo
+
+PROTOCOLS = ["http", "grpc"]
+# What each error kind looks like to tritonclient: HTTP status, gRPC status code.
+STATUS = {
+    "INVALID_ARG": ("400", "StatusCode.INVALID_ARGUMENT"),
+    "ALREADY_EXISTS": ("400", "StatusCode.ALREADY_EXISTS"),
+}
+TIMEOUT = 30  # seconds; generous for a loaded machine, still fails a hung test
+
+
+@pytest.fixture
+async def server(fake_cupy: ModuleType, nursery: trio.Nursery) -> Server:
+    config = ServerConfig(models=reference_zoo(), http_port=0, grpc_port=0)
+    started: Server = await nursery.start(trioserve.serve, config)
+    return started
+
+
+class Client:
+    """tritonclient over one protocol; each call on a client of its own, made and used in
+    one worker thread (tritonclient's HTTP client belongs to the thread that made it)."""
+
+    def __init__(self, protocol: str, server: Server) -> None:
+        self.protocol = protocol
+        self.module: Any = httpclient if protocol == "http" else grpcclient
+        port = server.http_port if protocol == "http" else server.grpc_port
+        self.url = f"127.0.0.1:{port}"
+
+    async def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        def in_thread() -> Any:
+            client = self.module.InferenceServerClient(self.url)
+            try:
+                return getattr(client, method)(*args, **kwargs)
+            finally:
+                client.close()
+
+        with trio.fail_after(TIMEOUT):
+            return await trio.to_thread.run_sync(in_thread, abandon_on_cancel=True)
+
+    async def expect_error(self, kind: str, method: str, *args: Any) -> str:
+        with pytest.raises(InferenceServerException) as caught:
+            await self(method, *args)
+        http_status, grpc_status = STATUS[kind]
+        assert caught.value.status() == (http_status if self.protocol == "http" else grpc_status)
+        return str(caught.value.message())
+
+    async def cuda_status(self) -> dict[str, dict[str, Any]]:
+        """Registered CUDA regions by name: {name: {name, device_id, byte_size}}."""
+        reply = await self("get_cuda_shared_memory_status")
+        if self.protocol == "http":
+            return {region["name"]: region for region in reply}
+        return {
+            name: {"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
+            for name, r in reply.regions.items()
+        }
+
+
+def _exported(fake: ModuleType, data: bytes) -> tuple[int, bytes]:
+    """Device memory holding ``data``, as a client allocates it: its address, and its IPC
+    handle in the base64 form tritonclient takes."""
+    address = fake.runtime.malloc(len(data))
+    fake.write(address, data)
+    return address, base64.b64encode(fake.runtime.ipcGetMemHandle(address))
+
+
+def _off_the_loop(fake: ModuleType, loop: int) -> Counter[str]:
+    """The device calls so far, counted by name, after checking that none of them ran on
+    the event loop's thread."""
+    assert [call for call, thread in fake.calls if thread == loop] == []
+    return Counter(call for call, _ in fake.calls)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_registration_errors(fake_cupy: ModuleType, server: Server, protocol: str) -> None:
+    loop = threading.get_ident()
+    client = Client(protocol, server)
+    _, handle = _exported(fake_cupy, bytes(64))
+    register = "register_cuda_shared_memory"
+
+    unknown = base64.b64encode(b"\1" * 64)
+    message = await client.expect_error("INVALID_ARG", register, "junk", unknown, 0, 64)
+    assert message == (
+        "failed to register CUDA shared memory region 'junk': "
+        "cudaErrorInvalidResourceHandle: invalid resource handle"
+    )
+    short = base64.b64encode(b"\1" * 8)
+    message = await client.expect_error("INVALID_ARG", register, "short", short, 0, 64)
+    assert "raw_handle must be a 64-byte cudaIpcMemHandle_t, got 8 bytes" in message
+    message = await client.expect_error("INVALID_ARG", register, "far", handle, 1, 64)
+    assert "device_id 1 is not one of the 1 devices" in message
+    await client(register, "r", handle, 0, 64)
+    message = await client.expect_error("ALREADY_EXISTS", register, "r", handle, 0, 64)
+    assert message == "shared memory region 'r' already in manager"
+
+    assert await client.cuda_status() == {"r": {"name": "r", "device_id": 0, "byte_size": 64}}
+    # The one refused by the driver and "r"; the name is taken before anything is opened.
+    assert _off_the_loop(fake_cupy, loop) == {"ipcOpenMemHandle": 2}
+    assert fake_cupy.open_handles() == 1
+    await client("unregister_cuda_shared_memory", "r")
+    assert fake_cupy.open_handles() == 0
+
+
+@pytest.mark.parametrize("first", PROTOCOLS)
+async def test_concurrent_registrations_of_one_name(
+    fake_cupy: ModuleType, server: Server, first: str
+) -> None:
+    """While one registration waits on the driver, the loop answers the rest: a second
+    registration of its name is refused at once, and nothing is registered yet."""
+    loop = threading.get_ident()
+    clients = {protocol: Client(protocol, server) for protocol in PROTOCOLS}
+    second = clients["grpc" if first == "http" else "http"]
+    _, handle = _exported(fake_cupy, bytes(64))
+    gate = fake_cupy.hold_opens()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(clients[first], "register_cuda_shared_memory", "r", handle, 0, 64)
+            opening = await trio.to_thread.run_sync(fake_cupy.open_waiting.wait, TIMEOUT)
+            assert opening, "the first registration never opened its handle"
+
+            message = await second.expect_error(
+                "ALREADY_EXISTS", "register_cuda_shared_memory", "r", handle, 0, 64
+            )
+            assert message == "shared memory region 'r' already in manager"
+            assert await second.cuda_status() == {}
+            gate.set()
+    finally:
+        gate.set()  # never leave a worker thread waiting on the gate
+    assert await second.cuda_status() == {"r": {"name": "r", "device_id": 0, "byte_size": 64}}
+    assert _off_the_loop(fake_cupy, loop) == {"ipcOpenMemHandle": 1}
+    assert fake_cupy.open_handles() == 1
+    await second("unregister_cuda_shared_memory")
+    assert fake_cupy.open_handles() == 0
