@@ -7,10 +7,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import tritonclient.utils.shared_memory as shm
 
+import trioserve
+from trioserve import TensorSpec
 from trioserve.shm._cuda import _cupy_or_reason
 
 
@@ -72,3 +75,20 @@ def fake_cupy() -> Iterator[ModuleType]:
         else:
             sys.modules["cupy"] = previous
         _cupy_or_reason.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def double_gpu() -> trioserve.Model:
+    """A model on the GPU: its input must arrive as a cupy array, not a host copy."""
+
+    @trioserve.model(
+        name="double_gpu",
+        inputs=[TensorSpec("INPUT0", "FP32", [-1])],
+        outputs=[TensorSpec("OUTPUT0", "FP32", [-1])],
+        device="gpu",
+    )
+    def double_gpu(INPUT0: Any) -> dict[str, Any]:
+        assert type(INPUT0).__module__.startswith("cupy")
+        return {"OUTPUT0": INPUT0 * 2}
+
+    return double_gpu

@@ -1,24 +1,26 @@
-"""CUDA shared memory over both front ends, on a fake device (``fake_cupy.py``).
+"""CUDA shared memory end to end over both front ends, on a fake device (``fake_cupy.py``).
 
 The server and tritonclient are real; only the GPU is modelled, on the host. Besides the
-answers, the tests check where the device work ran: opening a handle in a worker thread,
-never on the event loop's thread (which, the server running in the test's trio run, is
-the test's own).
+values, the tests check where the device work ran: opening a handle and every copy to,
+from or between device memory in a worker thread, never on the event loop's thread
+(which, the server running in the test's trio run, is the test's own).
 """
 
 from __future__ import annotations
 
 import base64
+import gc
 import threading
 from collections import Counter
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import trioserve
 from trioserve import Server, ServerConfig
@@ -31,11 +33,14 @@ STATUS = {
     "ALREADY_EXISTS": ("400", "StatusCode.ALREADY_EXISTS"),
 }
 TIMEOUT = 30  # seconds; generous for a loaded machine, still fails a hung test
+VALUES = np.arange(64, dtype=np.float32)
 
 
 @pytest.fixture
-async def server(fake_cupy: ModuleType, nursery: trio.Nursery) -> Server:
-    config = ServerConfig(models=reference_zoo(), http_port=0, grpc_port=0)
+async def server(
+    fake_cupy: ModuleType, double_gpu: trioserve.Model, nursery: trio.Nursery
+) -> Server:
+    config = ServerConfig(models=[*reference_zoo(), double_gpu], http_port=0, grpc_port=0)
     started: Server = await nursery.start(trioserve.serve, config)
     return started
 
@@ -68,6 +73,15 @@ class Client:
         assert caught.value.status() == (http_status if self.protocol == "http" else grpc_status)
         return str(caught.value.message())
 
+    def written_to(self, result: Any, name: str) -> dict[str, Any]:
+        """Where the response says output ``name`` was written (its parameters)."""
+        output = result.get_output(name)
+        if self.protocol == "http":
+            return dict(output["parameters"])
+        return {
+            k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in output.parameters.items()
+        }
+
     async def cuda_status(self) -> dict[str, dict[str, Any]]:
         """Registered CUDA regions by name: {name: {name, device_id, byte_size}}."""
         reply = await self("get_cuda_shared_memory_status")
@@ -92,6 +106,100 @@ def _off_the_loop(fake: ModuleType, loop: int) -> Counter[str]:
     the event loop's thread."""
     assert [call for call, thread in fake.calls if thread == loop] == []
     return Counter(call for call, _ in fake.calls)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize(
+    ("model", "datatype", "device_calls"),
+    [
+        ("identity_fp32", "FP32", {"ipcOpenMemHandle": 2, "get": 1, "set": 1}),
+        ("identity_bytes", "BYTES", {"ipcOpenMemHandle": 2, "get": 1, "set": 1}),
+        # A GPU model reads its input where it lies, and its output goes device to device.
+        ("double_gpu", "FP32", {"ipcOpenMemHandle": 2, "copyto": 1}),
+    ],
+)
+async def test_input_and_output_in_cuda_regions(
+    fake_cupy: ModuleType,
+    server: Server,
+    protocol: str,
+    model: str,
+    datatype: str,
+    device_calls: dict[str, int],
+) -> None:
+    loop = threading.get_ident()
+    client = Client(protocol, server)
+    if datatype == "BYTES":
+        words = np.array([b"cuda", b"", b"shared \xff"], dtype=np.object_)
+        data = serialize_byte_tensor(words).item()
+        shape, expected = [3], data
+    else:
+        data = VALUES.tobytes()
+        shape, expected = [VALUES.size], (VALUES * (2 if model == "double_gpu" else 1)).tobytes()
+    size = len(data)
+    _, in_handle = _exported(fake_cupy, data)
+    out_address, out_handle = _exported(fake_cupy, bytes(size))
+    await client("register_cuda_shared_memory", "cuda_in", in_handle, 0, size)
+    await client("register_cuda_shared_memory", "cuda_out", out_handle, 0, size)
+    assert await client.cuda_status() == {
+        "cuda_in": {"name": "cuda_in", "device_id": 0, "byte_size": size},
+        "cuda_out": {"name": "cuda_out", "device_id": 0, "byte_size": size},
+    }
+    tensor = client.module.InferInput("INPUT0", shape, datatype)
+    tensor.set_shared_memory("cuda_in", size)
+    output = client.module.InferRequestedOutput("OUTPUT0")
+    output.set_shared_memory("cuda_out", size)
+
+    result = await client("infer", model, [tensor], outputs=[output])
+
+    assert client.written_to(result, "OUTPUT0") == {
+        "shared_memory_region": "cuda_out", "shared_memory_byte_size": size,
+    }  # fmt: skip
+    assert fake_cupy.read(out_address, size) == expected
+    assert _off_the_loop(fake_cupy, loop) == device_calls
+    assert fake_cupy.open_handles() == 2
+    await client("unregister_cuda_shared_memory")
+    assert await client.cuda_status() == {}
+    # A finished request can still sit in a reference cycle for a moment; the arrays over
+    # a region it used, and so the region's handle, go with the cycle.
+    gc.collect()
+    assert fake_cupy.open_handles() == 0
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_gpu_model_output_comes_to_the_host_off_the_loop(
+    fake_cupy: ModuleType, server: Server, protocol: str
+) -> None:
+    loop = threading.get_ident()
+    client = Client(protocol, server)
+    _, handle = _exported(fake_cupy, VALUES.tobytes())
+    await client("register_cuda_shared_memory", "cuda_in", handle, 0, VALUES.nbytes)
+    tensor = client.module.InferInput("INPUT0", [VALUES.size], "FP32")
+    tensor.set_shared_memory("cuda_in", VALUES.nbytes)
+
+    result = await client("infer", "double_gpu", [tensor])
+
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), VALUES * 2)
+    assert _off_the_loop(fake_cupy, loop) == {"ipcOpenMemHandle": 1, "get": 1}
+    await client("unregister_cuda_shared_memory")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_malformed_bytes_found_by_the_copy(
+    fake_cupy: ModuleType, server: Server, protocol: str
+) -> None:
+    loop = threading.get_ident()
+    client = Client(protocol, server)
+    data = (100).to_bytes(4, "little") + b"short"  # an element of 100 bytes, 5 present
+    _, handle = _exported(fake_cupy, data)
+    await client("register_cuda_shared_memory", "cuda_in", handle, 0, len(data))
+    tensor = client.module.InferInput("INPUT0", [1], "BYTES")
+    tensor.set_shared_memory("cuda_in", len(data))
+
+    message = await client.expect_error("INVALID_ARG", "infer", "identity_bytes", [tensor])
+
+    assert "input 'INPUT0': BYTES element length runs past the data" in message
+    assert _off_the_loop(fake_cupy, loop) == {"ipcOpenMemHandle": 1, "get": 1}
+    await client("unregister_cuda_shared_memory")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

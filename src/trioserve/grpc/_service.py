@@ -3,10 +3,10 @@
 Handlers run on the asyncio side of the bridge (grpclib is asyncio code) and never touch
 trio themselves: what must run in trio, ``ServedModel.infer``, a whole ModelStreamInfer
 call, and the shared-memory work that waits on a device in trio's worker threads (CUDA
-registration), goes through the ``Infer``, ``StreamInfer`` and ``InTrio`` callables the
-bridge hands in. Everything else they read (readiness, metadata, config) is plain
-synchronous state of the repository; the load reporter only reads trio's clock, which
-this thread's trio run answers.
+registration, copies to and from a GPU), goes through the ``Infer``, ``StreamInfer`` and
+``InTrio`` callables the bridge hands in. Everything else they read (readiness,
+metadata, config) is plain synchronous state of the repository; the load reporter only
+reads trio's clock, which this thread's trio run answers.
 
 Each handler body is wrapped by ``_rpc``, the one place that turns failures into gRPC
 statuses: an ``InferenceServerError`` through the table in ``_errors``, anything else
@@ -66,7 +66,7 @@ _Result = TypeVar("_Result")
 class InTrio(Protocol):
     """Runs ``await function(*args)`` in trio and awaits it from asyncio. Cancelling the
     await cancels the call, and the await ends only once the call has: what the call
-    uses stays valid throughout."""
+    uses (a request's leased regions) stays valid throughout."""
 
     def __call__(
         self, function: Callable[[*_Args], Awaitable[_Result]], /, *args: *_Args
@@ -196,9 +196,14 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         served = self._repository.get(message.model_name, message.model_version)
         with RequestRegions(self._shared_memory, served.model.device) as regions:
             request = decode_request(message, regions)
+            if regions.device_inputs:
+                await self._in_trio(regions.read_device_inputs)
             with self._load.counting(served):
                 response = await self._infer(served, request)
-                regions.write_outputs(response)
+                if regions.device_outputs:
+                    await self._in_trio(regions.write_device_outputs, response)
+                else:
+                    regions.write_outputs(response)
             await stream.send_message(encode_response(response))
         await self._send_load_report(stream, served)
 
