@@ -204,6 +204,11 @@ def _from_host(values: numpy.ndarray[Any, Any]) -> ndarray:
     return result
 
 
+def asarray(a: numpy.ndarray[Any, Any]) -> ndarray:
+    _record("asarray")  # host to device
+    return _from_host(a)
+
+
 def copyto(dst: ndarray, src: ndarray) -> None:
     _record("copyto")
     numpy.copyto(dst._host_view(), src._host_view())

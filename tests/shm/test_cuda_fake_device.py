@@ -1,4 +1,5 @@
-"""CUDA shared memory end to end over both front ends, on a fake device (``fake_cupy.py``).
+"""CUDA shared memory end to end over both front ends, and a GPU model's outputs over
+ModelStreamInfer, on a fake device (``fake_cupy.py``).
 
 The server and tritonclient are real; only the GPU is modelled, on the host. Besides the
 values, the tests check where the device work ran: opening a handle and every copy to,
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import gc
+import queue
 import threading
 from collections import Counter
 from types import ModuleType
@@ -23,7 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 import trioserve
-from trioserve import Server, ServerConfig
+from trioserve import Server, ServerConfig, TensorSpec
 from trioserve.models import reference_zoo
 
 PROTOCOLS = ["http", "grpc"]
@@ -36,11 +38,27 @@ TIMEOUT = 30  # seconds; generous for a loaded machine, still fails a hung test
 VALUES = np.arange(64, dtype=np.float32)
 
 
+def _doubling_on_the_device(fake_cupy: ModuleType) -> trioserve.Model:
+    """A GPU model that takes its input from the host and leaves its output on the device."""
+
+    @trioserve.model(
+        name="double_on_device",
+        inputs=[TensorSpec("INPUT0", "FP32", [-1])],
+        outputs=[TensorSpec("OUTPUT0", "FP32", [-1])],
+        device="gpu",
+    )
+    def double_on_device(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
+        return {"OUTPUT0": fake_cupy.asarray(INPUT0) * 2}
+
+    return double_on_device
+
+
 @pytest.fixture
 async def server(
     fake_cupy: ModuleType, double_gpu: trioserve.Model, nursery: trio.Nursery
 ) -> Server:
-    config = ServerConfig(models=[*reference_zoo(), double_gpu], http_port=0, grpc_port=0)
+    models = [*reference_zoo(), double_gpu, _doubling_on_the_device(fake_cupy)]
+    config = ServerConfig(models=models, http_port=0, grpc_port=0)
     started: Server = await nursery.start(trioserve.serve, config)
     return started
 
@@ -262,3 +280,27 @@ async def test_concurrent_registrations_of_one_name(
     assert fake_cupy.open_handles() == 1
     await second("unregister_cuda_shared_memory")
     assert fake_cupy.open_handles() == 0
+
+
+async def test_gpu_model_outputs_over_a_stream(fake_cupy: ModuleType, server: Server) -> None:
+    loop = threading.get_ident()
+
+    def in_thread() -> Any:
+        replies: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        try:
+            client.start_stream(callback=lambda result, error: replies.put((result, error)))
+            tensor = grpcclient.InferInput("INPUT0", [VALUES.size], "FP32")
+            tensor.set_data_from_numpy(VALUES)
+            client.async_stream_infer("double_on_device", [tensor])
+            return replies.get(timeout=TIMEOUT)
+        finally:
+            client.stop_stream()
+            client.close()
+
+    result, error = await trio.to_thread.run_sync(in_thread, abandon_on_cancel=True)
+
+    assert error is None
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), VALUES * 2)
+    # The model's own copy in its worker thread, then the output's to the host.
+    assert _off_the_loop(fake_cupy, loop) == {"asarray": 1, "get": 1}

@@ -14,6 +14,7 @@ from ._registry import SharedMemoryRegistry
 from ._tensors import (
     RequestRegions,
     is_shared_memory_output,
+    outputs_to_host,
     shared_memory_input,
     shared_memory_outputs,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "SharedMemoryRegistry",
     "is_device_array",
     "is_shared_memory_output",
+    "outputs_to_host",
     "shared_memory_input",
     "shared_memory_outputs",
 ]

@@ -31,7 +31,7 @@ import trio
 
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._tensor import Datatype, array_from_raw, array_to_raw, element_count
-from .._types import InferenceResponse, RequestedOutput
+from .._types import InferenceResponse, OutputTensor, RequestedOutput
 from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
 from ._region import Region
 from ._registry import SharedMemoryRegistry
@@ -170,8 +170,7 @@ class RequestRegions:
         for tensor in response.outputs:
             span = self._outputs.get(tensor.name)
             if span is None:
-                if is_device_array(tensor.data):
-                    tensor.data = to_host(tensor.data)
+                _to_host(tensor)
                 continue
             raw = _raw_output(tensor.data, tensor.datatype, span.region)
             size = int(raw.nbytes)
@@ -190,6 +189,22 @@ class RequestRegions:
         """``write_outputs`` in a worker thread, for a request with ``device_outputs``.
         Not abandoned on cancellation: the leases must outlive the copies."""
         await trio.to_thread.run_sync(self.write_outputs, response)
+
+
+async def outputs_to_host(response: InferenceResponse) -> None:
+    """A GPU model's outputs copied to the host for the wire, in a worker thread: for a
+    request without ``RequestRegions`` (one of a stream)."""
+    await trio.to_thread.run_sync(_outputs_to_host, response)
+
+
+def _outputs_to_host(response: InferenceResponse) -> None:
+    for tensor in response.outputs:
+        _to_host(tensor)
+
+
+def _to_host(tensor: OutputTensor) -> None:
+    if is_device_array(tensor.data):
+        tensor.data = to_host(tensor.data)
 
 
 def is_shared_memory_output(parameters: Mapping[str, Any]) -> bool:
