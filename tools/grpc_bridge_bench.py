@@ -75,7 +75,7 @@ def _direct_infer() -> Any:
     return infer
 
 
-def _service(repository: Any, infer: Any) -> Any:
+def _service(repository: Any, infer: Any, in_trio: Any) -> Any:
     from trioserve._errors import UnsupportedError
     from trioserve._server import server_metadata
     from trioserve.grpc._service import InferenceService
@@ -83,7 +83,15 @@ def _service(repository: Any, infer: Any) -> Any:
     async def no_streams(stream: Any) -> None:  # this bench measures unary calls only
         raise UnsupportedError("ModelStreamInfer is not part of this bench")
 
-    return InferenceService(repository, server_metadata(), infer, no_streams)
+    return InferenceService(repository, server_metadata(), infer, no_streams, in_trio)
+
+
+def _no_trio(function: Any, *args: Any) -> Any:
+    """A plain asyncio loop has no trio to run anything in; only CUDA shared memory would
+    ask, and this bench uses none."""
+    from trioserve._errors import UnsupportedError
+
+    raise UnsupportedError("no trio under a plain asyncio loop")
 
 
 def _announce(port: int) -> None:
@@ -101,7 +109,7 @@ async def _serve_asyncio() -> None:
         return await direct(runner, request)
 
     listener = _listen("127.0.0.1", 0)
-    server = Server([_service(_repository(), infer)])
+    server = Server([_service(_repository(), infer, _no_trio)])
     await server.start(sock=listener)
     _announce(listener.getsockname()[1])
     await asyncio.Event().wait()
@@ -139,7 +147,7 @@ async def _serve_trio(variant: str) -> None:
                 return loop.trio_as_future(in_trio, runner, request)
 
         listener = _listen("127.0.0.1", 0)
-        servable = _Drain().guard([_service(repository, infer)])
+        servable = _Drain().guard([_service(repository, infer, loop.trio_as_future)])
         await trio_asyncio.aio_as_trio(_start)(servable, listener, LIMIT)
         _announce(listener.getsockname()[1])
         await trio.sleep_forever()

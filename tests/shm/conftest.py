@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import gc
+import importlib.util
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import tritonclient.utils.shared_memory as shm
+
+import trioserve
+from trioserve import TensorSpec
+from trioserve.shm._cuda import _cupy_or_reason
 
 
 class Regions:
@@ -40,3 +49,46 @@ def regions() -> Iterator[Regions]:
     made = Regions()
     yield made
     made.destroy()
+
+
+@pytest.fixture
+def fake_cupy() -> Iterator[ModuleType]:
+    """``fake_cupy.py`` installed as ``cupy``: servers started in the test see one device.
+
+    Afterwards every IPC handle the server opened must be closed, and ``cupy`` is what it
+    was before (usually absent).
+    """
+    spec = importlib.util.spec_from_file_location("cupy", Path(__file__).with_name("fake_cupy.py"))
+    assert spec is not None and spec.loader is not None
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+    previous = sys.modules.get("cupy")
+    sys.modules["cupy"] = fake
+    _cupy_or_reason.cache_clear()  # it remembers whether cupy imports
+    try:
+        yield fake
+        gc.collect()  # arrays over a region that wait in reference cycles let go of it
+        assert fake.open_handles() == 0, "an opened CUDA IPC handle was never closed"
+    finally:
+        if previous is None:
+            del sys.modules["cupy"]
+        else:
+            sys.modules["cupy"] = previous
+        _cupy_or_reason.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def double_gpu() -> trioserve.Model:
+    """A model on the GPU: its input must arrive as a cupy array, not a host copy."""
+
+    @trioserve.model(
+        name="double_gpu",
+        inputs=[TensorSpec("INPUT0", "FP32", [-1])],
+        outputs=[TensorSpec("OUTPUT0", "FP32", [-1])],
+        device="gpu",
+    )
+    def double_gpu(INPUT0: Any) -> dict[str, Any]:
+        assert type(INPUT0).__module__.startswith("cupy")
+        return {"OUTPUT0": INPUT0 * 2}
+
+    return double_gpu

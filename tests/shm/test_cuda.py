@@ -12,14 +12,13 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
 import trioserve
-from trioserve import Server, ServerConfig, TensorSpec
+from trioserve import Server, ServerConfig
 from trioserve.models import reference_zoo
 from trioserve.shm._cuda import cuda_unavailable_reason
 from trioserve.testing import server_in_thread
@@ -53,23 +52,9 @@ CLIENT = textwrap.dedent(
 )
 
 
-def _doubling_gpu_model() -> trioserve.Model:
-    @trioserve.model(
-        name="double_gpu",
-        inputs=[TensorSpec("INPUT0", "FP32", [-1])],
-        outputs=[TensorSpec("OUTPUT0", "FP32", [-1])],
-        device="gpu",
-    )
-    def double_gpu(INPUT0: Any) -> dict[str, Any]:
-        assert type(INPUT0).__module__.startswith("cupy")  # no host copy on the way in
-        return {"OUTPUT0": INPUT0 * 2}
-
-    return double_gpu
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    models = [*reference_zoo(), _doubling_gpu_model()]
+def server(double_gpu: trioserve.Model) -> Iterator[Server]:
+    models = [*reference_zoo(), double_gpu]
     with server_in_thread(ServerConfig(models=models, http_port=0, grpc_port=0)) as running:
         yield running
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 import tritonclient.utils.shared_memory as shm
 
 from trioserve import (
@@ -76,13 +77,13 @@ def test_close_unregisters_everything(registry, regions):
     assert registry.status("system") == [] and regions.mappings(key) == 1
 
 
-def test_names_and_values(registry, regions):
+async def test_names_and_values(registry, regions):
     _, key = regions.create("names", 64)
     registry.register_system("a", key, 0, 64)
     with pytest.raises(AlreadyExistsError):
         registry.register_system("a", key, 0, 8)
     with pytest.raises(AlreadyExistsError):
-        registry.register_cuda("a", b"\0" * 64, 0, 8)  # one namespace for both kinds
+        await registry.register_cuda("a", b"\0" * 64, 0, 8)  # one namespace for both kinds
     for bad in [("", key, 0, 8), ("b", 5, 0, 8), ("b", key, -1, 8), ("b", key, 0, 0),
                 ("b", key, 0, 2.5), ("b", key, True, 8)]:  # fmt: skip
         with pytest.raises(InvalidArgumentError):
@@ -128,15 +129,40 @@ def test_shared_memory_needs_regions():
     assert shared_memory_input(None, {"binary_data_size": 4}, FP32, (1,), "input", True) is None
 
 
-def test_cuda_is_unavailable_here_and_says_why(registry):
+async def test_cuda_is_unavailable_here_and_says_why(registry):
     reason = cuda_unavailable_reason()
     if reason is None:
         pytest.skip("cupy and a CUDA device are present")
     assert not registry.cuda_available
     assert registry.status("cuda") == []
     with pytest.raises(UnavailableError, match="CUDA shared memory is not available"):
-        registry.register_cuda("gpu", b"\0" * 64, 0, 64)
+        await registry.register_cuda("gpu", b"\0" * 64, 0, 64)
     assert registry.status("cuda") == []
+
+
+async def test_a_cuda_region_still_opening_when_the_registry_closes(registry, fake_cupy):
+    """Its name is taken while the handle opens in a worker thread; once open, a closed
+    registry closes it again instead of keeping it."""
+    address = fake_cupy.runtime.malloc(64)
+    handle = fake_cupy.runtime.ipcGetMemHandle(address)
+    gate = fake_cupy.hold_opens()
+
+    async def register() -> None:
+        with pytest.raises(UnavailableError, match="the server is shutting down"):
+            await registry.register_cuda("r", handle, 0, 64)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(register)
+            assert await trio.to_thread.run_sync(fake_cupy.open_waiting.wait, 30)
+            with pytest.raises(AlreadyExistsError):
+                registry.register_system("r", "any-key", 0, 64)
+            registry.close()
+            gate.set()
+    finally:
+        gate.set()  # never leave a worker thread waiting on the gate
+    assert registry.status("cuda") == []
+    assert fake_cupy.open_handles() == 0
 
 
 def test_parse_restrictions():

@@ -2,10 +2,11 @@
 
 This is the only module that knows both worlds. grpclib runs its connections and
 handlers as asyncio tasks on a trio-asyncio loop, which itself runs as trio tasks under
-``serve_grpc``, so the whole front end lives inside the server's nursery. Two things
-cross back into trio, started with ``loop.trio_as_future``: ``ServedModel.infer``, and a
+``serve_grpc``, so the whole front end lives inside the server's nursery. Three things
+cross back into trio, started with ``loop.trio_as_future``: ``ServedModel.infer``; a
 whole ModelStreamInfer call (``_stream.StreamInfer``), which in turn reads and writes
-its grpclib stream through ``_TrioStream``, each message one step back into asyncio.
+its grpclib stream through ``_TrioStream``, each message one step back into asyncio;
+and the shared-memory work that waits in trio's worker threads (``_service.InTrio``).
 grpclib cancels a handler's asyncio task when its client resets the stream or its
 deadline passes; cancelling the awaited future cancels the trio call, and that
 withdraws the request from the model's queue or aborts its generation.
@@ -45,7 +46,7 @@ from ..metrics._orca import LoadReporter
 from ..shm import SharedMemoryRegistry
 from ._errors import MESSAGE_TOO_LARGE, grpc_error
 from ._generated import grpc_service_pb2 as pb
-from ._service import HealthService, InferenceService
+from ._service import HealthService, InferenceService, InTrio
 from ._stream import ClientGone, StreamInfer
 
 Address = tuple[str, int]
@@ -78,21 +79,18 @@ async def serve_grpc(
     bound = (host, listener.getsockname()[1])
     drain = _Drain()
     async with trio_asyncio.open_loop() as loop:
+        # A trio task for each call and an asyncio future for its outcome; cancelling the
+        # future cancels the task and resolves once it has ended.
+        in_trio: InTrio = loop.trio_as_future
 
         def infer(served: ServedModel, request: InferenceRequest) -> Awaitable[InferenceResponse]:
-            # A trio task for ``served.infer`` and an asyncio future for its outcome;
-            # cancelling the future cancels the task and resolves once it has ended.
-            future: Awaitable[InferenceResponse] = loop.trio_as_future(served.infer, request)
-            return future
+            return in_trio(served.infer, request)
 
         load = load or LoadReporter()  # one for both services: they report the same load
         streams = StreamInfer(repository, load)
 
         def stream_infer(stream: Stream[Any, Any]) -> Awaitable[ServedModel | None]:
-            future: Awaitable[ServedModel | None] = loop.trio_as_future(
-                streams.serve, _TrioStream(stream)
-            )
-            return future
+            return in_trio(streams.serve, _TrioStream(stream))
 
         services = [
             InferenceService(
@@ -100,6 +98,7 @@ async def serve_grpc(
                 server_metadata,
                 infer,
                 stream_infer,
+                in_trio,
                 shared_memory=shared_memory,
                 restrictions=restrictions,
                 load=load,

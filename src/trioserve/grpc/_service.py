@@ -1,11 +1,12 @@
 """The handlers of ``inference.GRPCInferenceService`` and ``grpc.health.v1.Health``.
 
 Handlers run on the asyncio side of the bridge (grpclib is asyncio code) and never touch
-trio themselves: what must run in trio, ``ServedModel.infer`` and a whole
-ModelStreamInfer call, goes through the ``Infer`` and ``StreamInfer`` callables the
-bridge hands in. Everything else they read (readiness, metadata, config) is plain
-synchronous state of the repository; the load reporter only reads trio's clock, which
-this thread's trio run answers.
+trio themselves: what must run in trio, ``ServedModel.infer``, a whole ModelStreamInfer
+call, and the shared-memory work that waits on a device in trio's worker threads (CUDA
+registration, copies to and from a GPU), goes through the ``Infer``, ``StreamInfer`` and
+``InTrio`` callables the bridge hands in. Everything else they read (readiness,
+metadata, config) is plain synchronous state of the repository; the load reporter only
+reads trio's clock, which this thread's trio run answers.
 
 Each handler body is wrapped by ``_rpc``, the one place that turns failures into gRPC
 statuses: an ``InferenceServerError`` through the table in ``_errors``, anything else
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, TypeVarTuple
 
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Stream
@@ -57,6 +58,20 @@ Infer = Callable[[ServedModel, InferenceRequest], Awaitable[InferenceResponse]]
 # Serves one ModelStreamInfer call in trio (``_stream.StreamInfer``), awaited from asyncio.
 # It returns the model the call last asked for.
 StreamInfer = Callable[[Stream[Any, Any]], Awaitable[ServedModel | None]]
+
+_Args = TypeVarTuple("_Args")
+_Result = TypeVar("_Result")
+
+
+class InTrio(Protocol):
+    """Runs ``await function(*args)`` in trio and awaits it from asyncio. Cancelling the
+    await cancels the call, and the await ends only once the call has: what the call
+    uses (a request's leased regions) stays valid throughout."""
+
+    def __call__(
+        self, function: Callable[[*_Args], Awaitable[_Result]], /, *args: *_Args
+    ) -> Awaitable[_Result]: ...
+
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[None]])
 
@@ -108,7 +123,7 @@ def _shared_memory_rpc(rpc: str) -> Callable[[Any, Stream[Any, Any]], Awaitable[
     async def handler(self: InferenceService, stream: Stream[Any, Any]) -> None:
         request = await _receive(stream)
         check_restriction(self._shared_memory_restriction, stream.metadata or {})
-        await stream.send_message(answer(self._shared_memory, request))
+        await stream.send_message(await answer(self._shared_memory, request, self._in_trio))
 
     handler.__name__ = handler.__qualname__ = rpc
     return _rpc(handler)
@@ -123,6 +138,7 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         server_metadata: Mapping[str, Any],
         infer: Infer,
         stream_infer: StreamInfer,
+        in_trio: InTrio,
         *,
         shared_memory: SharedMemoryRegistry | None = None,
         restrictions: Mapping[str, Restriction] | None = None,
@@ -134,6 +150,7 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         self._server_metadata = server_metadata_message(server_metadata)  # never changes
         self._infer = infer
         self._stream_infer = stream_infer
+        self._in_trio = in_trio
         self._shared_memory = shared_memory or SharedMemoryRegistry()
         self._shared_memory_restriction = (restrictions or {}).get("shared-memory")
         self._load = load or LoadReporter()  # the server's, shared with the REST front end
@@ -179,9 +196,14 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         served = self._repository.get(message.model_name, message.model_version)
         with RequestRegions(self._shared_memory, served.model.device) as regions:
             request = decode_request(message, regions)
+            if regions.device_inputs:
+                await self._in_trio(regions.read_device_inputs)
             with self._load.counting(served):
                 response = await self._infer(served, request)
-                regions.write_outputs(response)
+                if regions.device_outputs:
+                    await self._in_trio(regions.write_device_outputs, response)
+                else:
+                    regions.write_outputs(response)
             await stream.send_message(encode_response(response))
         await self._send_load_report(stream, served)
 

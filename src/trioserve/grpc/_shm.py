@@ -1,19 +1,27 @@
 """The shared-memory RPCs: SystemSharedMemory* and CudaSharedMemory*.
 
-Each RPC is a plain function from the registry and the request message to the reply
-message; ``_service`` receives, checks the restriction and sends. A restricted call
-without the expected metadata answers UNAVAILABLE, as Triton's restricted protocols do.
+Each RPC is a function from the registry and the request message to the reply message;
+``_service`` receives, checks the restriction and sends. They run on the asyncio side
+and answer at once, except CUDA registration: opening the handle waits in one of trio's
+worker threads, so the registry is called through the bridge's ``InTrio``. A restricted
+call without the expected metadata answers UNAVAILABLE, as Triton's restricted
+protocols do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .._errors import UnavailableError
 from .._restricted import Restriction
 from ..shm import Kind, SharedMemoryRegistry
 from ._generated import grpc_service_pb2 as pb
+
+if TYPE_CHECKING:
+    from ._service import InTrio
+
+_Answer = Callable[[SharedMemoryRegistry, Any, "InTrio"], Awaitable[Any]]
 
 
 def check_restriction(restriction: Restriction | None, metadata: Mapping[str, Any]) -> None:
@@ -25,10 +33,10 @@ def check_restriction(restriction: Restriction | None, metadata: Mapping[str, An
         raise UnavailableError(restriction.message())
 
 
-def _status(kind: Kind, reply_type: Any) -> Callable[[SharedMemoryRegistry, Any], Any]:
+def _status(kind: Kind, reply_type: Any) -> _Answer:
     """The status RPC of one kind of region: every region's status, keyed by its name."""
 
-    def status(registry: SharedMemoryRegistry, request: Any) -> Any:
+    async def status(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
         reply = reply_type()
         for region in registry.status(kind, request.name):
             reply.regions[region["name"]].CopyFrom(reply_type.RegionStatus(**region))
@@ -37,27 +45,30 @@ def _status(kind: Kind, reply_type: Any) -> Callable[[SharedMemoryRegistry, Any]
     return status
 
 
-def _system_register(registry: SharedMemoryRegistry, request: Any) -> Any:
+async def _system_register(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
     registry.register_system(request.name, request.key, request.offset, request.byte_size)
     return pb.SystemSharedMemoryRegisterResponse()
 
 
-def _system_unregister(registry: SharedMemoryRegistry, request: Any) -> Any:
+async def _system_unregister(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
     registry.unregister("system", request.name)
     return pb.SystemSharedMemoryUnregisterResponse()
 
 
-def _cuda_register(registry: SharedMemoryRegistry, request: Any) -> Any:
-    registry.register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
+async def _cuda_register(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
+    await in_trio(
+        registry.register_cuda, request.name, request.raw_handle, request.device_id,
+        request.byte_size,
+    )  # fmt: skip
     return pb.CudaSharedMemoryRegisterResponse()
 
 
-def _cuda_unregister(registry: SharedMemoryRegistry, request: Any) -> Any:
+async def _cuda_unregister(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
     registry.unregister("cuda", request.name)
     return pb.CudaSharedMemoryUnregisterResponse()
 
 
-SHARED_MEMORY_RPCS: dict[str, Callable[[SharedMemoryRegistry, Any], Any]] = {
+SHARED_MEMORY_RPCS: dict[str, _Answer] = {
     "SystemSharedMemoryStatus": _status("system", pb.SystemSharedMemoryStatusResponse),
     "SystemSharedMemoryRegister": _system_register,
     "SystemSharedMemoryUnregister": _system_unregister,

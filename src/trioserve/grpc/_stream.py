@@ -10,7 +10,8 @@ own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled 
   with ``triton_enable_empty_final_response: true`` (tritonclient's
   ``enable_empty_final_response=True``) gets every text response with the flag false
   and then an empty response (no outputs) with it true.
-* Any other model answers its one response, flagged final.
+* Any other model answers its one response, flagged final. A GPU model's outputs come
+  to the host in a worker thread.
 * A request that fails is answered by ``error_message`` (the stream goes on), with the
   request's ``id`` so clients can tell which one failed.
 
@@ -37,6 +38,7 @@ from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import GenerationChunk, GenerativeServed
 from ..scheduler._generation_input import generation_request, prompt_and_parameters
+from ..shm import outputs_to_host
 from ._codec import decode_request, encode_response
 from ._generated import grpc_service_pb2 as pb
 
@@ -103,6 +105,8 @@ class StreamInfer:
                     await self._generate(served, request, replies)
                 else:
                     response = await served.infer(request)
+                    if served.model.device == "gpu":
+                        await outputs_to_host(response)
                     await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))

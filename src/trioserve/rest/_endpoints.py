@@ -93,6 +93,8 @@ class _Endpoints:
                 request.body, _header_length(request.headers), runner.model, name, version,
                 regions,
             )  # fmt: skip
+            if regions.device_inputs:
+                await regions.read_device_inputs()
             counted = self.load.counting(runner)  # on arrival: the model's load as found
             ticket = runner.submit(inference)
             entry = self.disconnects.track(ticket, request.receive)
@@ -107,7 +109,10 @@ class _Endpoints:
                 return None  # withdrawn because the client disconnected: nobody to answer
             with counted:
                 result = ticket.outcome()
-                regions.write_outputs(result)
+                if regions.device_outputs:
+                    await regions.write_device_outputs(result)
+                else:
+                    regions.write_outputs(result)
         finally:
             regions.close()
         body, header_length = encode_response(result, inference)

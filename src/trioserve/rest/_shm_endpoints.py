@@ -51,7 +51,7 @@ class _SharedMemoryEndpoints:
 
     async def cuda_register(self, request: Request) -> Response:
         body = json_object(request.body)
-        self.registry.register_cuda(
+        await self.registry.register_cuda(
             request.params["name"], _raw_handle(body.get("raw_handle")), body.get("device_id"),
             body.get("byte_size"),
         )  # fmt: skip

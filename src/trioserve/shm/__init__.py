@@ -2,8 +2,10 @@
 
 ``SharedMemoryRegistry`` holds the registered regions; ``RequestRegions`` is one
 request's use of them (leases, inputs read, outputs written). The front ends call
-``shared_memory_input`` / ``shared_memory_outputs`` while decoding a request and
-``RequestRegions.write_outputs`` before encoding its response.
+``shared_memory_input`` / ``shared_memory_outputs`` while decoding a request, then
+``RequestRegions.read_device_inputs`` when it has ``device_inputs``, and
+``RequestRegions.write_outputs`` (``write_device_outputs`` when it has
+``device_outputs``) before encoding its response. Device work runs in worker threads.
 """
 
 from ._cuda import is_device_array
@@ -12,6 +14,7 @@ from ._registry import SharedMemoryRegistry
 from ._tensors import (
     RequestRegions,
     is_shared_memory_output,
+    outputs_to_host,
     shared_memory_input,
     shared_memory_outputs,
 )
@@ -22,6 +25,7 @@ __all__ = [
     "SharedMemoryRegistry",
     "is_device_array",
     "is_shared_memory_output",
+    "outputs_to_host",
     "shared_memory_input",
     "shared_memory_outputs",
 ]

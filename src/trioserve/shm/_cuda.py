@@ -8,6 +8,10 @@ cupy calls used (its documented API): ``cuda.runtime.getDeviceCount``,
 ``cuda.runtime.ipcOpenMemHandle`` / ``ipcCloseMemHandle``, ``cuda.Device`` as a context,
 ``cuda.UnownedMemory`` + ``cuda.MemoryPointer`` + ``ndarray(memptr=...)`` for views of
 the opened memory, ``ndarray.get`` / ``ndarray.set`` / ``copyto`` for copies.
+
+Opening a handle and copying to, from or between regions wait on the device, so callers
+run them in a worker thread (``trio.to_thread``), as they run models: the event loop
+only makes views of the memory.
 """
 
 from __future__ import annotations
@@ -101,14 +105,16 @@ class CudaRegion(Region):
                 return cupy.ndarray((byte_size,), dtype=np.uint8, memptr=pointer)
             return cupy.ndarray(shape, dtype=dt.dtype, memptr=pointer)
 
-    def read_host(self, offset: int, byte_size: int) -> memoryview:
-        """The bytes at ``offset`` copied to the host (for models that run on the CPU)."""
-        raw = self.device_array(DATATYPES["UINT8"], (byte_size,), offset, byte_size)
+    def read_into(self, offset: int, host: np.ndarray[Any, Any]) -> None:
+        """Copy the ``host.nbytes`` bytes at ``offset`` into the uint8 array ``host`` (for
+        models that run on the CPU). Blocks until the copy is done: call it off the loop."""
+        raw = self.device_array(DATATYPES["UINT8"], (host.nbytes,), offset, host.nbytes)
         with _cupy().cuda.Device(self.device_id):
-            return memoryview(raw.get()).toreadonly()
+            raw.get(out=host)
 
     def write(self, offset: int, data: Any, byte_size: int) -> None:
-        """Copy ``byte_size`` raw bytes (a numpy or cupy uint8 array) to ``offset``."""
+        """Copy ``byte_size`` raw bytes (a numpy or cupy uint8 array) to ``offset``. Blocks
+        until the copy is done: call it off the loop."""
         cupy = _cupy()
         target = self.device_array(DATATYPES["UINT8"], (byte_size,), offset, byte_size)
         with cupy.cuda.Device(self.device_id):

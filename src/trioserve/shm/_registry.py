@@ -4,13 +4,17 @@ System and CUDA regions share one namespace (the extension's rule), so a name is
 whatever kind of region holds it. The registry is owned by one server instance and used
 only from its event loop thread (REST and gRPC handlers both run there), so it needs no
 lock; models in worker threads only ever see arrays over regions their request leases.
+A CUDA region is opened in a worker thread (opening a handle waits on the driver); its
+name counts as taken from the start, so a second registration of it fails at once.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .._errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+import trio
+
+from .._errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnavailableError
 from ._cuda import CudaRegion, cuda_unavailable_reason
 from ._region import Kind, Region
 from ._system import SystemRegion
@@ -23,6 +27,8 @@ class SharedMemoryRegistry:
 
     def __init__(self) -> None:
         self._regions: dict[str, Region] = {}
+        self._opening: set[str] = set()  # names of CUDA regions being opened
+        self._closed = False
 
     @property
     def cuda_available(self) -> bool:
@@ -38,18 +44,31 @@ class SharedMemoryRegistry:
         byte_size = _count(byte_size, "byte_size", minimum=1)
         self._regions[name] = SystemRegion(name, key, offset, byte_size)
 
-    def register_cuda(self, name: Any, raw_handle: Any, device_id: Any, byte_size: Any) -> None:
+    async def register_cuda(
+        self, name: Any, raw_handle: Any, device_id: Any, byte_size: Any
+    ) -> None:
         name = self._free_name(name)
         if not isinstance(raw_handle, bytes):
             raise InvalidArgumentError("CUDA shared memory 'raw_handle' must be bytes")
         device_id = _count(device_id, "device_id")
         byte_size = _count(byte_size, "byte_size", minimum=1)
-        self._regions[name] = CudaRegion(name, raw_handle, device_id, byte_size)
+        self._opening.add(name)
+        try:
+            # Not abandoned on cancellation: the region it opens is registered or closed.
+            region = await trio.to_thread.run_sync(
+                CudaRegion, name, raw_handle, device_id, byte_size
+            )
+        finally:
+            self._opening.discard(name)
+        if self._closed:  # the server stopped while the handle was being opened
+            region.retire()
+            raise UnavailableError("the server is shutting down")
+        self._regions[name] = region
 
     def _free_name(self, name: Any) -> str:
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("a shared memory region needs a non-empty name")
-        if name in self._regions:
+        if name in self._regions or name in self._opening:
             raise AlreadyExistsError(f"shared memory region '{name}' already in manager")
         return name
 
@@ -82,7 +101,8 @@ class SharedMemoryRegistry:
             self._regions.pop(found).retire()
 
     def close(self) -> None:
-        """The server is stopping: unregister everything."""
+        """The server is stopping: unregister everything, and what is still being opened."""
+        self._closed = True
         for region in self._regions.values():
             region.retire()
         self._regions.clear()

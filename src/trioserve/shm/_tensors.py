@@ -10,6 +10,13 @@ while the request is decoded and returned once its response is encoded. Inputs b
 read-only numpy views of the mapping (no copy); outputs are copied in after the model
 ran, each checked to fit before any is written, so a failed request leaves every
 region as it was.
+
+Work on a GPU waits on the device, so it runs in a worker thread, as models do. Decoding
+stays synchronous: an input in a CUDA region becomes a cupy view for a GPU model (no
+copy), and for a model on the CPU an array over a host buffer that
+``read_device_inputs`` fills before the request runs. ``write_device_outputs`` writes
+the outputs of a request that involves a device. Requests that use system shared memory
+only take neither step, and never leave the event loop.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import trio
 
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._tensor import Datatype, array_from_raw, array_to_raw, element_count
-from .._types import InferenceResponse, RequestedOutput
+from .._types import InferenceResponse, OutputTensor, RequestedOutput
 from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
 from ._region import Region
 from ._registry import SharedMemoryRegistry
@@ -41,16 +49,40 @@ class _Span:
     byte_size: int
 
 
-class RequestRegions:
-    """The regions one request uses, leased until ``close`` (or the end of a ``with``)."""
+@dataclass(frozen=True, slots=True)
+class _HostCopy:
+    """An input in a CUDA region that the model gets a host copy of, in ``raw``."""
 
-    __slots__ = ("_device", "_leases", "_outputs", "_registry")  # one per request
+    span: _Span
+    raw: np.ndarray[Any, Any]  # span.byte_size host bytes
+    dt: Datatype
+    shape: tuple[int, ...]
+    what: str
+    array: np.ndarray[Any, Any]  # what decoding returned: a view of ``raw``, or BYTES to fill
+
+
+class RequestRegions:
+    """The regions one request uses, leased until ``close`` (or the end of a ``with``).
+
+    ``device_inputs``: inputs wait in CUDA regions; ``await read_device_inputs()`` before
+    the request runs. ``device_outputs``: writing the outputs involves a device (a CUDA
+    region, or a GPU model's arrays); ``await write_device_outputs(response)`` instead
+    of ``write_outputs(response)``.
+    """
+
+    __slots__ = (  # one per request
+        "_device", "_host_copies", "_leases", "_outputs", "_registry", "device_inputs",
+        "device_outputs",
+    )  # fmt: skip
 
     def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
         self._registry = registry
         self._device = device  # where the model runs: "gpu" models get cupy inputs
         self._leases: list[Region] = []
         self._outputs: dict[str, _Span] = {}
+        self._host_copies: tuple[_HostCopy, ...] = ()  # rare: no list for every request
+        self.device_inputs = False
+        self.device_outputs = device == "gpu"  # a GPU model's outputs are on the device
 
     def __enter__(self) -> RequestRegions:
         return self
@@ -85,17 +117,33 @@ class RequestRegions:
             return array_from_raw(dt, shape, view, what)
         assert isinstance(region, CudaRegion)
         if self._device == "gpu" and not dt.is_bytes:
-            expected = element_count(shape) * dt.dtype.itemsize
-            if span.byte_size != expected:
-                raise InvalidArgumentError(
-                    f"{what}: got {span.byte_size} bytes of {dt.name} data, shape "
-                    f"{list(shape)} needs {expected}"
-                )
+            _check_size(span, dt, shape, what)
             array: np.ndarray[Any, Any] = region.device_array(
                 dt, shape, span.offset, span.byte_size
             )
             return array
-        return array_from_raw(dt, shape, region.read_host(span.offset, span.byte_size), what)
+        # A host copy, which ``read_device_inputs`` makes: for a model on the CPU, and for
+        # BYTES, parsed on the host whatever runs the model.
+        raw = np.empty(span.byte_size, dtype=np.uint8)
+        if dt.is_bytes:
+            array = np.empty(shape, dtype=object)
+        else:
+            _check_size(span, dt, shape, what)
+            array = raw.view(dt.dtype).reshape(shape)
+            array.flags.writeable = False  # as inputs are in system regions
+        self._host_copies += (_HostCopy(span, raw, dt, shape, what, array),)
+        self.device_inputs = True
+        return array
+
+    async def read_device_inputs(self) -> None:
+        """Copy the inputs waiting in CUDA regions to the host, in a worker thread.
+
+        INVALID_ARG for data the copy shows to be malformed (BYTES, BOOL), as for any
+        input. Not abandoned on cancellation: the leases must outlive the copy.
+        """
+        copies, self._host_copies = self._host_copies, ()
+        self.device_inputs = False
+        await trio.to_thread.run_sync(_copy_to_host, copies)
 
     def request_outputs(self, outputs: Iterable[RequestedOutput]) -> None:
         """Note (and lease) the requested outputs that go to shared memory."""
@@ -104,6 +152,8 @@ class RequestRegions:
                 span = self.span(output.parameters, f"output '{output.name}'")
                 if span is not None:
                     self._outputs[output.name] = span
+                    if isinstance(span.region, CudaRegion):
+                        self.device_outputs = True
 
     def write_outputs(self, response: InferenceResponse) -> None:
         """Copy the outputs placed in shared memory into their regions.
@@ -111,7 +161,8 @@ class RequestRegions:
         Each written output's parameters become what the response reports for it (the
         region, the bytes written, the offset), and the codecs then send no data for it.
         Every output is checked to fit before the first is written. A GPU model's other
-        outputs are copied to the host here, for the codecs.
+        outputs are copied to the host here, for the codecs. With ``device_outputs`` this
+        waits on the device: use ``write_device_outputs`` then.
         """
         if not self._outputs and self._device != "gpu":
             return
@@ -119,8 +170,7 @@ class RequestRegions:
         for tensor in response.outputs:
             span = self._outputs.get(tensor.name)
             if span is None:
-                if is_device_array(tensor.data):
-                    tensor.data = to_host(tensor.data)
+                _to_host(tensor)
                 continue
             raw = _raw_output(tensor.data, tensor.datatype, span.region)
             size = int(raw.nbytes)
@@ -134,6 +184,27 @@ class RequestRegions:
         for tensor, span, raw, size in writes:
             _write(span, raw, size)
             tensor.parameters = _reported(span, size)
+
+    async def write_device_outputs(self, response: InferenceResponse) -> None:
+        """``write_outputs`` in a worker thread, for a request with ``device_outputs``.
+        Not abandoned on cancellation: the leases must outlive the copies."""
+        await trio.to_thread.run_sync(self.write_outputs, response)
+
+
+async def outputs_to_host(response: InferenceResponse) -> None:
+    """A GPU model's outputs copied to the host for the wire, in a worker thread: for a
+    request without ``RequestRegions`` (one of a stream)."""
+    await trio.to_thread.run_sync(_outputs_to_host, response)
+
+
+def _outputs_to_host(response: InferenceResponse) -> None:
+    for tensor in response.outputs:
+        _to_host(tensor)
+
+
+def _to_host(tensor: OutputTensor) -> None:
+    if is_device_array(tensor.data):
+        tensor.data = to_host(tensor.data)
 
 
 def is_shared_memory_output(parameters: Mapping[str, Any]) -> bool:
@@ -203,6 +274,28 @@ def _placement(parameters: Mapping[str, Any], what: str) -> tuple[str, int, int]
                 f"{what}: '{key}' must be a non-negative integer, got {value!r}"
             )
     return name, offset, byte_size
+
+
+def _check_size(span: _Span, dt: Datatype, shape: tuple[int, ...], what: str) -> None:
+    """INVALID_ARG unless the span holds exactly the fixed-size tensor ``shape`` needs."""
+    expected = element_count(shape) * dt.dtype.itemsize
+    if span.byte_size != expected:
+        raise InvalidArgumentError(
+            f"{what}: got {span.byte_size} bytes of {dt.name} data, shape {list(shape)} "
+            f"needs {expected}"
+        )
+
+
+def _copy_to_host(copies: tuple[_HostCopy, ...]) -> None:
+    for copy in copies:
+        region = copy.span.region
+        assert isinstance(region, CudaRegion)
+        region.read_into(copy.span.offset, copy.raw)
+        # The checks of any raw input: BYTES parsed, BOOL bytes 0 or 1. Fixed-size data
+        # is already in place, ``array`` being a view of ``raw``.
+        checked = array_from_raw(copy.dt, copy.shape, copy.raw.data, copy.what)
+        if copy.dt.is_bytes:
+            copy.array[...] = checked
 
 
 def _raw_output(data: Any, dt: Datatype, region: Region) -> Any:
