@@ -6,6 +6,7 @@ the server maps them in this process, so a test can also see its mappings.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from typing import Any
 
@@ -345,3 +346,52 @@ def test_cuda_without_cupy_answers_cleanly(client):
     assert "CUDA shared memory is not available" in message and "cupy" in message
     client.raw.unregister_cuda_shared_memory()
     assert client.raw.is_server_live()
+
+
+def test_stream_requests_read_and_write_shared_memory(server, regions):
+    """ModelStreamInfer places tensors in shared memory as ModelInfer does; a request whose
+    region is missing is answered with an error on the stream, which goes on."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    replies: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    values = np.arange(16, dtype=np.int32)
+    in_handle, in_key = regions.create("stream_in", 128)
+    out_handle, out_key = regions.create("stream_out", 128)
+    shm.set_shared_memory_region(in_handle, [values, values * 3])
+    client.register_system_shared_memory("stream_in", in_key, 128)
+    client.register_system_shared_memory("stream_out", out_key, 128)
+
+    def request(input_region: str, request_id: str) -> None:
+        inputs = [grpcclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in range(2)]
+        inputs[0].set_shared_memory(input_region, 64)
+        inputs[1].set_shared_memory(input_region, 64, offset=64)
+        outputs = [grpcclient.InferRequestedOutput(f"OUTPUT{i}") for i in range(2)]
+        outputs[0].set_shared_memory("stream_out", 64, offset=64)
+        outputs[1].set_shared_memory("stream_out", 64)
+        client.async_stream_infer("simple", inputs, request_id=request_id, outputs=outputs)
+
+    client.start_stream(callback=lambda result, error: replies.put((result, error)))
+    try:
+        request("missing", "1")
+        request("stream_in", "2")
+        answers = [replies.get(timeout=30) for _ in range(2)]
+    finally:
+        client.stop_stream()
+        client.unregister_system_shared_memory()
+        client.close()
+
+    failed = [error for result, error in answers if error is not None]
+    answered = [result for result, error in answers if error is None]
+    assert len(failed) == len(answered) == 1
+    assert "Unable to find shared memory region: 'missing'" in str(failed[0])
+    response = answered[0].get_response()
+    assert response.id == "2"
+    assert {
+        o.name: o.parameters["shared_memory_byte_size"].int64_param for o in response.outputs
+    } == {
+        "OUTPUT0": 64,
+        "OUTPUT1": 64,
+    }
+    differences = shm.get_contents_as_numpy(out_handle, np.int32, [16])
+    sums = shm.get_contents_as_numpy(out_handle, np.int32, [16], offset=64)
+    np.testing.assert_array_equal(sums, values * 4)
+    np.testing.assert_array_equal(differences, values - values * 3)

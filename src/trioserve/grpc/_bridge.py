@@ -87,7 +87,9 @@ async def serve_grpc(
             return in_trio(served.infer, request)
 
         load = load or LoadReporter()  # one for both services: they report the same load
-        streams = StreamInfer(repository, load)
+        # One registry for both kinds of call, so a region registered is seen by each.
+        shared_memory = shared_memory or SharedMemoryRegistry()
+        streams = StreamInfer(repository, load, shared_memory)
 
         def stream_infer(stream: Stream[Any, Any]) -> Awaitable[ServedModel | None]:
             return in_trio(streams.serve, _TrioStream(stream))

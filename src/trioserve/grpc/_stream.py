@@ -10,8 +10,9 @@ own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled 
   with ``triton_enable_empty_final_response: true`` (tritonclient's
   ``enable_empty_final_response=True``) gets every text response with the flag false
   and then an empty response (no outputs) with it true.
-* Any other model answers its one response, flagged final. A GPU model's outputs come
-  to the host in a worker thread.
+* Any other model answers its one response, flagged final. Its inputs and outputs may
+  be placed in shared memory as in ModelInfer; device copies (CUDA regions, a GPU
+  model's outputs) run in a worker thread.
 * A request that fails is answered by ``error_message`` (the stream goes on), with the
   request's ``id`` so clients can tell which one failed.
 
@@ -38,7 +39,7 @@ from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import GenerationChunk, GenerativeServed
 from ..scheduler._generation_input import generation_request, prompt_and_parameters
-from ..shm import outputs_to_host
+from ..shm import RequestRegions, SharedMemoryRegistry
 from ._codec import decode_request, encode_response
 from ._generated import grpc_service_pb2 as pb
 
@@ -65,8 +66,14 @@ class StreamIO(Protocol):
 class StreamInfer:
     """Serves ModelStreamInfer calls over a model repository."""
 
-    def __init__(self, repository: ModelRepository, load: LoadReporter) -> None:
+    def __init__(
+        self,
+        repository: ModelRepository,
+        load: LoadReporter,
+        shared_memory: SharedMemoryRegistry,
+    ) -> None:
         self._repository = repository
+        self._shared_memory = shared_memory  # the server's regions, as in ModelInfer
         self._load = load  # each request counts toward the server's load reports
         self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
 
@@ -99,15 +106,22 @@ class StreamInfer:
         try:
             served = self._repository.get(message.model_name, message.model_version)
             replies.served = served
-            request = decode_request(message)
-            with self._load.counting(served):
-                if isinstance(served, GenerativeServed):
+            if isinstance(served, GenerativeServed):
+                request = decode_request(message)
+                with self._load.counting(served):
                     await self._generate(served, request, replies)
-                else:
-                    response = await served.infer(request)
-                    if served.model.device == "gpu":
-                        await outputs_to_host(response)
-                    await replies.send(_response(response, final=True))
+            else:
+                with RequestRegions(self._shared_memory, served.model.device) as regions:
+                    request = decode_request(message, regions)
+                    if regions.device_inputs:
+                        await regions.read_device_inputs()
+                    with self._load.counting(served):
+                        response = await served.infer(request)
+                        if regions.device_outputs:
+                            await regions.write_device_outputs(response)
+                        else:
+                            regions.write_outputs(response)
+                await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))
         except Exception:

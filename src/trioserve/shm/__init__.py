@@ -14,7 +14,6 @@ from ._registry import SharedMemoryRegistry
 from ._tensors import (
     RequestRegions,
     is_shared_memory_output,
-    outputs_to_host,
     shared_memory_input,
     shared_memory_outputs,
 )
@@ -25,7 +24,6 @@ __all__ = [
     "SharedMemoryRegistry",
     "is_device_array",
     "is_shared_memory_output",
-    "outputs_to_host",
     "shared_memory_input",
     "shared_memory_outputs",
 ]

@@ -191,17 +191,6 @@ class RequestRegions:
         await trio.to_thread.run_sync(self.write_outputs, response)
 
 
-async def outputs_to_host(response: InferenceResponse) -> None:
-    """A GPU model's outputs copied to the host for the wire, in a worker thread: for a
-    request without ``RequestRegions`` (one of a stream)."""
-    await trio.to_thread.run_sync(_outputs_to_host, response)
-
-
-def _outputs_to_host(response: InferenceResponse) -> None:
-    for tensor in response.outputs:
-        _to_host(tensor)
-
-
 def _to_host(tensor: OutputTensor) -> None:
     if is_device_array(tensor.data):
         tensor.data = to_host(tensor.data)
