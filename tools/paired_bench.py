@@ -1,0 +1,106 @@
+"""Compare two builds of trioserve by CPU time per request, both loaded at the same time.
+
+    python tools/paired_bench.py /path/to/old/src src --duration 10 --rounds 3
+
+The machine's speed drifts (a shared virtual machine: by a third from minute to minute),
+so throughput measured in turns compares the moments as much as the builds. Here both
+servers run at once, pinned to the same core, each under its own wrk (HTTP JSON,
+``simple``, concurrency 8) on another core: they share the core and its slow and fast
+moments alike. Each server's CPU time (user + system, from ``/proc/PID/stat``) divided by
+the requests it answered is its cost per request; the ratio of the two costs is the
+figure to read. Two copies of one build give a ratio within about 2% of 1.
+
+Both costs are higher than one server alone would show (two working sets share one
+core's caches); compare them with each other, not with ``bench.py`` figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench import _LUA, _free_port, _wait_ready, http_body
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _start(src: str, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
+    port = _free_port()
+    command = ["taskset", "-c", cpus, sys.executable, "-m", "trioserve", "run"]
+    command += ["--host", "127.0.0.1", "--http-port", str(port), "--allow-grpc", "false"]
+    command += ["--log-level", "warning"]
+    process = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=src))
+    _wait_ready(f"127.0.0.1:{port}")
+    return process, port
+
+
+def _round(srcs: list[str], args: argparse.Namespace, script: Path) -> list[float]:
+    """One round: both servers under load at once; their µs of CPU per request."""
+    servers = [_start(src, args.server_cpus) for src in srcs]
+    try:
+        before = [_cpu_seconds(process.pid) for process, _ in servers]
+        wrk = ["taskset", "-c", args.client_cpus, "wrk", "-t1", "-c8", f"-d{args.duration}s"]
+        loads = [
+            subprocess.Popen(
+                [*wrk, "-s", str(script), f"http://127.0.0.1:{port}/v2/models/simple/infer"],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _, port in servers
+        ]
+        outputs = [load.communicate()[0] for load in loads]
+        after = [_cpu_seconds(process.pid) for process, _ in servers]
+    finally:
+        for process, _ in servers:
+            process.terminate()
+            process.wait(timeout=60)
+    costs = []
+    for output, start, end in zip(outputs, before, after, strict=True):
+        if "Non-2xx" in output:
+            raise RuntimeError(f"a server answered errors:\n{output}")
+        found = re.search(r"(\d+) requests in", output)
+        if found is None:
+            raise RuntimeError(f"no request count in wrk's output:\n{output}")
+        costs.append(1e6 * (end - start) / int(found.group(1)))
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("old", help="the src folder of the build to compare against")
+    parser.add_argument("new", help="the src folder of the build being measured")
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--server-cpus", default="0")
+    parser.add_argument("--client-cpus", default="1")
+    args = parser.parse_args()
+    body, headers = http_body("http-json")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "body").write_bytes(body)
+        script = Path(tmp) / "post.lua"
+        lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
+        script.write_text(_LUA.format(body=Path(tmp) / "body", headers=lines))
+        ratios = []
+        for number in range(args.rounds):
+            swapped = number % 2 == 1  # which server starts first alternates
+            order = [args.new, args.old] if swapped else [args.old, args.new]
+            costs = _round(order, args, script)
+            old_cost, new_cost = reversed(costs) if swapped else costs
+            ratios.append(new_cost / old_cost)
+            print(
+                f"round {number + 1}: old {old_cost:6.1f} µs/request, "
+                f"new {new_cost:6.1f} µs/request, new/old {ratios[-1]:.3f}"
+            )
+    print(f"new/old median {sorted(ratios)[len(ratios) // 2]:.3f} over {len(ratios)} rounds")
+
+
+if __name__ == "__main__":
+    main()
