@@ -180,19 +180,25 @@ def array_from_raw(
     dt: Datatype, shape: Sequence[int], buffer: bytes | bytearray | memoryview, what: str
 ) -> np.ndarray[Any, Any]:
     """The tensor ``buffer`` holds, without copying fixed-size data."""
-    count = element_count(shape)
     if dt.is_bytes:
-        return deserialize_bytes(buffer, count, what).reshape(shape)
-    expected = count * dt.dtype.itemsize
-    size = memoryview(buffer).nbytes
-    if size != expected:
-        raise InvalidArgumentError(
-            f"{what}: got {size} bytes of {dt.name} data, shape {list(shape)} needs {expected}"
-        )
+        return deserialize_bytes(buffer, element_count(shape), what).reshape(shape)
+    count = check_raw_size(dt, shape, memoryview(buffer).nbytes, what)
     array = np.frombuffer(buffer, dtype=dt.dtype, count=count)
     if dt.name == "BOOL" and count and array.view(np.uint8).max() > 1:
         raise InvalidArgumentError(f"{what}: BOOL data must be bytes 0 or 1")
     return array.reshape(shape)
+
+
+def check_raw_size(dt: Datatype, shape: Sequence[int], size: int, what: str) -> int:
+    """The element count of ``shape``; INVALID_ARG unless ``size`` bytes are exactly that
+    many elements of the fixed-size ``dt``."""
+    count = element_count(shape)
+    expected = count * dt.dtype.itemsize
+    if size != expected:
+        raise InvalidArgumentError(
+            f"{what}: got {size} bytes of {dt.name} data, shape {list(shape)} needs {expected}"
+        )
+    return count
 
 
 def array_to_raw(array: np.ndarray[Any, Any], dt: Datatype) -> bytes | memoryview:

@@ -30,7 +30,7 @@ import numpy as np
 import trio
 
 from .._errors import InvalidArgumentError, UnsupportedError
-from .._tensor import Datatype, array_from_raw, array_to_raw, element_count
+from .._tensor import Datatype, array_from_raw, array_to_raw, check_raw_size
 from .._types import InferenceResponse, OutputTensor, RequestedOutput
 from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
 from ._region import Region
@@ -117,7 +117,7 @@ class RequestRegions:
             return array_from_raw(dt, shape, view, what)
         assert isinstance(region, CudaRegion)
         if self._device == "gpu" and not dt.is_bytes:
-            _check_size(span, dt, shape, what)
+            check_raw_size(dt, shape, span.byte_size, what)
             array: np.ndarray[Any, Any] = region.device_array(
                 dt, shape, span.offset, span.byte_size
             )
@@ -128,7 +128,7 @@ class RequestRegions:
         if dt.is_bytes:
             array = np.empty(shape, dtype=object)
         else:
-            _check_size(span, dt, shape, what)
+            check_raw_size(dt, shape, span.byte_size, what)
             array = raw.view(dt.dtype).reshape(shape)
             array.flags.writeable = False  # as inputs are in system regions
         self._host_copies += (_HostCopy(span, raw, dt, shape, what, array),)
@@ -263,16 +263,6 @@ def _placement(parameters: Mapping[str, Any], what: str) -> tuple[str, int, int]
                 f"{what}: '{key}' must be a non-negative integer, got {value!r}"
             )
     return name, offset, byte_size
-
-
-def _check_size(span: _Span, dt: Datatype, shape: tuple[int, ...], what: str) -> None:
-    """INVALID_ARG unless the span holds exactly the fixed-size tensor ``shape`` needs."""
-    expected = element_count(shape) * dt.dtype.itemsize
-    if span.byte_size != expected:
-        raise InvalidArgumentError(
-            f"{what}: got {span.byte_size} bytes of {dt.name} data, shape {list(shape)} "
-            f"needs {expected}"
-        )
 
 
 def _copy_to_host(copies: tuple[_HostCopy, ...]) -> None:
