@@ -103,3 +103,28 @@ def test_queue_remove():
     assert queue.remove(item)
     assert not queue.remove(item)
     assert len(queue) == 0
+
+
+def test_deadlines_are_tracked_as_items_come_and_go() -> None:
+    plain, late, early = _item(0), _item(0, deadline_ms=5), _item(0, deadline_ms=3)
+    queue = _queue(plain, late, early)
+    assert queue.next_deadline() == 3 * MS
+    assert queue.pop_front(2) == [plain, late]
+    assert queue.next_deadline() == 3 * MS
+    assert queue.remove(early)
+    assert queue.next_deadline() is None
+    assert queue.pop_expired(10 * MS) == []
+    queue.push(late)
+    assert queue.pop_expired(4 * MS) == []
+    assert queue.pop_expired(5 * MS) == [late]
+    assert (len(queue), queue.next_deadline()) == (0, None)
+
+
+def test_the_oldest_request_of_the_batch_sets_the_delay_across_levels() -> None:
+    # The level 1 request arrived last; the level 2 one has waited since 0 ms.
+    queue = _queue(_item(0, level=2), _item(1.5, level=1), levels=2)
+    policy = BatchingPolicy(
+        batching=True, max_batch_size=8, max_queue_delay_ns=2 * MS, priority_levels=2
+    )
+    assert decide(queue, 1 * MS, 1, policy) == Wait(2 * MS)
+    assert decide(queue, 2 * MS, 1, policy) == Dispatch(2)

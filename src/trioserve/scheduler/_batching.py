@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +62,9 @@ class RequestQueue:
     def __init__(self, levels: int) -> None:
         self._levels: list[deque[QueuedItem]] = [deque() for _ in range(levels)]
         self._count = 0
+        # Items with a deadline: while there are none (the usual case), the deadline
+        # questions asked on every decision need not look at the queue.
+        self._timed = 0
 
     def __len__(self) -> int:
         return self._count
@@ -75,6 +77,8 @@ class RequestQueue:
     def push(self, item: QueuedItem) -> None:
         self._levels[item.level - 1].append(item)
         self._count += 1
+        if item.deadline_ns is not None:
+            self._timed += 1
 
     def remove(self, item: QueuedItem) -> bool:
         try:
@@ -82,6 +86,8 @@ class RequestQueue:
         except ValueError:
             return False
         self._count -= 1
+        if item.deadline_ns is not None:
+            self._timed -= 1
         return True
 
     def pop_front(self, count: int) -> list[QueuedItem]:
@@ -91,17 +97,22 @@ class RequestQueue:
             while level and len(taken) < count:
                 taken.append(level.popleft())
         self._count -= len(taken)
+        if self._timed:
+            self._timed -= sum(1 for i in taken if i.deadline_ns is not None)
         return taken
 
     def pop_expired(self, now_ns: int) -> list[QueuedItem]:
+        if not self._timed:
+            return []
         expired = [i for i in self if i.deadline_ns is not None and i.deadline_ns <= now_ns]
         for item in expired:
             self.remove(item)
         return expired
 
     def next_deadline(self) -> int | None:
-        deadlines = [i.deadline_ns for i in self if i.deadline_ns is not None]
-        return min(deadlines, default=None)
+        if not self._timed:
+            return None
+        return min(i.deadline_ns for i in self if i.deadline_ns is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +138,9 @@ def decide(
         return Wait(deadline)
     if not policy.batching:
         return Dispatch(1)
-    count, size, best_preferred, blocked = _head_batch(queue, policy)
+    count, size, best_preferred, blocked, oldest = _head_batch(queue, policy)
     if size >= policy.max_batch_size or blocked:
         return Dispatch(count)
-    oldest = min(item.arrival_ns for item in islice(queue, count))
     send_at = oldest + policy.max_queue_delay_ns
     if send_at <= now_ns:
         return Dispatch(count)
@@ -139,18 +149,24 @@ def decide(
     return Wait(send_at if deadline is None else min(send_at, deadline))
 
 
-def _head_batch(queue: RequestQueue, policy: BatchingPolicy) -> tuple[int, int, int, bool]:
-    """(requests, batch size, count giving the largest preferred size, next can't join)."""
+def _head_batch(queue: RequestQueue, policy: BatchingPolicy) -> tuple[int, int, int, bool, int]:
+    """(requests, batch size, count giving the largest preferred size, next can't join,
+    arrival of the oldest request in the batch)."""
     count = size = best_preferred = 0
+    oldest = 0
     key: Hashable = None
     for item in queue:
         if count and (item.batch_key != key or size + item.batch_size > policy.max_batch_size):
-            return count, size, best_preferred, True
-        if not count and item.batch_size > policy.max_batch_size:
-            return 1, item.batch_size, 0, True  # cannot happen after validation; send alone
+            return count, size, best_preferred, True, oldest
+        if not count:
+            if item.batch_size > policy.max_batch_size:  # cannot happen after validation
+                return 1, item.batch_size, 0, True, item.arrival_ns  # it goes alone
+            oldest = item.arrival_ns
+        elif item.arrival_ns < oldest:  # a lower priority level's request can be older
+            oldest = item.arrival_ns
         key = item.batch_key
         count += 1
         size += item.batch_size
         if size in policy.preferred_batch_sizes:
             best_preferred = count
-    return count, size, best_preferred, False
+    return count, size, best_preferred, False, oldest

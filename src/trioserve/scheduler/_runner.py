@@ -36,6 +36,7 @@ from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
+from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook
 
@@ -164,9 +165,8 @@ class ModelRunner:
         self.ready = False
         self._inbox = Inbox[Ticket | _Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
-        self._batches_send, self._batches = trio.open_memory_channel[tuple[list[Ticket], int]](
-            math.inf
-        )
+        self._batches = Handoff[tuple[list[Ticket], int]]()
+        self._execute_is_async = False  # settled once the model is loaded
         self._idle = model.instance_count
         self._queue = RequestQueue(self.policy.priority_levels)
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
@@ -246,6 +246,7 @@ class ModelRunner:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, serve until cancelled, then fail what waits and unload."""
         await call_hook(self.model.load)
+        self._execute_is_async = self.model.is_async
         self.stats.memory_usage = tuple(self.model.memory_usage())
         self.ready = True
         task_status.started()
@@ -262,8 +263,8 @@ class ModelRunner:
                 await call_hook(self.model.unload)
 
     async def _batch_loop(self) -> None:
+        now = now_ns()
         while True:
-            now = now_ns()
             for ticket in _tickets(self._queue.pop_expired(now)):
                 self._finish(
                     ticket,
@@ -277,14 +278,15 @@ class ModelRunner:
                 if not batch:
                     continue  # all withdrawn; their _Withdraw messages find nothing
                 self._idle -= 1
-                self._batches_send.send_nowait((batch, now))  # now: dequeued into a batch
+                self._batches.put((batch, now))  # now: dequeued into a batch
                 # This loop outlives its requests: holding the last batch until the next
                 # one would keep its tensors (and shared-memory mappings) alive.
                 del items, batch
                 self._notify()
-                continue
+                continue  # nothing was awaited: decide again as of the same moment
             until = math.inf if decision.until_ns is None else ns_to_seconds(decision.until_ns)
             self._handle_all(await self._inbox.take(until))
+            now = now_ns()
 
     def _handle_all(self, messages: list[Ticket | _Withdraw | None]) -> None:
         for message in messages:
@@ -311,7 +313,8 @@ class ModelRunner:
 
     async def _instance(self) -> None:
         """One model instance: runs the batches the batcher hands it, one at a time."""
-        async for batch, dequeued_ns in self._batches:
+        while True:
+            batch, dequeued_ns = await self._batches.get()
             try:
                 await self._execute(batch, dequeued_ns)
             finally:
@@ -351,7 +354,7 @@ class ModelRunner:
                     self._finish(ticket, error=_shutting_down())
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
-        if self.model.is_async:
+        if self._execute_is_async:
             results = await self.model.execute(requests)  # type: ignore[misc]
         else:
             results = await trio.to_thread.run_sync(self.model.execute, requests)
