@@ -1,6 +1,6 @@
 """The dynamic batching policy: plain data in, a decision out. No trio, no clocks.
 
-The batcher task (``_batcher.py``) owns a ``RequestQueue`` and, whenever something
+The batcher task (``_runner.py``) owns a ``RequestQueue`` and, whenever something
 changes, asks ``decide`` what to do at time ``now`` given how many model instances are
 free. Times are integer nanoseconds of ``trio.current_time()``.
 

@@ -1,8 +1,8 @@
 """Serves one version of one tensor model: admission, the batcher task, executions.
 
-A front end calls ``ModelRunner.infer``, which validates the request, sends it down the
-runner's memory channel and waits for its outcome. The batcher task (``run``) is the only
-owner of the queue; it applies ``decide`` from ``_batching`` and hands each batch to an
+A front end calls ``ModelRunner.infer``, which validates the request, puts it in the
+runner's inbox and waits for its outcome. The batcher task (``run``) is the only owner of
+the queue; it applies ``decide`` from ``_batching`` and hands each batch straight to an
 idle instance task (one per model instance, ``instance_count`` of them). An instance that
 comes free while requests wait wakes the batcher to decide again.
 
