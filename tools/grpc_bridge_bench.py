@@ -75,7 +75,7 @@ def _direct_infer() -> Any:
     return infer
 
 
-def _service(repository: Any, infer: Any, in_trio: Any) -> Any:
+def _service(repository: Any, infer: Any, in_trio: Any, load: Any = None) -> Any:
     from trioserve._errors import UnsupportedError
     from trioserve._server import server_metadata
     from trioserve.grpc._service import InferenceService
@@ -83,7 +83,7 @@ def _service(repository: Any, infer: Any, in_trio: Any) -> Any:
     async def no_streams(stream: Any) -> None:  # this bench measures unary calls only
         raise UnsupportedError("ModelStreamInfer is not part of this bench")
 
-    return InferenceService(repository, server_metadata(), infer, no_streams, in_trio)
+    return InferenceService(repository, server_metadata(), infer, no_streams, in_trio, load=load)
 
 
 def _no_trio(function: Any, *args: Any) -> Any:
@@ -102,6 +102,7 @@ async def _serve_asyncio() -> None:
     from grpclib.server import Server
 
     from trioserve.grpc._bridge import _listen
+    from trioserve.metrics._orca import LoadReporter
 
     direct = _direct_infer()
 
@@ -109,7 +110,9 @@ async def _serve_asyncio() -> None:
         return await direct(runner, request)
 
     listener = _listen("127.0.0.1", 0)
-    server = Server([_service(_repository(), infer, _no_trio)])
+    # The same per-request load counting as under trio, on the only clock asyncio has.
+    load = LoadReporter(clock=time.monotonic)
+    server = Server([_service(_repository(), infer, _no_trio, load)])
     await server.start(sock=listener)
     _announce(listener.getsockname()[1])
     await asyncio.Event().wait()

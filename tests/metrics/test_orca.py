@@ -195,6 +195,18 @@ async def test_errors_count_and_cancellations_do_not(
     assert (report.rps_fractional, report.eps) == (2.0, 1.0)  # within the first second
 
 
+def test_another_clock_counts_without_trio() -> None:
+    # No trio run here: the clock given is the only time the reporter reads.
+    runner = ModelRunner(slow_model(), "1")
+    load = LoadReporter(host=no_host_figures(), clock=readings(100.0, 100.5, 100.5))
+    with load.counting(runner):  # arrives at 100.0, leaves at 100.5
+        pass
+    report = load.report(runner)  # read at 100.5
+    assert report is not None
+    # Half a request-second on two instances, one request, over the first second.
+    assert (report.application_utilization, report.rps_fractional) == (0.25, 1.0)
+
+
 # --- a model with a KV cache ---------------------------------------------------------------
 
 

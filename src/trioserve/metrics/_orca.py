@@ -144,9 +144,16 @@ class LoadReporter:
     (gRPC) or ``http_header`` (REST) for what to attach to a successful response.
     """
 
-    def __init__(self, *, host: HostUsage | None = None, window_s: int = 10) -> None:
+    def __init__(
+        self,
+        *,
+        host: HostUsage | None = None,
+        window_s: int = 10,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
         self._host = host if host is not None else HostUsage()
         self._window_s = window_s
+        self._clock = clock  # seconds; another clock only to run without trio (a bench)
         self._models: dict[tuple[str, str], _ModelLoad] = {}  # by model name and version
         self._by_served: dict[ServedModel, _ModelLoad] = {}  # the same, found faster
 
@@ -160,7 +167,7 @@ class LoadReporter:
         model = self._by_served.get(served)
         if model is None:
             model = self._by_served[served] = self._model(served)
-        return _Counting(model.activity, trio.current_time())
+        return _Counting(model.activity, self._clock)
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
@@ -200,7 +207,7 @@ class LoadReporter:
         return model
 
     def _report(self, served: ServedModel) -> LoadReport:
-        now = trio.current_time()
+        now = self._clock()
         model = self._model(served)
         kv_cache = _kv_cache(served) if model.generative else None
         waiting = running = None
@@ -236,10 +243,10 @@ class LoadReporter:
 class _Counting:
     """``LoadReporter.counting``: a class, not a generator, as it runs on every request."""
 
-    __slots__ = ("_activity", "_arrived")
+    __slots__ = ("_activity", "_arrived", "_clock")
 
-    def __init__(self, activity: RecentActivity, arrived: float) -> None:
-        self._activity, self._arrived = activity, arrived
+    def __init__(self, activity: RecentActivity, clock: Callable[[], float]) -> None:
+        self._activity, self._arrived, self._clock = activity, clock(), clock
 
     def __enter__(self) -> None:
         return None
@@ -248,7 +255,7 @@ class _Counting:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if kind is None or issubclass(kind, Exception):
-            self._activity.add(trio.current_time(), arrived=self._arrived, failed=kind is not None)
+            self._activity.add(self._clock(), arrived=self._arrived, failed=kind is not None)
 
 
 def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:
