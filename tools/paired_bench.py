@@ -1,6 +1,10 @@
 """Compare two builds of trioserve by CPU time per request, both loaded at the same time.
 
     python tools/paired_bench.py /path/to/old/src src --duration 10 --rounds 3
+    python tools/paired_bench.py src src --old-python A/bin/python --new-python B/bin/python
+
+The second form compares two interpreters serving the same source (each needs
+trioserve's dependencies installed).
 
 The machine's speed drifts (a shared virtual machine: by a third from minute to minute),
 so throughput measured in turns compares the moments as much as the builds. Here both
@@ -32,9 +36,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start(src: str, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
+def _start(src: str, python: str, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
     port = _free_port()
-    command = ["taskset", "-c", cpus, sys.executable, "-m", "trioserve", "run"]
+    command = ["taskset", "-c", cpus, python, "-m", "trioserve", "run"]
     command += ["--host", "127.0.0.1", "--http-port", str(port), "--allow-grpc", "false"]
     command += ["--log-level", "warning"]
     process = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=src))
@@ -42,9 +46,10 @@ def _start(src: str, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
     return process, port
 
 
-def _round(srcs: list[str], args: argparse.Namespace, script: Path) -> list[float]:
-    """One round: both servers under load at once; their µs of CPU per request."""
-    servers = [_start(src, args.server_cpus) for src in srcs]
+def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path) -> list[float]:
+    """One round: both servers (src folder, interpreter) under load at once; their µs of
+    CPU per request."""
+    servers = [_start(src, python, args.server_cpus) for src, python in sides]
     try:
         before = [_cpu_seconds(process.pid) for process, _ in servers]
         wrk = ["taskset", "-c", args.client_cpus, "wrk", "-t1", "-c8", f"-d{args.duration}s"]
@@ -81,7 +86,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--client-cpus", default="1")
+    parser.add_argument("--old-python", default=sys.executable, help="the old side's interpreter")
+    parser.add_argument("--new-python", default=sys.executable, help="the new side's interpreter")
     args = parser.parse_args()
+    old, new = (args.old, args.old_python), (args.new, args.new_python)
     body, headers = http_body("http-json")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "body").write_bytes(body)
@@ -91,7 +99,7 @@ def main() -> None:
         ratios = []
         for number in range(args.rounds):
             swapped = number % 2 == 1  # which server starts first alternates
-            order = [args.new, args.old] if swapped else [args.old, args.new]
+            order = [new, old] if swapped else [old, new]
             costs = _round(order, args, script)
             old_cost, new_cost = reversed(costs) if swapped else costs
             ratios.append(new_cost / old_cost)
