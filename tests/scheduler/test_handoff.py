@@ -38,9 +38,11 @@ async def test_a_waiting_consumer_gets_the_item_itself(
     assert got == [("first", 1.0, "a"), ("second", 2.0, "b"), ("late", 3.0, "c")]
 
 
-async def test_a_cancelled_consumer_is_not_handed_anything() -> None:
+async def test_a_cancelled_consumer_is_not_handed_anything(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     handoff = Handoff[int]()
-    with trio.move_on_after(0.01):
+    with trio.move_on_after(1):
         await handoff.get()
     handoff.put(5)  # nobody waits: the item is kept, not lost to the cancelled consumer
     assert await handoff.get() == 5

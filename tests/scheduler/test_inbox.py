@@ -41,9 +41,11 @@ async def test_take_gives_up_at_the_deadline(autojump_clock: trio.testing.MockCl
     assert await inbox.take(math.inf) == [7]
 
 
-async def test_a_cancelled_take_leaves_the_inbox_usable() -> None:
+async def test_a_cancelled_take_leaves_the_inbox_usable(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     inbox = Inbox[int]()
-    with trio.move_on_after(0.01):
+    with trio.move_on_after(1):
         await inbox.take()
     inbox.put(1)
     assert await inbox.take() == [1]
