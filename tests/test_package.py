@@ -87,6 +87,7 @@ FORBIDDEN = {
 # Third-party libraries that one place alone may import.
 OWNERS = {
     "hypercorn": "rest/_hypercorn.py",
+    "hpack": "grpc/_hpack.py",
     "grpclib": "grpc/",
     "trio_asyncio": "grpc/_bridge.py",
     "asyncio": "grpc/_bridge.py",
