@@ -54,6 +54,8 @@ class TinyLMShape:
 
 
 class TinyLM(GenerativeModel):
+    vocab_size = VOCAB
+
     def __init__(
         self,
         name: str = "tiny_lm",
