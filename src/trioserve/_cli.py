@@ -18,6 +18,7 @@ from ._config import ServerConfig
 from ._limits import HttpLimits
 from ._loader import RepositoryError, load_repository
 from ._metrics_config import metrics_config_from_flags
+from ._model import Model
 from ._restricted import parse_restrictions
 from ._server import open_server
 from ._version import __version__
@@ -35,6 +36,14 @@ def _parser() -> argparse.ArgumentParser:
         "--model-repository",
         type=Path,
         help="folder of models defined in model.py files; without it, the built-in examples",
+    )
+    run.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve a Hugging Face Llama-family checkpoint folder as generative model NAME "
+        "(repeatable; without --model-repository, only the checkpoints are served)",
     )
     run.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     run.add_argument("--http-port", type=int, default=8000)
@@ -101,12 +110,15 @@ def _boolean(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    if args.model_repository is None:
+    if args.model_repository is not None:
+        models = load_repository(args.model_repository)
+    elif args.checkpoint:
+        models = []
+    else:
         from .models import builtin_models
 
         models = builtin_models()
-    else:
-        models = load_repository(args.model_repository)
+    models += _checkpoint_models(args.checkpoint)
     return ServerConfig(
         models=models,
         host=args.host,
@@ -130,6 +142,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         response_cache_bytes=cache_size_from_flags(args.cache_config),
     )
+
+
+def _checkpoint_models(flags: list[str]) -> list[Model]:
+    from .models import load_checkpoint_model
+
+    models: list[Model] = []
+    for flag in flags:
+        name, equals, path = flag.partition("=")
+        if not (name and equals and path):
+            raise ValueError(f"--checkpoint takes NAME=PATH, got {flag!r}")
+        models.append(load_checkpoint_model(path, name))
+    return models
 
 
 async def run_until_signalled(config: ServerConfig) -> None:

@@ -22,6 +22,7 @@ from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._metrics import metrics_endpoint
+from ._openai import OpenAIEndpoints
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 
@@ -166,5 +167,9 @@ def build_app(
         router.add("POST", f"{base}/infer", e.infer)
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
+    openai = OpenAIEndpoints(repository, load)
+    router.add("GET", "/v1/models", openai.models)
+    router.add("POST", "/v1/completions", openai.completions)
+    router.add("POST", "/v1/chat/completions", openai.chat_completions)
     add_shared_memory_routes(router, shared_memory, restriction)
     return RestApp(router, max_body_bytes, background=[disconnects.run])
