@@ -83,6 +83,9 @@ FORBIDDEN = {
     "shm": _ABOVE_CORE - {"shm"},
     "models": {"rest", "grpc", "testing", "_cli", "_server"},
     "testing": set(),
+    # The core's two rooms that gather the floors below for every front end.
+    "_pipeline": {"rest", "grpc", "testing", "_cli", "_server", "models"},
+    "_context": {"rest", "grpc", "testing", "_cli", "_server", "models"},
 }
 # Third-party libraries that one place alone may import.
 OWNERS = {

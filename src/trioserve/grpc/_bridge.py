@@ -11,7 +11,7 @@ grpclib cancels a handler's asyncio task when its client resets the stream or it
 deadline passes; cancelling the awaited future cancels the trio call, and that
 withdraws the request from the model's queue or aborts its generation.
 
-Shutdown, once ``shutdown_trigger`` returns:
+Shutdown, once ``ServerContext.stop_accepting`` is set:
 1. new RPCs answer UNAVAILABLE; those in flight finish, trailers included;
 2. ``Server.close()`` stops listening (grpclib's close cancels any handler still
    running, which is why it waits for step 1);
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, cast
 
 import trio
@@ -38,12 +38,9 @@ from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Server, Stream
 from h2.exceptions import StreamClosedError
 
+from .._context import ServerContext
 from .._errors import UnavailableError
-from .._repository import ModelRepository, ServedModel
-from .._restricted import Restriction
-from .._types import InferenceRequest, InferenceResponse
-from ..metrics._orca import LoadReporter
-from ..shm import SharedMemoryRegistry
+from .._repository import ServedModel
 from ._errors import MESSAGE_TOO_LARGE, grpc_error
 from ._generated import grpc_service_pb2 as pb
 from ._service import HealthService, InferenceService, InTrio
@@ -58,24 +55,20 @@ _FLUSH_TIMEOUT_S = 5.0
 
 
 async def serve_grpc(
-    repository: ModelRepository,
-    server_metadata: Mapping[str, Any],
-    host: str,
-    port: int,
+    context: ServerContext,
     *,
-    max_message_bytes: int,
-    shared_memory: SharedMemoryRegistry | None = None,
-    restrictions: Mapping[str, Restriction] | None = None,
-    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
-    load: LoadReporter | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the gRPC front end on ``host:port`` until cancelled or shut down.
+    """Serve the gRPC front end on the configured host and gRPC port until cancelled or
+    shut down.
 
-    Reports ``[(host, bound_port)]`` once listening (port 0 binds a free port). When
-    ``shutdown_trigger`` returns, refuses new RPCs, lets those in flight finish, returns.
+    Reports ``[(host, bound_port)]`` once listening (port 0 binds a free port). Once
+    ``context.stop_accepting`` is set, refuses new RPCs, lets those in flight finish, returns.
     """
-    listener = _listen(host, port)
+    config = context.config
+    host = config.host
+    assert config.grpc_port is not None, "the gRPC front end is off"
+    listener = _listen(host, config.grpc_port)
     bound = (host, listener.getsockname()[1])
     drain = _Drain()
     async with trio_asyncio.open_loop() as loop:
@@ -83,47 +76,29 @@ async def serve_grpc(
         # future cancels the task and resolves once it has ended.
         in_trio: InTrio = loop.trio_as_future
 
-        def infer(served: ServedModel, request: InferenceRequest) -> Awaitable[InferenceResponse]:
-            return in_trio(served.infer, request)
-
-        load = load or LoadReporter()  # one for both services: they report the same load
-        # One registry for both kinds of call, so a region registered is seen by each.
-        shared_memory = shared_memory or SharedMemoryRegistry()
-        streams = StreamInfer(repository, load, shared_memory)
+        streams = StreamInfer(context.repository, context.pipeline, context.load)
 
         def stream_infer(stream: Stream[Any, Any]) -> Awaitable[ServedModel | None]:
             return in_trio(streams.serve, _TrioStream(stream))
 
         services = [
-            InferenceService(
-                repository,
-                server_metadata,
-                infer,
-                stream_infer,
-                in_trio,
-                shared_memory=shared_memory,
-                restrictions=restrictions,
-                load=load,
-            ),
-            HealthService(repository),
+            InferenceService(context, stream_infer, in_trio),
+            HealthService(context.repository),
         ]
         try:
             server = await trio_asyncio.aio_as_trio(_start)(
-                drain.guard(services), listener, max_message_bytes
+                drain.guard(services), listener, config.grpc_max_message_bytes
             )
         except BaseException:
             listener.close()  # grpclib owns it only once started
             raise
         task_status.started([bound])
         try:
-            if shutdown_trigger is None:
-                await trio.sleep_forever()
-            else:
-                await shutdown_trigger()
-                await drain.wait_idle()
-                server.close()
-                await server.close_connections(_FLUSH_TIMEOUT_S)
-                await trio_asyncio.aio_as_trio(server.wait_closed)()
+            await context.stop_accepting.wait()
+            await drain.wait_idle()
+            server.close()
+            await server.close_connections(_FLUSH_TIMEOUT_S)
+            await trio_asyncio.aio_as_trio(server.wait_closed)()
         finally:
             # On cancellation: cancels the handlers (open_loop's exit waits for them)
             # and drops the connections. After a graceful shutdown: nothing left to do.

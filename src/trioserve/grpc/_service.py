@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar, TypeVarTuple
 
 from grpclib.exceptions import GRPCError, StreamTerminatedError
 from grpclib.server import Stream
 
+from .._context import ServerContext
 from .._errors import (
     InferenceServerError,
     InternalError,
@@ -31,10 +32,6 @@ from .._errors import (
     unknown_model,
 )
 from .._repository import ModelRepository, ServedModel
-from .._restricted import Restriction
-from .._types import InferenceRequest, InferenceResponse
-from ..metrics._orca import LoadReporter
-from ..shm import RequestRegions, SharedMemoryRegistry
 from ._codec import (
     decode_request,
     encode_response,
@@ -51,10 +48,6 @@ from ._shm import SHARED_MEMORY_RPCS, check_restriction
 
 logger = logging.getLogger("trioserve.grpc")
 
-# Runs ``served.infer(request)`` where it must run (in trio) and awaits it from asyncio.
-# Cancelling the await must cancel the call: that is how a client's disconnect or
-# deadline withdraws a queued request.
-Infer = Callable[[ServedModel, InferenceRequest], Awaitable[InferenceResponse]]
 # Serves one ModelStreamInfer call in trio (``_stream.StreamInfer``), awaited from asyncio.
 # It returns the model the call last asked for.
 StreamInfer = Callable[[Stream[Any, Any]], Awaitable[ServedModel | None]]
@@ -132,28 +125,15 @@ def _shared_memory_rpc(rpc: str) -> Callable[[Any, Stream[Any, Any]], Awaitable[
 class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ignore[misc]
     """``inference.GRPCInferenceService`` over a model repository."""
 
-    def __init__(
-        self,
-        repository: ModelRepository,
-        server_metadata: Mapping[str, Any],
-        infer: Infer,
-        stream_infer: StreamInfer,
-        in_trio: InTrio,
-        *,
-        shared_memory: SharedMemoryRegistry | None = None,
-        restrictions: Mapping[str, Restriction] | None = None,
-        load: LoadReporter | None = None,
-    ) -> None:
-        """What the server owns is passed in (shared with the REST front end); a service
-        built without it gets its own."""
-        self._repository = repository
-        self._server_metadata = server_metadata_message(server_metadata)  # never changes
-        self._infer = infer
+    def __init__(self, context: ServerContext, stream_infer: StreamInfer, in_trio: InTrio) -> None:
+        self._repository = context.repository
+        self._server_metadata = server_metadata_message(context.metadata)  # never changes
         self._stream_infer = stream_infer
         self._in_trio = in_trio
-        self._shared_memory = shared_memory or SharedMemoryRegistry()
-        self._shared_memory_restriction = (restrictions or {}).get("shared-memory")
-        self._load = load or LoadReporter()  # the server's, shared with the REST front end
+        self._shared_memory = context.shared_memory
+        self._shared_memory_restriction = context.config.grpc_restricted_apis.get("shared-memory")
+        self._load = context.load
+        self._pipeline = context.pipeline
 
     @_rpc
     async def ServerLive(self, stream: Stream[Any, Any]) -> None:
@@ -194,17 +174,9 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
     async def ModelInfer(self, stream: Stream[Any, Any]) -> None:
         message = await _receive(stream)
         served = self._repository.get(message.model_name, message.model_version)
-        with RequestRegions(self._shared_memory, served.model.device) as regions:
-            request = decode_request(message, regions)
-            if regions.device_inputs:
-                await self._in_trio(regions.read_device_inputs)
-            with self._load.counting(served):
-                response = await self._infer(served, request)
-                if regions.device_outputs:
-                    await self._in_trio(regions.write_device_outputs, response)
-                else:
-                    regions.write_outputs(response)
-            await stream.send_message(encode_response(response))
+        decode = functools.partial(decode_request, message)
+        _, response = await self._in_trio(self._pipeline.infer, served, decode)
+        await stream.send_message(encode_response(response))
         await self._send_load_report(stream, served)
 
     async def _send_load_report(self, stream: Stream[Any, Any], served: ServedModel) -> None:

@@ -27,19 +27,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
 import trio
 
 from .._errors import InferenceServerError
+from .._pipeline import InferencePipeline
 from .._repository import ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import GenerationChunk, GenerativeServed
 from ..scheduler._generation_input import generation_request, prompt_and_parameters
-from ..shm import RequestRegions, SharedMemoryRegistry
 from ._codec import decode_request, encode_response
 from ._generated import grpc_service_pb2 as pb
 
@@ -67,14 +68,11 @@ class StreamInfer:
     """Serves ModelStreamInfer calls over a model repository."""
 
     def __init__(
-        self,
-        repository: ModelRepository,
-        load: LoadReporter,
-        shared_memory: SharedMemoryRegistry,
+        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
     ) -> None:
         self._repository = repository
-        self._shared_memory = shared_memory  # the server's regions, as in ModelInfer
-        self._load = load  # each request counts toward the server's load reports
+        self._pipeline = pipeline  # tensor requests take ModelInfer's path
+        self._load = load  # generations count toward the server's load reports
         self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
 
     async def serve(self, io: StreamIO) -> ServedModel | None:
@@ -111,16 +109,8 @@ class StreamInfer:
                 with self._load.counting(served):
                     await self._generate(served, request, replies)
             else:
-                with RequestRegions(self._shared_memory, served.model.device) as regions:
-                    request = decode_request(message, regions)
-                    if regions.device_inputs:
-                        await regions.read_device_inputs()
-                    with self._load.counting(served):
-                        response = await served.infer(request)
-                        if regions.device_outputs:
-                            await regions.write_device_outputs(response)
-                        else:
-                            regions.write_outputs(response)
+                decode = partial(decode_request, message)
+                _, response = await self._pipeline.infer(served, decode)
                 await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))
