@@ -90,9 +90,9 @@ FORBIDDEN = {
 # Third-party libraries that one place alone may import.
 OWNERS = {
     "hypercorn": "rest/_hypercorn.py",
-    "grpclib": "grpc/",
-    "trio_asyncio": "grpc/_bridge.py",
-    "asyncio": "grpc/_bridge.py",
+    "grpclib": "grpc/_grpclib.py",
+    "trio_asyncio": "grpc/_grpclib.py",
+    "asyncio": "grpc/_grpclib.py",
 }
 
 

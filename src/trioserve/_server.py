@@ -214,9 +214,12 @@ def _rest_front_end(context: ServerContext, port: int) -> Callable[..., Awaitabl
 
 
 def _grpc_front_end(context: ServerContext) -> Callable[..., Awaitable[None]]:
-    from .grpc import serve_grpc
+    """The gRPC front end ``config.grpc_server`` names."""
+    from .grpc import serve_grpclib
 
-    return partial(serve_grpc, context)
+    if context.config.grpc_server == "grpclib":
+        return partial(serve_grpclib, context)
+    return partial(serve_grpclib, context)  # until the HTTP/2 core serves "trio"
 
 
 def _metrics_listener(

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 from trioserve import ServerConfig
 from trioserve._context import server_context
 from trioserve._repository import ModelRepository
-from trioserve.grpc import serve_grpc
+from trioserve.grpc import serve_grpclib
 from trioserve.models import reference_zoo
 from trioserve.scheduler._runner import ModelRunner
 
@@ -36,7 +36,7 @@ async def url(nursery: trio.Nursery, scripted_lm: Any) -> str:
     repository = ModelRepository([scripted_lm, ModelRunner(simple, "1")])
     await nursery.start(repository.run)
     config = ServerConfig(http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 20)
-    addresses = await nursery.start(serve_grpc, server_context(config, repository))
+    addresses = await nursery.start(serve_grpclib, server_context(config, repository))
     return f"127.0.0.1:{addresses[0][1]}"
 
 

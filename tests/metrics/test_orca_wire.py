@@ -26,7 +26,7 @@ import trioserve
 from trioserve import HttpLimits, ServerConfig, TensorSpec
 from trioserve._context import server_context
 from trioserve._repository import ModelRepository, ServedModel
-from trioserve.grpc import serve_grpc
+from trioserve.grpc import serve_grpclib
 from trioserve.grpc._generated.orca_load_report_pb2 import OrcaLoadReport
 from trioserve.metrics._host_usage import HostUsage
 from trioserve.metrics._orca import LoadReporter
@@ -184,7 +184,7 @@ async def test_rest_header_for_a_tensor_model(
 async def serve_rpc(nursery: trio.Nursery, served: list[ServedModel], load: LoadReporter) -> str:
     repository = await start_models(nursery, served)
     config = ServerConfig(http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 24)
-    addresses = await nursery.start(serve_grpc, server_context(config, repository, load=load))
+    addresses = await nursery.start(serve_grpclib, server_context(config, repository, load=load))
     return f"127.0.0.1:{addresses[0][1]}"
 
 
