@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         default="stdlib",
         help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS",
     )
+    run.add_argument(
+        "--grpc-server",
+        choices=("trio", "grpclib"),
+        default="trio",
+        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio",
+    )
     run.add_argument("--tls-certfile", help="with --http-server hypercorn: serve HTTPS")
     run.add_argument("--tls-keyfile")
     defaults = HttpLimits()
@@ -125,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,
         http_server=args.http_server,
+        grpc_server=args.grpc_server,
         tls_certfile=args.tls_certfile,
         tls_keyfile=args.tls_keyfile,
         http_limits=HttpLimits(

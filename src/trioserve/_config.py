@@ -25,6 +25,7 @@ class ServerConfig:
     tls_keyfile: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     grpc_max_message_bytes: int = 2**31 - 1  # tritonclient's own limit: INT32_MAX
+    grpc_server: Literal["trio", "grpclib"] = "trio"
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
     # API group ("shared-memory", ...) -> the header its requests must carry, per transport
     http_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
@@ -43,6 +44,8 @@ class ServerConfig:
             raise ValueError(
                 f"http_server must be 'stdlib' or 'hypercorn', not {self.http_server!r}"
             )
+        if self.grpc_server not in ("trio", "grpclib"):
+            raise ValueError(f"grpc_server must be 'trio' or 'grpclib', not {self.grpc_server!r}")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("TLS needs both a certificate and a key file")
         if self.tls_certfile is not None and self.http_server != "hypercorn":

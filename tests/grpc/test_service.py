@@ -31,10 +31,10 @@ from trioserve import (
     ServerConfig,
     TensorSpec,
 )
+from trioserve._context import server_metadata
 from trioserve._model_config import model_config
-from trioserve._server import server_metadata
-from trioserve.grpc._bridge import _listen
 from trioserve.grpc._generated import health_pb2
+from trioserve.grpc._grpclib import _listen
 from trioserve.models import reference_zoo
 
 # Every datatype of the protocol, each as an optional input echoed to its output.

@@ -20,9 +20,10 @@ import trio
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from trioserve import ServerConfig
+from trioserve._context import server_context
 from trioserve._repository import ModelRepository
-from trioserve._server import server_metadata
-from trioserve.grpc import serve_grpc
+from trioserve.grpc import serve_grpclib
 from trioserve.models import reference_zoo
 from trioserve.scheduler._runner import ModelRunner
 
@@ -34,10 +35,8 @@ async def url(nursery: trio.Nursery, scripted_lm: Any) -> str:
     simple = next(m for m in reference_zoo() if m.name == "simple")
     repository = ModelRepository([scripted_lm, ModelRunner(simple, "1")])
     await nursery.start(repository.run)
-    serve = partial(
-        serve_grpc, repository, server_metadata(), "127.0.0.1", 0, max_message_bytes=1 << 20
-    )
-    addresses = await nursery.start(serve)
+    config = ServerConfig(http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 20)
+    addresses = await nursery.start(serve_grpclib, server_context(config, repository))
     return f"127.0.0.1:{addresses[0][1]}"
 
 

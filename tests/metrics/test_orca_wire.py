@@ -23,10 +23,10 @@ from grpclib.const import Cardinality
 from tritonclient.grpc import service_pb2
 
 import trioserve
-from trioserve import HttpLimits, TensorSpec
+from trioserve import HttpLimits, ServerConfig, TensorSpec
+from trioserve._context import server_context
 from trioserve._repository import ModelRepository, ServedModel
-from trioserve._server import server_metadata
-from trioserve.grpc import serve_grpc
+from trioserve.grpc import serve_grpclib
 from trioserve.grpc._generated.orca_load_report_pb2 import OrcaLoadReport
 from trioserve.metrics._host_usage import HostUsage
 from trioserve.metrics._orca import LoadReporter
@@ -87,7 +87,7 @@ async def serve_rest(
     load: LoadReporter,
 ) -> httpx.AsyncClient:
     repository = await start_models(nursery, served)
-    app = build_app(repository, server_metadata(), 1 << 20, load=load)
+    app = build_app(server_context(ServerConfig(), repository, load=load))
     serve_http = partial(http_server, app, "127.0.0.1", 0, HttpLimits())
     addresses = await nursery.start(app.serve_with, serve_http)
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{addresses[0][1]}")
@@ -183,16 +183,8 @@ async def test_rest_header_for_a_tensor_model(
 
 async def serve_rpc(nursery: trio.Nursery, served: list[ServedModel], load: LoadReporter) -> str:
     repository = await start_models(nursery, served)
-    rpc = partial(
-        serve_grpc,
-        repository,
-        server_metadata(),
-        "127.0.0.1",
-        0,
-        max_message_bytes=1 << 24,
-        load=load,
-    )
-    addresses = await nursery.start(rpc)
+    config = ServerConfig(http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 24)
+    addresses = await nursery.start(serve_grpclib, server_context(config, repository, load=load))
     return f"127.0.0.1:{addresses[0][1]}"
 
 
