@@ -313,7 +313,7 @@ def main() -> None:
         if args.url:
             yield args.url
         else:
-            with trioserve_process(args.server_cpus, args.http_server, sys.executable) as (
+            with trioserve_process(args.server_cpus, args.http_server, "trio", sys.executable) as (
                 http_url,
                 _,
             ):

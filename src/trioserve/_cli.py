@@ -15,7 +15,7 @@ from pathlib import Path
 import trio
 
 from ._config import ServerConfig
-from ._limits import HttpLimits
+from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError, load_repository
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
@@ -69,6 +69,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-bytes", type=int, default=defaults.max_header_bytes)
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
+    run.add_argument("--grpc-tls-certfile", help="serve gRPC over TLS (ALPN h2)")
+    run.add_argument("--grpc-tls-keyfile")
+    grpc_defaults = GrpcLimits()
+    run.add_argument(
+        "--grpc-max-message-bytes", type=int, default=ServerConfig.grpc_max_message_bytes
+    )
+    run.add_argument(
+        "--grpc-max-concurrent-streams",
+        type=int,
+        default=grpc_defaults.max_concurrent_streams,
+        help="calls open at once per gRPC connection",
+    )
+    run.add_argument(
+        "--grpc-idle-timeout-secs",
+        type=float,
+        default=grpc_defaults.idle_timeout_s,
+        help="close gRPC connections with no call open for this long",
+    )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
         run.add_argument(
@@ -134,6 +152,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_server=args.grpc_server,
         tls_certfile=args.tls_certfile,
         tls_keyfile=args.tls_keyfile,
+        grpc_tls_certfile=args.grpc_tls_certfile,
+        grpc_tls_keyfile=args.grpc_tls_keyfile,
+        grpc_max_message_bytes=args.grpc_max_message_bytes,
+        grpc_limits=GrpcLimits(
+            max_concurrent_streams=args.grpc_max_concurrent_streams,
+            idle_timeout_s=args.grpc_idle_timeout_secs,
+        ),
         http_limits=HttpLimits(
             max_body_bytes=args.http_max_body_bytes,
             max_header_bytes=args.http_max_header_bytes,

@@ -215,11 +215,13 @@ def _rest_front_end(context: ServerContext, port: int) -> Callable[..., Awaitabl
 
 def _grpc_front_end(context: ServerContext) -> Callable[..., Awaitable[None]]:
     """The gRPC front end ``config.grpc_server`` names."""
-    from .grpc import serve_grpclib
-
     if context.config.grpc_server == "grpclib":
+        from .grpc import serve_grpclib
+
         return partial(serve_grpclib, context)
-    return partial(serve_grpclib, context)  # until the HTTP/2 core serves "trio"
+    from .grpc import serve_grpc_core
+
+    return partial(serve_grpc_core, context)
 
 
 def _metrics_listener(
