@@ -123,9 +123,9 @@ def models(gate: Gate, recorder: Recorder) -> list[Model]:
 
 
 @pytest.fixture
-async def server(nursery: trio.Nursery, models: list[Model]) -> Server:
+async def server(nursery: trio.Nursery, models: list[Model], grpc_server: str) -> Server:
     # http_port=None: these tests must not depend on the REST front end.
-    config = ServerConfig(models=models, http_port=None, grpc_port=0)
+    config = ServerConfig(models=models, http_port=None, grpc_port=0, grpc_server=grpc_server)
     started: Server = await nursery.start(trioserve.serve, config)
     return started
 
@@ -656,9 +656,13 @@ async def test_delay_cancelled_then_serves(client: Client) -> None:
 # --- limits and shutdown ---------------------------------------------------------------
 
 
-async def test_message_size_limit(nursery: trio.Nursery) -> None:
+async def test_message_size_limit(nursery: trio.Nursery, grpc_server: str) -> None:
     config = ServerConfig(
-        models=reference_zoo(), http_port=None, grpc_port=0, grpc_max_message_bytes=64 * 1024
+        models=reference_zoo(),
+        http_port=None,
+        grpc_port=0,
+        grpc_max_message_bytes=64 * 1024,
+        grpc_server=grpc_server,
     )
     server = await nursery.start(trioserve.serve, config)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
@@ -681,8 +685,10 @@ async def test_message_size_limit(nursery: trio.Nursery) -> None:
         client.close()
 
 
-async def test_graceful_shutdown_finishes_in_flight(models: list[Model], gate: Gate) -> None:
-    config = ServerConfig(models=models, http_port=None, grpc_port=0)
+async def test_graceful_shutdown_finishes_in_flight(
+    models: list[Model], gate: Gate, grpc_server: str
+) -> None:
+    config = ServerConfig(models=models, http_port=None, grpc_port=0, grpc_server=grpc_server)
     results: list[Any] = []
     client: Client | None = None
     try:
