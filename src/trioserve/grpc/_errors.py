@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import enum
 import logging
+from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from .._errors import ErrorKind, InferenceServerError
 
@@ -82,3 +85,12 @@ def status_of(exc: BaseException) -> tuple[GrpcStatus, str]:
         return GrpcStatus.INTERNAL, "the call failed unexpectedly"
     logger.debug("gRPC call answered %s: %s", status.name, message)
     return status, message
+
+
+def parse_message(message_type: Any, data: bytes | bytearray | memoryview) -> Any:
+    """A request message from its bytes; INVALID_ARGUMENT (a client mistake, not logged
+    as an error) when they are not one. Both gRPC front ends parse through here."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        raise GrpcError(GrpcStatus.INVALID_ARGUMENT, f"malformed request message: {exc}") from None

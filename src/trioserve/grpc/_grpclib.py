@@ -40,7 +40,6 @@ from typing import Any, cast
 
 import trio
 import trio_asyncio
-from google.protobuf.message import DecodeError
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.encoding.proto import ProtoCodec
 from grpclib.exceptions import StreamTerminatedError
@@ -48,7 +47,7 @@ from grpclib.server import Server, Stream
 from h2.exceptions import StreamClosedError
 
 from .._context import ServerContext
-from ._errors import ClientGone, GrpcError, GrpcStatus, status_of
+from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
 from ._methods import Method, UnaryMethod, grpc_methods
 
 logger = logging.getLogger("trioserve.grpc")
@@ -310,12 +309,7 @@ class _LimitedCodec(ProtoCodec):
                 GrpcStatus.RESOURCE_EXHAUSTED,
                 f"Received message larger than max ({len(data)} vs. {self._limit})",
             )
-        try:
-            return super().decode(data, message_type)
-        except DecodeError as exc:
-            raise GrpcError(
-                GrpcStatus.INVALID_ARGUMENT, f"malformed request message: {exc}"
-            ) from None
+        return parse_message(message_type, data)
 
 
 class _Server(Server):

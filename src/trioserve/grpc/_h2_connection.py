@@ -32,8 +32,8 @@ import trio
 
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
-from ._errors import ClientGone, GrpcError, GrpcStatus, status_of
-from ._h2_stream import H2Stream, parse
+from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
+from ._h2_stream import H2Stream
 from ._h2_transport import Transport, trim
 from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError, encode_headers
 from ._methods import Method, UnaryMethod
@@ -569,7 +569,8 @@ class H2Connection:
                         raise GrpcError(
                             GrpcStatus.INVALID_ARGUMENT, "the call carried no request message"
                         )
-                    reply = await method.handler(parse(method, data), stream)
+                    request = parse_message(method.request_type, data)
+                    reply = await method.handler(request, stream)
                     await self._send_reply(stream, reply)
                 else:
                     await method.handler(stream, stream)
@@ -626,8 +627,6 @@ class H2Connection:
         """End the call: trailers (trailers-only before any response), then the stream."""
         if stream.local_closed:
             return
-        if status != GrpcStatus.OK:
-            logger.debug("gRPC stream %d ends with %s: %s", stream.id, status.name, message)
         block = trailers(status, message, stream.trailers, only=not stream.headers_sent)
         self._queue_headers(stream.id, block, h2.END_STREAM)
         stream.local_closed = True

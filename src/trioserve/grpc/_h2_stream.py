@@ -22,11 +22,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import trio
-from google.protobuf.message import DecodeError
 
-from ._errors import ClientGone, GrpcError, GrpcStatus
+from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message
 from ._hpack import HeaderList
-from ._methods import Method, StreamMethod
+from ._methods import Method
 from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, decompress, text_metadata
 
 # A message part this large is received straight into its buffer rather than through
@@ -144,7 +143,7 @@ class H2Stream:
         while True:
             message = self.take()
             if message is not None:
-                return parse(self.method, message)
+                return parse_message(self.method.request_type, message)
             if self.reset:
                 raise ClientGone("the client reset the stream")
             if self.remote_closed:
@@ -238,18 +237,3 @@ class H2Stream:
         self.queued_bytes += len(message)
         self.wake()
         self.on_message(self)
-
-
-def parse(method: Method, data: Message) -> Any:
-    """A request message from its bytes; INVALID_ARGUMENT when they are not one."""
-    try:
-        return method.request_type.FromString(data)
-    except DecodeError:
-        raise GrpcError(
-            GrpcStatus.INVALID_ARGUMENT,
-            f"the request is not a valid {method.request_type.DESCRIPTOR.full_name} message",
-        ) from None
-
-
-def is_streaming(method: Method) -> bool:
-    return isinstance(method, StreamMethod)
