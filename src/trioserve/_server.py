@@ -15,7 +15,7 @@ flight finish for up to ``exit_timeout_s``, then cancels everything.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -32,6 +32,7 @@ from ._version import __version__
 from .metrics import server_registry
 from .metrics._llm_telemetry import LLMMetricFamilies
 from .metrics._orca import LoadReporter
+from .repository import RepositoryManager
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
@@ -43,7 +44,8 @@ Address = tuple[str, int]
 
 # What works today, by Triton's extension names; listed in server metadata.
 EXTENSIONS = (
-    "binary_tensor_data", "model_configuration", "parameters", "schedule_policy", "statistics",
+    "binary_tensor_data", "model_configuration", "model_repository",
+    "model_repository(unload_dependents)", "parameters", "schedule_policy", "statistics",
     "system_shared_memory",
 )  # fmt: skip
 
@@ -132,7 +134,11 @@ class _Owned:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
-    repository = ModelRepository(_served(config))
+    # In explicit mode, even the built-in models wait for a load.
+    explicit = config.model_control_mode == "explicit"
+    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
+    runners = partial(_served, config, cache)
+    repository = ModelRepository([] if explicit else runners(config.models))
     shared_memory = SharedMemoryRegistry()
     owned = _Owned(
         config,
@@ -149,6 +155,17 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         # cancelling the caller's block, which runs in ``root``.
         services: trio.Nursery = await root.start(_hold_nursery)
         await services.start(repository.run)
+        manager = RepositoryManager(
+            repository,
+            runners,
+            folders=config.model_repositories,
+            builtin=config.models,
+            mode=config.model_control_mode,
+            startup_models=config.load_models,
+            poll_secs=config.repository_poll_secs,
+            strict=config.strict_model_config,
+        )
+        await services.start(manager.run)
         http: list[Address] = []
         grpc: list[Address] = []
         metrics: list[Address] = []
@@ -182,16 +199,17 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             shared_memory.close()
 
 
-def _served(config: ServerConfig) -> list[ServedModel]:
+def _served(
+    config: ServerConfig, cache: ResponseCache | None, models: Sequence[Model]
+) -> list[ServedModel]:
     """What serves each model version: the continuous-batching engine for generative
     models, a runner otherwise. Runners that opt in share the server's response cache."""
-    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
     bounds = config.metrics.histogram_bounds_ns()
     llm_metrics = LLMMetricFamilies(
-        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+        models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
     )
     served: list[ServedModel] = []
-    for model in config.models:
+    for model in models:
         for version in model.versions:
             if isinstance(model, GenerativeModel):
                 telemetry = llm_metrics.telemetry(model, version)

@@ -1,12 +1,17 @@
 """Built-in example models: what ``trioserve run`` serves without a repository."""
 
+from pathlib import Path
+
 from .._model import Model
 from ._tiny_lm import TinyLM
 from ._zoo import reference_zoo
+
+# Triton's standard example models, as a Triton model repository (Python backend).
+TRITON_EXAMPLES = Path(__file__).parent / "triton"
 
 
 def builtin_models() -> list[Model]:
     return [*reference_zoo(), TinyLM()]
 
 
-__all__ = ["TinyLM", "builtin_models", "reference_zoo"]
+__all__ = ["TRITON_EXAMPLES", "TinyLM", "builtin_models", "reference_zoo"]

@@ -22,6 +22,7 @@ from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._metrics import metrics_endpoint
+from ._repository_endpoints import add_repository_routes
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 
@@ -167,4 +168,5 @@ def build_app(
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
     add_shared_memory_routes(router, shared_memory, restriction)
+    add_repository_routes(router, repository, (restrictions or {}).get("model-repository"))
     return RestApp(router, max_body_bytes, background=[disconnects.run])
