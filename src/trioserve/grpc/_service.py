@@ -47,6 +47,7 @@ from ._errors import grpc_error
 from ._generated import grpc_service_grpc, health_grpc, health_pb2
 from ._generated import grpc_service_pb2 as pb
 from ._orca import load_report_trailer
+from ._repository_rpcs import REPOSITORY_RPCS
 from ._shm import SHARED_MEMORY_RPCS, check_restriction
 
 logger = logging.getLogger("trioserve.grpc")
@@ -129,6 +130,19 @@ def _shared_memory_rpc(rpc: str) -> Callable[[Any, Stream[Any, Any]], Awaitable[
     return _rpc(handler)
 
 
+def _repository_rpc(rpc: str) -> Callable[[Any, Stream[Any, Any]], Awaitable[None]]:
+    """A handler for one of the repository RPCs (``_repository_rpcs.REPOSITORY_RPCS``)."""
+    answer = REPOSITORY_RPCS[rpc]
+
+    async def handler(self: InferenceService, stream: Stream[Any, Any]) -> None:
+        request = await _receive(stream)
+        check_restriction(self._repository_restriction, stream.metadata or {})
+        await stream.send_message(await answer(self._repository, request, self._in_trio))
+
+    handler.__name__ = handler.__qualname__ = rpc
+    return _rpc(handler)
+
+
 class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ignore[misc]
     """``inference.GRPCInferenceService`` over a model repository."""
 
@@ -153,6 +167,7 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
         self._in_trio = in_trio
         self._shared_memory = shared_memory or SharedMemoryRegistry()
         self._shared_memory_restriction = (restrictions or {}).get("shared-memory")
+        self._repository_restriction = (restrictions or {}).get("model-repository")
         self._load = load or LoadReporter()  # the server's, shared with the REST front end
 
     @_rpc
@@ -234,9 +249,9 @@ class InferenceService(grpc_service_grpc.GRPCInferenceServiceBase):  # type: ign
 
     # Later roadmap items (repository API, trace, logging). Each RPC must exist
     # because the base class is abstract.
-    RepositoryIndex = _unimplemented("RepositoryIndex")
-    RepositoryModelLoad = _unimplemented("RepositoryModelLoad")
-    RepositoryModelUnload = _unimplemented("RepositoryModelUnload")
+    RepositoryIndex = _repository_rpc("RepositoryIndex")
+    RepositoryModelLoad = _repository_rpc("RepositoryModelLoad")
+    RepositoryModelUnload = _repository_rpc("RepositoryModelUnload")
     TraceSetting = _unimplemented("TraceSetting")
     LogSettings = _unimplemented("LogSettings")
 

@@ -63,6 +63,7 @@ class RepositoryManager:
         self._strict = strict
         self._failures: dict[str, str] = {}  # model name -> why it is not served
         self._unloaded: set[str] = set()
+        self._found: set[str] = set()  # model folders seen in the repositories
         self._signatures: dict[str, tuple[tuple[str, int, int], ...]] = {}  # poll: what changed
         self._uploads: dict[str, tempfile.TemporaryDirectory[str]] = {}
         self._lock = trio.Lock()  # one load or unload at a time
@@ -79,16 +80,23 @@ class RepositoryManager:
             for name in sorted(names):
                 await self._load_reporting(name)
         task_status.started()
-        while self._mode == "poll":
-            await trio.sleep(self._poll_secs)
-            await self._poll()
+        try:
+            while self._mode == "poll":
+                await trio.sleep(self._poll_secs)
+                await self._poll()
+            await trio.sleep_forever()
+        finally:
+            for upload in self._uploads.values():
+                upload.cleanup()
 
     async def _scan(self) -> dict[str, Path]:
         try:
-            return await trio.to_thread.run_sync(model_folders, self._folders)
+            folders = await trio.to_thread.run_sync(model_folders, self._folders)
         except ConfigError as exc:
             logger.error("%s", exc)
             return {}
+        self._found = set(folders)
+        return folders
 
     async def _poll(self) -> None:
         folders = await self._scan()
@@ -111,7 +119,7 @@ class RepositoryManager:
         """Every model the repositories hold or the server serves, by name."""
         entries = []
         known = set(self._builtin) | set(self._failures) | set(self._unloaded)
-        known |= set(self._signatures) | set(self._repository.names())
+        known |= self._found | set(self._repository.names())
         for name in sorted(known):
             if self._repository.has(name):
                 entries += [
