@@ -31,10 +31,6 @@ class ServedModel(Protocol):
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
 
-    async def drain(self) -> None:
-        """Take no more requests; return once those taken have their outcome."""
-        ...
-
     def submit(self, request: InferenceRequest) -> Ticket: ...
 
     def inference_statistics(self) -> ModelStatistics:
@@ -189,7 +185,11 @@ class ModelRepository:
 
     async def _stop(self, runners: list[ServedModel]) -> None:
         for runner in runners:
-            await runner.drain()
+            # Runners that can finish what they took (``drain``) do so; not part of
+            # ServedModel, which the front ends check generative models against.
+            drain = getattr(runner, "drain", None)
+            if drain is not None:
+                await drain()
             scope = self._scopes.get(id(runner))
             if scope is not None:
                 scope.cancel()
