@@ -124,6 +124,24 @@ async def test_malformed_message_is_invalid_argument_and_no_error_logged(
     assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 2
 
 
+async def test_malformed_stream_message_ends_the_call_invalid_argument(
+    channel: grpc.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream = channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        request_serializer=lambda body: body,
+        response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+    )
+    with (
+        trio.fail_after(TIMEOUT),
+        caplog.at_level(logging.DEBUG, logger="trioserve"),
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        await call(lambda: list(stream(iter([b"\xff\xff"]))))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
+
+
 async def test_a_bug_answers_internal_and_logs_it(
     channel: grpc.Channel, server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
