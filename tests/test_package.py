@@ -139,6 +139,18 @@ def test_import_direction(path):
             assert str(relative).startswith(owner), f"only {owner} may import {library}"
 
 
+@pytest.mark.parametrize(
+    ("flags", "expected"), [([], "trio"), (["--grpc-server", "grpclib"], "grpclib")]
+)
+def test_cli_picks_the_grpc_front_end(flags, expected):
+    config = config_from_args(_parser().parse_args(["run", *flags]))
+    assert config.grpc_server == expected
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["run", "--grpc-server", "grpcio"])
+    with pytest.raises(ValueError, match="grpc_server must be"):
+        trioserve.ServerConfig(grpc_server="grpcio")  # type: ignore[arg-type]
+
+
 def test_cli_builds_a_config_for_the_builtin_models():
     args = _parser().parse_args(["run", "--http-port", "0", "--allow-grpc", "false"])
     config = config_from_args(args)

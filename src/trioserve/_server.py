@@ -3,8 +3,13 @@
     open_server(config)                 async context manager (the root nursery)
     ├── repository.run                  one task tree per model version
     ├── REST front end                  our HTTP/1.1 core, or Hypercorn
-    ├── gRPC front end                  grpclib through trio-asyncio
+    ├── gRPC front end                  config.grpc_server: "trio" or "grpclib" (grpclib
+    │                                   through trio-asyncio), one method table
     └── metrics listener                GET /metrics on its own port, when configured
+
+What the instance owns (its repository, shared-memory regions, load reporter, metrics
+registry, inference pipeline) reaches every front end as one ``ServerContext``; REST
+infer and both gRPC front ends run each request through its ``InferencePipeline``.
 
 ``serve(config, task_status=...)`` follows trio's start protocol: it reports the running
 ``Server`` (with its bound ports) once every model is loaded and every port listens.

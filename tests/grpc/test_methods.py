@@ -102,14 +102,25 @@ async def call(fn: Any, *args: Any) -> Any:
     return await trio.to_thread.run_sync(partial(fn, *args), abandon_on_cancel=True)
 
 
+def raw_bytes_rpc(channel: grpc.Channel, kind: str, rpc: str) -> Any:
+    """A method of the service that sends the bytes it is given as its request message."""
+    reply = service_pb2.ModelStreamInferResponse if kind == "stream_stream" else None
+    return getattr(channel, kind)(
+        f"/inference.GRPCInferenceService/{rpc}",
+        request_serializer=lambda body: body,
+        response_deserializer=(reply or getattr(service_pb2, f"{rpc}Response")).FromString,
+    )
+
+
+def no_warnings(caplog: pytest.LogCaptureFixture) -> bool:
+    """Nothing above DEBUG logged, and no traceback."""
+    return not [r for r in caplog.records if r.levelno > logging.DEBUG or r.exc_info]
+
+
 async def test_malformed_message_is_invalid_argument_and_no_error_logged(
     channel: grpc.Channel, caplog: pytest.LogCaptureFixture
 ) -> None:
-    raw = channel.unary_unary(
-        "/inference.GRPCInferenceService/ModelInfer",
-        request_serializer=lambda body: body,
-        response_deserializer=service_pb2.ModelInferResponse.FromString,
-    )
+    raw = raw_bytes_rpc(channel, "unary_unary", "ModelInfer")
     with pytest.raises(DecodeError):
         service_pb2.ModelInferRequest.FromString(b"\xff\xff")  # what the client sends
     with trio.fail_after(TIMEOUT), caplog.at_level(logging.DEBUG, logger="trioserve"):
@@ -120,8 +131,22 @@ async def test_malformed_message_is_invalid_argument_and_no_error_logged(
         with pytest.raises(grpc.RpcError) as refused:  # a client mistake of the core's
             await call(raw, service_pb2.ModelInferRequest(model_name="nope").SerializeToString())
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND
-    assert [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info] == []
+    assert no_warnings(caplog)
     assert len([r for r in caplog.records if r.levelno == logging.DEBUG]) == 2
+
+
+async def test_malformed_stream_message_ends_the_call_invalid_argument(
+    channel: grpc.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    stream = raw_bytes_rpc(channel, "stream_stream", "ModelStreamInfer")
+    with (
+        trio.fail_after(TIMEOUT),
+        caplog.at_level(logging.DEBUG, logger="trioserve"),
+        pytest.raises(grpc.RpcError) as caught,
+    ):
+        await call(lambda: list(stream(iter([b"\xff\xff"]))))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert no_warnings(caplog)
 
 
 async def test_a_bug_answers_internal_and_logs_it(
