@@ -33,6 +33,7 @@ class ServerConfig:
     show_hidden_metrics_for_version: str | None = None
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     response_cache_bytes: int = 0  # server-wide response cache size; 0: no cache
+    status_page: bool = True  # GET / and /status on the HTTP port: the live status page
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -12,6 +13,8 @@ from ._errors import NotFoundError, unknown_model
 from ._model import Model
 from ._stats import ModelStatistics
 from ._types import InferenceRequest, InferenceResponse
+
+logger = logging.getLogger("trioserve")
 
 
 class ServedModel(Protocol):
@@ -72,6 +75,9 @@ class ModelRepository:
         self._latest = {
             name: versions[max(versions, key=int)] for name, versions in self._models.items()
         }
+        # (name, version) -> seconds its load took, once loaded: what a person waiting on
+        # a slow load reads in the log and on the status page.
+        self.load_seconds: dict[tuple[str, str], float] = {}
 
     def __iter__(self) -> Iterator[ServedModel]:
         for versions in self._models.values():
@@ -124,8 +130,16 @@ class ModelRepository:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load every model version, report started once all are ready, serve until cancelled."""
         async with trio.open_nursery() as nursery:
-            for runner in self:
+            served = list(self)
+            for position, runner in enumerate(served, 1):
+                name, version = runner.model.name, runner.version
+                logger.info(
+                    "loading model '%s' version %s (%d of %d)", name, version, position, len(served)
+                )
+                began = trio.current_time()
                 await nursery.start(runner.run)
+                took = self.load_seconds[name, version] = trio.current_time() - began
+                logger.info("loaded model '%s' version %s in %.2f s", name, version, took)
             task_status.started()
 
     def _versions(self, name: str) -> dict[str, ServedModel]:

@@ -239,6 +239,7 @@ def _rest(owned: _Owned, port: int) -> Callable[..., Awaitable[None]]:
         restrictions=config.http_restricted_apis,
         load=owned.load,
         metrics=owned.registry,
+        status_page=config.status_page,
     )
     stop = owned.stop_accepting
     if config.http_server == "hypercorn":

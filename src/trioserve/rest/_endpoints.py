@@ -24,6 +24,7 @@ from ._infer_codec import decode_request, encode_response
 from ._metrics import metrics_endpoint
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
+from ._status_page import add_status_page
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _MODEL = "/v2/models/{model}"
@@ -142,6 +143,7 @@ def build_app(
     restrictions: Mapping[str, Restriction] | None = None,
     load: LoadReporter | None = None,
     metrics: CollectorRegistry | None = None,
+    status_page: bool = False,
 ) -> RestApp:
     """The REST app. The server passes what it owns (its shared-memory regions, its load
     reporter); an app built without them gets its own."""
@@ -167,4 +169,6 @@ def build_app(
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
     add_shared_memory_routes(router, shared_memory, restriction)
+    if status_page:
+        add_status_page(router, repository, server_metadata)
     return RestApp(router, max_body_bytes, background=[disconnects.run])
