@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,6 +18,25 @@ from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
 HTTP_SERVERS = ["stdlib", "hypercorn"]
+GRPC_SERVERS = ["trio", "grpclib"]
+
+
+@pytest.fixture(params=GRPC_SERVERS)
+def grpc_server(request: pytest.FixtureRequest) -> str:
+    """Each gRPC front end (``ServerConfig.grpc_server``): the gRPC tests run on both."""
+    return str(request.param)
+
+
+@pytest.fixture
+def start_grpc(nursery: trio.Nursery) -> Callable[[Any], Awaitable[int]]:
+    """Starts the gRPC front end a server context's config names; returns its port."""
+    from trioserve._server import _grpc_front_end
+
+    async def start(context: Any) -> int:
+        addresses = await nursery.start(_grpc_front_end(context))
+        return int(addresses[0][1])
+
+    return start
 
 
 @pytest.fixture(scope="module", params=HTTP_SERVERS)

@@ -14,10 +14,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from trioserve import MetricsConfig
+from trioserve import MetricsConfig, ServerConfig
 from trioserve._cli import _parser
+from trioserve._context import server_context
 from trioserve._repository import ModelRepository
-from trioserve._server import server_metadata
 from trioserve.metrics import exposition, server_registry
 from trioserve.metrics._orca import FORMAT_HEADER
 from trioserve.metrics._vllm_names import FAMILIES
@@ -71,9 +71,7 @@ def run_flags(args: list[str]) -> Any:
 
 def real_app() -> Router[Any]:
     repository = ModelRepository([ModelRunner(m, "1") for m in reference_zoo()])
-    registry = server_registry(repository, MetricsConfig())
-    app = build_app(repository, server_metadata(), 1 << 20, metrics=registry, status_page=True)
-    return app.router
+    return build_app(server_context(ServerConfig(), repository)).router
 
 
 def served(method: str, path: str) -> None:
@@ -184,8 +182,11 @@ def test_inference_pool() -> None:
     route = OBJECTS["HTTPRoute/trioserve-generative"]["spec"]
     (rule,) = route["rules"]
     assert rule["backendRefs"][0]["name"] == "trioserve-generative"
-    prefix = rule["matches"][0]["path"]["value"]
-    served("POST", f"{prefix}tiny_lm/generate")
+    prefixes = [match["path"]["value"] for match in rule["matches"]]
+    assert prefixes == ["/v1/", "/v2/models/"]
+    served("POST", "/v1/completions")  # the OpenAI-style body the picker reads
+    served("POST", "/v1/chat/completions")
+    served("POST", "/v2/models/tiny_lm/generate")
 
 
 def test_envoy_config() -> None:

@@ -6,7 +6,9 @@
     python tools/bench.py --modes big-http-binary,big-grpc,big-shm --concurrency 1
 
 HTTP is driven by wrk (a C load generator: a Python client on one core saturates before
-the server does); gRPC by grpc.aio clients in worker processes. The server and the load
+the server does); gRPC by grpc.aio clients in worker processes, or by h2load in the
+``*-h2load`` modes (``--grpc-streams`` calls in flight per connection; those modes give
+no percentiles). The server and the load
 are pinned to different cores. Prints requests/s, p50 and p99 per mode and concurrency.
 
 The ``big-*`` modes round-trip one 16 MiB FP32 tensor through ``identity_fp32``: as HTTP
@@ -34,10 +36,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 MODES = ("http-json", "http-binary", "grpc", "big-http-binary", "big-grpc", "big-shm")
+# gRPC driven by h2load (a C client, as wrk is for HTTP); not in the default set.
+H2LOAD_MODES = ("grpc-h2load", "big-grpc-h2load")
 BIG_BYTES = 16 * 1024 * 1024  # the big-* modes' tensor
 
 
@@ -202,15 +207,11 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
 # --- gRPC through grpc.aio in worker processes ------------------------------------------
 
 
-def _grpc_worker(
-    url: str, mode: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue
-) -> None:
-    os.sched_setaffinity(0, {cpu})
-    import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
+def grpc_request(mode: str) -> Any:
+    from tritonclient.grpc import service_pb2
 
     request = service_pb2.ModelInferRequest(model_name=model_of(mode))
-    if mode == "big-grpc":
+    if mode.startswith("big-"):
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[BIG_BYTES // 4])
         request.raw_input_contents.append(big_tensor().tobytes())
     else:
@@ -218,6 +219,17 @@ def _grpc_worker(
         for name in ("INPUT0", "INPUT1"):
             request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
         request.raw_input_contents.extend([x.tobytes(), y.tobytes()])
+    return request
+
+
+def _grpc_worker(
+    url: str, mode: str, concurrency: int, duration: float, cpu: int, out: multiprocessing.Queue
+) -> None:
+    os.sched_setaffinity(0, {cpu})
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    request = grpc_request(mode)
     unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
     async def main() -> list[float]:
@@ -264,6 +276,31 @@ def run_grpc(
     )
 
 
+# --- gRPC through h2load ---------------------------------------------------------------
+
+
+def run_h2load(
+    url: str, mode: str, connections: int, streams: int, duration: float, cpus: str
+) -> Result:
+    message = grpc_request(mode).SerializeToString()
+    with tempfile.TemporaryDirectory() as tmp:
+        body = Path(tmp) / "body"
+        body.write_bytes(len(message).to_bytes(5, "big") + message)  # gRPC's message prefix
+        command = [
+            "taskset", "-c", cpus, "h2load", "-t1", f"-c{connections}", f"-m{streams}",
+            f"-D{round(duration)}", "--warm-up-time=1", "-d", str(body),
+            "-H", "content-type: application/grpc", "-H", "te: trailers",
+            f"http://{url}/inference.GRPCInferenceService/ModelInfer",
+        ]  # fmt: skip
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded", out)
+    if done is None or done.group(1) != done.group(2):
+        print(out, file=sys.stderr)
+    rps = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))  # type: ignore[union-attr]
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out).group(1)  # type: ignore[union-attr]
+    return Result(f"{mode}x{streams}", connections, rps, _ms(mean), float("nan"))
+
+
 # --- the server under test ------------------------------------------------------------
 
 
@@ -287,7 +324,9 @@ def _wait_ready(url: str, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def trioserve_process(cpus: str, http_server: str, python: str) -> Iterator[tuple[str, str]]:
+def trioserve_process(
+    cpus: str, http_server: str, grpc_server: str, python: str
+) -> Iterator[tuple[str, str]]:
     http, grpc = _free_port(), _free_port()
     command = [
         "taskset",
@@ -305,6 +344,8 @@ def trioserve_process(cpus: str, http_server: str, python: str) -> Iterator[tupl
         str(grpc),
         "--http-server",
         http_server,
+        "--grpc-server",
+        grpc_server,
         "--log-level",
         "warning",
     ]
@@ -336,6 +377,8 @@ def main() -> None:
     parser.add_argument("--client-cpus", default="1", help="cores for the load generator")
     parser.add_argument("--grpc-processes", type=int, default=1)
     parser.add_argument("--http-server", default="stdlib", choices=("stdlib", "hypercorn"))
+    parser.add_argument("--grpc-server", default="trio", choices=("trio", "grpclib"))
+    parser.add_argument("--grpc-streams", type=int, default=1, help="h2load calls per connection")
     parser.add_argument(
         "--server-python",
         default=sys.executable,
@@ -346,6 +389,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     if any(m.startswith("http") for m in modes) and shutil.which("wrk") is None:
         sys.exit("wrk is needed for the HTTP modes (apt-get install wrk)")
+    if any(m.endswith("h2load") for m in modes) and shutil.which("h2load") is None:
+        sys.exit("h2load is needed for the *-h2load modes (apt-get install nghttp2-client)")
     client_cpus = [int(c) for c in args.client_cpus.split(",")]
 
     @contextmanager
@@ -354,14 +399,25 @@ def main() -> None:
             yield args.url, args.grpc_url
         else:
             print(f"trioserve on {_describe(args.server_python)}", flush=True)
-            with trioserve_process(args.server_cpus, args.http_server, args.server_python) as urls:
+            with trioserve_process(
+                args.server_cpus, args.http_server, args.grpc_server, args.server_python
+            ) as urls:
                 yield urls
 
     with target() as (http_url, grpc_url):
         for mode in modes:
             with big_regions(http_url) if mode == "big-shm" else nullcontext():
                 for concurrency in levels:
-                    if mode.endswith("grpc"):
+                    if mode.endswith("h2load"):
+                        result = run_h2load(
+                            grpc_url,
+                            mode,
+                            concurrency,
+                            args.grpc_streams,
+                            args.duration,
+                            args.client_cpus,
+                        )
+                    elif mode.endswith("grpc"):
                         result = run_grpc(
                             grpc_url,
                             mode,

@@ -21,6 +21,10 @@ the output so that it works as a package:
 * ``*_grpc.py`` files for protos without services (which would be empty) are
   dropped.
 
+A proto named in ``RENAMED`` is also compiled a second time under another package
+(gRPC reflection's ``v1alpha`` is its ``v1`` schema under the older package name),
+so the schema is written once.
+
 The output is deterministic, so running the script twice is a no-op.  The
 ``--check`` result depends on the protoc bundled with grpcio-tools (it appears
 in the ``Protobuf Python Version`` header of each ``*_pb2.py``).
@@ -44,6 +48,15 @@ PROTO_DIR = REPO_ROOT / "proto"
 OUT_DIR = REPO_ROOT / "src" / "trioserve" / "grpc" / "_generated"
 
 PLUGIN_NAME = "protoc-gen-grpclib_python"
+
+# Second compilations: new file name -> (proto in PROTO_DIR, its package, the new package).
+RENAMED = {
+    "reflection_v1alpha.proto": (
+        "reflection_v1.proto",
+        "grpc.reflection.v1",
+        "grpc.reflection.v1alpha",
+    ),
+}
 
 INIT_PY = '"""Code generated from proto/*.proto by tools/gen_proto.py; do not edit."""\n'
 
@@ -78,6 +91,17 @@ def _find_plugin(workdir: Path) -> Path:
     return wrapper
 
 
+def _write_renamed(dest: Path) -> None:
+    """Write the ``RENAMED`` protos into ``dest``, their package line changed."""
+    dest.mkdir()
+    for name, (source, package, new_package) in RENAMED.items():
+        text = (PROTO_DIR / source).read_text(encoding="utf-8")
+        text = _sub_exactly(
+            rf"^package {re.escape(package)};$", f"package {new_package};", text, 1, source
+        )
+        (dest / name).write_text(text, encoding="utf-8")
+
+
 def _run_protoc(protos: list[Path], dest: Path, workdir: Path) -> None:
     from grpc_tools import protoc
 
@@ -85,6 +109,7 @@ def _run_protoc(protos: list[Path], dest: Path, workdir: Path) -> None:
     args = [
         "grpc_tools.protoc",
         f"--proto_path={PROTO_DIR}",
+        f"--proto_path={workdir / 'renamed'}",
         f"--proto_path={well_known}",
         f"--plugin={PLUGIN_NAME}={_find_plugin(workdir)}",
         f"--python_out={dest}",
@@ -157,13 +182,15 @@ def generate() -> dict[str, str]:
     protos = sorted(PROTO_DIR.glob("*.proto"))
     if not protos:
         raise GenerationError(f"no .proto files in {PROTO_DIR}")
-    modules = {f"{p.stem}_pb2" for p in protos} | {f"{p.stem}_grpc" for p in protos}
+    stems = [p.stem for p in protos] + [Path(name).stem for name in RENAMED]
+    modules = {f"{stem}_pb2" for stem in stems} | {f"{stem}_grpc" for stem in stems}
 
     with tempfile.TemporaryDirectory(prefix="trioserve-gen-proto-") as tmp:
         tmpdir = Path(tmp)
         raw = tmpdir / "out"
         raw.mkdir()
-        _run_protoc(protos, raw, tmpdir)
+        _write_renamed(tmpdir / "renamed")
+        _run_protoc([*protos, *(tmpdir / "renamed" / name for name in RENAMED)], raw, tmpdir)
 
         result: dict[str, str] = {"__init__.py": INIT_PY, "_pool.py": POOL_PY}
         for path in sorted(raw.iterdir()):

@@ -5,10 +5,11 @@
                              does); the model still called inline on the asyncio side
     trio-asyncio-crossing    as above, but each request crosses into trio as the
                              bridge does (``loop.trio_as_future``), the model called there
-    trioserve                the real front end: crossing, then ``ModelRunner.infer``
-                             (batcher queue, model in a worker thread)
+    trioserve                the grpclib front end (``grpc_server="grpclib"``): the
+                             whole handler in trio, the inference pipeline, the model
+                             behind its batcher queue
 
-All four decode and encode with the same ``InferenceService`` and codec, and serve the
+All four decode and encode with trioserve's gRPC codec, count load alike, and serve the
 zoo's ``simple`` model (two INT32 [1, 16] inputs, raw contents). The server runs in a
 child process pinned to one core, the grpc.aio load generator in this process pinned to
 another; each concurrency level runs for ``--seconds`` after a one-second warm-up.
@@ -75,23 +76,31 @@ def _direct_infer() -> Any:
     return infer
 
 
-def _service(repository: Any, infer: Any, in_trio: Any, load: Any = None) -> Any:
-    from trioserve._errors import UnsupportedError
-    from trioserve._server import server_metadata
-    from trioserve.grpc._service import InferenceService
+def _servable(repository: Any, infer: Any, load: Any) -> Any:
+    """grpclib's side of ModelInfer alone, with trioserve's codec and load counting:
+    ``infer(served, request)`` is what each variant varies."""
+    from grpclib.const import Cardinality, Handler
 
-    async def no_streams(stream: Any) -> None:  # this bench measures unary calls only
-        raise UnsupportedError("ModelStreamInfer is not part of this bench")
+    from trioserve.grpc._codec import decode_request, encode_response
+    from trioserve.grpc._generated import grpc_service_pb2 as pb
 
-    return InferenceService(repository, server_metadata(), infer, no_streams, in_trio, load=load)
+    async def model_infer(stream: Any) -> None:
+        message = await stream.recv_message()
+        served = repository.get(message.model_name, message.model_version)
+        request = decode_request(message)
+        with load.counting(served):
+            response = await infer(served, request)
+        await stream.send_message(encode_response(response))
 
+    handler = Handler(
+        model_infer, Cardinality.UNARY_UNARY, pb.ModelInferRequest, pb.ModelInferResponse
+    )
 
-def _no_trio(function: Any, *args: Any) -> Any:
-    """A plain asyncio loop has no trio to run anything in; only CUDA shared memory would
-    ask, and this bench uses none."""
-    from trioserve._errors import UnsupportedError
+    class Servable:
+        def __mapping__(self) -> dict[str, Any]:
+            return {METHOD: handler}
 
-    raise UnsupportedError("no trio under a plain asyncio loop")
+    return Servable()
 
 
 def _announce(port: int) -> None:
@@ -101,18 +110,13 @@ def _announce(port: int) -> None:
 async def _serve_asyncio() -> None:
     from grpclib.server import Server
 
-    from trioserve.grpc._bridge import _listen
+    from trioserve.grpc._grpclib import _listen
     from trioserve.metrics._orca import LoadReporter
-
-    direct = _direct_infer()
-
-    async def infer(runner: Any, request: Any) -> Any:
-        return await direct(runner, request)
 
     listener = _listen("127.0.0.1", 0)
     # The same per-request load counting as under trio, on the only clock asyncio has.
     load = LoadReporter(clock=time.monotonic)
-    server = Server([_service(_repository(), infer, _no_trio, load)])
+    server = Server([_servable(_repository(), _direct_infer(), load)])
     await server.start(sock=listener)
     _announce(listener.getsockname()[1])
     await asyncio.Event().wait()
@@ -121,13 +125,17 @@ async def _serve_asyncio() -> None:
 async def _serve_trio(variant: str) -> None:
     import trio
     import trio_asyncio
+    from grpclib.server import Server
 
     import trioserve
-    from trioserve.grpc._bridge import _Drain, _listen, _start
+    from trioserve.grpc._grpclib import _listen
+    from trioserve.metrics._orca import LoadReporter
     from trioserve.models._zoo import reference_zoo
 
     if variant == "trioserve":
-        config = trioserve.ServerConfig(models=reference_zoo(), http_port=None, grpc_port=0)
+        config = trioserve.ServerConfig(
+            models=reference_zoo(), http_port=None, grpc_port=0, grpc_server="grpclib"
+        )
         async with trioserve.open_server(config) as server:
             _announce(server.grpc_port)
             await trio.sleep_forever()
@@ -150,8 +158,8 @@ async def _serve_trio(variant: str) -> None:
                 return loop.trio_as_future(in_trio, runner, request)
 
         listener = _listen("127.0.0.1", 0)
-        servable = _Drain().guard([_service(repository, infer, loop.trio_as_future)])
-        await trio_asyncio.aio_as_trio(_start)(servable, listener, LIMIT)
+        server = Server([_servable(repository, infer, LoadReporter())])
+        await trio_asyncio.aio_as_trio(server.start)(sock=listener)
         _announce(listener.getsockname()[1])
         await trio.sleep_forever()
 

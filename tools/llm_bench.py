@@ -1,13 +1,20 @@
-"""Streaming load generator for the generate extension (``generate_stream``, SSE).
+"""Streaming load generator for generative models: ``generate_stream`` and the OpenAI API.
 
     python tools/llm_bench.py                               # start trioserve, tiny_lm, 1/16/64
     python tools/llm_bench.py --url 127.0.0.1:8000 --model my_lm --concurrency 8
+    python tools/llm_bench.py --api generate_stream,completions,chat --scrape-metrics
+
+``--api`` picks the endpoints, each measured at every concurrency: Triton's
+``generate_stream``, OpenAI's ``/v1/completions`` and ``/v1/chat/completions``
+(streamed), so the cost of each API over the same engine shows side by side. With
+``--scrape-metrics`` a further client scrapes ``/metrics`` every 50 ms under the load,
+as a gateway's endpoint picker does, and the row shows its latency.
 
 Each of ``concurrency`` clients keeps one HTTP/1.1 connection and sends streaming
 requests back to back for ``--duration`` seconds. Per request it records when the
 request went out and when each SSE event arrived, on trio's monotonic clock:
 
-* TTFT: request sent -> first event with text;
+* TTFT: request sent -> first event with text (OpenAI's ``[DONE]`` is not an event);
 * inter-token latency: the gaps between consecutive events of one request (an event
   carries what one engine step produced for the request, normally one token);
 * output tokens/s: tokens of the requests completed in the window / its length. With
@@ -26,9 +33,10 @@ import itertools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import trio
@@ -49,22 +57,80 @@ class Sample:
     tokens: int
 
 
+@dataclass(frozen=True)
+class Api:
+    """One streaming endpoint: where to send, what to send, how its last event reads."""
+
+    name: str
+    path: str  # with {model}
+    body: Callable[[str, str, argparse.Namespace], dict[str, object]]  # (model, prompt, args)
+    finish_reason: Callable[[dict[str, Any]], object]  # of the last event
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, object]:
+    return {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": args.temperature}
+
+
+APIS = {
+    api.name: api
+    for api in (
+        Api(
+            "generate_stream",
+            "/v2/models/{model}/generate_stream",
+            lambda model, prompt, args: {"text_input": prompt, **_sampling(args)},
+            lambda event: event.get("finish_reason"),
+        ),
+        Api(
+            "completions",
+            "/v1/completions",
+            lambda model, prompt, args: {
+                "model": model,
+                "prompt": prompt,
+                "stream": True,
+                **_sampling(args),
+            },
+            lambda event: event["choices"][0]["finish_reason"],
+        ),
+        Api(
+            "chat",
+            "/v1/chat/completions",
+            lambda model, prompt, args: {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "stream": True,
+                **_sampling(args),
+            },
+            lambda event: event["choices"][0]["finish_reason"],
+        ),
+    )
+}
+
+
 @dataclass
 class Level:
+    api: str
     concurrency: int
     window: float
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    scrapes: list[float] = field(default_factory=list)  # /metrics latencies, seconds
 
     def row(self) -> str:
         ttft = np.array([s.ttft for s in self.samples]) * 1e3
         gaps = np.array([g for s in self.samples for g in s.gaps]) * 1e3
         tokens = sum(s.tokens for s in self.samples)
+        scrapes = np.array(self.scrapes) * 1e3
         return (
-            f"c={self.concurrency:<3} requests {len(self.samples):>5}  "
+            f"{self.api:<15} c={self.concurrency:<3} requests {len(self.samples):>5}  "
             f"TTFT p50 {_p(ttft, 50):8.1f} ms p99 {_p(ttft, 99):8.1f} ms   "
             f"ITL p50 {_p(gaps, 50):7.1f} ms p99 {_p(gaps, 99):7.1f} ms   "
             f"{tokens / self.window:8.0f} tok/s"
+            + (
+                f"   /metrics p50 {_p(scrapes, 50):5.1f} ms p99 {_p(scrapes, 99):5.1f} ms "
+                f"max {scrapes.max():5.1f} ms ({len(scrapes)})"
+                if len(scrapes)
+                else ""
+            )
             + (f"   errors {len(self.errors)}: {self.errors[0]}" if self.errors else "")
         )
 
@@ -76,8 +142,11 @@ def _p(values: np.ndarray, q: int) -> float:
 class StreamingClient:
     """One keep-alive HTTP/1.1 connection sending generate_stream requests."""
 
-    def __init__(self, stream: trio.SocketStream, host: str, path: str) -> None:
+    def __init__(self, stream: trio.SocketStream, host: str, api: Api, model: str) -> None:
         self._stream = stream
+        self._api = api
+        self._host = host
+        path = api.path.format(model=model)
         self._head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
         self._buffer = b""
         self._length = 0  # the content-length of a non-chunked answer
@@ -104,13 +173,24 @@ class StreamingClient:
                 for event in complete:
                     if event.startswith(b'data: {"error"'):
                         raise RuntimeError(f"error event: {event.decode()}")
-                arrivals.extend([self._received_at] * len(complete))
-                last = complete[-1]
+                events = [e for e in complete if e != b"data: [DONE]"]
+                arrivals.extend([self._received_at] * len(events))
+                last = events[-1] if events else last
         final = json.loads(last.removeprefix(b"data: ")) if last else {}
-        if final.get("finish_reason") != "length":
+        if self._api.finish_reason(final) != "length":
             raise RuntimeError(f"stream ended without finish_reason length: {final}")
         gaps = [b - a for a, b in itertools.pairwise(arrivals)]
         return Sample(arrivals[0] - sent, gaps, tokens)
+
+    async def get(self, path: str) -> float:
+        """GET ``path`` on this connection: seconds until its whole answer arrived."""
+        sent = trio.current_time()
+        await self._stream.send_all(f"GET {path} HTTP/1.1\r\nhost: {self._host}\r\n\r\n".encode())
+        status, chunked = await self._response_head()
+        body = await self._rest(chunked)
+        if status != 200:
+            raise RuntimeError(f"GET {path}: status {status}: {body[:200]!r}")
+        return trio.current_time() - sent
 
     async def _fill(self) -> None:
         data = await self._stream.receive_some(65536)
@@ -162,31 +242,33 @@ class StreamingClient:
         return b"".join(parts)
 
 
-async def run_level(url: str, model: str, concurrency: int, args: argparse.Namespace) -> Level:
+async def run_level(
+    url: str, model: str, api: Api, concurrency: int, args: argparse.Namespace
+) -> Level:
     host, port = url.rsplit(":", 1)
-    path = f"/v2/models/{model}/generate_stream"
     filler = "the quick brown fox jumps over the lazy dog " * (args.prompt_len // 44 + 1)
     counter = iter(range(1 << 62))
 
     def document() -> dict[str, object]:
         # A distinct start per request: the prefix cache must not answer whole prompts.
-        prompt = f"{next(counter)} {filler}"[: args.prompt_len]
-        return {
-            "text_input": prompt,
-            "max_tokens": args.max_tokens,
-            "ignore_eos": True,
-            "temperature": args.temperature,
-        }
+        return api.body(model, f"{next(counter)} {filler}"[: args.prompt_len], args)
 
     async with await trio.open_tcp_stream(host, int(port)) as warm:
-        await StreamingClient(warm, host, path).generate(document(), args.max_tokens)
-    level = Level(concurrency, args.duration)
+        await StreamingClient(warm, host, api, model).generate(document(), args.max_tokens)
+    level = Level(api.name, concurrency, args.duration)
     start = trio.current_time()
     deadline = start + args.duration
 
+    async def scraper() -> None:
+        async with await trio.open_tcp_stream(host, int(port)) as stream:
+            scraping = StreamingClient(stream, host, api, model)
+            while trio.current_time() < deadline:
+                level.scrapes.append(await scraping.get("/metrics"))
+                await trio.sleep(0.05)
+
     async def client() -> None:
         async with await trio.open_tcp_stream(host, int(port)) as stream:
-            streaming = StreamingClient(stream, host, path)
+            streaming = StreamingClient(stream, host, api, model)
             while trio.current_time() < deadline:
                 try:
                     sample = await streaming.generate(document(), args.max_tokens)
@@ -199,6 +281,8 @@ async def run_level(url: str, model: str, concurrency: int, args: argparse.Names
     async with trio.open_nursery() as nursery:
         for _ in range(concurrency):
             nursery.start_soon(client)
+        if args.scrape_metrics:
+            nursery.start_soon(scraper)
     return level
 
 
@@ -214,7 +298,14 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="0", help="cores for a server this tool starts")
     parser.add_argument("--client-cpus", default="1", help="cores for this load generator")
     parser.add_argument("--http-server", default="stdlib", choices=("stdlib", "hypercorn"))
+    parser.add_argument(
+        "--api", default="generate_stream", help=f"comma-separated: {', '.join(APIS)}"
+    )
+    parser.add_argument(
+        "--scrape-metrics", action="store_true", help="also GET /metrics every 50 ms, timed"
+    )
     args = parser.parse_args()
+    apis = [APIS[name] for name in args.api.split(",")]
     os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
 
     @contextmanager
@@ -222,15 +313,19 @@ def main() -> None:
         if args.url:
             yield args.url
         else:
-            with trioserve_process(args.server_cpus, args.http_server) as (http_url, _):
+            with trioserve_process(args.server_cpus, args.http_server, "trio", sys.executable) as (
+                http_url,
+                _,
+            ):
                 yield http_url
 
     with target() as url:
         for concurrency in (int(c) for c in args.concurrency.split(",")):
-            level = trio.run(run_level, url, args.model, concurrency, args)
-            print(level.row(), flush=True)
-            if level.errors:
-                sys.exit(1)
+            for api in apis:
+                level = trio.run(run_level, url, args.model, api, concurrency, args)
+                print(level.row(), flush=True)
+                if level.errors:
+                    sys.exit(1)
 
 
 if __name__ == "__main__":

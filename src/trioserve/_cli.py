@@ -15,9 +15,10 @@ from pathlib import Path
 import trio
 
 from ._config import ServerConfig
-from ._limits import HttpLimits
+from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError, load_repository
 from ._metrics_config import metrics_config_from_flags
+from ._model import Model
 from ._restricted import parse_restrictions
 from ._server import open_server
 from ._version import __version__
@@ -36,6 +37,14 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="folder of models defined in model.py files; without it, the built-in examples",
     )
+    run.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve a Hugging Face Llama-family checkpoint folder as generative model NAME "
+        "(repeatable; without --model-repository, only the checkpoints are served)",
+    )
     run.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     run.add_argument("--http-port", type=int, default=8000)
     run.add_argument("--grpc-port", type=int, default=8001)
@@ -47,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         default="stdlib",
         help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS",
     )
+    run.add_argument(
+        "--grpc-server",
+        choices=("trio", "grpclib"),
+        default="trio",
+        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio",
+    )
     run.add_argument("--tls-certfile", help="with --http-server hypercorn: serve HTTPS")
     run.add_argument("--tls-keyfile")
     defaults = HttpLimits()
@@ -54,6 +69,24 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-bytes", type=int, default=defaults.max_header_bytes)
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
+    run.add_argument("--grpc-tls-certfile", help="serve gRPC over TLS (ALPN h2)")
+    run.add_argument("--grpc-tls-keyfile")
+    grpc_defaults = GrpcLimits()
+    run.add_argument(
+        "--grpc-max-message-bytes", type=int, default=ServerConfig.grpc_max_message_bytes
+    )
+    run.add_argument(
+        "--grpc-max-concurrent-streams",
+        type=int,
+        default=grpc_defaults.max_concurrent_streams,
+        help="calls open at once per gRPC connection",
+    )
+    run.add_argument(
+        "--grpc-idle-timeout-secs",
+        type=float,
+        default=grpc_defaults.idle_timeout_s,
+        help="close gRPC connections with no call open for this long",
+    )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
         run.add_argument(
@@ -108,20 +141,31 @@ def _boolean(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    if args.model_repository is None:
+    if args.model_repository is not None:
+        models = load_repository(args.model_repository)
+    elif args.checkpoint:
+        models = []
+    else:
         from .models import builtin_models
 
         models = builtin_models()
-    else:
-        models = load_repository(args.model_repository)
+    models += _checkpoint_models(args.checkpoint)
     return ServerConfig(
         models=models,
         host=args.host,
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,
         http_server=args.http_server,
+        grpc_server=args.grpc_server,
         tls_certfile=args.tls_certfile,
         tls_keyfile=args.tls_keyfile,
+        grpc_tls_certfile=args.grpc_tls_certfile,
+        grpc_tls_keyfile=args.grpc_tls_keyfile,
+        grpc_max_message_bytes=args.grpc_max_message_bytes,
+        grpc_limits=GrpcLimits(
+            max_concurrent_streams=args.grpc_max_concurrent_streams,
+            idle_timeout_s=args.grpc_idle_timeout_secs,
+        ),
         http_limits=HttpLimits(
             max_body_bytes=args.http_max_body_bytes,
             max_header_bytes=args.http_max_header_bytes,
@@ -138,6 +182,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         response_cache_bytes=cache_size_from_flags(args.cache_config),
         status_page=args.allow_status_page,
     )
+
+
+def _checkpoint_models(flags: list[str]) -> list[Model]:
+    from .models import load_checkpoint_model
+
+    models: list[Model] = []
+    for flag in flags:
+        name, equals, path = flag.partition("=")
+        if not (name and equals and path):
+            raise ValueError(f"--checkpoint takes NAME=PATH, got {flag!r}")
+        models.append(load_checkpoint_model(path, name))
+    return models
 
 
 async def run_until_signalled(config: ServerConfig) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ._limits import HttpLimits
+from ._limits import GrpcLimits, HttpLimits
 from ._metrics_config import MetricsConfig
 from ._model import Model
 from ._restricted import Restriction, check_restrictions
@@ -25,6 +25,10 @@ class ServerConfig:
     tls_keyfile: str | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     grpc_max_message_bytes: int = 2**31 - 1  # tritonclient's own limit: INT32_MAX
+    grpc_server: Literal["trio", "grpclib"] = "trio"
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
+    grpc_tls_certfile: str | None = None  # the built-in ("trio") gRPC server only
+    grpc_tls_keyfile: str | None = None
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
     # API group ("shared-memory", ...) -> the header its requests must carry, per transport
     http_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
@@ -44,6 +48,12 @@ class ServerConfig:
             raise ValueError(
                 f"http_server must be 'stdlib' or 'hypercorn', not {self.http_server!r}"
             )
+        if self.grpc_server not in ("trio", "grpclib"):
+            raise ValueError(f"grpc_server must be 'trio' or 'grpclib', not {self.grpc_server!r}")
+        if (self.grpc_tls_certfile is None) != (self.grpc_tls_keyfile is None):
+            raise ValueError("gRPC TLS needs both a certificate and a key file")
+        if self.grpc_tls_certfile is not None and self.grpc_server != "trio":
+            raise ValueError("gRPC TLS is served by the built-in gRPC server (grpc_server='trio')")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("TLS needs both a certificate and a key file")
         if self.tls_certfile is not None and self.http_server != "hypercorn":

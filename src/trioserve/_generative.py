@@ -54,7 +54,17 @@ class GenerativeModel(Model):
     cache blocks of ``block_size`` tokens (``load`` allocates them), at most
     ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step, and
     sequences of at most ``max_model_len`` tokens (prompt and output together).
+
+    Optional attributes a model may set for the OpenAI-compatible endpoints:
+    ``vocab_size`` (token-id prompts are checked against it, and refused without it),
+    ``chat_template`` (a Jinja template in the form of Hugging Face's
+    ``tokenizer_config.json``; without one, chat uses a plain documented default) and
+    ``special_tokens`` (e.g. ``bos_token``, ``eos_token``: strings the template reads).
     """
+
+    vocab_size: int | None = None
+    chat_template: str | None = None
+    special_tokens: Mapping[str, str] = {}  # read-only: a model sets its own
 
     def __init__(
         self,
@@ -99,6 +109,12 @@ class GenerativeModel(Model):
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} must implement encode()")
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of a prompt rendered by a chat template, which writes its own special
+        tokens (a BOS...): a tokenizer that adds them to every text leaves them out here.
+        By default, ``encode``."""
+        return self.encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``; an incomplete multi-byte character decodes as U+FFFD."""

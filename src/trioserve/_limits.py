@@ -1,4 +1,4 @@
-"""Limits on what one HTTP request may cost the server, shared by both HTTP servers."""
+"""Limits on what one request or connection may cost the server, per transport."""
 
 from __future__ import annotations
 
@@ -25,3 +25,24 @@ class HttpLimits:
     """Time to receive a complete request head once its first byte arrived; then 408 + close."""
     idle_timeout_s: float = 75.0
     """A keep-alive connection with no request in progress is closed after this."""
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """Bounds on what one gRPC connection may cost the server, honoured by the built-in
+    HTTP/2 core (grpclib offers none of these knobs). The message size limit is the
+    server's ``grpc_max_message_bytes``, which both gRPC front ends honour."""
+
+    max_concurrent_streams: int = 256
+    """Calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS); more are
+    refused with REFUSED_STREAM."""
+    max_header_list_bytes: int = 64 * 1024
+    """A call's metadata, as HTTP/2 counts it; larger is answered 431."""
+    idle_timeout_s: float = 300.0
+    """A connection with no call open is closed (GOAWAY) after this."""
+    stream_window_bytes: int = 16 * 1024 * 1024
+    """Receive window per call: how much a client may send ahead."""
+    connection_window_bytes: int = 64 * 1024 * 1024
+    """Receive window of a connection, across its calls."""
+    max_frame_bytes: int = 1024 * 1024
+    """The largest HTTP/2 frame a client may send (SETTINGS_MAX_FRAME_SIZE)."""

@@ -19,19 +19,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry
 
 from ._config import ServerConfig
+from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
 from ._model import Model
 from ._repository import ModelRepository, ServedModel
-from ._version import __version__
-from .metrics import server_registry
 from .metrics._llm_telemetry import LLMMetricFamilies
-from .metrics._orca import LoadReporter
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
@@ -40,18 +37,6 @@ from .shm import SharedMemoryRegistry
 logger = logging.getLogger("trioserve")
 
 Address = tuple[str, int]
-
-# What works today, by Triton's extension names; listed in server metadata.
-EXTENSIONS = (
-    "binary_tensor_data", "model_configuration", "parameters", "schedule_policy", "statistics",
-    "system_shared_memory",
-)  # fmt: skip
-
-
-def server_metadata(cuda_shared_memory: bool = False) -> dict[str, Any]:
-    """``cuda_shared_memory``: listed only where it can work (cupy and a device)."""
-    extensions = [*EXTENSIONS, "cuda_shared_memory"] if cuda_shared_memory else list(EXTENSIONS)
-    return {"name": "trioserve", "version": __version__, "extensions": extensions}
 
 
 @dataclass
@@ -116,33 +101,11 @@ class _FrontEnds:
                 self.done.set()
 
 
-@dataclass(frozen=True)
-class _Owned:
-    """What a server instance owns and its front ends share."""
-
-    config: ServerConfig
-    repository: ModelRepository
-    shared_memory: SharedMemoryRegistry
-    metadata: dict[str, Any]
-    load: LoadReporter  # one per server: every front end reports the same load
-    registry: CollectorRegistry | None  # None: metrics are off
-    stop_accepting: trio.Event
-
-
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
     repository = ModelRepository(_served(config))
-    shared_memory = SharedMemoryRegistry()
-    owned = _Owned(
-        config,
-        repository,
-        shared_memory,
-        server_metadata(shared_memory.cuda_available),
-        LoadReporter(),
-        server_registry(repository, config.metrics) if config.metrics.enabled else None,
-        trio.Event(),
-    )
+    context = server_context(config, repository)
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
         # The services get a nursery of their own, so that shutdown() stops them without
@@ -153,33 +116,33 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         grpc: list[Address] = []
         metrics: list[Address] = []
         if config.http_port is not None:
-            http = await services.start(front_ends.run, _rest(owned, config.http_port))
+            http = await services.start(front_ends.run, _rest_front_end(context, config.http_port))
         if config.grpc_port is not None:
-            grpc = await services.start(front_ends.run, _grpc(owned, config.grpc_port))
-        if owned.registry is not None and config.metrics.port is not None:
-            listener = _metrics_listener(owned, owned.registry, config.metrics.port)
+            grpc = await services.start(front_ends.run, _grpc_front_end(context))
+        if context.registry is not None and config.metrics.port is not None:
+            listener = _metrics_listener(context, context.registry, config.metrics.port)
             metrics = await services.start(front_ends.run, listener)
         if front_ends.running == 0:
             front_ends.done.set()
         server = Server(
-            config,
-            repository,
-            http,
-            grpc,
-            owned.stop_accepting,
-            front_ends.done,
-            services.cancel_scope,
-            trio.Event(),
-            shared_memory,
-            owned.registry,
-            metrics,
+            config=config,
+            repository=repository,
+            http_addresses=http,
+            grpc_addresses=grpc,
+            _stop_accepting=context.stop_accepting,
+            _front_ends_done=front_ends.done,
+            _services=services.cancel_scope,
+            _stopped=trio.Event(),
+            shared_memory=context.shared_memory,
+            registry=context.registry,
+            metrics_addresses=metrics,
         )
         try:
             yield server
         finally:
             root.cancel_scope.cancel()
             # Requests still in flight keep their regions mapped until they end.
-            shared_memory.close()
+            context.shared_memory.close()
 
 
 def _served(config: ServerConfig) -> list[ServedModel]:
@@ -227,81 +190,51 @@ async def serve(
         await server.wait_stopped()
 
 
-def _rest(owned: _Owned, port: int) -> Callable[..., Awaitable[None]]:
+def _rest_front_end(context: ServerContext, port: int) -> Callable[..., Awaitable[None]]:
     from .rest._endpoints import build_app
 
-    config = owned.config
-    app = build_app(
-        owned.repository,
-        owned.metadata,
-        config.http_limits.max_body_bytes,
-        shared_memory=owned.shared_memory,
-        restrictions=config.http_restricted_apis,
-        load=owned.load,
-        metrics=owned.registry,
-        status_page=config.status_page,
-    )
-    stop = owned.stop_accepting
+    config = context.config
+    app = build_app(context)
+    serve_http: Callable[..., Awaitable[None]]
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen
 
-        return partial(
-            app.serve_with,
-            partial(
-                serve_hypercorn,
-                app,
-                config.host,
-                port,
-                config.http_limits,
-                certfile=config.tls_certfile,
-                keyfile=config.tls_keyfile,
-                shutdown_trigger=stop.wait,
-            ),
+        serve_http = partial(
+            serve_hypercorn, certfile=config.tls_certfile, keyfile=config.tls_keyfile
         )
-    from .rest._http11 import serve_http11
+    else:
+        from .rest._http11 import serve_http11
 
-    return partial(
-        app.serve_with,
-        partial(
-            serve_http11,
-            app,
-            config.host,
-            port,
-            config.http_limits,
-            shutdown_trigger=stop.wait,
-        ),
-    )
+        serve_http = serve_http11
+    bound = partial(
+        serve_http, app, config.host, port, config.http_limits,
+        shutdown_trigger=context.stop_accepting.wait,
+    )  # fmt: skip
+    return partial(app.serve_with, bound)
 
 
-def _grpc(owned: _Owned, port: int) -> Callable[..., Awaitable[None]]:
-    from .grpc import serve_grpc
+def _grpc_front_end(context: ServerContext) -> Callable[..., Awaitable[None]]:
+    """The gRPC front end ``config.grpc_server`` names."""
+    if context.config.grpc_server == "grpclib":
+        from .grpc import serve_grpclib
 
-    config = owned.config
-    return partial(
-        serve_grpc,
-        owned.repository,
-        owned.metadata,
-        config.host,
-        port,
-        max_message_bytes=config.grpc_max_message_bytes,
-        shared_memory=owned.shared_memory,
-        restrictions=config.grpc_restricted_apis,
-        shutdown_trigger=owned.stop_accepting.wait,
-        load=owned.load,
-    )
+        return partial(serve_grpclib, context)
+    from .grpc import serve_grpc_core
+
+    return partial(serve_grpc_core, context)
 
 
 def _metrics_listener(
-    owned: _Owned, registry: CollectorRegistry, port: int
+    context: ServerContext, registry: CollectorRegistry, port: int
 ) -> Callable[..., Awaitable[None]]:
     from .rest._metrics import serve_metrics
 
-    config = owned.config
+    config = context.config
     return partial(
         serve_metrics,
         registry,
         config.host,
         port,
         config.http_limits,
-        shutdown_trigger=owned.stop_accepting.wait,
+        shutdown_trigger=context.stop_accepting.wait,
     )

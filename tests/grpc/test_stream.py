@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -20,9 +20,9 @@ import trio
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from trioserve import ServerConfig
+from trioserve._context import server_context
 from trioserve._repository import ModelRepository
-from trioserve._server import server_metadata
-from trioserve.grpc import serve_grpc
 from trioserve.models import reference_zoo
 from trioserve.scheduler._runner import ModelRunner
 
@@ -30,15 +30,19 @@ TIMEOUT = 20  # seconds; generous for a loaded machine, still fails a hung test
 
 
 @pytest.fixture
-async def url(nursery: trio.Nursery, scripted_lm: Any) -> str:
+async def url(
+    nursery: trio.Nursery,
+    scripted_lm: Any,
+    grpc_server: str,
+    start_grpc: Callable[[Any], Awaitable[int]],
+) -> str:
     simple = next(m for m in reference_zoo() if m.name == "simple")
     repository = ModelRepository([scripted_lm, ModelRunner(simple, "1")])
     await nursery.start(repository.run)
-    serve = partial(
-        serve_grpc, repository, server_metadata(), "127.0.0.1", 0, max_message_bytes=1 << 20
+    config = ServerConfig(
+        http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 20, grpc_server=grpc_server
     )
-    addresses = await nursery.start(serve)
-    return f"127.0.0.1:{addresses[0][1]}"
+    return f"127.0.0.1:{await start_grpc(server_context(config, repository))}"
 
 
 @dataclass

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -23,10 +24,9 @@ from grpclib.const import Cardinality
 from tritonclient.grpc import service_pb2
 
 import trioserve
-from trioserve import HttpLimits, TensorSpec
+from trioserve import HttpLimits, ServerConfig, TensorSpec
+from trioserve._context import server_context
 from trioserve._repository import ModelRepository, ServedModel
-from trioserve._server import server_metadata
-from trioserve.grpc import serve_grpc
 from trioserve.grpc._generated.orca_load_report_pb2 import OrcaLoadReport
 from trioserve.metrics._host_usage import HostUsage
 from trioserve.metrics._orca import LoadReporter
@@ -87,7 +87,7 @@ async def serve_rest(
     load: LoadReporter,
 ) -> httpx.AsyncClient:
     repository = await start_models(nursery, served)
-    app = build_app(repository, server_metadata(), 1 << 20, load=load)
+    app = build_app(server_context(ServerConfig(), repository, load=load))
     serve_http = partial(http_server, app, "127.0.0.1", 0, HttpLimits())
     addresses = await nursery.start(app.serve_with, serve_http)
     return httpx.AsyncClient(base_url=f"http://127.0.0.1:{addresses[0][1]}")
@@ -181,19 +181,21 @@ async def test_rest_header_for_a_tensor_model(
 # --- gRPC ---------------------------------------------------------------------------------
 
 
-async def serve_rpc(nursery: trio.Nursery, served: list[ServedModel], load: LoadReporter) -> str:
-    repository = await start_models(nursery, served)
-    rpc = partial(
-        serve_grpc,
-        repository,
-        server_metadata(),
-        "127.0.0.1",
-        0,
-        max_message_bytes=1 << 24,
-        load=load,
-    )
-    addresses = await nursery.start(rpc)
-    return f"127.0.0.1:{addresses[0][1]}"
+@pytest.fixture
+def serve_rpc(
+    nursery: trio.Nursery, grpc_server: str, start_grpc: Callable[[Any], Awaitable[int]]
+) -> Callable[[list[ServedModel], LoadReporter], Awaitable[str]]:
+    """Serves models on the gRPC front end under test; the address."""
+
+    async def serve(served: list[ServedModel], load: LoadReporter) -> str:
+        repository = await start_models(nursery, served)
+        config = ServerConfig(
+            http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 24, grpc_server=grpc_server
+        )
+        port = await start_grpc(server_context(config, repository, load=load))
+        return f"127.0.0.1:{port}"
+
+    return serve
 
 
 def text_request() -> service_pb2.ModelInferRequest:
@@ -241,9 +243,9 @@ async def infer_with_trailers(
 
 
 async def test_grpc_trailer_parses_as_orca_load_report(
-    nursery: trio.Nursery, kv_engine: Callable[..., Any]
+    serve_rpc: Any, kv_engine: Callable[..., Any]
 ) -> None:
-    url = await serve_rpc(nursery, [kv_engine(KV), ModelRunner(echo_model(), "1")], reporter())
+    url = await serve_rpc([kv_engine(KV), ModelRunner(echo_model(), "1")], reporter())
     trailers = await infer_with_trailers(url, text_request(), {ASK: "json"})
     report = OrcaLoadReport.FromString(trailers["endpoint-load-metrics-bin"])
     assert dict(report.named_metrics) == {"kv_cache_utilization": 0.75, "max_token_capacity": 8192}
@@ -286,9 +288,9 @@ async def stream_with_trailers(
 
 
 async def test_grpc_stream_trailer_reports_the_model_it_served(
-    nursery: trio.Nursery, kv_engine: Callable[..., Any]
+    serve_rpc: Any, kv_engine: Callable[..., Any]
 ) -> None:
-    url = await serve_rpc(nursery, [kv_engine(KV)], reporter())
+    url = await serve_rpc([kv_engine(KV)], reporter())
     responses, trailers = await stream_with_trailers(url, text_request(), {ASK: "json"})
     assert [r.error_message for r in responses] == [""]
     report = OrcaLoadReport.FromString(trailers["endpoint-load-metrics-bin"])
@@ -299,10 +301,10 @@ async def test_grpc_stream_trailer_reports_the_model_it_served(
 
 
 async def test_grpc_no_trailer_unless_asked_or_possible(
-    nursery: trio.Nursery, kv_engine: Callable[..., Any], caplog: pytest.LogCaptureFixture
+    serve_rpc: Any, kv_engine: Callable[..., Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = kv_engine(KV)
-    url = await serve_rpc(nursery, [engine], reporter())
+    url = await serve_rpc([engine], reporter())
     assert "endpoint-load-metrics-bin" not in await infer_with_trailers(url, text_request(), {})
     engine.kv = KVCacheState(total_blocks=-1, used_blocks=0, block_size=16)
     with caplog.at_level(logging.ERROR, logger="trioserve.metrics"):
@@ -315,9 +317,11 @@ async def test_grpc_no_trailer_unless_asked_or_possible(
 
 
 async def test_both_front_ends_of_a_server_share_its_load(
-    nursery: trio.Nursery, mock_clock: Any
+    nursery: trio.Nursery, mock_clock: Any, grpc_server: str
 ) -> None:
-    config = trioserve.ServerConfig(models=[echo_model()], http_port=0, grpc_port=0)
+    config = trioserve.ServerConfig(
+        models=[echo_model()], http_port=0, grpc_port=0, grpc_server=grpc_server
+    )
     server: trioserve.Server = await nursery.start(trioserve.serve, config)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
         rest = await http.post("/v2/models/echo/infer", json=X_INPUT, headers={ASK: "json"})
@@ -327,3 +331,34 @@ async def test_both_front_ends_of_a_server_share_its_load(
     )
     report = OrcaLoadReport.FromString(trailers["endpoint-load-metrics-bin"])
     assert report.rps_fractional == 2.0  # the REST request counts too: time stands still
+
+
+async def test_every_front_end_counts_a_refused_request_as_an_error(
+    nursery: trio.Nursery, mock_clock: Any, grpc_server: str
+) -> None:
+    """REST infer, ModelInfer and ModelStreamInfer count load at the same point (the one
+    inference pipeline): a request the model refuses is an error on each."""
+    config = trioserve.ServerConfig(
+        models=[echo_model()], http_port=0, grpc_port=0, grpc_server=grpc_server
+    )
+    server: trioserve.Server = await nursery.start(trioserve.serve, config)
+    url = f"127.0.0.1:{server.grpc_port}"
+    bad = x_request()
+    bad.inputs[0].datatype = "INT32"  # the model takes FP32
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+        wrong = {"inputs": [{"name": "X", "shape": [1], "datatype": "INT32", "data": [1]}]}
+        assert (await http.post("/v2/models/echo/infer", json=wrong)).status_code == 400
+        with grpc.insecure_channel(url) as channel:
+            infer = channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer",
+                request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=service_pb2.ModelInferResponse.FromString,
+            )
+            with trio.fail_after(30), pytest.raises(grpc.RpcError) as refused:
+                await trio.to_thread.run_sync(infer, bad, abandon_on_cancel=True)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        responses, _ = await stream_with_trailers(url, bad, {})
+        assert [bool(r.error_message) for r in responses] == [True]
+        ok = await http.post("/v2/models/echo/infer", json=X_INPUT, headers={ASK: "json"})
+    report = ok.headers["endpoint-load-metrics"]
+    assert '"rps_fractional":4.0,"eps":3.0,' in report

@@ -12,8 +12,8 @@ import trio
 
 from trioserve import InferenceRequest, InputTensor, InternalError, Model, TensorSpec
 from trioserve import model as declare_model
+from trioserve._context import server_metadata
 from trioserve._repository import ModelRepository
-from trioserve._server import server_metadata
 from trioserve._tensor import datatype
 from trioserve.metrics._status import StatusReport, histogram_percentile
 from trioserve.models import TinyLM

@@ -291,3 +291,41 @@ def test_a_servers_generative_models_share_one_set_of_families():
         )
         == 0
     )
+
+
+@pytest.mark.parametrize("models", [1, 2])
+def test_load_gauges_lead_with_the_whole_server(models):
+    """An endpoint picker that reads a family's first series sees the server's load."""
+    lms = [TinyLM(f"lm{i}", num_kv_blocks=100) for i in range(models)]
+    families = LLMMetricFamilies(lms)
+    telemetry = [families.telemetry(lm, "1") for lm in lms]
+    registry = CollectorRegistry()
+    for t in telemetry:
+        for collector in t.collectors():
+            registry.register(collector)
+    for i, t in enumerate(telemetry):
+        t.metrics.record(_engine(running=3 + i, used=10 + 30 * i))
+    scraped = {
+        f.name: f.samples
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+    }
+    first = {
+        name: (samples[0].labels["model_name"], samples[0].value, len(samples))
+        for name, samples in scraped.items()
+        if name
+        in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    }
+    if models == 1:  # the model's series is the server's: nothing added
+        assert first == {
+            "vllm:num_requests_running": ("lm0", 3, 1),
+            "vllm:num_requests_waiting": ("lm0", 1, 1),
+            "vllm:kv_cache_usage_perc": ("lm0", 0.1, 1),
+        }
+    else:
+        assert first == {
+            "vllm:num_requests_running": ("", 7, 3),
+            "vllm:num_requests_waiting": ("", 2, 3),
+            "vllm:kv_cache_usage_perc": ("", 0.25, 3),  # (10 + 40) of 200 blocks
+        }
+    info = {s.labels["model_name"]: s.labels for s in scraped["vllm:cache_config_info"]}
+    assert info["lm0"]["block_size"] == "16" and info["lm0"]["num_gpu_blocks"] == "100"

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import trio
 
-from trioserve import HttpLimits
+from trioserve import HttpLimits, ServerConfig
+from trioserve._context import server_context
 from trioserve._repository import ModelRepository
-from trioserve._server import server_metadata
 from trioserve.models import reference_zoo
 from trioserve.rest._endpoints import build_app
 from trioserve.rest._http11 import serve_http11
@@ -36,7 +36,7 @@ async def port(request: pytest.FixtureRequest, nursery: trio.Nursery, scripted_l
     simple = next(m for m in reference_zoo() if m.name == "simple")
     repository = ModelRepository([scripted_lm, ModelRunner(simple, "1")])
     await nursery.start(repository.run)
-    app = build_app(repository, server_metadata(), 1 << 20)
+    app = build_app(server_context(ServerConfig(), repository))
     serve = partial(SERVERS[request.param], app, "127.0.0.1", 0, HttpLimits())
     addresses = await nursery.start(app.serve_with, serve)
     return int(addresses[0][1])
@@ -425,7 +425,7 @@ async def test_tiny_lm_errors(tiny_http: httpx.AsyncClient) -> None:
 async def test_http2_streams_and_aborts_on_reset(nursery: trio.Nursery, scripted_lm: Any) -> None:
     """Hypercorn over h2c: the first event arrives while the engine holds the rest, and
     resetting the HTTP/2 stream aborts the generation."""
-    app = build_app(ModelRepository([scripted_lm]), server_metadata(), 1 << 20)
+    app = build_app(server_context(ServerConfig(), ModelRepository([scripted_lm])))
     serve = partial(serve_hypercorn, app, "127.0.0.1", 0, HttpLimits())
     (address,) = await nursery.start(app.serve_with, serve)
     scripted_lm.hold_after = 1

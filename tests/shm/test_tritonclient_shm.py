@@ -21,7 +21,9 @@ from trioserve import Server, ServerConfig
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
-PROTOCOLS = ["http", "grpc", "http-hypercorn"]  # the same app on both HTTP servers
+# The same app on both HTTP servers, the same methods on both gRPC front ends.
+PROTOCOLS = ["http", "grpc", "http-hypercorn", "grpc-grpclib"]
+SERVERS = {"http-hypercorn": "hypercorn_server", "grpc-grpclib": "grpclib_server"}
 # What each error kind looks like to tritonclient: HTTP status, gRPC status code.
 STATUS = {
     "INVALID_ARG": ("400", "StatusCode.INVALID_ARGUMENT"),
@@ -39,6 +41,15 @@ def server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
+def grpclib_server() -> Iterator[Server]:
+    config = ServerConfig(
+        models=reference_zoo(), http_port=None, grpc_port=0, grpc_server="grpclib"
+    )
+    with server_in_thread(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
 def hypercorn_server() -> Iterator[Server]:
     config = ServerConfig(
         models=reference_zoo(), http_port=0, grpc_port=None, http_server="hypercorn"
@@ -51,7 +62,7 @@ class Client:
     """One of tritonclient's two clients, with the few answers that differ made alike."""
 
     def __init__(self, protocol: str, server: Server) -> None:
-        protocol = protocol.removesuffix("-hypercorn")
+        protocol = protocol.removesuffix("-hypercorn").removesuffix("-grpclib")
         self.protocol = protocol
         self.module: Any = httpclient if protocol == "http" else grpcclient
         port = server.http_port if protocol == "http" else server.grpc_port
@@ -91,8 +102,7 @@ class Client:
 
 @pytest.fixture(params=PROTOCOLS)
 def client(request: pytest.FixtureRequest) -> Iterator[Client]:
-    fixture = "hypercorn_server" if request.param.endswith("-hypercorn") else "server"
-    made = Client(request.param, request.getfixturevalue(fixture))
+    made = Client(request.param, request.getfixturevalue(SERVERS.get(request.param, "server")))
     yield made
     made.raw.unregister_system_shared_memory()  # whatever a test left registered
     assert made.status() == {}
@@ -348,9 +358,11 @@ def test_cuda_without_cupy_answers_cleanly(client):
     assert client.raw.is_server_live()
 
 
-def test_stream_requests_read_and_write_shared_memory(server, regions):
+@pytest.mark.parametrize("front_end", ["server", "grpclib_server"])
+def test_stream_requests_read_and_write_shared_memory(request, front_end, regions):
     """ModelStreamInfer places tensors in shared memory as ModelInfer does; a request whose
     region is missing is answered with an error on the stream, which goes on."""
+    server = request.getfixturevalue(front_end)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     replies: queue.Queue[tuple[Any, Any]] = queue.Queue()
     values = np.arange(16, dtype=np.int32)

@@ -28,9 +28,12 @@ from trioserve.testing import server_in_thread
 SECRET = {"shared-memory": Restriction("admin-key", "s3cret")}
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    config = ServerConfig(models=reference_zoo(), http_port=0, grpc_port=0)
+@pytest.fixture(scope="module", params=["trio", "grpclib"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """The gRPC tests run on each gRPC front end (the HTTP ones alike, on each server)."""
+    config = ServerConfig(
+        models=reference_zoo(), http_port=0, grpc_port=0, grpc_server=request.param
+    )
     with server_in_thread(config) as running:
         yield running
 
@@ -205,18 +208,20 @@ def test_grpc_outputs_keep_raw_contents_aligned(stub, registered):
 # --- restricted APIs -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def restricted() -> Iterator[Server]:
+@pytest.fixture
+def restricted(protocol: str) -> Iterator[Server]:
     config = ServerConfig(
         models=reference_zoo(), http_port=0, grpc_port=0,
         http_restricted_apis=SECRET, grpc_restricted_apis=SECRET,
+        grpc_server="grpclib" if protocol.endswith("-grpclib") else "trio",
     )  # fmt: skip
     with server_in_thread(config) as running:
         yield running
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-grpclib"])
 def test_restricted_shared_memory(restricted, regions, protocol):
+    protocol = protocol.removesuffix("-grpclib")
     module: Any = httpclient if protocol == "http" else grpcclient
     port = restricted.http_port if protocol == "http" else restricted.grpc_port
     client = module.InferenceServerClient(f"127.0.0.1:{port}")
@@ -259,10 +264,14 @@ def _gated_model(entered: trio.Event, release: trio.Event) -> trioserve.Model:
     return gated
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-grpclib"])
 async def test_unregistered_while_in_flight(regions, protocol):
     entered, release = trio.Event(), trio.Event()
-    config = ServerConfig(models=[_gated_model(entered, release)], http_port=0, grpc_port=0)
+    grpc_server = "grpclib" if protocol.endswith("-grpclib") else "trio"
+    protocol = protocol.removesuffix("-grpclib")
+    config = ServerConfig(
+        models=[_gated_model(entered, release)], http_port=0, grpc_port=0, grpc_server=grpc_server
+    )
     data = np.arange(1024, dtype=np.float32)
     in_handle, in_key = regions.create("in", data.nbytes)
     out_handle, out_key = regions.create("out", data.nbytes)

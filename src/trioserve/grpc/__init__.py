@@ -1,5 +1,11 @@
-"""The gRPC front end: Triton's ``inference.GRPCInferenceService`` on grpclib, hosted in trio."""
+"""The gRPC front ends: Triton's ``inference.GRPCInferenceService`` and the health service.
 
-from ._bridge import serve_grpc as serve_grpc
+What the server answers is one method table of plain trio code (``_methods``); a front
+end carries it over HTTP/2. ``serve_grpc_core`` is ours (the default, fastest);
+``serve_grpclib`` is grpclib's, hosted in trio through trio-asyncio.
+"""
 
-__all__ = ["serve_grpc"]
+from ._core import serve_grpc_core as serve_grpc_core
+from ._grpclib import serve_grpclib as serve_grpclib
+
+__all__ = ["serve_grpc_core", "serve_grpclib"]

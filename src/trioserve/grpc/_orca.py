@@ -8,12 +8,14 @@ one form only, the binary message, so any value asks for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .._repository import ServedModel
 from ..metrics._orca import FORMAT_HEADER, LoadReport, LoadReporter
 from ._generated.orca_load_report_pb2 import OrcaLoadReport
+
+if TYPE_CHECKING:
+    from ._methods import Call
 
 TRAILER_KEY = "endpoint-load-metrics-bin"
 _FORMAT_KEY = FORMAT_HEADER.decode()
@@ -33,14 +35,11 @@ def orca_message(report: LoadReport) -> OrcaLoadReport:
     return message
 
 
-def load_report_trailer(
-    metadata: Mapping[str, Any] | None, load: LoadReporter, served: ServedModel
-) -> dict[str, bytes] | None:
-    """The trailing metadata for a response of ``served``, if the call asked for it and
-    a report can be made (``LoadReporter.report`` logs why not)."""
-    if metadata is None or _FORMAT_KEY not in metadata:
-        return None
+def add_load_report(call: Call, load: LoadReporter, served: ServedModel) -> None:
+    """The trailer for a response of ``served``, if the call asked for it and a report can
+    be made (``LoadReporter.report`` logs why not)."""
+    if _FORMAT_KEY not in call.metadata:
+        return
     report = load.report(served)
-    if report is None:
-        return None
-    return {TRAILER_KEY: orca_message(report).SerializeToString()}
+    if report is not None:
+        call.add_trailer(TRAILER_KEY, orca_message(report).SerializeToString())

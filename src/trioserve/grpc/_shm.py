@@ -1,42 +1,38 @@
 """The shared-memory RPCs: SystemSharedMemory* and CudaSharedMemory*.
 
 Each RPC is a function from the registry and the request message to the reply message;
-``_service`` receives, checks the restriction and sends. They run on the asyncio side
-and answer at once, except CUDA registration: opening the handle waits in one of trio's
-worker threads, so the registry is called through the bridge's ``InTrio``. A restricted
-call without the expected metadata answers UNAVAILABLE, as Triton's restricted
-protocols do.
+``_methods`` checks the restriction first. They answer at once, except CUDA
+registration, which opens the handle in one of trio's worker threads. A restricted call
+without the expected metadata answers UNAVAILABLE, as Triton's restricted protocols do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from google.protobuf.message import Message
 
 from .._errors import UnavailableError
 from .._restricted import Restriction
 from ..shm import Kind, SharedMemoryRegistry
 from ._generated import grpc_service_pb2 as pb
 
-if TYPE_CHECKING:
-    from ._service import InTrio
-
-_Answer = Callable[[SharedMemoryRegistry, Any, "InTrio"], Awaitable[Any]]
+_Answer = Callable[[SharedMemoryRegistry, Any], Awaitable[Message]]
 
 
-def check_restriction(restriction: Restriction | None, metadata: Mapping[str, Any]) -> None:
+def check_restriction(restriction: Restriction | None, metadata: Mapping[str, str]) -> None:
     """UNAVAILABLE unless the call carries the restricted group's header, if it has one."""
     if restriction is None:
         return
-    value = metadata.get(restriction.key)
-    if not restriction.allows(value if isinstance(value, str) else None):
+    if not restriction.allows(metadata.get(restriction.key)):
         raise UnavailableError(restriction.message())
 
 
 def _status(kind: Kind, reply_type: Any) -> _Answer:
     """The status RPC of one kind of region: every region's status, keyed by its name."""
 
-    async def status(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
+    async def status(registry: SharedMemoryRegistry, request: Any) -> Message:
         reply = reply_type()
         for region in registry.status(kind, request.name):
             reply.regions[region["name"]].CopyFrom(reply_type.RegionStatus(**region))
@@ -45,25 +41,24 @@ def _status(kind: Kind, reply_type: Any) -> _Answer:
     return status
 
 
-async def _system_register(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
+async def _system_register(registry: SharedMemoryRegistry, request: Any) -> Message:
     registry.register_system(request.name, request.key, request.offset, request.byte_size)
     return pb.SystemSharedMemoryRegisterResponse()
 
 
-async def _system_unregister(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
+async def _system_unregister(registry: SharedMemoryRegistry, request: Any) -> Message:
     registry.unregister("system", request.name)
     return pb.SystemSharedMemoryUnregisterResponse()
 
 
-async def _cuda_register(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
-    await in_trio(
-        registry.register_cuda, request.name, request.raw_handle, request.device_id,
-        request.byte_size,
-    )  # fmt: skip
+async def _cuda_register(registry: SharedMemoryRegistry, request: Any) -> Message:
+    await registry.register_cuda(
+        request.name, request.raw_handle, request.device_id, request.byte_size
+    )
     return pb.CudaSharedMemoryRegisterResponse()
 
 
-async def _cuda_unregister(registry: SharedMemoryRegistry, request: Any, in_trio: InTrio) -> Any:
+async def _cuda_unregister(registry: SharedMemoryRegistry, request: Any) -> Message:
     registry.unregister("cuda", request.name)
     return pb.CudaSharedMemoryUnregisterResponse()
 

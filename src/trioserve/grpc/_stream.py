@@ -1,4 +1,4 @@
-"""ModelStreamInfer, on the trio side of the bridge.
+"""ModelStreamInfer: many requests on one call, each answered on its own.
 
 A stream carries any number of ``ModelInferRequest`` messages; each is answered on its
 own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled mode):
@@ -17,31 +17,37 @@ own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled 
   request's ``id`` so clients can tell which one failed.
 
 Stream-level events: when the client closes its side, the requests in flight finish and
-the call ends. When it cancels the call, or a send finds it gone, every request of the
-stream is cancelled; a generation cancelled that way is aborted by the engine.
-
-The bridge hands in ``StreamIO``, the grpclib stream wrapped for trio.
+the call ends, with the load report of the model it last asked for in its trailers
+(when its metadata asks for one). When the client cancels the call, or a send finds it
+gone, every request of the stream is cancelled; a generation cancelled that way is
+aborted by the engine.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
 
 from .._errors import InferenceServerError
+from .._pipeline import InferencePipeline
 from .._repository import ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import GenerationChunk, GenerativeServed
 from ..scheduler._generation_input import generation_request, prompt_and_parameters
-from ..shm import RequestRegions, SharedMemoryRegistry
 from ._codec import decode_request, encode_response
+from ._errors import ClientGone
 from ._generated import grpc_service_pb2 as pb
+from ._orca import add_load_report
+
+if TYPE_CHECKING:
+    from ._methods import Call, MessageStream
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -51,36 +57,20 @@ TEXT_OUTPUT = "text_output"
 _BYTES = datatype("BYTES")
 
 
-class ClientGone(Exception):
-    """The client reset the stream or the connection: nothing can be sent any more."""
-
-
-class StreamIO(Protocol):
-    async def recv(self) -> pb.ModelInferRequest | None:
-        """The next request; None once the client closed its side. May raise ClientGone."""
-
-    async def send(self, response: pb.ModelStreamInferResponse) -> None:
-        """Send one response. Raises ClientGone."""
-
-
 class StreamInfer:
     """Serves ModelStreamInfer calls over a model repository."""
 
     def __init__(
-        self,
-        repository: ModelRepository,
-        load: LoadReporter,
-        shared_memory: SharedMemoryRegistry,
+        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
     ) -> None:
         self._repository = repository
-        self._shared_memory = shared_memory  # the server's regions, as in ModelInfer
-        self._load = load  # each request counts toward the server's load reports
+        self._pipeline = pipeline  # tensor requests take ModelInfer's path
+        self._load = load  # generations count toward the server's load reports
         self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
 
-    async def serve(self, io: StreamIO) -> ServedModel | None:
+    async def serve(self, io: MessageStream, call: Call) -> None:
         """Answer every request of one call; returns when all are answered or the client
-        is gone, with the model the call last asked for (its load report goes in the
-        trailer). A request the transport could not read (one over the size limit) ends
+        is gone. A request the transport could not read (one over the size limit) ends
         the call with its status, raised here rather than inside an exception group."""
         failure: Exception | None = None
         async with trio.open_nursery() as requests:
@@ -100,7 +90,8 @@ class StreamInfer:
                 requests.start_soon(self._answer, message, replies)
         if failure is not None:
             raise failure
-        return replies.served
+        if replies.served is not None:
+            add_load_report(call, self._load, replies.served)
 
     async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
         try:
@@ -111,16 +102,8 @@ class StreamInfer:
                 with self._load.counting(served):
                     await self._generate(served, request, replies)
             else:
-                with RequestRegions(self._shared_memory, served.model.device) as regions:
-                    request = decode_request(message, regions)
-                    if regions.device_inputs:
-                        await regions.read_device_inputs()
-                    with self._load.counting(served):
-                        response = await served.infer(request)
-                        if regions.device_outputs:
-                            await regions.write_device_outputs(response)
-                        else:
-                            regions.write_outputs(response)
+                decode = partial(decode_request, message)
+                _, response = await self._pipeline.infer(served, decode)
                 await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))
@@ -152,10 +135,10 @@ class StreamInfer:
 
 
 class _Replies:
-    """Sends of one call, one at a time (grpclib's may not interleave); a send that finds
-    the client gone cancels every request of the call."""
+    """Sends of one call, one at a time (a front end's may not interleave); a send that
+    finds the client gone cancels every request of the call."""
 
-    def __init__(self, io: StreamIO, requests: trio.CancelScope) -> None:
+    def __init__(self, io: MessageStream, requests: trio.CancelScope) -> None:
         self._io = io
         self._requests = requests
         self._lock = trio.Lock()

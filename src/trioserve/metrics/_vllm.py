@@ -15,12 +15,14 @@ token-count histograms take their 1-2-5 buckets from the largest ``max_model_len
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from ..scheduler._llm_stats import IterationStats
 from ._vllm_names import DEPRECATED, FAMILIES, LENGTHS, buckets_1_2_5, minor_version
@@ -87,7 +89,49 @@ class VllmFamilies:
         self.engines: dict[str, dict[str, tuple[int, int, int, int]]] = {}
 
     def collectors(self) -> Sequence[Collector]:
-        return (*self.families.values(), self.success, self.cache_config_info)
+        load = {"running": 0, "waiting": 1, "kv_usage": None}
+        return (
+            *(
+                _ServerSeriesFirst(family, self.engines, load[key]) if key in load else family
+                for key, family in self.families.items()
+            ),
+            self.success,
+            self.cache_config_info,
+        )
+
+
+class _ServerSeriesFirst:
+    """A load gauge with the whole server's series first when it serves several models.
+
+    Endpoint pickers that read one series of a family (the Gateway API inference
+    extension's takes the first when there are no timestamps) then score the server,
+    not whichever model happens to come first. The server series has
+    ``model_name=""``: running and waiting requests summed over every model, KV-cache
+    usage as all their used blocks over all their blocks. With one model its series is
+    already the server's, and no other is added.
+    """
+
+    def __init__(
+        self,
+        gauge: Gauge,
+        engines: dict[str, dict[str, tuple[int, int, int, int]]],
+        field: int | None,  # which figure of an engine's tuple; None: the KV-cache usage
+    ) -> None:
+        self._gauge = gauge
+        self._engines = engines
+        self._field = field
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._gauge.collect():
+            if len(self._engines) > 1:
+                figures = [f for versions in self._engines.values() for f in versions.values()]
+                if self._field is None:
+                    total = sum(f[3] for f in figures)
+                    value = sum(f[2] for f in figures) / total if total else 0.0
+                else:
+                    value = float(sum(f[self._field] for f in figures))
+                family.samples.insert(0, Sample(family.name, {"model_name": ""}, value))
+            yield family
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """Built-in example models: what ``trioserve run`` serves without a repository."""
 
 from .._model import Model
+from ._checkpoint import CheckpointLM, load_checkpoint_model
+from ._llama import CheckpointError
 from ._tiny_lm import TinyLM
 from ._zoo import reference_zoo
 
@@ -9,4 +11,11 @@ def builtin_models() -> list[Model]:
     return [*reference_zoo(), TinyLM()]
 
 
-__all__ = ["TinyLM", "builtin_models", "reference_zoo"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointLM",
+    "TinyLM",
+    "builtin_models",
+    "load_checkpoint_model",
+    "reference_zoo",
+]

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .._generative import GenerativeModel, StepSequence
+from ._paged_attention import PagedAttention, StepLayout
 
 Array = Any  # numpy or cupy ndarray
 EOS = 256
@@ -54,6 +55,8 @@ class TinyLMShape:
 
 
 class TinyLM(GenerativeModel):
+    vocab_size = VOCAB
+
     def __init__(
         self,
         name: str = "tiny_lm",
@@ -131,99 +134,22 @@ class TinyLM(GenerativeModel):
 
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
         xp, w, s = self.xp, self.weights, self.shape
-        tokens = np.concatenate([np.asarray(b.token_ids, dtype=np.int64) for b in batch])
-        spans = [np.arange(b.start, b.start + len(b.token_ids)) for b in batch]
-        tables = [np.asarray(b.block_table, dtype=np.int64) for b in batch]
-        positions = np.concatenate(spans)
-        # Where each processed token's K/V go: its block and its slot in the block.
-        slots_block = xp.asarray(
-            np.concatenate(
-                [table[span // self.block_size] for table, span in zip(tables, spans, strict=True)]
-            )
-        )
-        slots_offset = xp.asarray(positions % self.block_size)
-        x = w["embed"][xp.asarray(tokens)] + w["pos"][xp.asarray(positions)]
+        layout = StepLayout.of(xp, batch, self.block_size)
+        attention = PagedAttention(xp, s.head_dim)
+        x = w["embed"][xp.asarray(layout.tokens)] + w["pos"][xp.asarray(layout.positions)]
         for layer in range(s.n_layers):
             qkv = _norm(xp, x) @ w[f"{layer}.qkv"]
             q, k, v = (
                 qkv[:, i * s.d_model : (i + 1) * s.d_model].reshape(-1, s.n_heads, s.head_dim)
                 for i in range(3)
             )
-            self.k_cache[layer, slots_block, slots_offset] = k
-            self.v_cache[layer, slots_block, slots_offset] = v
-            attended = self._attend(layer, q, batch, tables)
+            attended = attention(q, k, v, self.k_cache[layer], self.v_cache[layer], batch, layout)
             x = x + attended.reshape(-1, s.d_model) @ w[f"{layer}.out"]
             x = x + xp.maximum(_norm(xp, x) @ w[f"{layer}.up"], 0) @ w[f"{layer}.down"]
-        ends = np.cumsum([len(b.token_ids) for b in batch]) - 1
-        logits = _norm(xp, x[xp.asarray(ends)]) @ w["embed"].T + w["bias"]
+        logits = _norm(xp, x[xp.asarray(layout.last_tokens)]) @ w["embed"].T + w["bias"]
         return logits.get() if xp is not np else logits  # type: ignore[no-any-return]
-
-    def _attend(
-        self,
-        layer: int,
-        q: Array,
-        batch: Sequence[StepSequence],
-        tables: list[np.ndarray[Any, Any]],
-    ) -> Array:
-        """Causal attention of each entry's queries over its cached keys and values.
-
-        Decode entries (one query each) go together through one padded pass; prompt
-        chunks go one by one.
-        """
-        xp, scale = self.xp, self.shape.head_dim**-0.5
-        out = xp.empty_like(q)
-        offsets = np.cumsum([0] + [len(b.token_ids) for b in batch])
-        decodes = [i for i, b in enumerate(batch) if len(b.token_ids) == 1]
-        if decodes:
-            rows = xp.asarray(offsets[decodes])
-            out[rows] = self._attend_decodes(
-                layer, q[rows], [batch[i] for i in decodes], [tables[i] for i in decodes]
-            )
-        for i, (b, table) in enumerate(zip(batch, tables, strict=True)):
-            count = len(b.token_ids)
-            if count == 1:
-                continue
-            context = b.start + count
-            blocks = xp.asarray(table)
-            keys = self.k_cache[layer, blocks].reshape(-1, *q.shape[1:])[:context]
-            values = self.v_cache[layer, blocks].reshape(-1, *q.shape[1:])[:context]
-            first = offsets[i]
-            scores = xp.einsum("qhd,khd->hqk", q[first : first + count], keys) * scale
-            query_pos = xp.arange(b.start, context)[:, None]
-            scores = xp.where(xp.arange(context)[None, :] <= query_pos, scores, -xp.inf)
-            out[first : first + count] = xp.einsum("hqk,khd->qhd", _softmax(xp, scores), values)
-        return out
-
-    def _attend_decodes(
-        self,
-        layer: int,
-        q: Array,
-        batch: Sequence[StepSequence],
-        tables: list[np.ndarray[Any, Any]],
-    ) -> Array:
-        """One query per sequence: all sequences at once over a padded block table."""
-        xp, scale = self.xp, self.shape.head_dim**-0.5
-        width = max(len(t) for t in tables)
-        padded = np.zeros((len(tables), width), dtype=np.int64)
-        for row, table in enumerate(tables):
-            padded[row, : len(table)] = table
-        lengths = np.array([b.start + 1 for b in batch])
-        padded = xp.asarray(padded)
-        keys = self.k_cache[layer, padded].reshape(len(batch), -1, *q.shape[1:])
-        values = self.v_cache[layer, padded].reshape(len(batch), -1, *q.shape[1:])
-        # (b, h, k, d) @ (b, h, d, 1): batched matmul is much faster than einsum here.
-        scores = xp.matmul(keys.transpose(0, 2, 1, 3), q[..., None])[..., 0] * scale
-        valid = xp.asarray(np.arange(keys.shape[1])[None, :] < lengths[:, None])
-        scores = xp.where(valid[:, None, :], scores, -xp.inf)
-        weights = _softmax(xp, scores)[:, :, None, :]  # (b, h, 1, k)
-        return xp.matmul(weights, values.transpose(0, 2, 1, 3))[:, :, 0, :]
 
 
 def _norm(xp: ModuleType, x: Array) -> Array:
     mean = x.mean(axis=-1, keepdims=True)
     return (x - mean) / xp.sqrt(x.var(axis=-1, keepdims=True) + 1e-5)
-
-
-def _softmax(xp: ModuleType, scores: Array) -> Array:
-    e = xp.exp(scores - scores.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)

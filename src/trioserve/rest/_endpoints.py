@@ -4,24 +4,19 @@ statistics (and ``/metrics`` when the server exports metrics)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
-import trio
-from prometheus_client import CollectorRegistry
-
+from .._context import ServerContext
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
-from .._repository import ModelRepository
-from .._restricted import Restriction
 from .._stats import statistics_document
-from ..metrics._orca import LoadReporter
-from ..shm import RequestRegions, SharedMemoryRegistry
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._metrics import metrics_endpoint
+from ._openai import OpenAIEndpoints
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 from ._status_page import add_status_page
@@ -40,19 +35,12 @@ def _json(document: Any) -> Response:
 
 
 class _Endpoints:
-    def __init__(
-        self,
-        repository: ModelRepository,
-        server_metadata: dict[str, Any],
-        disconnects: DisconnectWatch,
-        shared_memory: SharedMemoryRegistry,
-        load: LoadReporter,
-    ) -> None:
-        self.repository = repository
-        self.shared_memory = shared_memory
+    def __init__(self, context: ServerContext, disconnects: DisconnectWatch) -> None:
+        self.repository = context.repository
+        self.pipeline = context.pipeline
+        self.load = context.load
         self.disconnects = disconnects
-        self.load = load
-        self.server_metadata = _json(server_metadata)
+        self.server_metadata = _json(context.metadata)
 
     async def live(self, request: Request) -> Response:
         return _TRUE
@@ -85,39 +73,17 @@ class _Endpoints:
     async def infer(self, request: Request) -> Response | None:
         name = request.params["model"]
         version = request.params.get("version", "")
-        runner = self.repository.get(name, version)
-        # One coroutine from here to the wait: every frame in the chain of awaits is
-        # suspended and resumed again when the outcome arrives.
-        regions = RequestRegions(self.shared_memory, runner.model.device)
-        try:
-            inference = decode_request(
-                request.body, _header_length(request.headers), runner.model, name, version,
-                regions,
-            )  # fmt: skip
-            if regions.device_inputs:
-                await regions.read_device_inputs()
-            counted = self.load.counting(runner)  # on arrival: the model's load as found
-            ticket = runner.submit(inference)
-            entry = self.disconnects.track(ticket, request.receive)
-            try:
-                await ticket.wait()
-            except trio.Cancelled:
-                ticket.withdraw()
-                raise
-            finally:
-                self.disconnects.untrack(ticket, entry)
-            if ticket.withdrawn:
-                return None  # withdrawn because the client disconnected: nobody to answer
-            with counted:
-                result = ticket.outcome()
-                if regions.device_outputs:
-                    await regions.write_device_outputs(result)
-                else:
-                    regions.write_outputs(result)
-        finally:
-            regions.close()
+        served = self.repository.get(name, version)
+        decode = partial(
+            decode_request, request.body, _header_length(request.headers), served.model, name,
+            version,
+        )  # fmt: skip
+        answered = await self.pipeline.infer(served, decode, self.disconnects, request.receive)
+        if answered is None:
+            return None  # withdrawn because the client disconnected: nobody to answer
+        inference, result = answered
         body, header_length = encode_response(result, inference)
-        load_report = self.load.http_header(runner, request.headers)
+        load_report = self.load.http_header(served, request.headers)
         headers = [] if load_report is None else [load_report]
         if header_length is None:
             return Response(200, body, headers=headers, compressible=True)
@@ -134,32 +100,18 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
     return int(value)
 
 
-def build_app(
-    repository: ModelRepository,
-    server_metadata: dict[str, Any],
-    max_body_bytes: int,
-    *,
-    shared_memory: SharedMemoryRegistry | None = None,
-    restrictions: Mapping[str, Restriction] | None = None,
-    load: LoadReporter | None = None,
-    metrics: CollectorRegistry | None = None,
-    status_page: bool = False,
-) -> RestApp:
-    """The REST app. The server passes what it owns (its shared-memory regions, its load
-    reporter); an app built without them gets its own."""
+def build_app(context: ServerContext) -> RestApp:
+    """The REST app of the server that ``context`` describes."""
     disconnects = DisconnectWatch()
-    shared_memory = shared_memory or SharedMemoryRegistry()
-    restriction = (restrictions or {}).get("shared-memory")
-    load = load or LoadReporter()
-    e = _Endpoints(repository, server_metadata, disconnects, shared_memory, load)
-    generate = GenerateEndpoints(repository, load)
+    e = _Endpoints(context, disconnects)
+    generate = GenerateEndpoints(context.repository, context.load)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
     router.add("GET", "/v2", e.metadata)
     router.add("GET", "/v2/models/stats", e.statistics)
-    if metrics is not None:
-        router.add("GET", "/metrics", metrics_endpoint(metrics))
+    if context.registry is not None:
+        router.add("GET", "/metrics", metrics_endpoint(context.registry))
     for base in (_MODEL, _VERSION):
         router.add("GET", base, e.model_metadata)
         router.add("GET", f"{base}/ready", e.model_ready)
@@ -168,7 +120,12 @@ def build_app(
         router.add("POST", f"{base}/infer", e.infer)
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
-    add_shared_memory_routes(router, shared_memory, restriction)
-    if status_page:
-        add_status_page(router, repository, server_metadata)
-    return RestApp(router, max_body_bytes, background=[disconnects.run])
+    openai = OpenAIEndpoints(context.repository, context.load)
+    router.add("GET", "/v1/models", openai.models)
+    router.add("POST", "/v1/completions", openai.completions)
+    router.add("POST", "/v1/chat/completions", openai.chat_completions)
+    restriction = context.config.http_restricted_apis.get("shared-memory")
+    add_shared_memory_routes(router, context.shared_memory, restriction)
+    if context.config.status_page:
+        add_status_page(router, context.repository, context.metadata)
+    return RestApp(router, context.config.http_limits.max_body_bytes, background=[disconnects.run])

@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import trio
@@ -53,7 +54,7 @@ logger = logging.getLogger("trioserve.rest")
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _EVENT_STREAM = b"text/event-stream; charset=utf-8"
-_SSE = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
+SSE_HEADERS = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
 # Keys a generate request may carry at the top level besides the sampling parameters.
 _REQUEST_KEYS = frozenset({"id", TEXT_INPUT, "parameters"})
 _SAMPLING_KEYS = frozenset(
@@ -73,21 +74,17 @@ class GenerateEndpoints:
         served, generation, head = self._prepare(request)
 
         async def collect() -> dict[str, Any]:
-            n = generation.sampling.n
-            texts: list[list[str]] = [[] for _ in range(n)]
-            reasons: list[str | None] = [None] * n
-            async with served.generate(generation) as chunks:
-                async for chunk in chunks:
-                    texts[chunk.index].append(chunk.text)
-                    if chunk.finish_reason is not None:
-                        reasons[chunk.index] = chunk.finish_reason
-            outputs = ["".join(parts) for parts in texts]
-            if n == 1:
-                return {**head, "text_output": outputs[0], "finish_reason": reasons[0]}
-            return {**head, "text_output": outputs, "finish_reason": reasons}
+            samples = await collect_samples(served, generation)
+            if generation.sampling.n == 1:
+                return {
+                    **head,
+                    "text_output": samples.texts[0],
+                    "finish_reason": samples.finish_reasons[0],
+                }
+            return {**head, "text_output": samples.texts, "finish_reason": samples.finish_reasons}
 
         with self.load.counting(served):
-            answered, document = await _unless_client_leaves(request.receive, collect)
+            answered, document = await unless_client_leaves(request.receive, collect)
         if not answered:
             return None
         report = self.load.http_header(served, request.headers)
@@ -109,22 +106,22 @@ class GenerateEndpoints:
                 pieces = aiter(chunks)
                 # Wait for the first piece before answering, so that a request the engine
                 # refuses gets an ordinary error response with its status.
-                piece = await _next_piece(pieces)
+                piece = await next_piece(pieces)
                 report = self.load.http_header(served, request.headers)  # on the first response
-                headers = _SSE if report is None else [*_SSE, report]
+                headers = SSE_HEADERS if report is None else [*SSE_HEADERS, report]
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 try:
                     while piece is not None:
-                        await _send_event(send, _event(head, piece, with_index))
-                        piece = await _next_piece(pieces)
+                        await send_event(send, _event(head, piece, with_index))
+                        piece = await next_piece(pieces)
                 except InferenceServerError as exc:
-                    await _send_event(send, {"error": exc.message})
+                    await send_event(send, {"error": exc.message})
                 except Exception:
                     logger.exception("generation %s failed", generation.request_id)
-                    await _send_event(send, {"error": "generation failed unexpectedly"})
+                    await send_event(send, {"error": "generation failed unexpectedly"})
 
         with counted:
-            answered, _ = await _unless_client_leaves(request.receive, stream)
+            answered, _ = await unless_client_leaves(request.receive, stream)
         if answered:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
@@ -154,6 +151,31 @@ class GenerateEndpoints:
         return served, generation, head
 
 
+@dataclass(frozen=True, slots=True)
+class CollectedSamples:
+    """A whole generation: each sample's text and finish reason, and the tokens made."""
+
+    texts: list[str]
+    finish_reasons: list[str | None]
+    generated_tokens: int
+
+
+async def collect_samples(
+    served: GenerativeServed, generation: GenerationRequest
+) -> CollectedSamples:
+    n = generation.sampling.n
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasons: list[str | None] = [None] * n
+    tokens = 0
+    async with served.generate(generation) as chunks:
+        async for chunk in chunks:
+            texts[chunk.index].append(chunk.text)
+            tokens += len(chunk.token_ids)
+            if chunk.finish_reason is not None:
+                reasons[chunk.index] = chunk.finish_reason
+    return CollectedSamples(["".join(parts) for parts in texts], reasons, tokens)
+
+
 def _parse(body: bytes) -> dict[str, Any]:
     document = json_object(body)
     if TEXT_INPUT not in document:
@@ -181,7 +203,7 @@ def _parameters(document: dict[str, Any]) -> dict[str, Any]:
     return {**parameters, **top_level}
 
 
-async def _next_piece(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
+async def next_piece(chunks: AsyncIterator[GenerationChunk]) -> GenerationChunk | None:
     """The next chunk worth an event (new text, or a sample's end), None after the last.
     An empty chunk only means that a multi-byte character is not complete yet."""
     async for chunk in chunks:
@@ -199,13 +221,13 @@ def _event(head: dict[str, Any], chunk: GenerationChunk, with_index: bool) -> di
     return event
 
 
-async def _send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> None:
+async def send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> None:
     # Compact JSON escapes every newline, so one line is one event's data.
     frame = b"data: " + _COMPACT.encode(document).encode() + b"\n\n"
     await send({"type": "http.response.body", "body": frame, "more_body": True})
 
 
-async def _unless_client_leaves(
+async def unless_client_leaves(
     receive: Receive, work: Callable[[], Awaitable[T]]
 ) -> tuple[bool, T | None]:
     """Run ``work``, cancelled if the client disconnects first: (finished, its result).

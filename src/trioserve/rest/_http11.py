@@ -31,7 +31,6 @@ that only half-closes still gets its response, but ``receive()`` reports the dis
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import socket
@@ -41,6 +40,7 @@ import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
 
 from .._limits import HttpLimits
+from .._sockets import accept_forever, bind_tcp, bound_addresses, close_all
 from ._asgi import ASGIApp
 from ._http11_exchange import RECV_SIZE, Exchange
 from ._http11_parser import (
@@ -109,29 +109,15 @@ class _Server:
                     if conn.ticks >= (idle_ticks if phase == _IDLE else head_ticks):
                         conn.expire()
 
-    async def accept_loop(self, listener: socket.socket, nursery: trio.Nursery) -> None:
-        while True:
-            await wait_readable(listener)
-            for _ in range(64):  # a burst of accepts per wakeup, then let others run
-                try:
-                    sock, addr = listener.accept()
-                except BlockingIOError:
-                    break
-                except OSError as exc:
-                    if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                        logger.error("accept failed (%s); pausing briefly", exc)
-                        await trio.sleep(0.1)
-                    break
-                sock.setblocking(False)
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    local = sock.getsockname()
-                except OSError:  # reset before we got to it
-                    sock.close()
-                    continue
-                conn = Connection(self, sock, (addr[0], addr[1]), (local[0], local[1]))
-                self.connections.add(conn)
-                nursery.start_soon(conn.run)
+    def accepted(
+        self, nursery: trio.Nursery
+    ) -> Callable[[socket.socket, tuple[str, int], tuple[str, int]], None]:
+        def start(sock: socket.socket, client: tuple[str, int], local: tuple[str, int]) -> None:
+            conn = Connection(self, sock, client, local)
+            self.connections.add(conn)
+            nursery.start_soon(conn.run)
+
+        return start
 
 
 class Connection:
@@ -411,35 +397,6 @@ class Connection:
                 budget -= len(data)
 
 
-async def _bind(host: str, port: int) -> list[socket.socket]:
-    infos = await trio.socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )
-    sockets: list[socket.socket] = []
-    seen: set[object] = set()
-    try:
-        for family, type_, proto, _, addr in infos:
-            if addr in seen:
-                continue
-            seen.add(addr)
-            sock = socket.socket(family, type_, proto)
-            sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            if port == 0 and len(sockets) > 1:
-                # One ephemeral port for every address of the host name, not one each.
-                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
-            sock.bind(addr)
-            sock.listen(1024)
-            sock.setblocking(False)
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
-
-
 async def serve_http11(
     app: ASGIApp,
     host: str,
@@ -456,7 +413,7 @@ async def serve_http11(
     are closed, requests in progress finish (their connection closes afterwards), and then
     this returns; bound the drain by cancelling.
     """
-    listeners = await _bind(host, port)
+    listeners = await bind_tcp(host, port)
     server = _Server(app, limits)
     try:
         async with trio.open_nursery() as sweeper:
@@ -464,19 +421,13 @@ async def serve_http11(
             async with trio.open_nursery() as connections:
                 async with trio.open_nursery() as acceptors:
                     for listener in listeners:
-                        acceptors.start_soon(server.accept_loop, listener, connections)
-                    addresses = [(s.getsockname()[0], s.getsockname()[1]) for s in listeners]
-                    task_status.started(addresses)
+                        acceptors.start_soon(accept_forever, listener, server.accepted(connections))
+                    task_status.started(bound_addresses(listeners))
                     if shutdown_trigger is not None:
                         await shutdown_trigger()
                         acceptors.cancel_scope.cancel()
-                for listener in listeners:
-                    notify_closing(listener)
-                    listener.close()
+                close_all(listeners)
                 server.begin_shutdown()
             sweeper.cancel_scope.cancel()  # every connection has finished
     finally:
-        for listener in listeners:
-            if listener.fileno() != -1:
-                notify_closing(listener)
-                listener.close()
+        close_all(listeners)

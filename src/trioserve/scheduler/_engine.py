@@ -122,10 +122,13 @@ class LLMEngine:
         if not self.accepting:
             raise UnavailableError(f"model '{self.model.name}' is not ready")
         params = request.sampling
-        try:
-            prompt = self.model.encode(request.prompt)
-        except Exception as exc:
-            raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
+        if request.prompt_token_ids is not None:
+            prompt = list(request.prompt_token_ids)
+        else:
+            try:
+                prompt = self.model.encode(request.prompt)
+            except Exception as exc:
+                raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
         if not prompt:
             raise InvalidArgumentError("the prompt is empty")
         if len(prompt) >= self.model.max_model_len:

@@ -105,6 +105,9 @@ class GenerationRequest:
     sampling: SamplingParams
     arrival_time: float  # trio.current_time() when the front end received the request
     priority: int = 0  # lower values are scheduled first (vLLM's convention)
+    # The prompt already tokenized (a front end that counts or takes token ids): the
+    # engine then uses these instead of encoding ``prompt``.
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,114 @@
+"""One inference request from its decoded message to its outcome, for every front end.
+
+REST infer, gRPC ModelInfer and ModelStreamInfer's tensor requests all run here, so a
+change to shared memory, device copies or load counting is made once:
+
+1. lease the shared-memory regions the request names, while the front end's ``decode``
+   turns its wire message into an ``InferenceRequest`` (wire formats differ, the rest
+   does not);
+2. read inputs waiting on a device (CUDA regions), in a worker thread;
+3. count the request toward the server's load from here, its arrival at the model: it
+   counts once its outcome is known (an error too; a cancellation not);
+4. submit it and wait for its ticket: a cancelled wait withdraws the request from the
+   model's queue;
+5. write its outputs placed in shared memory, or copy a device's outputs to the host;
+6. release the regions.
+
+The front end then encodes the response and adds its load report (REST's header,
+gRPC's trailer; both built by ``LoadReporter.report``).
+
+A front end may also pass a ``Watch``: the watch tracks the ticket while it waits and
+may withdraw it (REST's ``DisconnectWatch`` does when the client disconnects), in which
+case ``infer`` returns None: there is nobody left to answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, overload
+
+import trio
+
+from ._repository import ServedModel, Ticket
+from ._types import InferenceRequest, InferenceResponse
+from .metrics._orca import LoadReporter
+from .shm import RequestRegions, SharedMemoryRegistry
+
+Decode = Callable[[RequestRegions], InferenceRequest]
+"""The front end's decoding of its message, leasing the regions it names."""
+
+_Client = TypeVar("_Client", contravariant=True)
+_Token = TypeVar("_Token")
+
+
+class Watch(Protocol, Generic[_Client, _Token]):
+    """Something that watches a waiting ticket for its client (and may withdraw it)."""
+
+    def track(self, ticket: Ticket, client: _Client, /) -> _Token: ...
+
+    def untrack(self, ticket: Ticket, token: _Token, /) -> None: ...
+
+
+class InferencePipeline:
+    """A server instance's inference path; its front ends share one."""
+
+    __slots__ = ("_load", "_shared_memory")
+
+    def __init__(self, shared_memory: SharedMemoryRegistry, load: LoadReporter) -> None:
+        self._shared_memory = shared_memory
+        self._load = load
+
+    @overload
+    async def infer(
+        self, served: ServedModel, decode: Decode
+    ) -> tuple[InferenceRequest, InferenceResponse]: ...
+
+    @overload
+    async def infer(
+        self, served: ServedModel, decode: Decode, watch: Watch[_Client, _Token], client: _Client
+    ) -> tuple[InferenceRequest, InferenceResponse] | None: ...
+
+    async def infer(
+        self,
+        served: ServedModel,
+        decode: Decode,
+        watch: Watch[Any, Any] | None = None,
+        client: Any = None,
+    ) -> tuple[InferenceRequest, InferenceResponse] | None:
+        """The request ``decode`` gives and its response; None if ``watch`` withdrew it.
+
+        One coroutine from the decode to the outcome: every frame between the front end
+        and the ticket's wait is resumed again when the outcome arrives.
+        """
+        regions = RequestRegions(self._shared_memory, served.model.device)
+        try:
+            request = decode(regions)
+            if regions.device_inputs:
+                await regions.read_device_inputs()
+            with self._load.counting(served):
+                ticket = served.submit(request)
+                token = None if watch is None else watch.track(ticket, client)
+                try:
+                    await ticket.wait()
+                except trio.Cancelled:
+                    ticket.withdraw()
+                    raise
+                finally:
+                    if watch is not None:
+                        watch.untrack(ticket, token)
+                if watch is not None and ticket.withdrawn:
+                    raise _Withdrawn
+                response = ticket.outcome()
+                if regions.device_outputs:
+                    await regions.write_device_outputs(response)
+                else:
+                    regions.write_outputs(response)
+        except _Withdrawn:
+            return None
+        finally:
+            regions.close()
+        return request, response
+
+
+class _Withdrawn(BaseException):
+    """The watch withdrew the request: like a cancellation, it is not counted as load."""

@@ -1,0 +1,90 @@
+"""Listening sockets for the front ends that drive sockets themselves (the HTTP/1.1 core
+and the HTTP/2 core): binding every address of a host name, and accepting without ever
+letting an accept error reach the server's nursery."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Callable
+
+import trio
+from trio.lowlevel import notify_closing, wait_readable
+
+logger = logging.getLogger("trioserve")
+
+Address = tuple[str, int]
+
+# Out of descriptors or memory: accepting again at once would spin, so wait a little.
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_BACKOFF_S = 0.1
+
+
+async def bind_tcp(host: str, port: int) -> list[socket.socket]:
+    """Non-blocking listening sockets on every address ``host`` names, one port for all
+    (port 0 picks a free one)."""
+    infos = await trio.socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    seen: set[object] = set()
+    try:
+        for family, type_, proto, _, addr in infos:
+            if addr in seen:
+                continue
+            seen.add(addr)
+            sock = socket.socket(family, type_, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:
+                # One ephemeral port for every address of the host name, not one each.
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock.bind(addr)
+            sock.listen(1024)
+            sock.setblocking(False)
+    except BaseException:
+        close_all(sockets)
+        raise
+    return sockets
+
+
+def bound_addresses(listeners: list[socket.socket]) -> list[Address]:
+    return [(s.getsockname()[0], s.getsockname()[1]) for s in listeners]
+
+
+def close_all(listeners: list[socket.socket]) -> None:
+    for listener in listeners:
+        if listener.fileno() != -1:
+            notify_closing(listener)
+            listener.close()
+
+
+async def accept_forever(
+    listener: socket.socket, accepted: Callable[[socket.socket, Address, Address], None]
+) -> None:
+    """Hand every accepted connection (non-blocking, TCP_NODELAY) to ``accepted`` with
+    the client's and the local address. Running out of descriptors pauses accepting
+    briefly (logged) instead of failing."""
+    while True:
+        await wait_readable(listener)
+        for _ in range(64):  # a burst of accepts per wakeup, then let others run
+            try:
+                sock, addr = listener.accept()
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno in _RESOURCE_ERRNOS:
+                    logger.error("accept failed (%s); pausing briefly", exc)
+                    await trio.sleep(_BACKOFF_S)
+                break
+            sock.setblocking(False)
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                local = sock.getsockname()
+            except OSError:  # reset before we got to it
+                sock.close()
+                continue
+            accepted(sock, (addr[0], addr[1]), (local[0], local[1]))

@@ -1,0 +1,164 @@
+"""The built-in gRPC front end: our HTTP/2 core on trio streams, serving the method table
+(``_methods``) with server reflection.
+
+Plain TCP (h2c with prior knowledge, what tritonclient and perf_analyzer speak) by
+default; TLS with ALPN ``h2`` when a certificate and key are configured.
+
+Shutdown, once ``shutdown_trigger`` returns: listeners close, every connection sends
+GOAWAY with its last stream id (new streams are refused), calls in flight finish, and
+each connection closes once it has none; bound the drain by cancelling.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import ssl
+from collections.abc import Awaitable, Callable, Mapping
+
+import trio
+
+from .._context import ServerContext
+from .._limits import GrpcLimits
+from .._sockets import Address, accept_forever, bind_tcp, bound_addresses, close_all
+from ._h2_connection import CoreStatistics, H2Connection
+from ._h2_transport import SocketTransport, TlsTransport, Transport
+from ._methods import Method, StreamMethod, grpc_methods
+from ._reflection import REFLECTION_VERSIONS, reflection_handler, service_names
+
+logger = logging.getLogger("trioserve.grpc")
+
+_TLS_HANDSHAKE_S = 10.0
+
+
+def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(certfile, keyfile)
+    context.set_alpn_protocols(["h2"])
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # RFC 9113 §9.2
+    return context
+
+
+class _CoreServer:
+    def __init__(
+        self,
+        methods: Mapping[str, Method],
+        limits: GrpcLimits,
+        max_message_bytes: int,
+        tls: ssl.SSLContext | None,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.methods = methods
+        self.limits = limits
+        self.max_message_bytes = max_message_bytes
+        self.tls = tls
+        self.nursery = nursery
+        self.connections: set[H2Connection] = set()
+        self.statistics = CoreStatistics()
+        self.shutting_down = False
+
+    def accepted(self, sock: socket.socket, client: Address, local: Address) -> None:
+        self.nursery.start_soon(self._serve, sock)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        transport: Transport
+        if self.tls is None:
+            transport = SocketTransport(sock)
+        else:
+            try:
+                transport = await self._handshake(sock)
+            except (trio.BrokenResourceError, trio.TooSlowError, OSError) as exc:
+                logger.debug("TLS handshake failed: %s", exc)
+                sock.close()
+                return
+        connection = H2Connection(
+            transport, self.methods, self.limits, self.max_message_bytes, self.statistics
+        )
+        self.connections.add(connection)
+        if self.shutting_down:
+            connection.begin_shutdown()
+        try:
+            await connection.run()
+        finally:
+            self.connections.discard(connection)
+
+    async def _handshake(self, sock: socket.socket) -> Transport:
+        assert self.tls is not None
+        stream = trio.SSLStream(
+            trio.SocketStream(trio.socket.from_stdlib_socket(sock)), self.tls, server_side=True
+        )
+        with trio.fail_after(_TLS_HANDSHAKE_S):
+            await stream.do_handshake()
+        if stream.selected_alpn_protocol() not in (None, "h2"):
+            raise trio.BrokenResourceError("the client did not choose h2")
+        return TlsTransport(stream)
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+        for connection in list(self.connections):
+            connection.begin_shutdown()
+
+
+async def serve_grpc_core(
+    context: ServerContext,
+    *,
+    task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The server's gRPC front end on its host and gRPC port, until cancelled or drained
+    (``context.stop_accepting``)."""
+    config = context.config
+    assert config.grpc_port is not None
+    tls = None
+    if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
+        tls = tls_context(config.grpc_tls_certfile, config.grpc_tls_keyfile)
+    await serve_methods(
+        with_reflection(grpc_methods(context)),
+        config.host,
+        config.grpc_port,
+        config.grpc_limits,
+        max_message_bytes=config.grpc_max_message_bytes,
+        tls=tls,
+        shutdown_trigger=context.stop_accepting.wait,
+        task_status=task_status,
+    )
+
+
+def with_reflection(methods: dict[str, Method]) -> dict[str, Method]:
+    """``methods`` and server reflection (v1 and v1alpha), which lists them all."""
+    names = service_names([*methods, *(version.path for version in REFLECTION_VERSIONS)])
+    for version in REFLECTION_VERSIONS:
+        handler = reflection_handler(version, names)
+        methods[version.path] = StreamMethod(version.request_type, handler)
+    return methods
+
+
+async def serve_methods(
+    methods: Mapping[str, Method],
+    host: str,
+    port: int,
+    limits: GrpcLimits,
+    *,
+    max_message_bytes: int = 2**31 - 1,
+    tls: ssl.SSLContext | None = None,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``methods`` over HTTP/2 on ``host:port`` until cancelled or shut down.
+
+    Reports the bound ``(host, port)`` pairs once listening (port 0 picks a free one).
+    """
+    listeners = await bind_tcp(host, port)
+    try:
+        async with trio.open_nursery() as connections:
+            server = _CoreServer(methods, limits, max_message_bytes, tls, connections)
+            async with trio.open_nursery() as acceptors:
+                for listener in listeners:
+                    acceptors.start_soon(accept_forever, listener, server.accepted)
+                task_status.started(bound_addresses(listeners))
+                if shutdown_trigger is not None:
+                    await shutdown_trigger()
+                    acceptors.cancel_scope.cancel()
+            close_all(listeners)
+            server.begin_shutdown()
+    finally:
+        close_all(listeners)

@@ -1,0 +1,788 @@
+"""One HTTP/2 connection carrying gRPC calls (RFC 9113, server side, h2c or TLS).
+
+Shape: one task reads and dispatches frames; each call runs in a task of its own in the
+connection's nursery (unary calls once their request message is complete, streaming
+calls at their HEADERS); writes are queued synchronously by whichever task answers and
+sent at once when the socket takes them, by a writer task otherwise. So a small unary
+call costs one ``recv`` for its request and one ``sendmsg`` for HEADERS, DATA and
+trailers together, and no task ever blocks another on a slow socket.
+
+Defences (each is a test in tests/grpc/test_h2_core.py):
+* frames of unknown type are ignored; malformed ones end the stream or the connection
+  with the code RFC 9113 gives, never an exception out of the connection;
+* MAX_CONCURRENT_STREAMS is enforced (REFUSED_STREAM), and client resets and refused
+  streams draw on a token bucket: a "rapid reset" flood gets GOAWAY(ENHANCE_YOUR_CALM);
+* a header block (HEADERS + CONTINUATION) is bounded before it is decoded;
+* a message is refused by its declared length before it is buffered (``_h2_stream``);
+* a stream's buffers go the moment it ends; streamed responses wait on the client's
+  flow-control window, and the queue of unsent bytes is bounded;
+* a connection with no stream open for ``idle_timeout_s`` is closed with GOAWAY.
+Client mistakes are logged at DEBUG and counted (``CoreStatistics``), never as tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from .._limits import GrpcLimits
+from . import _h2_frames as h2
+from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
+from ._h2_stream import H2Stream
+from ._h2_transport import Transport, trim
+from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError, encode_headers
+from ._methods import Method, UnaryMethod
+from ._wire import (
+    MESSAGE_PREFIX,
+    compress,
+    decompressor,
+    response_headers,
+    timeout_s,
+    trailers,
+    wbits_accepted,
+)
+
+logger = logging.getLogger("trioserve.grpc")
+
+# Unsent bytes a connection may queue before answering tasks wait for the socket.
+_OUTBOX_HIGH = 4 * 1024 * 1024
+# How long a closing connection may take to flush what it queued.
+_FLUSH_S = 5.0
+# Client resets (and refused streams) allowed in a burst, and refilled per second.
+_RESET_BURST = 1000
+_RESET_RATE = 200.0
+_HTTP_415 = encode_headers([(b":status", b"415"), (b"content-type", b"text/plain")])
+_HTTP_405 = encode_headers([(b":status", b"405"), (b"allow", b"POST")])
+_HTTP_431 = encode_headers([(b":status", b"431")])
+
+
+@dataclass
+class CoreStatistics:
+    """Counts a server's connections keep of what clients did wrong."""
+
+    protocol_errors: int = 0  # connections ended by GOAWAY with an error code
+    stream_errors: int = 0  # streams reset by us
+    refused_streams: int = 0  # over MAX_CONCURRENT_STREAMS or after GOAWAY
+    calm_goaways: int = 0  # connections ended for resetting too many streams
+    idle_closed: int = 0  # connections closed for being idle
+
+
+class _PeerGone(Exception):
+    pass
+
+
+class H2Connection:
+    def __init__(
+        self,
+        transport: Transport,
+        methods: Mapping[str, Method],
+        limits: GrpcLimits,
+        max_message_bytes: int,
+        statistics: CoreStatistics,
+    ) -> None:
+        self._transport = transport
+        self._max_message = max_message_bytes
+        self._methods = methods
+        self._limits = limits
+        self._stats = statistics
+        self._streams: dict[int, H2Stream] = {}
+        self._last_stream_id = 0
+        self._decoder = HeaderDecoder(max_header_list_size=limits.max_header_list_bytes)
+        self._max_block = 2 * limits.max_header_list_bytes
+        self._block: list[bytes] = []  # a header block still waiting for CONTINUATION
+        self._block_stream = 0
+        self._block_flags = 0
+        self._block_bytes = 0
+        # Sending: the client's windows and frame size.
+        self._send_window = h2.DEFAULT_WINDOW
+        self._peer_initial_window = h2.DEFAULT_WINDOW
+        self._peer_max_frame = h2.DEFAULT_MAX_FRAME
+        self._window_opened = trio.Event()
+        # Receiving: our windows, credited back as data lands.
+        self._recv_window = limits.connection_window_bytes
+        self._unacked = 0
+        # Writing.
+        self._out: list[bytes | memoryview] = []
+        self._out_bytes = 0
+        self._writing = False  # the writer task owns the socket until the queue is empty
+        self._writer_wake = trio.Event()
+        self._drained = trio.Event()
+        self._broken = False
+        # Lifetime.
+        self._reader = trio.CancelScope()
+        self._calls: trio.Nursery | None = None
+        self._draining = False
+        self._reset_tokens = float(_RESET_BURST)
+        self._reset_time = trio.current_time()
+
+    # --- lifetime ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until the client leaves, the connection fails or idles, or a drain ends."""
+        try:
+            async with trio.open_nursery() as calls:
+                self._calls = calls
+                calls.start_soon(self._write_forever)
+                self._set_idle_deadline()
+                try:
+                    with self._reader:
+                        await self._read_forever()
+                except h2.ConnectionError_ as exc:
+                    self._stats.protocol_errors += 1
+                    if exc.code == h2.ENHANCE_YOUR_CALM:
+                        self._stats.calm_goaways += 1
+                    logger.debug("gRPC connection error %#x: %s", exc.code, exc.reason)
+                    self._queue(h2.goaway(self._last_stream_id, exc.code, exc.reason.encode()))
+                except _PeerGone:
+                    pass
+                else:
+                    if self._reader.cancelled_caught and not self._draining:
+                        self._stats.idle_closed += 1
+                        self._queue(h2.goaway(self._last_stream_id, h2.NO_ERROR, b"idle"))
+                for stream in list(self._streams.values()):
+                    self._drop(stream)
+                self._flush()
+                with trio.move_on_after(_FLUSH_S):
+                    await self._all_written()
+                calls.cancel_scope.cancel()
+        except Exception:
+            logger.exception("gRPC connection failed")
+        finally:
+            self._transport.close()
+
+    def begin_shutdown(self) -> None:
+        """Drain: GOAWAY now (no new streams), close once the open ones are done."""
+        if self._draining:
+            return
+        self._draining = True
+        self._queue(h2.goaway(self._last_stream_id, h2.NO_ERROR))
+        self._flush()
+        if not self._streams:
+            self._reader.cancel()
+
+    def _set_idle_deadline(self) -> None:
+        if self._streams:
+            self._reader.deadline = math.inf
+        elif self._draining:
+            self._reader.cancel()
+        else:
+            self._reader.deadline = trio.current_time() + self._limits.idle_timeout_s
+
+    # --- reading -------------------------------------------------------------------------
+
+    async def _read_forever(self) -> None:
+        transport = self._transport
+        buf = b""
+        while len(buf) < len(h2.PREFACE) and h2.PREFACE.startswith(buf):
+            buf += await self._recv()
+        if not buf.startswith(h2.PREFACE):
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+        self._queue(self._opening_frames())
+        self._flush()
+        pos = len(h2.PREFACE)
+        first = True
+        max_frame = self._limits.max_frame_bytes
+        while True:
+            while len(buf) - pos < h2.FRAME_HEADER_BYTES:
+                buf = buf[pos:] + await self._recv()
+                pos = 0
+            high, low, kind, flags, stream_id = h2.HEADER.unpack_from(buf, pos)
+            length = high << 16 | low
+            stream_id &= 0x7FFFFFFF
+            pos += h2.FRAME_HEADER_BYTES
+            if first and kind != h2.SETTINGS:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "the preface must end in SETTINGS")
+            first = False
+            if length > max_frame:
+                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            if kind == h2.DATA:
+                buf, pos = await self._read_data(transport, buf, pos, length, flags, stream_id)
+                continue
+            if self._block and kind != h2.CONTINUATION:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
+            if kind > h2.CONTINUATION:  # an extension frame: skip it unread
+                buf, pos = await self._skip(buf, pos, length)
+                continue
+            if (
+                kind in (h2.HEADERS, h2.CONTINUATION)
+                and self._block_bytes + length > self._max_block
+            ):
+                raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "header block too large")
+            while len(buf) - pos < length:
+                buf = buf[pos:] + await self._recv()
+                pos = 0
+            payload = buf[pos : pos + length]
+            pos += length
+            try:
+                self._on_frame(kind, flags, stream_id, payload)
+            except h2.StreamError as exc:
+                self._reset_stream(exc.stream_id, exc.code, exc.reason)
+            self._flush()
+
+    async def _recv(self) -> bytes:
+        data = await self._transport.recv()
+        if not data:
+            raise _PeerGone
+        return data
+
+    async def _skip(self, buf: bytes, pos: int, length: int) -> tuple[bytes, int]:
+        while len(buf) - pos < length:
+            length -= len(buf) - pos
+            buf, pos = await self._recv(), 0
+        return buf, pos + length
+
+    async def _read_data(
+        self, transport: Transport, buf: bytes, pos: int, length: int, flags: int, stream_id: int
+    ) -> tuple[bytes, int]:
+        if stream_id == 0:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
+        if self._block:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
+        if length > self._recv_window:
+            raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._recv_window -= length
+        self._unacked += length
+        body = length
+        if flags & h2.PADDED:
+            if length == 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padded DATA without a pad length")
+            while len(buf) - pos < 1:
+                buf, pos = await self._recv(), 0
+            padding = buf[pos]
+            pos += 1
+            body = length - 1 - padding
+            if body < 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padding longer than the frame")
+        else:
+            padding = 0
+        stream = self._receiving(stream_id, length)
+        while body:
+            available = len(buf) - pos
+            if stream is not None and available == 0:
+                view = stream.direct_view(body)
+                if view is not None:
+                    count = await transport.recv_into(view)
+                    if not count:
+                        raise _PeerGone
+                    body -= count
+                    stream = self._fed(stream, None, count)
+                    continue
+            if available == 0:
+                buf, pos = await self._recv(), 0
+                continue
+            take = min(available, body)
+            if stream is not None:
+                stream = self._fed(stream, memoryview(buf)[pos : pos + take], take)
+            pos += take
+            body -= take
+        buf, pos = await self._skip(buf, pos, padding)
+        if stream is not None and flags & h2.END_STREAM:
+            stream.end_remote()
+        if self._unacked >= self._limits.connection_window_bytes // 2:
+            self._queue(h2.window_update(0, self._unacked))
+            self._recv_window += self._unacked
+            self._unacked = 0
+        self._flush()
+        return buf, pos
+
+    def _receiving(self, stream_id: int, length: int) -> H2Stream | None:
+        """The stream DATA is for, with its window charged; None if it is to be dropped."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if stream_id > self._last_stream_id:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on an idle stream")
+            return None  # closed: the client sent before it learned; drop it
+        if stream.remote_closed:
+            self._reset_stream(stream_id, h2.STREAM_CLOSED, "DATA after END_STREAM")
+            return None
+        if length > stream.recv_window:
+            self._reset_stream(stream_id, h2.FLOW_CONTROL_ERROR, "DATA beyond the stream window")
+            return None
+        stream.recv_window -= length
+        if stream.queued_bytes > stream.queue_limit:
+            stream.held_credit += length
+        else:
+            self._credit(stream, length)
+        if stream.local_closed:
+            return None  # answered already (an error): what still comes is dropped
+        return stream
+
+    def _fed(self, stream: H2Stream, chunk: memoryview | None, count: int) -> H2Stream | None:
+        """Hand payload to a stream; a stream that fails on it is answered and dropped."""
+        try:
+            if chunk is None:
+                stream.received_directly(count)
+            else:
+                stream.feed(chunk)
+        except GrpcError as exc:
+            logger.debug("gRPC stream %d refused a message: %s", stream.id, exc.message)
+            self._finish_now(stream, exc.status, exc.message)
+            return None
+        return stream
+
+    def _credit(self, stream: H2Stream, count: int) -> None:
+        stream.unacked += count
+        if stream.unacked >= self._limits.stream_window_bytes // 2 and not stream.remote_closed:
+            self._queue(h2.window_update(stream.id, stream.unacked))
+            stream.recv_window += stream.unacked
+            stream.unacked = 0
+
+    def _taken(self, stream: H2Stream, credit: int) -> None:
+        if stream.id in self._streams:
+            self._credit(stream, credit)
+            self._flush()
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if kind == h2.HEADERS:
+            self._on_headers(flags, stream_id, payload)
+        elif kind == h2.CONTINUATION:
+            self._on_continuation(flags, stream_id, payload)
+        elif kind == h2.SETTINGS:
+            self._on_settings(flags, stream_id, payload)
+        elif kind == h2.WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == h2.PING:
+            if stream_id:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "PING on a stream")
+            if len(payload) != 8:
+                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "PING payload is not 8 bytes")
+            if not flags & h2.ACK:
+                self._queue(h2.ping_ack(payload))
+        elif kind == h2.RST_STREAM:
+            self._on_rst_stream(stream_id, payload)
+        elif kind == h2.PRIORITY:
+            if stream_id == 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "PRIORITY on stream 0")
+            if len(payload) != 5:
+                raise h2.StreamError(stream_id, h2.FRAME_SIZE_ERROR, "PRIORITY is not 5 bytes")
+        elif kind == h2.GOAWAY:
+            if stream_id:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "GOAWAY on a stream")
+            self._draining = True  # the client opens no more streams
+            self._set_idle_deadline()
+        elif kind == h2.PUSH_PROMISE:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a client may not push")
+
+    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & h2.ACK:
+            if payload:
+                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        for key, value in h2.parse_settings(payload):
+            if key == h2.INITIAL_WINDOW_SIZE:
+                if value > h2.MAX_WINDOW:
+                    raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "initial window too large")
+                delta = value - self._peer_initial_window
+                self._peer_initial_window = value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+                self._open_window()
+            elif key == h2.MAX_FRAME_SIZE:
+                if not h2.DEFAULT_MAX_FRAME <= value <= h2.MAX_FRAME_LIMIT:
+                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid MAX_FRAME_SIZE")
+                self._peer_max_frame = value
+            elif key == h2.ENABLE_PUSH and value > 1:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid ENABLE_PUSH")
+        self._queue(h2.SETTINGS_ACK)
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
+        increment = h2.read_u32(payload) & 0x7FFFFFFF
+        if stream_id == 0:
+            if increment == 0:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self._send_window += increment
+            if self._send_window > h2.MAX_WINDOW:
+                raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "connection window overflow")
+        else:
+            stream = self._streams.get(stream_id)
+            if stream is None:
+                if stream_id > self._last_stream_id:
+                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+                return
+            if increment == 0:
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            stream.send_window += increment
+            if stream.send_window > h2.MAX_WINDOW:
+                raise h2.StreamError(stream_id, h2.FLOW_CONTROL_ERROR, "stream window overflow")
+        self._open_window()
+
+    def _on_rst_stream(self, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+        if len(payload) != 4:
+            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "RST_STREAM is not 4 bytes")
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if stream_id > self._last_stream_id:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+            return
+        self._drop(stream)
+        self._charge_reset()
+
+    def _charge_reset(self) -> None:
+        """Resets and refusals draw on a bucket; an empty bucket ends the connection."""
+        now = trio.current_time()
+        tokens = self._reset_tokens + (now - self._reset_time) * _RESET_RATE
+        self._reset_tokens = min(float(_RESET_BURST), tokens) - 1
+        self._reset_time = now
+        if self._reset_tokens < 0:
+            raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "too many streams reset")
+
+    # --- headers and calls ---------------------------------------------------------------
+
+    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id == 0 or stream_id % 2 == 0:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS on an invalid stream id")
+        start = 0
+        end = len(payload)
+        if flags & h2.PADDED:
+            if not payload:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padded HEADERS without a pad length")
+            end -= payload[0]
+            start = 1
+        if flags & h2.PRIORITY_FLAG:
+            start += 5
+        if end < start:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS padding longer than the frame")
+        fragment = payload[start:end]
+        if flags & h2.END_HEADERS:
+            self._on_header_block(flags, stream_id, fragment)
+        else:
+            self._block = [fragment]
+            self._block_stream = stream_id
+            self._block_flags = flags
+            self._block_bytes = len(fragment)
+
+    def _on_continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not self._block or stream_id != self._block_stream:
+            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "CONTINUATION out of place")
+        self._block.append(payload)
+        self._block_bytes += len(payload)
+        if flags & h2.END_HEADERS:
+            block = b"".join(self._block)
+            self._block = []
+            self._block_bytes = 0
+            self._on_header_block(self._block_flags, stream_id, block)
+
+    def _on_header_block(self, flags: int, stream_id: int, block: bytes) -> None:
+        too_large = False
+        try:
+            headers = self._decoder.decode(block)
+        except HeaderListTooLarge:
+            headers, too_large = (), True
+        except HpackError as exc:
+            raise h2.ConnectionError_(h2.COMPRESSION_ERROR, str(exc)) from None
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # trailers from the client: they end its side
+            if not flags & h2.END_STREAM:
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "trailers without END_STREAM")
+            stream.end_remote()
+            return
+        if stream_id <= self._last_stream_id:
+            return  # a stream we closed already
+        self._last_stream_id = stream_id
+        if self._draining or len(self._streams) >= self._limits.max_concurrent_streams:
+            self._stats.refused_streams += 1
+            self._queue(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
+            self._charge_reset()
+            return
+        if too_large:
+            self._answer_http(stream_id, _HTTP_431)
+            return
+        self._open_call(stream_id, headers, bool(flags & h2.END_STREAM))
+
+    def _open_call(self, stream_id: int, headers: HeaderList, ended: bool) -> None:
+        fields = _request_fields(stream_id, headers)
+        if fields.get(b":method") != b"POST":
+            self._answer_http(stream_id, _HTTP_405)
+            return
+        if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._answer_http(stream_id, _HTTP_415)
+            return
+        method = self._methods.get(fields.get(b":path", b"").decode("latin-1"))
+        limits = self._limits
+        stream = H2Stream(
+            stream_id,
+            headers,
+            method or _UNKNOWN,
+            limit=self._max_message,
+            queue_limit=limits.stream_window_bytes,
+            send_window=self._peer_initial_window,
+            recv_window=limits.stream_window_bytes,
+            on_message=self._on_message,
+            on_taken=self._taken,
+        )
+        stream.send = lambda message: self._send_reply(stream, message)
+        self._streams[stream_id] = stream
+        self._set_idle_deadline()
+        if ended:
+            stream.remote_closed = True
+        if method is None:
+            path = fields.get(b":path", b"").decode("latin-1")
+            self._finish_now(stream, GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
+            return
+        timeout = fields.get(b"grpc-timeout")
+        if timeout is not None and (seconds := timeout_s(timeout)) is not None:
+            stream.deadline = trio.current_time() + seconds
+        encoding = fields.get(b"grpc-encoding", b"identity")
+        if encoding != b"identity":
+            try:
+                stream.wbits_in = decompressor(encoding)
+            except GrpcError as exc:
+                self._finish_now(stream, exc.status, exc.message)
+                return
+            stream.wbits_out = wbits_accepted(fields.get(b"grpc-accept-encoding"), encoding)
+        if not isinstance(method, UnaryMethod) or ended:
+            self._start(stream)  # streaming calls run at once; unary ones on their message
+
+    def _on_message(self, stream: H2Stream) -> None:
+        if not stream.started:
+            self._start(stream)
+
+    def _start(self, stream: H2Stream) -> None:
+        stream.started = True
+        assert self._calls is not None
+        self._calls.start_soon(self._run_call, stream)
+
+    async def _run_call(self, stream: H2Stream) -> None:
+        method = stream.method
+        status, message = GrpcStatus.OK, ""
+        try:
+            with trio.CancelScope() as scope:
+                stream.scope = scope
+                if stream.reset:
+                    scope.cancel()
+                if stream.deadline is not None:
+                    scope.deadline = stream.deadline
+                if isinstance(method, UnaryMethod):
+                    data = stream.take()
+                    if data is None:
+                        raise GrpcError(
+                            GrpcStatus.INVALID_ARGUMENT, "the call carried no request message"
+                        )
+                    request = parse_message(method.request_type, data)
+                    reply = await method.handler(request, stream)
+                    await self._send_reply(stream, reply)
+                else:
+                    await method.handler(stream, stream)
+            if scope.cancelled_caught:
+                if stream.reset:
+                    return
+                status, message = GrpcStatus.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        except ClientGone:
+            return
+        except Exception as exc:
+            status, message = status_of(exc)
+        if not stream.reset:
+            self._finish_now(stream, status, message)
+
+    async def _send_reply(self, stream: H2Stream, reply: Any) -> None:
+        """One response message, in DATA frames the client's windows allow."""
+        data: bytes = reply.SerializeToString()
+        limit = self._max_message
+        if len(data) > limit:
+            raise GrpcError(
+                GrpcStatus.RESOURCE_EXHAUSTED,
+                f"Sent message larger than max ({len(data)} vs. {limit})",
+            )
+        flag = 0
+        if stream.wbits_out is not None:
+            data, flag = compress(data, stream.wbits_out), 1
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            self._queue_headers(stream.id, response_headers(stream.wbits_out), 0)
+        parts: list[bytes | memoryview] = [MESSAGE_PREFIX.pack(flag, len(data)), data]
+        remaining = 5 + len(data)
+        while remaining:
+            if stream.reset:
+                raise ClientGone("the client reset the stream")
+            count = min(remaining, stream.send_window, self._send_window, self._peer_max_frame)
+            if count <= 0:
+                self._flush()
+                await self._window_opened.wait()
+                continue
+            stream.send_window -= count
+            self._send_window -= count
+            self._queue(h2.frame_header(count, h2.DATA, 0, stream.id))
+            for part in _take(parts, count):
+                self._queue(part)
+            parts = trim(parts, count)
+            remaining -= count
+            if self._out_bytes > _OUTBOX_HIGH:
+                self._flush()
+                await self._all_written()
+        if not isinstance(stream.method, UnaryMethod):
+            self._flush()  # a streamed message goes now; a unary one with its trailers
+
+    def _finish_now(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
+        """End the call: trailers (trailers-only before any response), then the stream."""
+        if stream.local_closed:
+            return
+        block = trailers(status, message, stream.trailers, only=not stream.headers_sent)
+        self._queue_headers(stream.id, block, h2.END_STREAM)
+        stream.local_closed = True
+        if not stream.remote_closed:
+            # The answer is complete while the client still sends: tell it to stop.
+            self._queue(h2.rst_stream(stream.id, h2.NO_ERROR))
+        self._forget(stream)
+        self._flush()
+
+    def _answer_http(self, stream_id: int, block: bytes) -> None:
+        """A plain HTTP answer to a request that is not a gRPC call."""
+        self._queue_headers(stream_id, block, h2.END_STREAM)
+
+    def _queue_headers(self, stream_id: int, block: bytes, flags: int) -> None:
+        size = self._peer_max_frame
+        if len(block) <= size:
+            self._queue(h2.frame(h2.HEADERS, flags | h2.END_HEADERS, stream_id, block))
+            return
+        pieces = [block[at : at + size] for at in range(0, len(block), size)]
+        self._queue(h2.frame(h2.HEADERS, flags, stream_id, pieces[0]))
+        for piece in pieces[1:-1]:
+            self._queue(h2.frame(h2.CONTINUATION, 0, stream_id, piece))
+        self._queue(h2.frame(h2.CONTINUATION, h2.END_HEADERS, stream_id, pieces[-1]))
+
+    def _reset_stream(self, stream_id: int, code: int, reason: str) -> None:
+        self._stats.stream_errors += 1
+        logger.debug("gRPC stream %d reset (%#x): %s", stream_id, code, reason)
+        self._queue(h2.rst_stream(stream_id, code))
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            self._drop(stream)
+
+    def _drop(self, stream: H2Stream) -> None:
+        """The stream is gone without an answer (reset, or the connection ended)."""
+        stream.reset = True
+        stream.local_closed = True
+        stream.wake()
+        if stream.scope is not None:
+            stream.scope.cancel()
+        self._open_window()  # a sender waiting on its window must see the reset
+        self._forget(stream)
+
+    def _forget(self, stream: H2Stream) -> None:
+        if self._streams.pop(stream.id, None) is not None and not self._streams:
+            self._set_idle_deadline()
+
+    # --- writing -------------------------------------------------------------------------
+
+    def _opening_frames(self) -> bytes:
+        limits = self._limits
+        settings = h2.settings_frame(
+            [
+                (h2.ENABLE_PUSH, 0),
+                (h2.MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams),
+                (h2.INITIAL_WINDOW_SIZE, limits.stream_window_bytes),
+                (h2.MAX_FRAME_SIZE, limits.max_frame_bytes),
+                (h2.MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes),
+            ]
+        )
+        return settings + h2.window_update(0, limits.connection_window_bytes - h2.DEFAULT_WINDOW)
+
+    def _open_window(self) -> None:
+        self._window_opened.set()
+        self._window_opened = trio.Event()
+
+    def _queue(self, part: bytes | memoryview) -> None:
+        self._out.append(part)
+        self._out_bytes += len(part)
+
+    def _flush(self) -> None:
+        """Send what is queued, as far as the socket takes it now; the rest is the
+        writer task's."""
+        if self._writing or not self._out or self._broken:
+            return
+        try:
+            sent = self._transport.try_send(self._out)
+        except OSError:
+            self._fail()
+            return
+        self._out_bytes -= sent
+        self._out = trim(self._out, sent)
+        if self._out:
+            self._writing = True
+            self._writer_wake.set()
+
+    async def _write_forever(self) -> None:
+        while True:
+            await self._writer_wake.wait()
+            self._writer_wake = trio.Event()
+            while self._out:
+                parts, self._out, self._out_bytes = self._out, [], 0
+                try:
+                    await self._transport.send_all(parts)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._fail()
+                    return
+            self._writing = False
+            self._drained.set()
+            self._drained = trio.Event()
+
+    async def _all_written(self) -> None:
+        while (self._out or self._writing) and not self._broken:
+            if not self._writing:
+                self._flush()
+                continue
+            await self._drained.wait()
+
+    def _fail(self) -> None:
+        """The socket failed: nothing more can be sent, so the connection ends."""
+        self._broken = True
+        self._out, self._out_bytes = [], 0
+        self._drained.set()
+        self._reader.cancel()
+        for stream in list(self._streams.values()):
+            self._drop(stream)
+
+
+class _UnknownMethod:
+    """Stands for a path no method serves; the stream is answered UNIMPLEMENTED."""
+
+    request_type = None
+
+
+_UNKNOWN: Any = _UnknownMethod()
+
+
+def _request_fields(stream_id: int, headers: HeaderList) -> dict[bytes, bytes]:
+    """The request's fields by name, checked as RFC 9113 §8.3 asks (malformed: reset)."""
+    fields: dict[bytes, bytes] = {}
+    regular = False
+    for name, value in headers:
+        if name.startswith(b":"):
+            if regular or name in fields:
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "misplaced pseudo-header")
+            if name not in (b":method", b":path", b":scheme", b":authority"):
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "unknown pseudo-header")
+        else:
+            regular = True
+            if name.lower() != name or name in (b"connection", b"keep-alive", b"upgrade"):
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "malformed header field")
+        fields[name] = value
+    if b":method" not in fields or b":path" not in fields or b":scheme" not in fields:
+        raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "missing pseudo-header")
+    return fields
+
+
+def _take(parts: list[bytes | memoryview], count: int) -> list[bytes | memoryview]:
+    """The first ``count`` bytes of ``parts``, as views (no copy)."""
+    taken: list[bytes | memoryview] = []
+    for part in parts:
+        if count <= 0:
+            break
+        if len(part) <= count:
+            taken.append(part)
+            count -= len(part)
+        else:
+            taken.append(memoryview(part)[:count])
+            count = 0
+    return taken

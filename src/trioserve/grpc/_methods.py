@@ -1,0 +1,195 @@
+"""Every method the gRPC front ends answer, as plain trio code, keyed by HTTP/2 path.
+
+``inference.GRPCInferenceService`` and ``grpc.health.v1.Health/Check``. A front end
+(``_grpclib``, or the HTTP/2 core) parses each request message with its method's
+``request_type``, calls the handler with a ``Call`` (the metadata in, trailers out), and
+answers with the reply or, when the handler raises, the status ``_errors.status_of``
+gives. Handlers raise ``InferenceServerError`` (the core's table decides the status) or
+``GrpcError``; they never see the transport.
+
+ModelInfer and ModelStreamInfer's tensor requests run through the server's
+``InferencePipeline``, as REST infer does; a call whose metadata asks for a load report
+(``endpoint-load-metrics-format``) gets it in its trailers (``_orca``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+from google.protobuf.message import Message
+
+from .._context import ServerContext
+from .._errors import UnsupportedError, unknown_model
+from ._codec import (
+    decode_request,
+    encode_response,
+    model_config_message,
+    model_metadata_message,
+    server_metadata_message,
+    statistics_message,
+)
+from ._errors import ClientGone
+from ._generated import grpc_service_pb2 as pb
+from ._generated import health_pb2
+from ._orca import add_load_report
+from ._shm import SHARED_MEMORY_RPCS, check_restriction
+from ._stream import StreamInfer
+
+__all__ = [
+    "Call",
+    "ClientGone",
+    "MessageStream",
+    "Method",
+    "StreamMethod",
+    "UnaryMethod",
+    "grpc_methods",
+]  # fmt: skip
+
+
+class Call(Protocol):
+    """What a handler sees of its call, whichever front end carries it."""
+
+    @property
+    def metadata(self) -> Mapping[str, str]:
+        """Request metadata by lower-case key; values of keys not ending in ``-bin`` as
+        text (latin-1 decoded, never failing); ``-bin`` keys are left out."""
+        ...
+
+    def add_trailer(self, key: str, value: bytes) -> None:
+        """Trailing metadata to send with the status; ``-bin`` keys carry raw bytes."""
+        ...
+
+
+class MessageStream(Protocol):
+    """A streaming call's messages, for trio code."""
+
+    async def recv(self) -> Any | None:
+        """The next request message (parsed); None once the client half-closed. Raises
+        ``ClientGone``, or ``GrpcError`` for a message the front end could not take."""
+        ...
+
+    async def send(self, message: Any) -> None:
+        """Send one reply message. Raises ``ClientGone``."""
+        ...
+
+
+@dataclass(frozen=True)
+class UnaryMethod:
+    request_type: type[Message]  # the front end parses with ``FromString``
+    handler: Callable[[Any, Call], Awaitable[Message]]
+
+
+@dataclass(frozen=True)
+class StreamMethod:
+    """Client- and server-streaming."""
+
+    request_type: type[Message]
+    handler: Callable[[MessageStream, Call], Awaitable[None]]
+
+
+Method = UnaryMethod | StreamMethod
+
+_SERVICE = "/inference.GRPCInferenceService/"
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# Service names a health check may ask about that mean "the server as a whole".
+_SERVER_SERVICES = frozenset({"", "inference.GRPCInferenceService"})
+# RPCs of the protocol that this server does not offer yet.
+_UNIMPLEMENTED = (
+    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "TraceSetting",
+    "LogSettings",
+)  # fmt: skip
+
+
+def grpc_methods(context: ServerContext) -> dict[str, Method]:
+    """Every method this server answers, keyed by its HTTP/2 path, e.g.
+    ``/inference.GRPCInferenceService/ModelInfer``, ``/grpc.health.v1.Health/Check``."""
+    s = _Service(context)
+    unary = {
+        "ServerLive": UnaryMethod(pb.ServerLiveRequest, s.server_live),
+        "ServerReady": UnaryMethod(pb.ServerReadyRequest, s.server_ready),
+        "ModelReady": UnaryMethod(pb.ModelReadyRequest, s.model_ready),
+        "ServerMetadata": UnaryMethod(pb.ServerMetadataRequest, s.server_metadata),
+        "ModelMetadata": UnaryMethod(pb.ModelMetadataRequest, s.model_metadata),
+        "ModelConfig": UnaryMethod(pb.ModelConfigRequest, s.model_config),
+        "ModelInfer": UnaryMethod(pb.ModelInferRequest, s.model_infer),
+        "ModelStatistics": UnaryMethod(pb.ModelStatisticsRequest, s.model_statistics),
+    }
+    for rpc in SHARED_MEMORY_RPCS:
+        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.shared_memory, rpc))
+    for rpc in _UNIMPLEMENTED:
+        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(_unimplemented, rpc))
+    methods: dict[str, Method] = {_SERVICE + rpc: method for rpc, method in unary.items()}
+    stream = StreamInfer(context.repository, context.pipeline, context.load)
+    methods[_SERVICE + "ModelStreamInfer"] = StreamMethod(pb.ModelInferRequest, stream.serve)
+    methods[_HEALTH_CHECK] = UnaryMethod(health_pb2.HealthCheckRequest, s.health_check)
+    return methods
+
+
+class _Service:
+    """The unary handlers over one server's context."""
+
+    def __init__(self, context: ServerContext) -> None:
+        self._repository = context.repository
+        self._pipeline = context.pipeline
+        self._load = context.load
+        self._shared_memory = context.shared_memory
+        self._shared_memory_restriction = context.config.grpc_restricted_apis.get("shared-memory")
+        self._server_metadata = server_metadata_message(context.metadata)  # never changes
+
+    async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: pb.ServerReadyRequest, call: Call) -> Message:
+        return pb.ServerReadyResponse(ready=self._repository.ready())
+
+    async def model_ready(self, request: pb.ModelReadyRequest, call: Call) -> Message:
+        # An unknown model is not ready, not an error (what Triton answers).
+        return pb.ModelReadyResponse(
+            ready=self._repository.model_ready(request.name, request.version)
+        )
+
+    async def server_metadata(self, request: pb.ServerMetadataRequest, call: Call) -> Message:
+        return self._server_metadata
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> Message:
+        served = self._repository.get(request.name, request.version)
+        return model_metadata_message(served.model, self._repository.versions(request.name))
+
+    async def model_config(self, request: pb.ModelConfigRequest, call: Call) -> Message:
+        served = self._repository.get(request.name, request.version)
+        return model_config_message(served.model)
+
+    async def model_statistics(self, request: pb.ModelStatisticsRequest, call: Call) -> Message:
+        return statistics_message(self._repository.statistics(request.name, request.version))
+
+    async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> Message:
+        served = self._repository.get(request.model_name, request.model_version)
+        _, response = await self._pipeline.infer(served, partial(decode_request, request))
+        reply = encode_response(response)
+        add_load_report(call, self._load, served)
+        return reply
+
+    async def shared_memory(self, rpc: str, request: Any, call: Call) -> Message:
+        check_restriction(self._shared_memory_restriction, call.metadata)
+        return await SHARED_MEMORY_RPCS[rpc](self._shared_memory, request)
+
+    async def health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
+        """SERVING when what was asked about is ready: "" or "inference.GRPCInferenceService"
+        asks about the whole server, a model name about that model (its latest version).
+        An unknown name answers NOT_FOUND, as the health protocol specifies."""
+        service = request.service
+        if service in _SERVER_SERVICES:
+            ready = self._repository.ready()
+        elif service in self._repository.names():
+            ready = self._repository.model_ready(service)
+        else:
+            raise unknown_model(service)
+        status = health_pb2.HealthCheckResponse
+        return status(status=status.SERVING if ready else status.NOT_SERVING)
+
+
+async def _unimplemented(rpc: str, request: Any, call: Call) -> Message:
+    raise UnsupportedError(f"{rpc} is not supported by this server yet")

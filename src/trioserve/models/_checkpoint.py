@@ -1,0 +1,170 @@
+"""A Hugging Face checkpoint folder on local disk, served as a generative model.
+
+    load_checkpoint_model("/models/qwen2-0.5b", "qwen") -> CheckpointLM
+
+The folder holds ``config.json`` (a Llama-family ``model_type``: llama, mistral, qwen2),
+the weights as ``*.safetensors`` (read with the ``safetensors`` package, any of float32,
+float16 or bfloat16), ``tokenizer.json`` (the ``tokenizers`` package) and optionally
+``tokenizer_config.json`` (its ``chat_template`` and special tokens go to the chat
+endpoint) and ``generation_config.json`` (its ``eos_token_id`` wins over config.json's).
+Nothing is downloaded. The configuration and tokenizer are read at once, so that a bad
+folder fails before serving starts; the weights are read by ``load``.
+
+The ``checkpoints`` extra installs ``safetensors`` and ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from .._generative import GenerativeModel, StepSequence
+from ._llama import CheckpointError, LlamaConfig, LlamaForward, LlamaWeights
+from ._tiny_lm import Array, array_module
+
+_DEFAULT_MAX_MODEL_LEN = 4096  # unless asked: a CPU has no use for 128k-token contexts
+_DEFAULT_KV_CACHE_BYTES = 512 << 20
+
+
+class CheckpointLM(GenerativeModel):
+    """A Llama-family checkpoint folder; see the module docstring."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        name: str,
+        *,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        device: Literal["cpu", "gpu"] = "cpu",
+    ) -> None:
+        self.path = Path(path)
+        config_document = _json(self.path / "config.json")
+        self.config = LlamaConfig.from_hf(config_document)
+        self.tokenizer = _tokenizer(self.path / "tokenizer.json")
+        tokenizer_config = _json(self.path / "tokenizer_config.json", required=False)
+        generation = _json(self.path / "generation_config.json", required=False)
+        eos = generation.get("eos_token_id", config_document.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None  # the engine stops on one token: the first
+        if type(eos) is not int:
+            raise CheckpointError(
+                "neither generation_config.json nor config.json names eos_token_id"
+            )
+        length = max_model_len or min(self.config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+        blocks_per_sequence = -(-length // block_size)
+        if num_kv_blocks is None:
+            c = self.config
+            block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
+            num_kv_blocks = max(blocks_per_sequence, _DEFAULT_KV_CACHE_BYTES // block_bytes)
+        super().__init__(
+            name,
+            eos_token_id=eos,
+            max_model_len=length,
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+            enable_prefix_caching=enable_prefix_caching,
+            device=device,
+            parameters={"checkpoint": str(self.path), "model_type": config_document["model_type"]},
+        )
+        self.vocab_size = self.config.vocab_size
+        self.chat_template = _chat_template(tokenizer_config)
+        self.special_tokens = {
+            key: text
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (text := _token_text(tokenizer_config.get(key))) is not None
+        }
+        self.forward: LlamaForward | None = None
+        self.k_cache: Array = None
+        self.v_cache: Array = None
+
+    def load(self) -> None:
+        from safetensors.numpy import load_file
+
+        xp = array_module(self.device)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors in {self.path}")
+        tensors: dict[str, Any] = {}
+        for file in files:
+            tensors.update(load_file(file))
+        weights = LlamaWeights(xp, self.config, tensors)
+        c = self.config
+        cache = (c.num_layers, self.num_kv_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = xp.zeros(cache, dtype=xp.float32)
+        self.v_cache = xp.zeros(cache, dtype=xp.float32)
+        self.forward = LlamaForward(xp, c, weights, self.block_size)
+
+    def unload(self) -> None:
+        self.forward = None
+        self.k_cache = self.v_cache = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text).ids)
+
+    def encode_chat(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        assert self.forward is not None, "step before load"
+        return self.forward(batch, self.k_cache, self.v_cache)
+
+
+def load_checkpoint_model(path: str | Path, name: str, **settings: Any) -> CheckpointLM:
+    """The checkpoint folder ``path`` served as model ``name``; ``settings`` size its
+    engine (``max_model_len``, ``num_kv_blocks``, ``block_size``, ``max_num_seqs``...)."""
+    return CheckpointLM(path, name, **settings)
+
+
+def _json(path: Path, *, required: bool = True) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path} is missing")
+        return {}
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return document
+
+
+def _tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def _chat_template(tokenizer_config: dict[str, Any]) -> str | None:
+    """``chat_template``: a string, or a list of named templates ("default" is used)."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _token_text(token: object) -> str | None:
+    """A special token of tokenizer_config.json: a string, or an object with ``content``."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None

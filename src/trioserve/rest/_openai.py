@@ -1,0 +1,325 @@
+"""OpenAI-compatible endpoints for the generative models: the ones LLM clients speak.
+
+    GET  /v1/models             every generative model (its name is the OpenAI model id)
+    POST /v1/completions        a prompt (text or token ids) -> ``text_completion``
+    POST /v1/chat/completions   messages, through the model's chat template -> ``chat.completion``
+
+Requests go down the same path as Triton's generate: one ``GenerationRequest`` to the
+model's engine, so the statistics extension, the vLLM and TRT-LLM families and ORCA
+count them alike (the ORCA header comes on non-streamed answers and on a stream's
+first response). What the bodies may carry is ``_openai_request``'s business.
+
+Non-streamed answers carry every choice (``n`` of them, in index order) and ``usage``
+(prompt, completion and total tokens; the completion tokens are every sample's).
+Streamed answers are server-sent events, one ``data: <chunk>`` per piece of new text of
+one choice, the last chunk of a choice carrying its ``finish_reason``; with
+``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk
+has no choices and the usage. The stream ends with ``data: [DONE]``. A chat stream's
+first chunk of each choice has ``delta.role``.
+
+Errors are OpenAI's object, ``{"error": {"message", "type", "param", "code"}}``: 400 for
+a bad request, 404 (code ``model_not_found``) for a model that is not served or not
+generative, 5xx for the server's failures. An error before the first chunk gets its own
+status; a later one is a ``data: {"error": ...}`` event under the 200 already sent. A
+client that goes away aborts the generation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import trio
+
+from .._errors import ErrorKind, InferenceServerError, InvalidArgumentError, NotFoundError
+from .._generative import GenerativeModel
+from .._repository import ModelRepository
+from ..metrics._orca import LoadReporter
+from ..scheduler._generation import GenerationChunk, GenerationRequest, GenerativeServed
+from ..scheduler._generation_input import generation_request
+from ._app import Request, Response
+from ._chat_template import render_chat
+from ._errors import error_status
+from ._generate import SSE_HEADERS, collect_samples, send_event, unless_client_leaves
+from ._json_body import json_object
+from ._openai_request import (
+    OpenAIRequest,
+    chat_messages,
+    completion_prompt,
+    prompt_ids_in_vocabulary,
+    read_request,
+)
+
+logger = logging.getLogger("trioserve.rest")
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_DONE = b"data: [DONE]\n\n"
+_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the model's room
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One OpenAI request made ready: the model, the engine's request, the answer's parts."""
+
+    served: GenerativeServed
+    generation: GenerationRequest
+    options: OpenAIRequest
+    chat: bool
+    echo: str  # the text every choice starts with
+    head: dict[str, Any]  # id, object, created, model: what every answer and chunk starts with
+    prompt_tokens: int
+
+
+class OpenAIEndpoints:
+    def __init__(self, repository: ModelRepository, load: LoadReporter) -> None:
+        self.repository = repository
+        self.load = load
+        self._ids = itertools.count(1)  # the engine's request ids
+        self._created = int(time.time())  # the models' "created": when the server started
+
+    async def models(self, request: Request) -> Response:
+        listed = [
+            {"id": name, "object": "model", "created": self._created, "owned_by": "trioserve"}
+            for name in self.repository.names()
+            if _generative(self.repository.get(name)) is not None
+        ]
+        return Response(200, _COMPACT.encode({"object": "list", "data": listed}).encode())
+
+    async def completions(self, request: Request) -> Response | None:
+        return await self._answer(request, self._completion_call)
+
+    async def chat_completions(self, request: Request) -> Response | None:
+        return await self._answer(request, self._chat_call)
+
+    async def _answer(
+        self, request: Request, prepare: Callable[[dict[str, Any]], _Call]
+    ) -> Response | None:
+        try:
+            call = prepare(json_object(request.body))
+            if call.options.stream:
+                await self._stream(request, call)
+                return None  # answered as it went, or the client went away
+            return await self._complete(request, call)
+        except InferenceServerError as exc:
+            status, error = error_object(exc)
+            return Response(status, _COMPACT.encode({"error": error}).encode())
+
+    def _completion_call(self, document: dict[str, Any]) -> _Call:
+        options = read_request(document, default_max_tokens=_COMPLETION_MAX_TOKENS)
+        served, model = self._model(options.model)
+        prompt = completion_prompt(document)
+        if prompt.token_ids is not None:
+            prompt_ids_in_vocabulary(prompt.token_ids, model.vocab_size)
+            ids = list(prompt.token_ids)
+            text = model.decode(ids)
+        else:
+            assert prompt.text is not None
+            text = prompt.text
+            ids = _tokenized(model.encode, text)
+        echo = text if options.echo else ""
+        return self._call(served, options, options.parameters, text, ids, chat=False, echo=echo)
+
+    def _chat_call(self, document: dict[str, Any]) -> _Call:
+        options = read_request(document, default_max_tokens=None)
+        served, model = self._model(options.model)
+        messages = chat_messages(document)
+        add_generation_prompt = document.get("add_generation_prompt", True)
+        if type(add_generation_prompt) is not bool:
+            raise InvalidArgumentError("'add_generation_prompt' must be a boolean")
+        text = render_chat(
+            messages,
+            model.chat_template,
+            model.special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
+        ids = _tokenized(model.encode_chat, text)
+        parameters = options.parameters
+        if "max_tokens" not in parameters:  # as many as the model's length leaves room for
+            parameters = {**parameters, "max_tokens": max(1, model.max_model_len - len(ids))}
+        last = messages[-1]
+        echo = last["content"] if options.echo and last["role"] == "assistant" else ""
+        return self._call(served, options, parameters, text, ids, chat=True, echo=echo)
+
+    def _call(
+        self,
+        served: GenerativeServed,
+        options: OpenAIRequest,
+        parameters: dict[str, Any],
+        text: str,
+        ids: list[int],
+        *,
+        chat: bool,
+        echo: str,
+    ) -> _Call:
+        generation = generation_request(
+            f"openai-{next(self._ids)}", text, parameters, trio.current_time()
+        )
+        head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "",  # set per answer
+            "created": int(time.time()),
+            "model": options.model,
+        }
+        generation = replace(generation, prompt_token_ids=tuple(ids))
+        return _Call(served, generation, options, chat, echo, head, len(ids))
+
+    def _model(self, name: str) -> tuple[GenerativeServed, GenerativeModel]:
+        try:
+            found = _generative(self.repository.get(name))
+        except NotFoundError:
+            found = None
+        if found is None:
+            raise NotFoundError(f"The model '{name}' does not exist")
+        return found
+
+    async def _complete(self, request: Request, call: _Call) -> Response | None:
+        work = partial(collect_samples, call.served, call.generation)
+        with self.load.counting(call.served):
+            answered, samples = await unless_client_leaves(request.receive, work)
+        if not answered or samples is None:
+            return None
+        choices = []
+        for index, (text, reason) in enumerate(
+            zip(samples.texts, samples.finish_reasons, strict=True)
+        ):
+            body = call.echo + text
+            choice: dict[str, Any] = {"index": index}
+            if call.chat:
+                choice["message"] = {"role": "assistant", "content": body}
+            else:
+                choice["text"] = body
+            choices.append({**choice, "logprobs": None, "finish_reason": reason})
+        document = {
+            **call.head,
+            "object": "chat.completion" if call.chat else "text_completion",
+            "choices": choices,
+            "usage": _usage(call.prompt_tokens, samples.generated_tokens),
+        }
+        report = self.load.http_header(call.served, request.headers)
+        return Response(
+            200,
+            _COMPACT.encode(document).encode(),
+            headers=[] if report is None else [report],
+            compressible=True,
+        )
+
+    async def _stream(self, request: Request, call: _Call) -> None:
+        events = _StreamEvents(call)
+        send = request.send
+
+        async def start() -> None:
+            report = self.load.http_header(call.served, request.headers)  # first response
+            headers = SSE_HEADERS if report is None else [*SSE_HEADERS, report]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def stream() -> None:
+            started = False
+            async with call.served.generate(call.generation) as chunks:
+                try:
+                    async for chunk in chunks:
+                        events.generated_tokens += len(chunk.token_ids)
+                        if not (chunk.text or chunk.finish_reason):
+                            continue  # a multi-byte character is not complete yet
+                        if not started:  # a refused request still gets its error status
+                            await start()
+                            started = True
+                        await send_event(send, events.chunk(chunk))
+                except Exception as exc:
+                    if not started:
+                        raise
+                    if not isinstance(exc, InferenceServerError):
+                        logger.exception("generation %s failed", call.generation.request_id)
+                    await send_event(send, {"error": error_object(exc)[1]})
+                    await _send_bytes(send, _DONE)
+                    return
+            if not started:
+                await start()
+            if call.options.include_usage:
+                await send_event(send, events.usage())
+            await _send_bytes(send, _DONE)
+
+        with self.load.counting(call.served):
+            answered, _ = await unless_client_leaves(request.receive, stream)
+        if answered:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _StreamEvents:
+    """The chunks of one streamed answer."""
+
+    def __init__(self, call: _Call) -> None:
+        self.call = call
+        self.head = {
+            **call.head,
+            "object": "chat.completion.chunk" if call.chat else "text_completion",
+        }
+        self.begun: set[int] = set()  # choices that have had their first chunk
+        self.generated_tokens = 0
+
+    def chunk(self, chunk: GenerationChunk) -> dict[str, Any]:
+        text = chunk.text
+        first = chunk.index not in self.begun
+        if first:
+            self.begun.add(chunk.index)
+            text = self.call.echo + text
+        choice: dict[str, Any] = {"index": chunk.index}
+        if self.call.chat:
+            choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        else:
+            choice["text"] = text
+        choice |= {"logprobs": None, "finish_reason": chunk.finish_reason}
+        event = {**self.head, "choices": [choice]}
+        if self.call.options.include_usage:
+            event["usage"] = None
+        return event
+
+    def usage(self) -> dict[str, Any]:
+        usage = _usage(self.call.prompt_tokens, self.generated_tokens)
+        return {**self.head, "choices": [], "usage": usage}
+
+
+def error_object(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and OpenAI's error object for ``exc``."""
+    if not isinstance(exc, InferenceServerError):
+        return 500, _error("generation failed unexpectedly", "server_error", None, None)
+    status = 400 if exc.kind is ErrorKind.UNSUPPORTED else error_status(exc)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    code = "model_not_found" if exc.kind is ErrorKind.NOT_FOUND else None
+    return status, _error(exc.message, kind, getattr(exc, "param", None), code)
+
+
+def _error(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"message": message, "type": kind, "param": param, "code": code}
+
+
+def _generative(served: Any) -> tuple[GenerativeServed, GenerativeModel] | None:
+    if isinstance(served, GenerativeServed) and isinstance(served.model, GenerativeModel):
+        return served, served.model
+    return None
+
+
+def _tokenized(encode: Callable[[str], list[int]], text: str) -> list[int]:
+    try:
+        ids = encode(text)
+    except Exception as exc:
+        raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
+    return list(ids)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+async def _send_bytes(send: Callable[[Any], Awaitable[None]], data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -1,0 +1,312 @@
+"""A tiny random Llama-family checkpoint, written here in Hugging Face's format, served
+through the engine and checked token for token against a dense reference written below
+(and against ``transformers`` when it is installed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from trioserve import ServerConfig, serve
+from trioserve._cli import _parser, config_from_args
+from trioserve.models import CheckpointError, CheckpointLM, load_checkpoint_model
+
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+TIMEOUT = 60
+WORDS = [f"w{i}" for i in range(61)]
+VOCAB = ["<unk>", "<s>", "</s>", *WORDS]  # 64 tokens; BOS 1, EOS 2
+
+BASE_CONFIG: dict[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": len(VOCAB),
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama-gqa": {},
+    "tied-mha": {"tie_word_embeddings": True, "num_key_value_heads": 4},
+    "rope-linear": {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    "rope-llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    "qwen2-bias": {"model_type": "qwen2", "num_key_value_heads": 1},
+    "mistral-head-dim": {"model_type": "mistral", "head_dim": 16},
+}
+
+
+def write_checkpoint(
+    folder: Path, config: dict[str, Any], *, seed: int = 0, bf16: bool = False
+) -> dict[str, np.ndarray[Any, Any]]:
+    """config.json, model.safetensors, tokenizer.json and tokenizer_config.json; returns
+    the weights as the reference reads them (float64, after any bf16 rounding)."""
+    rng = np.random.default_rng(seed)
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim", hidden // heads)
+    ff, vocab = config["intermediate_size"], config["vocab_size"]
+    tensors: dict[str, np.ndarray[Any, Any]] = {
+        "model.embed_tokens.weight": rng.normal(0, 1, (vocab, hidden)),
+        "model.norm.weight": 1 + rng.normal(0, 0.1, hidden),
+    }
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rng.normal(0, hidden**-0.5, (vocab, hidden))
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes = {
+            "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            "self_attn.k_proj.weight": (kv * head_dim, hidden),
+            "self_attn.v_proj.weight": (kv * head_dim, hidden),
+            "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            "mlp.gate_proj.weight": (ff, hidden),
+            "mlp.up_proj.weight": (ff, hidden),
+            "mlp.down_proj.weight": (hidden, ff),
+        }
+        for name, shape in shapes.items():
+            tensors[p + name] = rng.normal(0, shape[1] ** -0.5, shape)
+        if config["model_type"] == "qwen2":
+            for x, width in (("q", heads), ("k", kv), ("v", kv)):
+                tensors[f"{p}self_attn.{x}_proj.bias"] = rng.normal(0, 0.5, width * head_dim)
+        tensors[p + "input_layernorm.weight"] = 1 + rng.normal(0, 0.1, hidden)
+        tensors[p + "post_attention_layernorm.weight"] = 1 + rng.normal(0, 0.1, hidden)
+    if bf16:
+        import ml_dtypes
+
+        stored = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    else:
+        stored = {k: v.astype(np.float32) for k, v in tensors.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(stored, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    tokenizer.add_special_tokens(["<s>", "</s>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {"content": "</s>"},
+                "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }} "
+                "{% endfor %}",
+            }
+        )
+    )
+    return {k: v.astype(np.float64) for k, v in stored.items()}
+
+
+# --- the dense reference: whole sequences, no cache, float64 ---------------------------
+
+
+def reference_greedy(
+    tensors: dict[str, np.ndarray[Any, Any]], config: dict[str, Any], prompt: list[int], steps: int
+) -> list[int]:
+    ids = list(prompt)
+    for _ in range(steps):
+        ids.append(int(np.argmax(dense_logits(tensors, config, ids)[-1])))
+    return ids[len(prompt) :]
+
+
+def dense_logits(
+    t: dict[str, np.ndarray[Any, Any]], config: dict[str, Any], ids: list[int]
+) -> np.ndarray[Any, Any]:
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config.get("head_dim", config["hidden_size"] // heads)
+    eps = config["rms_norm_eps"]
+    n = len(ids)
+    angles = np.outer(np.arange(n), reference_frequencies(config, dim))
+
+    def rms(x: Any, w: Any) -> Any:
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
+
+    def rope(x: Any) -> Any:  # pairs (i, i + dim/2)
+        first, second = x[..., : dim // 2], x[..., dim // 2 :]
+        c, s = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        return np.concatenate([first * c - second * s, second * c + first * s], axis=-1)
+
+    x = t["model.embed_tokens.weight"][ids]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        h = rms(x, t[p + "input_layernorm.weight"])
+
+        def project(name: str, h: Any = h, p: str = p) -> Any:
+            y = h @ t[f"{p}self_attn.{name}_proj.weight"].T
+            bias = t.get(f"{p}self_attn.{name}_proj.bias")
+            return y if bias is None else y + bias
+
+        q = rope(project("q").reshape(n, heads, dim))
+        k = np.repeat(rope(project("k").reshape(n, kv, dim)), heads // kv, axis=1)
+        v = np.repeat(project("v").reshape(n, kv, dim), heads // kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+        scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        attended = np.einsum("hqk,khd->qhd", weights, v).reshape(n, heads * dim)
+        x = x + attended @ t[p + "self_attn.o_proj.weight"].T
+        h = rms(x, t[p + "post_attention_layernorm.weight"])
+        gate = h @ t[p + "mlp.gate_proj.weight"].T
+        up = h @ t[p + "mlp.up_proj.weight"].T
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    head = t.get("lm_head.weight", t["model.embed_tokens.weight"])
+    return rms(x, t["model.norm.weight"]) @ head.T  # type: ignore[no-any-return]
+
+
+def reference_frequencies(config: dict[str, Any], dim: int) -> np.ndarray[Any, Any]:
+    base = [1 / config["rope_theta"] ** (2 * i / dim) for i in range(dim // 2)]
+    scaling = config.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return np.array(base) / scaling["factor"]
+    if kind != "llama3":
+        return np.array(base)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    scaled = []
+    for freq in base:  # Llama 3.1's published recipe, one frequency at a time
+        wavelength = 2 * math.pi / freq
+        if wavelength < old / high:
+            scaled.append(freq)
+        elif wavelength > old / low:
+            scaled.append(freq / factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            scaled.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(scaled)
+
+
+# --- the tests ---------------------------------------------------------------------------
+
+PROMPTS = [
+    [1, 5, 9, 12],
+    [1, *range(3, 30)],  # longer than a step's token budget: prefilled in chunks
+    [1, 40],
+    [1, 7, 7, 7, 7, 7, 7, 7, 7, 7],
+]
+STEPS = 12
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+async def test_served_greedy_tokens_match_the_reference(
+    tmp_path: Path, nursery: trio.Nursery, variant: str
+) -> None:
+    config = {**BASE_CONFIG, **VARIANTS[variant]}
+    tensors = write_checkpoint(tmp_path / variant, config, bf16=variant == "tied-mha")
+    # Small blocks and a small token budget: many blocks per sequence, chunked prefill,
+    # prefill chunks and decodes in one step.
+    model = load_checkpoint_model(
+        tmp_path / variant,
+        "tiny_llama",
+        max_model_len=64,
+        num_kv_blocks=80,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+    )
+    server = await nursery.start(serve, ServerConfig(models=[model], http_port=0, grpc_port=None))
+    body = {"model": "tiny_llama", "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
+    answers: dict[int, str] = {}
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{server.http_port}", timeout=TIMEOUT
+    ) as http:
+
+        async def complete(i: int) -> None:
+            answer = await http.post("/v1/completions", json={**body, "prompt": PROMPTS[i]})
+            assert answer.status_code == 200, answer.text
+            answers[i] = answer.json()["choices"][0]["text"]
+
+        with trio.fail_after(TIMEOUT):
+            async with trio.open_nursery() as requests:  # together: batched steps
+                for i in range(len(PROMPTS)):
+                    requests.start_soon(complete, i)
+    for i, prompt in enumerate(PROMPTS):
+        expected = reference_greedy(tensors, config, prompt, STEPS)
+        # Word-level tokens decode to their words, space-separated; EOS and BOS vanish.
+        words = [VOCAB[t] for t in expected if t not in (1, 2)]
+        assert answers[i].split() == words, f"prompt {i}"
+
+
+def test_tokenizer_chat_template_and_special_tokens(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, BASE_CONFIG)
+    model = CheckpointLM(tmp_path, "m")
+    assert model.encode("w0 w1") == [1, 3, 4]  # the tokenizer adds BOS
+    assert model.encode_chat("<s>w0 w1") == [1, 3, 4]  # the template wrote it already
+    assert model.decode([1, 3, 4, 2]) == "w0 w1"
+    assert model.special_tokens == {"bos_token": "<s>", "eos_token": "</s>"}
+    assert model.chat_template is not None and "bos_token" in model.chat_template
+    assert (model.eos_token_id, model.vocab_size, model.max_model_len) == (2, 64, 128)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not served"),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+        ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
+        ({"hidden_size": None}, "config.json lacks or garbles"),
+    ],
+)
+def test_bad_checkpoints_are_refused(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    write_checkpoint(tmp_path, BASE_CONFIG)
+    (tmp_path / "config.json").write_text(json.dumps({**BASE_CONFIG, **change}))
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint_model(tmp_path, "m")
+
+
+def test_cli_checkpoint_flag(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "ckpt", BASE_CONFIG)
+    args = _parser().parse_args(["run", "--checkpoint", f"llama={tmp_path / 'ckpt'}"])
+    [model] = config_from_args(args).models
+    assert isinstance(model, CheckpointLM) and model.name == "llama"
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        config_from_args(_parser().parse_args(["run", "--checkpoint", "nopath"]))
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "rope-llama3"])
+def test_matches_transformers(tmp_path: Path, variant: str) -> None:
+    """The reference above against the ecosystem's own implementation."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = {**BASE_CONFIG, **VARIANTS[variant]}
+    tensors = write_checkpoint(tmp_path, config)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), torch_dtype=torch.float64, attn_implementation="eager"
+    )
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=STEPS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert out[0, len(prompt) :].tolist() == reference_greedy(tensors, config, prompt, STEPS)
