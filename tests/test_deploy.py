@@ -100,7 +100,7 @@ def test_deployment_flags_ports_and_probes() -> None:
     args = run_flags(CONTAINER["args"])
     ports = {p["name"]: p["containerPort"] for p in CONTAINER["ports"]}
     assert ports == {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
-    assert args.model_repository == Path("/models")
+    assert args.model_repository == [Path("/models")]
     assert {m["mountPath"]: m.get("readOnly") for m in CONTAINER["volumeMounts"]}["/models"]
     for probe, path in (
         ("startupProbe", "/v2/health/live"),
@@ -154,7 +154,7 @@ def test_kserve_runtime() -> None:
     assert container["name"] == "kserve-container"  # the name KServe looks for
     args = run_flags(container["args"])
     # KServe mounts storageUri at /mnt/models and sends HTTP to 8080.
-    assert (args.model_repository, args.http_port) == (Path("/mnt/models"), 8080)
+    assert (args.model_repository, args.http_port) == ([Path("/mnt/models")], 8080)
     assert int(runtime["annotations"]["prometheus.kserve.io/port"]) == args.metrics_port
     served("GET", runtime["annotations"]["prometheus.kserve.io/path"])
     # Its container is a core Container: validate it as a pod's.
@@ -220,7 +220,7 @@ def test_dockerfile() -> None:
     entrypoint = json.loads(found["ENTRYPOINT"])
     assert entrypoint[:2] == ["trioserve", "run"] and "trioserve" in scripts
     args = run_flags(json.loads(found["CMD"]))
-    assert args.model_repository == Path("/models")
+    assert args.model_repository == [Path("/models")]
     exposed = {int(p) for p in found["EXPOSE"].split()}
     assert exposed == {args.http_port, args.grpc_port, args.metrics_port}
     assert not found["USER"].startswith(("0", "root"))

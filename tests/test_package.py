@@ -70,6 +70,7 @@ _ABOVE_CORE = {
     "metrics",
     "shm",
     "models",
+    "repository",
 }
 FORBIDDEN = {
     "__init__": {"testing"},
@@ -78,7 +79,9 @@ FORBIDDEN = {
     "_server": {"testing", "_cli"},
     "rest": {"grpc", "testing", "_cli", "_server"},
     "grpc": {"rest", "testing", "_cli", "_server"},
-    "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models"},
+    "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models", "repository"},
+    # Triton repositories build on the core only; the server hands them its runners.
+    "repository": {"rest", "grpc", "testing", "_cli", "_server", "scheduler", "metrics", "models"},
     "metrics": {"rest", "grpc", "testing", "_cli", "_server", "models"},
     "shm": _ABOVE_CORE - {"shm"},
     "models": {"rest", "grpc", "testing", "_cli", "_server"},

@@ -46,6 +46,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = REPO_ROOT / "proto"
 OUT_DIR = REPO_ROOT / "src" / "trioserve" / "grpc" / "_generated"
+# The model repository reads config.pbtxt into ModelConfig without importing the gRPC
+# front end, so it gets its own copy of model_config's code (and its own pool).
+CONFIG_OUT_DIR = REPO_ROOT / "src" / "trioserve" / "repository" / "_generated"
+CONFIG_FILES = ("__init__.py", "_pool.py", "model_config_pb2.py", "model_config_pb2.pyi")
 
 PLUGIN_NAME = "protoc-gen-grpclib_python"
 
@@ -263,23 +267,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gen_proto: {exc}", file=sys.stderr)
         return 2
 
-    rel = OUT_DIR.relative_to(REPO_ROOT)
-    if args.check:
-        problems = check(files, OUT_DIR)
-        if problems:
-            print(f"gen_proto: {rel} is out of date:", file=sys.stderr)
-            for problem in problems:
-                print(f"  {problem}", file=sys.stderr)
-            print("run `python tools/gen_proto.py` to regenerate", file=sys.stderr)
-            return 1
-        print(f"gen_proto: {rel} is up to date ({len(files)} files)")
-        return 0
-
-    changed = write(files, OUT_DIR)
-    for line in changed:
-        print(f"gen_proto: {line}")
-    print(f"gen_proto: {rel}: {len(changed)} change(s), {len(files)} files")
-    return 0
+    outputs = [(OUT_DIR, files), (CONFIG_OUT_DIR, {n: files[n] for n in CONFIG_FILES})]
+    status = 0
+    for directory, produced in outputs:
+        rel = directory.relative_to(REPO_ROOT)
+        if args.check:
+            problems = check(produced, directory)
+            if problems:
+                print(f"gen_proto: {rel} is out of date:", file=sys.stderr)
+                for problem in problems:
+                    print(f"  {problem}", file=sys.stderr)
+                print("run `python tools/gen_proto.py` to regenerate", file=sys.stderr)
+                status = 1
+            else:
+                print(f"gen_proto: {rel} is up to date ({len(produced)} files)")
+            continue
+        changed = write(produced, directory)
+        for line in changed:
+            print(f"gen_proto: {line}")
+        print(f"gen_proto: {rel}: {len(changed)} change(s), {len(produced)} files")
+    return status
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import trio
 
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
-from ._loader import RepositoryError, load_repository
+from ._loader import RepositoryError
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
 from ._restricted import parse_restrictions
@@ -35,7 +35,25 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--model-repository",
         type=Path,
-        help="folder of models defined in model.py files; without it, the built-in examples",
+        action="append",
+        default=[],
+        help="a Triton model repository (repeatable); without one, the built-in examples",
+    )
+    run.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none")
+    run.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="explicit mode: load NAME at startup (repeatable; '*' loads every model)",
+    )
+    run.add_argument("--repository-poll-secs", type=float, default=15.0)
+    run.add_argument(
+        "--strict-model-config",
+        type=_boolean,
+        default=False,
+        metavar="BOOL",
+        help="no auto-complete: every model needs a complete config.pbtxt",
     )
     run.add_argument(
         "--checkpoint",
@@ -141,17 +159,21 @@ def _boolean(text: str) -> bool:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    if args.model_repository is not None:
-        models = load_repository(args.model_repository)
-    elif args.checkpoint:
-        models = []
-    else:
-        from .models import builtin_models
+    repositories = list(args.model_repository)
+    models: list[Model] = []
+    if not repositories and not args.checkpoint:
+        from .models import TRITON_EXAMPLES, builtin_models
 
         models = builtin_models()
+        repositories = [TRITON_EXAMPLES]
     models += _checkpoint_models(args.checkpoint)
     return ServerConfig(
         models=models,
+        model_repositories=repositories,
+        model_control_mode=args.model_control_mode,
+        load_models=args.load_model,
+        repository_poll_secs=args.repository_poll_secs,
+        strict_model_config=args.strict_model_config,
         host=args.host,
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,

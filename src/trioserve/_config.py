@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from ._limits import GrpcLimits, HttpLimits
@@ -37,6 +38,12 @@ class ServerConfig:
     show_hidden_metrics_for_version: str | None = None
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     response_cache_bytes: int = 0  # server-wide response cache size; 0: no cache
+    # Triton model repositories (config.pbtxt, Python and ONNX Runtime backends)
+    model_repositories: Sequence[Path] = ()
+    model_control_mode: Literal["none", "poll", "explicit"] = "none"
+    load_models: Sequence[str] = ()  # explicit mode: loaded at startup ("*": all)
+    repository_poll_secs: float = 15.0
+    strict_model_config: bool = False  # no auto-complete: config.pbtxt says everything
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
 
     def __post_init__(self) -> None:
@@ -64,3 +71,8 @@ class ServerConfig:
         check_restrictions(self.grpc_restricted_apis)
         if self.response_cache_bytes < 0:
             raise ValueError("response_cache_bytes must be >= 0")
+        object.__setattr__(self, "model_repositories", tuple(map(Path, self.model_repositories)))
+        if self.model_control_mode not in ("none", "poll", "explicit"):
+            raise ValueError("model_control_mode must be 'none', 'poll' or 'explicit'")
+        if self.repository_poll_secs <= 0:
+            raise ValueError("repository_poll_secs must be > 0")

@@ -26,21 +26,27 @@ def load_repository(root: Path) -> list[Model]:
         raise RepositoryError(f"model repository {str(root)!r} is not a directory")
     models = []
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if (folder / "model.py").is_file():
-            models.append(_load(folder / "model.py", folder.name, None))
-            continue
-        versions = sorted(
-            (v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()),
-            key=lambda v: int(v.name),
-        )
-        if not versions:
-            raise RepositoryError(f"{folder}: no model.py and no numeric version folders")
-        for version in versions:
-            if not (version / "model.py").is_file():
-                raise RepositoryError(f"{version}: missing model.py")
-            models.append(_load(version / "model.py", folder.name, version.name))
+        models.extend(load_model_folder(folder))
     if not models:
         raise RepositoryError(f"model repository {str(root)!r} holds no models")
+    return models
+
+
+def load_model_folder(folder: Path) -> list[Model]:
+    """One model folder's models: its model.py, or one per numeric version folder."""
+    if (folder / "model.py").is_file():
+        return [_load(folder / "model.py", folder.name, None)]
+    versions = sorted(
+        (v for v in folder.iterdir() if v.is_dir() and v.name.isdigit()),
+        key=lambda v: int(v.name),
+    )
+    if not versions:
+        raise RepositoryError(f"{folder}: no model.py and no numeric version folders")
+    models = []
+    for version in versions:
+        if not (version / "model.py").is_file():
+            raise RepositoryError(f"{version}: missing model.py")
+        models.append(_load(version / "model.py", folder.name, version.name))
     return models
 
 

@@ -30,12 +30,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ._errors import InvalidArgumentError
+from ._errors import InferenceServerError, InvalidArgumentError
 from ._stats import MemoryUsage
 from ._tensor import Datatype, datatype
 from ._types import InferenceRequest
 
 Outputs = Mapping[str, Any]
+# What execute returns for one request: its outputs, or the error that failed it alone.
+Result = Outputs | InferenceServerError
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,13 @@ class Model:
 
     def execute(
         self, requests: Sequence[InferenceRequest]
-    ) -> Sequence[Outputs] | Awaitable[Sequence[Outputs]]:
+    ) -> Sequence[Result] | Awaitable[Sequence[Result]]:
         raise NotImplementedError(f"{type(self).__name__} must implement execute()")
+
+    def described_config(self) -> Mapping[str, Any] | None:
+        """The configuration to report when it was read from a model repository's
+        config.pbtxt; None derives it from the fields (``_model_config``)."""
+        return None
 
     @cached_property
     def input_specs(self) -> dict[str, TensorSpec]:

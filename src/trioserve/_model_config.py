@@ -30,6 +30,9 @@ def _tensor_metadata(spec: TensorSpec, batch: list[int]) -> dict[str, Any]:
 
 
 def model_config(model: Model) -> dict[str, Any]:
+    described = model.described_config()
+    if described is not None:
+        return dict(described)
     config: dict[str, Any] = {
         "name": model.name,
         "platform": model.platform,

@@ -1,9 +1,15 @@
-"""The models a server instance serves, by name and version, and their readiness."""
+"""The models a server instance serves, by name and version, and their readiness.
+
+Models can come and go while the server runs (the repository API's load and unload):
+``install`` starts a model's new versions before they replace the old ones, which then
+finish the requests they took before they stop; ``remove`` does the same without a
+replacement. ``control`` is what answers the repository API, when the server has one.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import trio
@@ -57,10 +63,23 @@ class Ticket(Protocol):
     def withdrawn(self) -> bool: ...
 
 
+class RepositoryControl(Protocol):
+    """The model repository extension: index, load and unload."""
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]: ...
+
+    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None: ...
+
+    async def unload(self, name: str, unload_dependents: bool) -> None: ...
+
+
 class ModelRepository:
     """The served model versions by name; ``run`` is their task tree."""
 
     def __init__(self, served: Iterable[ServedModel]) -> None:
+        self.control: RepositoryControl | None = None
+        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[int, trio.CancelScope] = {}  # id(runner) -> its task's scope
         self._models: dict[str, dict[str, ServedModel]] = {}
         for entry in served:
             # Several Model objects may share a name when each serves other versions
@@ -75,8 +94,8 @@ class ModelRepository:
         self._latest = {
             name: versions[max(versions, key=int)] for name, versions in self._models.items()
         }
-        # (name, version) -> seconds its load took, once loaded: what a person waiting on
-        # a slow load reads in the log and on the status page.
+        # (name, version) -> seconds its last load took: what a person waiting on a slow
+        # load reads in the log and on the status page.
         self.load_seconds: dict[tuple[str, str], float] = {}
 
     def __iter__(self) -> Iterator[ServedModel]:
@@ -132,15 +151,67 @@ class ModelRepository:
         async with trio.open_nursery() as nursery:
             served = list(self)
             for position, runner in enumerate(served, 1):
-                name, version = runner.model.name, runner.version
-                logger.info(
-                    "loading model '%s' version %s (%d of %d)", name, version, position, len(served)
-                )
-                began = trio.current_time()
-                await nursery.start(runner.run)
-                took = self.load_seconds[name, version] = trio.current_time() - began
-                logger.info("loaded model '%s' version %s in %.2f s", name, version, took)
+                await self._start(nursery, runner, f" ({position} of {len(served)})")
+            self._nursery = nursery
             task_status.started()
+            await trio.sleep_forever()  # models installed later run here too
+
+    async def _start(self, nursery: trio.Nursery, runner: ServedModel, progress: str = "") -> None:
+        """Load ``runner`` and start serving it, logging what loads and how long it took."""
+        name, version = runner.model.name, runner.version
+        logger.info("loading model '%s' version %s%s", name, version, progress)
+        began = trio.current_time()
+        await nursery.start(self._serve, runner)
+        took = self.load_seconds[name, version] = trio.current_time() - began
+        logger.info("loaded model '%s' version %s in %.2f s", name, version, took)
+
+    async def _serve(
+        self, runner: ServedModel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        with trio.CancelScope() as scope:
+            self._scopes[id(runner)] = scope
+            try:
+                await runner.run(task_status=task_status)
+            finally:
+                del self._scopes[id(runner)]
+
+    async def install(self, name: str, runners: Sequence[ServedModel]) -> None:
+        """Load ``runners`` (the versions of ``name``), then serve them in place of the
+        versions served so far. A version that fails to load leaves the old ones serving."""
+        assert self._nursery is not None, "the repository is not running"
+        assert runners, "a model serves at least one version"
+        started: list[ServedModel] = []
+        try:
+            for runner in runners:
+                await self._start(self._nursery, runner)
+                started.append(runner)
+        except BaseException:
+            await self._stop(started)
+            raise
+        old = self._models.get(name, {})
+        self._models[name] = {runner.version: runner for runner in runners}
+        self._latest[name] = self._models[name][max(self._models[name], key=int)]
+        await self._stop(list(old.values()))
+
+    async def remove(self, name: str) -> None:
+        """Stop serving ``name``: requests in flight finish first."""
+        old = self._models.pop(name, {})
+        self._latest.pop(name, None)
+        await self._stop(list(old.values()))
+
+    async def _stop(self, runners: list[ServedModel]) -> None:
+        for runner in runners:
+            # Runners that can finish what they took (``drain``) do so; not part of
+            # ServedModel, which the front ends check generative models against.
+            drain = getattr(runner, "drain", None)
+            if drain is not None:
+                await drain()
+            scope = self._scopes.get(id(runner))
+            if scope is not None:
+                scope.cancel()
+
+    def has(self, name: str) -> bool:
+        return name in self._models
 
     def _versions(self, name: str) -> dict[str, ServedModel]:
         versions = self._models.get(name)

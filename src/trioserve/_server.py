@@ -15,7 +15,7 @@ flight finish for up to ``exit_timeout_s``, then cancels everything.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,6 +29,7 @@ from ._generative import GenerativeModel
 from ._model import Model
 from ._repository import ModelRepository, ServedModel
 from .metrics._llm_telemetry import LLMMetricFamilies
+from .repository import RepositoryManager
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
@@ -104,7 +105,11 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
-    repository = ModelRepository(_served(config))
+    # In explicit mode, even the built-in models wait for a load.
+    explicit = config.model_control_mode == "explicit"
+    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
+    runners = partial(_served, config, cache)
+    repository = ModelRepository([] if explicit else runners(config.models))
     context = server_context(config, repository)
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
@@ -112,6 +117,17 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         # cancelling the caller's block, which runs in ``root``.
         services: trio.Nursery = await root.start(_hold_nursery)
         await services.start(repository.run)
+        manager = RepositoryManager(
+            repository,
+            runners,
+            folders=config.model_repositories,
+            builtin=config.models,
+            mode=config.model_control_mode,
+            startup_models=config.load_models,
+            poll_secs=config.repository_poll_secs,
+            strict=config.strict_model_config,
+        )
+        await services.start(manager.run)
         http: list[Address] = []
         grpc: list[Address] = []
         metrics: list[Address] = []
@@ -145,16 +161,17 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             context.shared_memory.close()
 
 
-def _served(config: ServerConfig) -> list[ServedModel]:
+def _served(
+    config: ServerConfig, cache: ResponseCache | None, models: Sequence[Model]
+) -> list[ServedModel]:
     """What serves each model version: the continuous-batching engine for generative
     models, a runner otherwise. Runners that opt in share the server's response cache."""
-    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
     bounds = config.metrics.histogram_bounds_ns()
     llm_metrics = LLMMetricFamilies(
-        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+        models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
     )
     served: list[ServedModel] = []
-    for model in config.models:
+    for model in models:
         for version in model.versions:
             if isinstance(model, GenerativeModel):
                 telemetry = llm_metrics.telemetry(model, version)

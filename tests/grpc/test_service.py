@@ -584,10 +584,7 @@ async def test_infer_errors(
     assert message
 
 
-UNIMPLEMENTED = [
-    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
-    "TraceSetting", "LogSettings",
-]  # fmt: skip
+UNIMPLEMENTED = ["TraceSetting", "LogSettings"]
 
 
 @pytest.mark.parametrize("rpc", UNIMPLEMENTED)

@@ -35,6 +35,7 @@ from ._errors import ClientGone
 from ._generated import grpc_service_pb2 as pb
 from ._generated import health_pb2
 from ._orca import add_load_report
+from ._repository_rpcs import REPOSITORY_RPCS
 from ._shm import SHARED_MEMORY_RPCS, check_restriction
 from ._stream import StreamInfer
 
@@ -97,10 +98,7 @@ _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # Service names a health check may ask about that mean "the server as a whole".
 _SERVER_SERVICES = frozenset({"", "inference.GRPCInferenceService"})
 # RPCs of the protocol that this server does not offer yet.
-_UNIMPLEMENTED = (
-    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "TraceSetting",
-    "LogSettings",
-)  # fmt: skip
+_UNIMPLEMENTED = ("TraceSetting", "LogSettings")
 
 
 def grpc_methods(context: ServerContext) -> dict[str, Method]:
@@ -119,6 +117,8 @@ def grpc_methods(context: ServerContext) -> dict[str, Method]:
     }
     for rpc in SHARED_MEMORY_RPCS:
         unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.shared_memory, rpc))
+    for rpc in REPOSITORY_RPCS:
+        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.model_repository, rpc))
     for rpc in _UNIMPLEMENTED:
         unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(_unimplemented, rpc))
     methods: dict[str, Method] = {_SERVICE + rpc: method for rpc, method in unary.items()}
@@ -136,7 +136,9 @@ class _Service:
         self._pipeline = context.pipeline
         self._load = context.load
         self._shared_memory = context.shared_memory
-        self._shared_memory_restriction = context.config.grpc_restricted_apis.get("shared-memory")
+        restrictions = context.config.grpc_restricted_apis
+        self._shared_memory_restriction = restrictions.get("shared-memory")
+        self._repository_restriction = restrictions.get("model-repository")
         self._server_metadata = server_metadata_message(context.metadata)  # never changes
 
     async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
@@ -175,6 +177,10 @@ class _Service:
     async def shared_memory(self, rpc: str, request: Any, call: Call) -> Message:
         check_restriction(self._shared_memory_restriction, call.metadata)
         return await SHARED_MEMORY_RPCS[rpc](self._shared_memory, request)
+
+    async def model_repository(self, rpc: str, request: Any, call: Call) -> Message:
+        check_restriction(self._repository_restriction, call.metadata)
+        return await REPOSITORY_RPCS[rpc](self._repository, request)
 
     async def health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
         """SERVING when what was asked about is ready: "" or "inference.GRPCInferenceService"

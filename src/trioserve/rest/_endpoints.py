@@ -17,6 +17,7 @@ from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._metrics import metrics_endpoint
 from ._openai import OpenAIEndpoints
+from ._repository_endpoints import add_repository_routes
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 from ._status_page import add_status_page
@@ -124,8 +125,9 @@ def build_app(context: ServerContext) -> RestApp:
     router.add("GET", "/v1/models", openai.models)
     router.add("POST", "/v1/completions", openai.completions)
     router.add("POST", "/v1/chat/completions", openai.chat_completions)
-    restriction = context.config.http_restricted_apis.get("shared-memory")
-    add_shared_memory_routes(router, context.shared_memory, restriction)
+    restrictions = context.config.http_restricted_apis
+    add_shared_memory_routes(router, context.shared_memory, restrictions.get("shared-memory"))
+    add_repository_routes(router, context.repository, restrictions.get("model-repository"))
     if context.config.status_page:
         add_status_page(router, context.repository, context.metadata)
     return RestApp(router, context.config.http_limits.max_body_bytes, background=[disconnects.run])

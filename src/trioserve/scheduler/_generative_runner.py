@@ -185,6 +185,11 @@ class GenerativeRunner:
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
 
+    async def drain(self) -> None:
+        """Take no more requests; what is generating ends when the runner stops."""
+        self.engine.accepting = self.ready = False
+        await trio.lowlevel.checkpoint()
+
     async def _consume_stats(self) -> None:
         """Record each finished request, and hand every iteration on to the telemetry."""
         relay_send, relay_receive = trio.open_memory_channel[IterationStats](math.inf)

@@ -27,7 +27,7 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
-from .._model import Model, Outputs
+from .._model import Model, Outputs, Result
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -192,6 +192,11 @@ class ModelRunner:
         while not predicate(self.statistics()):
             await self._changes.park()
 
+    async def drain(self) -> None:
+        """Take no more requests; return once every request taken has its outcome."""
+        self.ready = False
+        await self.wait_until(lambda s: not (s.queued or s.executing or self._inbox))
+
     def submit(self, request: InferenceRequest) -> Ticket:
         """Validate and queue ``request``; its outcome arrives on the returned ticket."""
         if not self.ready:
@@ -332,7 +337,8 @@ class ModelRunner:
                 results = await self._call_model(requests)
                 executed_ns = now_ns()
                 responses = [
-                    self._response(p.request, out) for p, out in zip(batch, results, strict=True)
+                    out if isinstance(out, InferenceServerError) else self._response(p.request, out)
+                    for p, out in zip(batch, results, strict=True)
                 ]
             except Exception as exc:
                 error = _model_error(self.name, exc)
@@ -343,7 +349,9 @@ class ModelRunner:
                 self.stats.executed(sum([p.item.batch_size for p in batch]), times)
                 for ticket, response in zip(batch, responses, strict=True):
                     ticket.execution = times
-                    if ticket.cache_key is not None and not ticket.finished:
+                    if isinstance(response, InferenceServerError):  # failed on its own
+                        self._finish(ticket, error=response, reason=FailureReason.BACKEND)
+                    elif ticket.cache_key is not None and not ticket.finished:
                         self._store_in_cache(ticket.cache_key, ticket.cache_ns, response)
                         self._finish(ticket, response=response)  # sent after the insertion
                     else:  # handed over as the batch's outputs are ready: no clock to read
@@ -353,7 +361,7 @@ class ModelRunner:
                 if not ticket.finished:  # the execution itself was cancelled
                     self._finish(ticket, error=_shutting_down())
 
-    async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Outputs]:
+    async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         if self._execute_is_async:
             results = await self.model.execute(requests)  # type: ignore[misc]
         else:

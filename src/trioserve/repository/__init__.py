@@ -1,0 +1,9 @@
+"""Triton model repositories: config.pbtxt, the Python and ONNX Runtime backends,
+``triton_python_backend_utils``, and the repository API's load, unload and poll."""
+
+from ._config import ConfigError as ConfigError
+from ._manager import ControlMode as ControlMode
+from ._manager import RepositoryManager as RepositoryManager
+from ._manager import decode_file_parameters as decode_file_parameters
+
+__all__ = ["ConfigError", "ControlMode", "RepositoryManager", "decode_file_parameters"]

@@ -1,0 +1,272 @@
+"""The repository API and the model control modes over the served models.
+
+    none      every model found at startup is loaded; the API cannot load or unload
+    poll      the same, and the folders are read again every ``poll_secs``: new or
+              changed models load, removed ones unload
+    explicit  only the ``--load-model`` names load at startup ("*": all); the API loads
+              and unloads
+
+Folders are read and model.py files imported in a worker thread, and each version loads
+in its own runner, so loading never holds up requests to other models. A model that
+fails to load stays listed in the index as UNAVAILABLE with the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import logging
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+import trio
+
+from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
+from .._model import DynamicBatching, Model
+from .._repository import ModelRepository, ServedModel
+from ._config import ConfigError
+from ._layout import model_folders
+from ._reading import read_model
+
+logger = logging.getLogger("trioserve.repository")
+
+ControlMode = Literal["none", "poll", "explicit"]
+MakeRunners = Callable[[Sequence[Model]], list[ServedModel]]
+_NAME_MAX = 255  # the longest file name component, as POSIX systems allow
+
+
+class RepositoryManager:
+    """Implements ``RepositoryControl`` for a server's ``ModelRepository``."""
+
+    def __init__(
+        self,
+        repository: ModelRepository,
+        make_runners: MakeRunners,
+        *,
+        folders: Sequence[Path] = (),
+        builtin: Sequence[Model] = (),
+        mode: ControlMode = "none",
+        startup_models: Sequence[str] = (),
+        poll_secs: float = 15.0,
+        strict: bool = False,
+    ) -> None:
+        self._repository = repository
+        self._make_runners = make_runners
+        self._folders = tuple(folders)
+        self._builtin = {model.name: model for model in builtin}
+        self._mode = mode
+        self._startup = tuple(startup_models)
+        self._poll_secs = poll_secs
+        self._strict = strict
+        self._failures: dict[str, str] = {}  # model name -> why it is not served
+        self._unloaded: set[str] = set()
+        self._found: set[str] = set()  # model folders seen in the repositories
+        self._signatures: dict[str, tuple[tuple[str, int, int], ...]] = {}  # poll: what changed
+        self._uploads: dict[str, tempfile.TemporaryDirectory[str]] = {}
+        self._lock = trio.Lock()  # one load or unload at a time
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the startup models, report started, then poll (in poll mode)."""
+        self._repository.control = self
+        names = await self._scan()
+        if self._mode == "explicit":
+            wanted = set(names) | set(self._builtin) if "*" in self._startup else self._startup
+            for name in sorted(wanted):
+                await self._load_reporting(name)
+        else:
+            for name in sorted(names):
+                await self._load_reporting(name)
+        task_status.started()
+        try:
+            while self._mode == "poll":
+                await trio.sleep(self._poll_secs)
+                await self._poll()
+            await trio.sleep_forever()
+        finally:
+            for upload in self._uploads.values():
+                upload.cleanup()
+
+    async def _scan(self) -> dict[str, Path]:
+        try:
+            folders = await trio.to_thread.run_sync(model_folders, self._folders)
+        except ConfigError as exc:
+            logger.error("%s", exc)
+            return {}
+        self._found = set(folders)
+        return folders
+
+    async def _poll(self) -> None:
+        folders = await self._scan()
+        for name in sorted(set(self._signatures) - set(folders)):
+            logger.info("model '%s' left the repository: unloading", name)
+            await self._unload_model(name)
+            del self._signatures[name]
+        for name, folder in sorted(folders.items()):
+            signature = await trio.to_thread.run_sync(_signature, folder)
+            if self._signatures.get(name) != signature:
+                await self._load_reporting(name)
+
+    async def _load_reporting(self, name: str) -> None:
+        try:
+            await self._load_model(name, None, {})
+        except InvalidArgumentError as exc:
+            logger.error("%s", exc)
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        """Every model the repositories hold or the server serves, by name."""
+        entries = []
+        known = set(self._builtin) | set(self._failures) | set(self._unloaded)
+        known |= self._found | set(self._repository.names())
+        for name in sorted(known):
+            if self._repository.has(name):
+                entries += [
+                    {"name": name, "version": v, "state": "READY", "reason": ""}
+                    for v in self._repository.versions(name)
+                    if self._repository.model_ready(name, v)
+                ]
+            elif not ready_only:
+                reason = self._failures.get(name, "unloaded" if name in self._unloaded else "")
+                state = "UNAVAILABLE" if reason else ""
+                entries.append({"name": name, "version": "", "state": state, "reason": reason})
+        return entries
+
+    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+        """The API's load: only in explicit mode."""
+        self._check_explicit()
+        await self._load_model(name, config, files)
+
+    async def unload(self, name: str, unload_dependents: bool) -> None:
+        """The API's unload: only in explicit mode. Without ensembles no model depends on
+        another, so ``unload_dependents`` unloads nothing more."""
+        self._check_explicit()
+        await self._unload_model(name)
+
+    def _check_explicit(self) -> None:
+        if self._mode != "explicit":
+            raise UnsupportedError(
+                "explicit model load / unload is not allowed if polling is enabled or the "
+                "model control mode is 'none'"
+            )
+
+    async def _load_model(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+        """Load (or reload) ``name``; an error says ``failed to load``, as Triton's does."""
+        async with self._lock:
+            try:
+                await self._load(name, config, files)
+            except ConfigError as exc:
+                self._failures[name] = str(exc)
+                raise InvalidArgumentError(f"failed to load '{name}', {exc}") from None
+            except Exception as exc:  # the model's own initialize failed
+                self._failures[name] = f"{type(exc).__name__}: {exc}"
+                raise InvalidArgumentError(
+                    f"failed to load '{name}', {type(exc).__name__}: {exc}"
+                ) from None
+            self._failures.pop(name, None)
+            self._unloaded.discard(name)
+            logger.info("loaded model '%s'", name)
+
+    async def _load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+        if files:
+            if config is None:
+                raise ConfigError("file: parameters need a 'config' parameter beside them")
+            folder = self._upload(name, files)
+        elif name in self._builtin:
+            await self._repository.install(
+                name, self._make_runners([_overridden(self._builtin[name], config)])
+            )
+            return
+        else:
+            found = (await self._scan()).get(name)
+            if found is None:
+                raise ConfigError("failed to poll from model repository")
+            folder = found
+            self._signatures[name] = await trio.to_thread.run_sync(_signature, folder)
+        models = await trio.to_thread.run_sync(
+            lambda: read_model(folder, self._repository, override=config, strict=self._strict)
+        )
+        await self._repository.install(name, self._make_runners(models))
+
+    def _upload(self, name: str, files: Mapping[str, bytes]) -> Path:
+        """Write the load request's files into a fresh folder that stands for the model."""
+        for path in files:
+            parts = Path(path).parts
+            if Path(path).is_absolute() or ".." in parts or not parts:
+                raise InvalidArgumentError(f"Invalid file path '{path}': must stay in the model")
+            if any(len(part) > _NAME_MAX for part in parts):
+                raise InvalidArgumentError(f"Invalid file path '{path[:64]}...': name too long")
+        old = self._uploads.pop(name, None)
+        if old is not None:
+            old.cleanup()
+        upload = tempfile.TemporaryDirectory(prefix="trioserve-model-")
+        self._uploads[name] = upload
+        folder = Path(upload.name) / name
+        for path, content in files.items():
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_bytes(content)
+        return folder
+
+    async def _unload_model(self, name: str) -> None:
+        """Stop serving ``name`` once its requests in flight finish."""
+        async with self._lock:
+            if not self._repository.has(name):
+                if name not in self._builtin and name not in self._signatures:
+                    raise NotFoundError(f"failed to unload '{name}', no such model")
+                return
+            await self._repository.remove(name)
+            self._unloaded.add(name)
+            upload = self._uploads.pop(name, None)
+            if upload is not None:
+                upload.cleanup()
+            logger.info("unloaded model '%s'", name)
+
+
+def _overridden(model: Model, config: str | None) -> Model:
+    """A built-in model with the fields of a config override (max_batch_size,
+    dynamic_batching, instance_group counts) applied."""
+    if config is None:
+        return model
+    try:
+        document = json.loads(config)
+        if not isinstance(document, dict):
+            raise ValueError("not a JSON object")
+        changed = copy.copy(model)
+        if "max_batch_size" in document:
+            changed.max_batch_size = int(document["max_batch_size"])
+        if "dynamic_batching" in document:
+            batching = document["dynamic_batching"] or {}
+            changed.dynamic_batching = DynamicBatching(
+                preferred_batch_size=[int(x) for x in batching.get("preferred_batch_size", [])],
+                max_queue_delay_microseconds=int(batching.get("max_queue_delay_microseconds", 0)),
+            )
+        if "instance_group" in document:
+            changed.instance_count = sum(int(g.get("count", 1)) for g in document["instance_group"])
+        changed.__post_init__()
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"the config override is not a valid ModelConfig: {exc}") from None
+    return changed
+
+
+def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """What poll mode compares to tell that a model changed: its files' sizes and times."""
+    return tuple(
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    )
+
+
+def decode_file_parameters(parameters: Mapping[str, object]) -> dict[str, bytes]:
+    """The ``file:<path>`` parameters of a REST load request (base64 strings)."""
+    files = {}
+    for key, value in parameters.items():
+        if key.startswith("file:"):
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"parameter '{key}' must be a base64 string")
+            try:
+                files[key.removeprefix("file:")] = base64.b64decode(value, validate=True)
+            except ValueError:
+                raise InvalidArgumentError(f"parameter '{key}' is not valid base64") from None
+    return files

@@ -1,0 +1,75 @@
+"""One model folder -> the ``Model`` of each version it serves.
+
+    read config.pbtxt (or the load request's override)
+    -> the backend, from the config or the files
+    -> the versions the version_policy picks
+    -> the backend completes the config from the model (unless strict)
+    -> Triton's defaults and checks -> one Model per version
+
+A folder in trioserve's own layout (a ``model.py`` defining ``model``, no config.pbtxt)
+is read as before, by ``_loader``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._loader import RepositoryError, load_model_folder
+from .._model import Model
+from .._repository import ModelRepository
+from ._config import CONFIG_FILE, ConfigError, complete_config, model_settings, read_config
+from ._layout import chosen_versions, detect_backend, model_file, version_folders
+from ._python_backend import PythonBackendModel, auto_complete, import_model_file
+
+
+def read_model(
+    folder: Path,
+    repository: ModelRepository,
+    *,
+    override: str | None = None,
+    strict: bool = False,
+) -> list[Model]:
+    """The folder's models, one per version; ConfigError says why it cannot serve."""
+    if override is None and _own_layout(folder):
+        try:
+            return load_model_folder(folder)
+        except RepositoryError as exc:
+            raise ConfigError(str(exc)) from None
+    if strict and override is None and not (folder / CONFIG_FILE).is_file():
+        raise ConfigError(f"{folder / CONFIG_FILE}: missing (--strict-model-config)")
+    config = read_config(folder, override)
+    backend = detect_backend(config, folder)
+    versions = chosen_versions(config, folder)
+    folders = version_folders(folder)
+    if backend == "onnxruntime":
+        from ._onnx_backend import OnnxModel, auto_complete_onnx
+
+        paths = {v: model_file(config, folders[v]) for v in versions}
+        if not strict:
+            auto_complete_onnx(config, paths[versions[-1]])
+        complete_config(config, folder)
+        settings = model_settings(config, folder)
+        return [OnnxModel(paths[v], config, v, **settings) for v in versions]
+    classes = {
+        v: import_model_file(model_file(config, folders[v]), folder.name, v) for v in versions
+    }
+    if not strict:
+        auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
+    complete_config(config, folder)
+    settings = model_settings(config, folder)
+    return [
+        PythonBackendModel(classes[v], config, folders[v].parent, v, repository, **settings)
+        for v in versions
+    ]
+
+
+def _own_layout(folder: Path) -> bool:
+    """trioserve's layout: no config.pbtxt, and a model.py defining ``model`` (not
+    ``TritonPythonModel``) beside the version folders or in them."""
+    if (folder / CONFIG_FILE).is_file():
+        return False
+    if (folder / "model.py").is_file():
+        return True
+    files = [v / "model.py" for v in version_folders(folder).values()]
+    present = [f for f in files if f.is_file()]
+    return bool(present) and all("TritonPythonModel" not in f.read_text() for f in present)

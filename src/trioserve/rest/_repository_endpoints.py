@@ -1,0 +1,80 @@
+"""The model repository extension over REST.
+
+    POST v2/repository/index                  {"ready": bool}? -> [{name, version, state, reason}]
+    POST v2/repository/models/{model}/load    {"parameters": {"config": JSON, "file:<path>": b64}}
+    POST v2/repository/models/{model}/unload  {"parameters": {"unload_dependents": bool}}
+
+A restricted "model-repository" API group answers 403 without the expected header.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._errors import InvalidArgumentError, UnsupportedError
+from .._repository import ModelRepository, RepositoryControl
+from .._restricted import Restriction
+from ..repository import decode_file_parameters
+from ._app import Endpoint, Request, Response
+from ._json_body import json_object
+from ._router import Router
+from ._shm_endpoints import _restricted
+
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_DONE = Response(200, content_type=None)
+
+
+class _RepositoryEndpoints:
+    def __init__(self, repository: ModelRepository) -> None:
+        self.repository = repository
+
+    def _control(self) -> RepositoryControl:
+        if self.repository.control is None:
+            raise UnsupportedError("this server has no model repository")
+        return self.repository.control
+
+    async def index(self, request: Request) -> Response:
+        ready = _body(request).get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidArgumentError("'ready' must be a boolean")
+        return Response(200, _COMPACT.encode(self._control().index(ready)).encode())
+
+    async def load(self, request: Request) -> Response:
+        parameters = _parameters(request)
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgumentError("parameter 'config' must be a JSON string")
+        files = decode_file_parameters(parameters)
+        await self._control().load(request.params["model"], config, files)
+        return _DONE
+
+    async def unload(self, request: Request) -> Response:
+        dependents = _parameters(request).get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise InvalidArgumentError("parameter 'unload_dependents' must be a boolean")
+        await self._control().unload(request.params["model"], dependents)
+        return _DONE
+
+
+def _body(request: Request) -> dict[str, Any]:
+    return json_object(request.body) if request.body.strip() else {}
+
+
+def _parameters(request: Request) -> dict[str, Any]:
+    parameters = _body(request).get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidArgumentError("'parameters' must be a JSON object")
+    return parameters
+
+
+def add_repository_routes(
+    router: Router[Endpoint], repository: ModelRepository, restriction: Restriction | None
+) -> None:
+    e = _RepositoryEndpoints(repository)
+    for path, endpoint in (
+        ("/v2/repository/index", e.index),
+        ("/v2/repository/models/{model}/load", e.load),
+        ("/v2/repository/models/{model}/unload", e.unload),
+    ):
+        router.add("POST", path, _restricted(endpoint, restriction))
