@@ -36,6 +36,7 @@ from ._h2_request import HTTP_431, Refusal, plan_call
 from ._h2_stream import CallPlan, H2Stream
 from ._h2_transport import Transport, trim
 from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
+from ._infer_wire import WireReply
 from ._methods import Method, UnaryMethod
 from ._wire import MESSAGE_PREFIX, compress, response_headers, trailers
 
@@ -582,30 +583,34 @@ class H2Connection:
             self._finish_now(stream, status, message)
 
     async def send_reply(self, stream: H2Stream, reply: Any) -> None:
-        """One response message, in DATA frames the client's windows allow."""
-        data: bytes = reply.SerializeToString()
+        """One response message, in DATA frames the client's windows allow. A reply in
+        parts (``_infer_wire.WireReply``) is written part by part, never joined."""
+        parts: list[bytes | memoryview] = (
+            reply.parts if isinstance(reply, WireReply) else [reply.SerializeToString()]
+        )
+        size = sum(map(len, parts))
         limit = self._max_message
-        if len(data) > limit:
+        if size > limit:
             raise GrpcError(
-                GrpcStatus.RESOURCE_EXHAUSTED,
-                f"Sent message larger than max ({len(data)} vs. {limit})",
+                GrpcStatus.RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})"
             )
         flag = 0
         if stream.wbits_out is not None:
-            data, flag = compress(data, stream.wbits_out), 1
+            parts, flag = [compress(b"".join(parts), stream.wbits_out)], 1
+            size = len(parts[0])
         if not stream.headers_sent:
             stream.headers_sent = True
             self._queue_headers(stream.id, response_headers(stream.wbits_out), 0)
-        prefix = MESSAGE_PREFIX.pack(flag, len(data))
-        remaining = 5 + len(data)
+        prefix = MESSAGE_PREFIX.pack(flag, size)
+        remaining = 5 + size
         if remaining <= min(stream.send_window, self._send_window, self._peer_max_frame):
             # The usual case: one DATA frame the windows allow as it is.
             stream.send_window -= remaining
             self._send_window -= remaining
-            self._out += (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, data)
+            self._out += (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, *parts)
             self._out_bytes += h2.FRAME_HEADER_BYTES + remaining
             remaining = 0
-        parts: list[bytes | memoryview] = [prefix, data]
+        parts.insert(0, prefix)
         while remaining:
             if stream.reset:
                 raise ClientGone("the client reset the stream")
