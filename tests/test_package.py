@@ -89,6 +89,7 @@ FORBIDDEN = {
     # The core's two rooms that gather the floors below for every front end.
     "_pipeline": {"rest", "grpc", "testing", "_cli", "_server", "models"},
     "_context": {"rest", "grpc", "testing", "_cli", "_server", "models"},
+    "_inprocess": {"rest", "grpc", "testing", "_cli", "_server", "models"},
 }
 # Third-party libraries that one place alone may import.
 OWNERS = {
