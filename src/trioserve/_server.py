@@ -118,7 +118,9 @@ class Server:
         self, model: str, prompt: str, *, version: str | int | None = None, **sampling: Any
     ) -> AsyncIterator[str]:
         """Generate in-process: the text pieces of ``prompt``'s continuation as the engine
-        makes them; ``sampling`` takes the generate endpoint's keys (max_tokens...)."""
+        makes them; ``sampling`` takes the generate endpoint's keys (max_tokens...).
+        To stop early, iterate inside ``contextlib.aclosing(...)``: closing the iterator
+        aborts the request at once."""
         return self._in_process.generate(model, prompt, version=version, **sampling)
 
 
