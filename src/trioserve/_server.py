@@ -9,7 +9,8 @@
 
 What the instance owns (its repository, shared-memory regions, load reporter, metrics
 registry, inference pipeline) reaches every front end as one ``ServerContext``; REST
-infer and both gRPC front ends run each request through its ``InferencePipeline``.
+infer, both gRPC front ends and the in-process ``Server.infer`` run each request
+through its ``InferencePipeline``.
 
 ``serve(config, task_status=...)`` follows trio's start protocol: it reports the running
 ``Server`` (with its bound ports) once every model is loaded and every port listens.
@@ -24,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -38,13 +39,12 @@ from ._repository import ModelRepository, ServedModel
 from ._types import InferenceResponse
 from .metrics._llm_telemetry import LLMMetricFamilies
 from .repository import RepositoryManager
+from .rest._app import RestApp
+from .rest._endpoints import build_app
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
 from .shm import SharedMemoryRegistry
-
-if TYPE_CHECKING:
-    from .rest._app import RestApp
 
 logger = logging.getLogger("trioserve")
 
@@ -155,7 +155,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     runners = partial(_served, config, cache)
     repository = ModelRepository([] if explicit else runners(config.models))
     context = server_context(config, repository)
-    rest_app = _rest_app(context)
+    rest_app = build_app(context)
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
         # The services get a nursery of their own, so that shutdown() stops them without
@@ -255,12 +255,6 @@ async def serve(
     async with open_server(config) as server:
         task_status.started(server)
         await server.wait_stopped()
-
-
-def _rest_app(context: ServerContext) -> RestApp:
-    from .rest._endpoints import build_app
-
-    return build_app(context)
 
 
 def _rest_front_end(
