@@ -70,6 +70,7 @@ class RepositoryManager:
         self._signatures: dict[str, tuple[tuple[str, int, int], ...]] = {}  # poll: what changed
         self._uploads: dict[str, tempfile.TemporaryDirectory[str]] = {}
         self._lock = trio.Lock()  # one load or unload at a time
+        self._polled = trio.lowlevel.ParkingLot()  # who waits for the next poll to end
         self._metrics = CustomMetrics()  # what Python-backend models make with pb_utils
         if registry is not None:
             registry.register(self._metrics)
@@ -90,10 +91,15 @@ class RepositoryManager:
             while self._mode == "poll":
                 await trio.sleep(self._poll_secs)
                 await self._poll()
+                self._polled.unpark_all()
             await trio.sleep_forever()
         finally:
             for upload in self._uploads.values():
                 upload.cleanup()
+
+    async def next_poll(self) -> None:
+        """Return once the next poll of the folders has been acted on (poll mode)."""
+        await self._polled.park()
 
     async def _scan(self) -> dict[str, Path]:
         try:
