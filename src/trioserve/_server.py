@@ -171,6 +171,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             startup_models=config.load_models,
             poll_secs=config.repository_poll_secs,
             strict=config.strict_model_config,
+            registry=context.registry,
         )
         await services.start(manager.run)
         http: list[Address] = []
