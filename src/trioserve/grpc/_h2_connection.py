@@ -716,6 +716,10 @@ class H2Connection:
         except OSError:
             self._fail()
             return
+        if sent == self._out_bytes:  # the usual case: all of it went
+            self._out.clear()
+            self._out_bytes = 0
+            return
         self._out_bytes -= sent
         self._out = trim(self._out, sent)
         if self._out:

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trioserve.grpc")
 
+# Requests of one ModelStreamInfer call being answered at once.
+MAX_IN_FLIGHT = 128
+
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 TEXT_OUTPUT = "text_output"
@@ -73,9 +76,13 @@ class StreamInfer:
         is gone. A request the transport could not read (one over the size limit) ends
         the call with its status, raised here rather than inside an exception group."""
         failure: Exception | None = None
+        # Requests answered at once, per call. Past it the next message is left unread,
+        # so the transport's flow control holds a client that sends faster than it reads.
+        in_flight = trio.Semaphore(MAX_IN_FLIGHT)
         async with trio.open_nursery() as requests:
             replies = _Replies(io, requests.cancel_scope)
             while True:
+                await in_flight.acquire()
                 try:
                     message = await io.recv()
                 except ClientGone:
@@ -87,11 +94,19 @@ class StreamInfer:
                     break
                 if message is None:
                     break  # the nursery waits for the requests in flight
-                requests.start_soon(self._answer, message, replies)
+                requests.start_soon(self._answer_one, message, replies, in_flight)
         if failure is not None:
             raise failure
         if replies.served is not None:
             add_load_report(call, self._load, replies.served)
+
+    async def _answer_one(
+        self, message: pb.ModelInferRequest, replies: _Replies, in_flight: trio.Semaphore
+    ) -> None:
+        try:
+            await self._answer(message, replies)
+        finally:
+            in_flight.release()
 
     async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
         try:
