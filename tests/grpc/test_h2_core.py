@@ -25,7 +25,7 @@ from trioserve._limits import GrpcLimits
 from trioserve._sockets import accept_forever
 from trioserve.grpc import _h2_frames as frames
 from trioserve.grpc._core import serve_methods, tls_context
-from trioserve.grpc._errors import GrpcError, GrpcStatus
+from trioserve.grpc._errors import ClientGone, GrpcError, GrpcStatus
 from trioserve.grpc._generated import grpc_service_pb2 as pb
 from trioserve.grpc._methods import Call, MessageStream, StreamMethod, UnaryMethod
 
@@ -65,13 +65,26 @@ class Handlers:
         )
 
     async def hold(self, message: Any, call: Call) -> Any:
+        """Waits for ``release``; gives up when the client cancels (as a model's ticket
+        is withdrawn) or its deadline passes."""
         self.held += 1
         self.entered.set()
+        gave_up = False
+
+        def give_up() -> None:
+            nonlocal gave_up
+            gave_up = True
+            self.release.set()
+
+        call.cancel_with(give_up)
         try:
             await self.release.wait()
         except trio.Cancelled:
             self.cancelled += 1
             raise
+        if gave_up:
+            self.cancelled += 1
+            raise ClientGone("cancelled")
         return pb.ModelInferResponse(model_name="released")
 
     async def chat(self, stream: MessageStream, call: Call) -> None:

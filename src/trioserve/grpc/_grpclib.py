@@ -183,6 +183,9 @@ class _GrpclibCall:
         # grpclib sends "-bin" values as they are (base64) and others as text.
         self.trailers.append((key, value if key.endswith("-bin") else value.decode("latin-1")))
 
+    def cancel_with(self, withdraw: Callable[[], None] | None) -> None:
+        pass  # a grpclib call is cancelled as the trio task it runs in
+
 
 class _TrioStream:
     """A streaming call's grpclib stream, for trio code (``_methods.MessageStream``)."""

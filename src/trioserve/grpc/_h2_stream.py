@@ -18,7 +18,7 @@ requests are served waits on its window instead of filling memory.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -89,6 +89,7 @@ class H2Stream:
         "unacked",
         "wbits_in",
         "wbits_out",
+        "withdraw",
     )
 
     def __init__(
@@ -124,6 +125,7 @@ class H2Stream:
         self.wbits_in = plan.wbits_in  # request messages' compression (zlib wbits)
         self.wbits_out = plan.wbits_out  # responses', when the client accepts it
         self.trailers: dict[str, bytes] | None = None
+        self.withdraw: Callable[[], None] | None = None  # ``Call.cancel_with``
         self._waiter: trio.Event | None = None
         # The message being cut out of the DATA payload: its prefix, then its body.
         self._prefix = b""
@@ -132,6 +134,9 @@ class H2Stream:
         self._compressed = False
 
     # --- what the handler sees (Call, MessageStream) -----------------------------------
+
+    def cancel_with(self, withdraw: Callable[[], None] | None) -> None:
+        self.withdraw = withdraw
 
     def add_trailer(self, key: str, value: bytes) -> None:
         if self.trailers is None:

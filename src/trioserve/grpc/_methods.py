@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from .._context import ServerContext
 from .._errors import UnsupportedError, unknown_model
+from .._repository import Ticket
 from ._codec import (
     model_config_message,
     model_metadata_message,
@@ -61,6 +62,26 @@ class Call(Protocol):
     def add_trailer(self, key: str, value: bytes) -> None:
         """Trailing metadata to send with the status; ``-bin`` keys carry raw bytes."""
         ...
+
+    def cancel_with(self, withdraw: Callable[[], None] | None) -> None:
+        """What to call if the client cancels the call while it waits (None: nothing).
+        The built-in front end runs unary calls without a cancel scope of their own
+        (one costs more than the rest of a small call), so a handler that waits on a
+        model registers how to give up; grpclib's calls are cancelled as trio tasks."""
+        ...
+
+
+class _CallWatch:
+    """A waiting ticket withdrawn when its gRPC client cancels (``_pipeline.Watch``)."""
+
+    def track(self, ticket: Ticket, call: Call) -> None:
+        call.cancel_with(ticket.withdraw)
+
+    def untrack(self, ticket: Ticket, token: None) -> None:
+        pass  # the call is over either way
+
+
+_CALL_WATCH = _CallWatch()
 
 
 class MessageStream(Protocol):
@@ -171,7 +192,11 @@ class _Service:
     async def model_infer(self, request: WireRequest, call: Call) -> Any:
         plan = self._infer_plans.plan(request)
         served = self._repository.get(plan.model_name, plan.model_version)
-        _, response = await self._pipeline.infer(served, partial(plan.decode, request.raw))
+        decode = partial(plan.decode, request.raw)
+        answered = await self._pipeline.infer(served, decode, _CALL_WATCH, call)
+        if answered is None:
+            raise ClientGone("the client cancelled the call")
+        _, response = answered
         reply = self._reply_heads.encode(response)
         add_load_report(call, self._load, served)
         return reply
