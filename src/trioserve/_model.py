@@ -18,6 +18,7 @@ in trio; plain functions run in a worker thread so they never block the event lo
 
 The full case subclasses ``Model`` and implements ``execute(requests)``, which sees each
 request of a batch with its parameters and returns one output mapping per request.
+A ``decoupled`` model answers each request through its ``response_sender`` instead.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ class Model:
     platform: str = "python"
     parameters: Mapping[str, str] = field(default_factory=dict)
     response_cache: bool = False  # answer repeated requests from the server's response cache
+    # Decoupled: ``execute`` answers through each request's ``response_sender`` (zero or
+    # more responses, then the final flag), possibly after it returned; what it returns
+    # is ignored. Served only over streams (gRPC ModelStreamInfer).
+    decoupled: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0 or self.instance_count < 1:

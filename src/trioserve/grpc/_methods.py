@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from .._context import ServerContext
 from .._errors import UnsupportedError, unknown_model
+from .._pipeline import refuse_decoupled
 from ._codec import (
     decode_request,
     encode_response,
@@ -169,6 +170,7 @@ class _Service:
 
     async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> Message:
         served = self._repository.get(request.model_name, request.model_version)
+        refuse_decoupled(served, "ModelInfer RPC")
         _, response = await self._pipeline.infer(served, partial(decode_request, request))
         reply = encode_response(response)
         add_load_report(call, self._load, served)

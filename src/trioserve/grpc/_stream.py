@@ -13,6 +13,9 @@ own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled 
 * Any other model answers its one response, flagged final. Its inputs and outputs may
   be placed in shared memory as in ModelInfer; device copies (CUDA regions, a GPU
   model's outputs) run in a worker thread.
+* A decoupled model's request is answered by each response the model sends, the
+  last flagged final; a final flag sent alone becomes an empty final response only
+  when the request set ``triton_enable_empty_final_response``.
 * A request that fails is answered by ``error_message`` (the stream goes on), with the
   request's ``id`` so clients can tell which one failed.
 
@@ -35,7 +38,7 @@ import trio
 
 from .._errors import InferenceServerError
 from .._pipeline import InferencePipeline
-from .._repository import ModelRepository, ServedModel
+from .._repository import Answer, ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
@@ -101,6 +104,10 @@ class StreamInfer:
                 request = decode_request(message)
                 with self._load.counting(served):
                     await self._generate(served, request, replies)
+            elif served.model.decoupled:
+                await self._pipeline.infer_decoupled(
+                    served, partial(decode_request, message), _Answers(message, replies).deliver
+                )
             else:
                 decode = partial(decode_request, message)
                 _, response = await self._pipeline.infer(served, decode)
@@ -132,6 +139,28 @@ class StreamInfer:
         if empty_final or unfinished:
             empty = InferenceResponse(served.model.name, served.version, [], request.id)
             await replies.send(_response(empty, final=True))
+
+
+class _Answers:
+    """Sends a decoupled model's answers to one request: each response as it comes, an
+    error as ``error_message``; a final flag sent alone is an empty final response only
+    when the request asked for one (``triton_enable_empty_final_response``)."""
+
+    def __init__(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
+        self._message = message
+        self._replies = replies
+        parameter = message.parameters.get(EMPTY_FINAL)
+        self._empty_final = parameter is not None and parameter.bool_param
+
+    async def deliver(self, answer: Answer, final: bool) -> None:
+        if isinstance(answer, InferenceServerError):
+            await self._replies.send(_error(self._message, answer.message))
+        elif answer is not None:
+            await self._replies.send(_response(answer, final=final))
+        elif final and self._empty_final:
+            message = self._message
+            empty = InferenceResponse(message.model_name, message.model_version, [], message.id)
+            await self._replies.send(_response(empty, final=True))
 
 
 class _Replies:

@@ -94,11 +94,6 @@ def complete_config(config: ModelConfig, folder: Path, *, gpu_available: bool = 
     ):
         if config.HasField(field_name):
             raise ConfigError(f"{where}: field '{field_name}': not supported yet ({issue})")
-    if config.model_transaction_policy.decoupled:
-        raise ConfigError(
-            f"{where}: field 'model_transaction_policy.decoupled': decoupled models are not "
-            "supported yet"
-        )
 
 
 def model_settings(config: ModelConfig, folder: Path) -> dict[str, Any]:
@@ -114,6 +109,7 @@ def model_settings(config: ModelConfig, folder: Path) -> dict[str, Any]:
         "platform": config.platform or config.backend,
         "parameters": {k: v.string_value for k, v in config.parameters.items()},
         "response_cache": config.response_cache.enable,
+        "decoupled": config.model_transaction_policy.decoupled,
     }
     if config.HasField("dynamic_batching"):
         batching = config.dynamic_batching

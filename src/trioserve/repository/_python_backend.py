@@ -5,7 +5,9 @@ when the version loads (Triton's ``args`` keys, every value a string), ``execute
 for each batch, one ``pb_utils.InferenceRequest`` per request of the batch, and
 ``finalize()`` when it unloads. A plain ``execute`` runs in a worker thread, an ``async``
 one in trio. An exception from ``execute`` fails every request of the batch; a response
-carrying an error fails its own request.
+carrying an error fails its own request. A decoupled model's ``execute`` returns None
+and answers through ``request.get_response_sender()``, from any thread, even after it
+returned.
 """
 
 from __future__ import annotations
@@ -162,6 +164,13 @@ class PythonBackendModel(Model):
         )
 
     def _outputs(self, requests: Sequence[InferenceRequest], responses: Any) -> list[Result]:
+        if self.decoupled:
+            if responses is not None:
+                raise InternalError(
+                    f"model '{self.name}' is decoupled: execute must return None and answer "
+                    "through each request's response sender"
+                )
+            return []
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, list | tuple) else "no list of"
             raise InternalError(

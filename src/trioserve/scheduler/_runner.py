@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 import trio
@@ -28,6 +30,7 @@ from .._errors import (
     UnavailableError,
 )
 from .._model import Model, Outputs, Result
+from .._repository import Answer
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -36,6 +39,7 @@ from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
+from ._decoupled import DecoupledResponses
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook
@@ -93,6 +97,7 @@ class Ticket:
     execution: ExecutionTimes | None = None  # the batch that answered it
     cache_key: bytes | None = None  # set on a cache miss: store the response under it
     cache_ns: int = 0  # time spent looking it up in the response cache
+    responses: DecoupledResponses | None = None  # a decoupled model's answers
     _waiter: trio.lowlevel.Task | None = None
 
     async def wait(self) -> None:
@@ -127,6 +132,9 @@ class Ticket:
     @property
     def withdrawn(self) -> bool:
         return isinstance(self.error, CancelledError)
+
+    def answers(self) -> trio.MemoryReceiveChannel[tuple[Answer, bool]] | None:
+        return None if self.responses is None else self.responses.receive
 
     def outcome(self) -> InferenceResponse:
         """The response, or the error raised; only once ``finished``."""
@@ -213,6 +221,9 @@ class ModelRunner:
         item = QueuedItem(size, key, arrival, level, deadline)
         ticket = Ticket(request, item, self)
         item.payload = ticket
+        if self.model.decoupled:
+            ticket.responses = DecoupledResponses(partial(self._deliver, ticket))
+            request.response_sender = ticket.responses
         if self._cache is not None and self._answer_from_cache(ticket):
             return ticket
         self._inbox.put(ticket)
@@ -330,6 +341,9 @@ class ModelRunner:
             del batch  # held until the next batch, it would keep its tensors alive
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
+        if self.model.decoupled:
+            await self._execute_decoupled(batch, dequeued_ns)
+            return
         try:
             requests = [p.request for p in batch]
             try:
@@ -361,11 +375,54 @@ class ModelRunner:
                 if not ticket.finished:  # the execution itself was cancelled
                     self._finish(ticket, error=_shutting_down())
 
+    async def _execute_decoupled(self, batch: list[Ticket], dequeued_ns: int) -> None:
+        """Run a batch of a decoupled model: its requests finish when their final flag
+        has arrived and the execution returned (the model may answer after it returns)."""
+        try:
+            input_ready_ns = now_ns()
+            await self._call_model([p.request for p in batch])
+        except Exception as exc:
+            error = _model_error(self.name, exc)
+            for ticket in batch:
+                self._finish(ticket, error=error, reason=FailureReason.BACKEND)
+        else:
+            executed_ns = now_ns()
+            times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, executed_ns)
+            self.stats.executed(sum([p.item.batch_size for p in batch]), times)
+            for ticket in batch:
+                ticket.execution = times
+                assert ticket.responses is not None
+                if ticket.responses.final_delivered:
+                    self._finish(ticket, response=_empty_response(self, ticket.request))
+        finally:
+            for ticket in batch:
+                if ticket.execution is None and not ticket.finished:  # execution cancelled
+                    self._finish(ticket, error=_shutting_down())
+
+    def _deliver(
+        self, ticket: Ticket, outputs: Mapping[str, Any] | Exception | None, final: bool
+    ) -> None:
+        """A decoupled model sent a response (in the trio thread, in order of the sends)."""
+        assert ticket.responses is not None
+        answer: InferenceResponse | InferenceServerError | None = None
+        if isinstance(outputs, Exception):
+            answer = _model_error(self.name, outputs)
+        elif outputs is not None:
+            try:
+                answer = self._response(ticket.request, outputs)
+            except InferenceServerError as exc:
+                answer = exc
+        ticket.responses.put(answer, final)
+        if final and ticket.execution is not None:
+            self._finish(ticket, response=_empty_response(self, ticket.request))
+
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         if self._execute_is_async:
             results = await self.model.execute(requests)  # type: ignore[misc]
         else:
             results = await trio.to_thread.run_sync(self.model.execute, requests)
+        if self.model.decoupled:
+            return ()  # it answers through the requests' senders
         if len(results) != len(requests):
             raise InternalError(
                 f"model returned {len(results)} results for {len(requests)} requests"
@@ -419,6 +476,11 @@ class ModelRunner:
         when the outcome is in the caller's hands ("response sent"), if not now."""
         if ticket.finished:
             return False
+        if ticket.responses is not None:
+            if error is not None:
+                ticket.responses.fail(error)
+            else:
+                ticket.responses.close()
         ticket._resolve(response, error)
         if sent_ns is None:
             sent_ns = now_ns()
@@ -431,6 +493,10 @@ class ModelRunner:
             self.stats.cache_hit(arrival_ns, sent_ns, ticket.cache_ns)
         self._notify()
         return True
+
+
+def _empty_response(runner: ModelRunner, request: InferenceRequest) -> InferenceResponse:
+    return InferenceResponse(runner.name, runner.version, [], id=request.id)
 
 
 def _shutting_down() -> UnavailableError:
