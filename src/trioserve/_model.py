@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ._errors import InferenceServerError, InvalidArgumentError
+from ._sequence_batching import SequenceBatching
 from ._stats import MemoryUsage
 from ._tensor import Datatype, datatype
 from ._types import InferenceRequest
@@ -101,6 +102,8 @@ class Model:
     # more responses, then the final flag), possibly after it returned; what it returns
     # is ignored. Served only over streams (gRPC ModelStreamInfer).
     decoupled: bool = False
+    # Stateful: requests carry correlation ids and run in order per sequence.
+    sequence_batching: SequenceBatching | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0 or self.instance_count < 1:
@@ -110,6 +113,17 @@ class Model:
         names = [t.name for t in (*self.inputs, *self.outputs)]
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name!r}: tensor names must be unique")
+        if self.sequence_batching is not None:
+            if self.dynamic_batching is not None:
+                raise ValueError(f"model {self.name!r}: choose dynamic or sequence batching")
+            added = [c.name for c in self.sequence_batching.controls]
+            added += [s.input_name for s in self.sequence_batching.states]
+            clashes = set(added) & {t.name for t in self.inputs}
+            if clashes:
+                raise ValueError(
+                    f"model {self.name!r}: {sorted(clashes)} are sequence inputs the "
+                    "batcher sets, not inputs the client sends"
+                )
 
     def load(self) -> Awaitable[None] | None:
         """Called once before the model serves; may be ``async``."""

@@ -65,7 +65,7 @@ class InferencePipeline:
 
     @overload
     async def infer(
-        self, served: ServedModel, decode: Decode
+        self, served: ServedModel, decode: Decode, *, submitted: Callable[[], object] | None = None
     ) -> tuple[InferenceRequest, InferenceResponse]: ...
 
     @overload
@@ -79,8 +79,12 @@ class InferencePipeline:
         decode: Decode,
         watch: Watch[Any, Any] | None = None,
         client: Any = None,
+        *,
+        submitted: Callable[[], object] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse] | None:
         """The request ``decode`` gives and its response; None if ``watch`` withdrew it.
+        ``submitted`` is called once the request is in its model's queue (a stream of a
+        sequence model submits its requests in order).
 
         One coroutine from the decode to the outcome: every frame between the front end
         and the ticket's wait is resumed again when the outcome arrives.
@@ -92,6 +96,8 @@ class InferencePipeline:
                 await regions.read_device_inputs()
             with self._load.counting(served):
                 ticket = served.submit(request)
+                if submitted is not None:
+                    submitted()
                 token = None if watch is None else watch.track(ticket, client)
                 try:
                     await ticket.wait()

@@ -38,6 +38,7 @@ from .repository import RepositoryManager
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runner import ModelRunner
+from .scheduler._sequence_runner import SequenceRunner
 from .shm import SharedMemoryRegistry
 
 logger = logging.getLogger("trioserve")
@@ -183,7 +184,8 @@ def _served(
                 served.append(GenerativeRunner(model, version, telemetry))
             else:
                 cached = _cache_for(model, cache)
-                served.append(ModelRunner(model, version, cache=cached, histogram_bounds_ns=bounds))
+                runner = SequenceRunner if model.sequence_batching is not None else ModelRunner
+                served.append(runner(model, version, cache=cached, histogram_bounds_ns=bounds))
     return served
 
 

@@ -10,7 +10,8 @@ own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled 
   with ``triton_enable_empty_final_response: true`` (tritonclient's
   ``enable_empty_final_response=True``) gets every text response with the flag false
   and then an empty response (no outputs) with it true.
-* Any other model answers its one response, flagged final. Its inputs and outputs may
+* Any other model answers its one response, flagged final. The requests of a sequence
+  model reach it in the order they came (each is queued before the next is read). Its inputs and outputs may
   be placed in shared memory as in ModelInfer; device copies (CUDA regions, a GPU
   model's outputs) run in a worker thread.
 * A decoupled model's request is answered by each response the model sends, the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -90,13 +92,30 @@ class StreamInfer:
                     break
                 if message is None:
                     break  # the nursery waits for the requests in flight
-                requests.start_soon(self._answer, message, replies)
+                if self._in_sequence(message):  # its requests reach the model in order
+                    await requests.start(self._answer, message, replies)
+                else:
+                    requests.start_soon(self._answer, message, replies)
         if failure is not None:
             raise failure
         if replies.served is not None:
             add_load_report(call, self._load, replies.served)
 
-    async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
+    def _in_sequence(self, message: pb.ModelInferRequest) -> bool:
+        try:
+            served = self._repository.get(message.model_name, message.model_version)
+        except InferenceServerError:
+            return False
+        return served.model.sequence_batching is not None
+
+    async def _answer(
+        self,
+        message: pb.ModelInferRequest,
+        replies: _Replies,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        submitted = _Once(task_status.started)
         try:
             served = self._repository.get(message.model_name, message.model_version)
             replies.served = served
@@ -110,13 +129,15 @@ class StreamInfer:
                 )
             else:
                 decode = partial(decode_request, message)
-                _, response = await self._pipeline.infer(served, decode)
+                _, response = await self._pipeline.infer(served, decode, submitted=submitted)
                 await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))
         except Exception:
             logger.exception("ModelStreamInfer request for %r failed", message.model_name)
             await replies.send(_error(message, "the request failed unexpectedly"))
+        finally:
+            submitted()
 
     async def _generate(
         self, served: GenerativeServed, request: InferenceRequest, replies: _Replies
@@ -218,3 +239,15 @@ def _error(message: pb.ModelInferRequest, text: str) -> pb.ModelStreamInferRespo
             model_name=message.model_name, model_version=message.model_version, id=message.id
         ),
     )
+
+
+class _Once:
+    """Calls ``function`` the first time it is called (a task's ``started``)."""
+
+    def __init__(self, function: Callable[[], object]) -> None:
+        self._function: Callable[[], object] | None = function
+
+    def __call__(self) -> None:
+        function, self._function = self._function, None
+        if function is not None:
+            function()

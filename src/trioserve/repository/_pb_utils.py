@@ -209,12 +209,20 @@ class InferenceRequest:
         inputs = [
             Tensor(t.name, t.data, triton_dtype=t.datatype.name) for t in request.inputs.values()
         ]
+        parameters = request.parameters
+        flags = 0
+        if parameters.get("sequence_start") is True:
+            flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+        if parameters.get("sequence_end") is True:
+            flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
         served = cls(
             model_name=request.model_name,
             inputs=inputs,
             requested_output_names=[o.name for o in request.outputs],
             request_id=request.id,
-            parameters=dict(request.parameters),
+            correlation_id=parameters.get("sequence_id", 0),
+            flags=flags,
+            parameters=dict(parameters),
         )
         served._sender = request.response_sender
         return served

@@ -185,11 +185,11 @@ class ModelRunner:
 
     def statistics(self) -> RunnerStatistics:
         busy = self.model.instance_count - self._idle
-        return RunnerStatistics(queued=len(self._queue), executing=busy)
+        return RunnerStatistics(queued=self._waiting(), executing=busy)
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(
-            pending=len(self._queue), response_cache=self._cache is not None
+            pending=self._waiting(), response_cache=self._cache is not None
         )
 
     def collectors(self) -> tuple[()]:
@@ -273,10 +273,18 @@ class ModelRunner:
                 await self._batch_loop()
         finally:
             self.ready = False
-            for ticket in _tickets(self._queue.pop_front(len(self._queue))):
+            for ticket in _tickets(self._take_waiting()):
                 self._finish(ticket, error=_shutting_down())
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
+
+    def _waiting(self) -> int:
+        """Requests waiting to execute."""
+        return len(self._queue)
+
+    def _take_waiting(self) -> list[QueuedItem]:
+        """Every waiting request, out of the queue (the server stops)."""
+        return self._queue.pop_front(len(self._queue))
 
     async def _batch_loop(self) -> None:
         now = now_ns()
@@ -336,7 +344,7 @@ class ModelRunner:
             finally:
                 self._idle += 1
                 self._notify()
-                if self._queue:  # requests wait for an instance: decide again
+                if self._waiting():  # requests wait for an instance: decide again
                     self._inbox.put(_WAKE)
             del batch  # held until the next batch, it would keep its tensors alive
 
