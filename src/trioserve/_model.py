@@ -27,7 +27,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -124,6 +124,10 @@ class Model:
                     f"model {self.name!r}: {sorted(clashes)} are sequence inputs the "
                     "batcher sets, not inputs the client sends"
                 )
+
+    # An ``async`` model that does not batch may have its execution cancelled when its
+    # request's client gives up (a composition of models stops its remaining steps).
+    withdraw_cancels_execution: ClassVar[bool] = False
 
     def load(self) -> Awaitable[None] | None:
         """Called once before the model serves; may be ``async``."""

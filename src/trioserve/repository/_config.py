@@ -89,8 +89,6 @@ def complete_config(config: ModelConfig, folder: Path, *, gpu_available: bool = 
                 raise ConfigError(f"{where}: field '{kind}.name': must not be empty")
             if not tensor.dims:
                 raise ConfigError(f"{where}: field '{kind}.dims' of '{tensor.name}': missing")
-    if config.HasField("ensemble_scheduling"):
-        raise ConfigError(f"{where}: field 'ensemble_scheduling': not supported yet")
     if config.HasField("sequence_batching"):
         complete_sequence_batching(config)
 

@@ -178,6 +178,8 @@ class ModelRunner:
         self._idle = model.instance_count
         self._queue = RequestQueue(self.policy.priority_levels)
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
+        # Executions that a withdrawal cancels (``Model.withdraw_cancels_execution``).
+        self._executions: dict[Ticket, trio.CancelScope] = {}
 
     @property
     def name(self) -> str:
@@ -248,6 +250,9 @@ class ModelRunner:
         cancelled = CancelledError("request cancelled")
         if self._finish(ticket, error=cancelled, reason=FailureReason.CANCELED):
             self._inbox.put(_Withdraw(ticket))
+            execution = self._executions.get(ticket)
+            if execution is not None:  # the model stops working on it
+                execution.cancel()
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
@@ -349,6 +354,17 @@ class ModelRunner:
             del batch  # held until the next batch, it would keep its tensors alive
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
+        if self.model.withdraw_cancels_execution:
+            with trio.CancelScope() as scope:
+                self._executions[batch[0]] = scope
+                try:
+                    await self._execute_batch(batch, dequeued_ns)
+                finally:
+                    del self._executions[batch[0]]
+        else:
+            await self._execute_batch(batch, dequeued_ns)
+
+    async def _execute_batch(self, batch: list[Ticket], dequeued_ns: int) -> None:
         if self.model.decoupled:
             await self._execute_decoupled(batch, dequeued_ns)
             return
