@@ -154,10 +154,10 @@ import threading
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-class TritonPythonModel:
-    def initialize(self, args):
-        self.cancelled = threading.Event()
+CANCELLED = threading.Event()  # shared by the model's two instances
 
+
+class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             mode = pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0]
@@ -178,7 +178,7 @@ class TritonPythonModel:
             elif mode == 2:
                 return [pb_utils.InferenceResponse([out])]  # not allowed when decoupled
             else:  # state whether the earlier request saw its cancellation
-                seen = np.array([int(self.cancelled.wait(10))], np.int32)
+                seen = np.array([int(CANCELLED.wait(10))], np.int32)
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", seen)]),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
@@ -186,7 +186,7 @@ class TritonPythonModel:
     def _watch(self, request, sender):
         while not request.is_cancelled():
             threading.Event().wait(0.001)
-        self.cancelled.set()
+        CANCELLED.set()
 """
 
 SENDER_CONFIG = """

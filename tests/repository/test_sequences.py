@@ -168,6 +168,7 @@ def test_triton_sequence_errors(server: Server) -> None:
     config = client.get_model_config("simple_sequence")
     assert config["sequence_batching"]["max_sequence_idle_microseconds"] == 1_000_000
     assert "direct" in config["sequence_batching"]
+    assert "sequence" in client.get_server_metadata()["extensions"]
     metadata = client.get_model_metadata("simple_sequence")
     assert [i["name"] for i in metadata["inputs"]] == ["INPUT"]  # no control inputs
     client.close()
