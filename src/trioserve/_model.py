@@ -113,6 +113,11 @@ class Model:
         names = [t.name for t in (*self.inputs, *self.outputs)]
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name!r}: tensor names must be unique")
+        if self.decoupled and (self.response_cache or self.sequence_batching is not None):
+            raise ValueError(
+                f"model {self.name!r}: a decoupled model cannot use the response cache or "
+                "the sequence batcher"
+            )
         if self.sequence_batching is not None:
             if self.dynamic_batching is not None:
                 raise ValueError(f"model {self.name!r}: choose dynamic or sequence batching")
