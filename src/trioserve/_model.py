@@ -23,6 +23,7 @@ A ``decoupled`` model answers each request through its ``response_sender`` inste
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ from ._sequence_batching import SequenceBatching
 from ._stats import MemoryUsage
 from ._tensor import Datatype, datatype
 from ._types import InferenceRequest
+
+# The model instance (0 .. instance_count - 1) running the current execution: each runs
+# one execution at a time, and a sequence's requests all run on the same one.
+MODEL_INSTANCE: contextvars.ContextVar[int] = contextvars.ContextVar("model_instance", default=0)
 
 Outputs = Mapping[str, Any]
 # What execute returns for one request: its outputs, or the error that failed it alone.

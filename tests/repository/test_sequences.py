@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -172,3 +173,75 @@ def test_triton_sequence_errors(server: Server) -> None:
     metadata = client.get_model_metadata("simple_sequence")
     assert [i["name"] for i in metadata["inputs"]] == ["INPUT"]  # no control inputs
     client.close()
+
+
+INSTANCE_STATE_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}  # this instance's sequences: Triton runs a sequence on one instance
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            key = request.correlation_id()
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                self.sums[key] = 0
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            self.sums[key] += int(value.sum())  # KeyError on another instance
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+                total = self.sums.pop(key)
+            else:
+                total = self.sums[key]
+            out = np.full(value.shape, total, np.int32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", out)]))
+        return responses
+"""
+
+INSTANCE_STATE_CONFIG = """
+backend: "python"
+max_batch_size: 2
+sequence_batching {{ {strategy} }}
+input [ {{ name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+instance_group [ {{ count: 3 kind: KIND_CPU }} ]
+"""
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["direct { }", "oldest { max_candidate_sequences: 8 max_queue_delay_microseconds: 500 }"],
+)
+def test_a_sequence_stays_on_its_model_instance(tmp_path: Path, strategy: str) -> None:
+    folder = tmp_path / "instance_sum"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(INSTANCE_STATE_CONFIG.format(strategy=strategy))
+    (folder / "1" / "model.py").write_text(INSTANCE_STATE_MODEL)
+    config = ServerConfig(model_repositories=[tmp_path], http_port=None, grpc_port=0)
+    with server_in_thread(config) as running:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
+        replies: queue.Queue[Any] = queue.Queue()
+        client.start_stream(callback=lambda result, error: replies.put(error or result))
+        steps = 6
+        for step in range(steps):  # eight sequences, interleaved
+            for corrid in range(1, 9):
+                client.async_stream_infer(
+                    "instance_sum",
+                    tensor(grpcclient, corrid),
+                    request_id=f"{corrid}_{step}",
+                    sequence_id=corrid,
+                    sequence_start=step == 0,
+                    sequence_end=step == steps - 1,
+                )
+        sums: dict[int, list[int]] = {c: [] for c in range(1, 9)}
+        for _ in range(steps * 8):
+            reply = replies.get(timeout=TIMEOUT)
+            assert not isinstance(reply, InferenceServerException), reply
+            sums[int(reply.get_response().id.split("_")[0])].append(
+                int(reply.as_numpy("OUTPUT")[0][0])
+            )
+        client.stop_stream()
+        client.close()
+    assert sums == {c: [c * (k + 1) for k in range(steps)] for c in range(1, 9)}

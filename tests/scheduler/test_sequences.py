@@ -52,7 +52,7 @@ def test_end_forgets_the_id_and_frees_the_slot_once_executed():
         table.admit(1, False, False, MS)
     fresh = join(table, 1, 1, start=True)  # a new sequence with the same id
     assert fresh is not ending and fresh.slot == 1
-    table.take(DispatchSequences([ending]))
+    table.take(DispatchSequences([ending], 0))
     assert table.ready() == [fresh]
     table.executed(ending)
     assert ending.slot is None
@@ -65,8 +65,8 @@ def test_sequences_beyond_the_slots_wait_in_order_of_their_start():
         join(table, cid, cid, start=True, end=cid == 1)
     assert [s.correlation_id for s in table.ready()] == [1, 2, 3]
     assert table.waiting() == 5
-    first, second, third = decide(table.ready(), 10 * MS, 1, OLDEST).sequences  # type: ignore[union-attr]
-    taken = table.take(DispatchSequences([first, second, third]))
+    first, second, third = decide(table.ready(), 10 * MS, {0}, OLDEST).sequences  # type: ignore[union-attr]
+    taken = table.take(DispatchSequences([first, second, third], 0))
     assert [i.arrival_ns for i in taken] == [1 * MS, 2 * MS, 3 * MS]
     assert table.ready() == []  # one request per sequence executes at a time
     table.executed(second)  # sequence 2 goes on: its slot stays
@@ -83,7 +83,7 @@ def test_idle_sequences_are_released_at_their_time():
     idle = join(table, 1, 0, start=True)
     waiting = join(table, 2, 10, start=True)  # in the backlog
     assert table.next_idle_ns() is None  # both have requests waiting
-    table.take(DispatchSequences([idle]))
+    table.take(DispatchSequences([idle], 0))
     table.executed(idle)
     assert table.next_idle_ns() == 100 * MS
     assert table.release_idle(100 * MS - 1) == []
@@ -113,24 +113,46 @@ def ready(*heads: tuple[int, float, str], slots_per_instance=1) -> list[LiveSequ
 
 def test_oldest_batches_the_oldest_requests_across_sequences():
     candidates = ready((1, 3, "a"), (2, 1, "a"), (3, 2, "b"), (4, 0.5, "a"), (5, 4, "b"))
-    assert decide(candidates, 1 * MS, 1, OLDEST) == Wait(int(2.5 * MS))
-    assert ids(decide(candidates, int(2.5 * MS), 1, OLDEST)) == [4, 2, 1]  # 3, 5 differ
+    assert decide(candidates, 1 * MS, {0}, OLDEST) == Wait(int(2.5 * MS))
+    assert ids(decide(candidates, int(2.5 * MS), {0}, OLDEST)) == [4, 2, 1]  # 3, 5 differ
     candidates.append(ready((6, 9, "a"))[0])
-    assert ids(decide(candidates, 0, 1, OLDEST)) == [4, 2, 1, 6]  # full: at once
-    assert decide(candidates, 0, 0, OLDEST) == Wait(None)  # no free instance
+    assert ids(decide(candidates, 0, {0}, OLDEST)) == [4, 2, 1, 6]  # full: at once
+    assert decide(candidates, 0, set(), OLDEST) == Wait(None)  # no free instance
 
 
 def test_oldest_sends_a_preferred_size_before_the_delay():
     policy = SequencePolicy(
         oldest=True, max_batch_size=8, max_queue_delay_ns=5 * MS, preferred_batch_sizes=(2, 4)
     )
-    assert ids(decide(ready((1, 0, "a"), (2, 0, "a"), (3, 0, "a")), 0, 1, policy)) == [1, 2]
-    assert decide(ready((1, 0, "a")), 0, 1, policy) == Wait(5 * MS)
+    assert ids(decide(ready((1, 0, "a"), (2, 0, "a"), (3, 0, "a")), 0, {0}, policy)) == [1, 2]
+    assert decide(ready((1, 0, "a")), 0, {0}, policy) == Wait(5 * MS)
 
 
-def test_direct_batches_the_slots_of_one_instance():
+def test_direct_batches_the_slots_of_one_free_instance():
     policy = SequencePolicy(oldest=False, max_batch_size=2, slots=4, slots_per_instance=2)
     # Slots 0, 1 belong to instance 0, slots 2, 3 to instance 1; slot 3 waits longest.
     candidates = ready((1, 3, "a"), (2, 2, "a"), (3, 4, "a"), (4, 1, "a"))
-    assert ids(decide(candidates, 5 * MS, 1, policy)) == [4, 3]
-    assert ids(decide(candidates[:2], 5 * MS, 1, policy)) == [2, 1]
+    for sequence in candidates:
+        sequence.instance = (sequence.slot or 0) // 2
+    decision = decide(candidates, 5 * MS, {0, 1}, policy)
+    assert (ids(decision), decision.instance) == ([4, 3], 1)  # type: ignore[union-attr]
+    decision = decide(candidates, 5 * MS, {0}, policy)  # instance 1 is busy
+    assert (ids(decision), decision.instance) == ([2, 1], 0)  # type: ignore[union-attr]
+    assert decide(candidates, 5 * MS, set(), policy) == Wait(None)
+
+
+def test_oldest_keeps_a_sequence_on_its_instance():
+    candidates = ready((1, 0, "a"), (2, 1, "a"), (3, 2, "a"))
+    candidates[0].instance = 1  # its earlier requests ran on instance 1
+    decision = decide(candidates, 10 * MS, {0}, OLDEST)  # 1 is busy: 1 waits for it
+    assert (ids(decision), decision.instance) == ([2, 3], 0)  # type: ignore[union-attr]
+    decision = decide(candidates, 10 * MS, {0, 1}, OLDEST)
+    assert (ids(decision), decision.instance) == ([1, 2, 3], 1)  # type: ignore[union-attr]
+    table = SequenceTable(OLDEST)
+    joined = join(table, 8, 0, start=True)
+    table.take(decision_for(joined, 1))
+    assert joined.instance == 1  # bound by its first batch
+
+
+def decision_for(sequence: LiveSequence, instance: int) -> DispatchSequences:
+    return DispatchSequences([sequence], instance)

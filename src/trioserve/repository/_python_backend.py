@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from .._errors import InferenceServerError, InternalError
-from .._model import Model, Result
+from .._model import MODEL_INSTANCE, Model, Result
 from .._repository import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
@@ -88,7 +88,7 @@ class PythonBackendModel(Model):
         self._config = config
         self._folder = folder
         self._repository = repository
-        self._free: list[Any] = []  # instances not executing a batch
+        self._instances: list[Any] = []  # by index: the runner's model instances
         self._document = config_document(config)
         if inspect.iscoroutinefunction(model_class.execute):  # type: ignore[attr-defined]
             self.execute = self._execute_async  # type: ignore[method-assign]
@@ -107,7 +107,7 @@ class PythonBackendModel(Model):
                 initialize = getattr(instance, "initialize", None)
                 if initialize is not None:
                     initialize(self._args(group, index, gpu))
-                self._free.append(instance)
+                self._instances.append(instance)
 
     def _args(self, group: Any, index: int, gpu: bool) -> dict[str, str]:
         return {
@@ -121,7 +121,7 @@ class PythonBackendModel(Model):
         }
 
     def unload(self) -> None:
-        instances, self._free = self._free, []
+        instances, self._instances = self._instances, []
         for instance in instances:
             finalize = getattr(instance, "finalize", None)
             if finalize is not None:
@@ -129,7 +129,7 @@ class PythonBackendModel(Model):
 
     def _execute_sync(self, requests: Sequence[InferenceRequest]) -> list[Result]:
         token = pb_utils.serving_repository.set(self._repository)
-        instance = self._free.pop()  # the runner runs at most one batch per instance
+        instance = self._instances[MODEL_INSTANCE.get()]  # running one batch at a time
         try:
             served = [pb_utils.InferenceRequest._served(r) for r in requests]
             try:
@@ -137,13 +137,12 @@ class PythonBackendModel(Model):
             except Exception as exc:
                 raise self._failure(exc) from exc
         finally:
-            self._free.append(instance)
             pb_utils.serving_repository.reset(token)
         return self._outputs(requests, responses)
 
     async def _execute_async(self, requests: Sequence[InferenceRequest]) -> list[Result]:
         token = pb_utils.serving_repository.set(self._repository)
-        instance = self._free.pop()
+        instance = self._instances[MODEL_INSTANCE.get()]
         try:
             served = [pb_utils.InferenceRequest._served(r) for r in requests]
             try:
@@ -151,7 +150,6 @@ class PythonBackendModel(Model):
             except Exception as exc:
                 raise self._failure(exc) from exc
         finally:
-            self._free.append(instance)
             pb_utils.serving_repository.reset(token)
         return self._outputs(requests, responses)
 

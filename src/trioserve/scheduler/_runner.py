@@ -29,7 +29,7 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
-from .._model import Model, Outputs, Result
+from .._model import MODEL_INSTANCE, Model, Outputs, Result
 from .._repository import Answer
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
@@ -273,8 +273,8 @@ class ModelRunner:
         task_status.started()
         try:
             async with trio.open_nursery() as instances:
-                for _ in range(self.model.instance_count):
-                    instances.start_soon(self._instance)
+                for index in range(self.model.instance_count):
+                    instances.start_soon(self._instance, index)
                 await self._batch_loop()
         finally:
             self.ready = False
@@ -340,8 +340,9 @@ class ModelRunner:
                 item.payload = None
         self._notify()
 
-    async def _instance(self) -> None:
+    async def _instance(self, index: int) -> None:
         """One model instance: runs the batches the batcher hands it, one at a time."""
+        MODEL_INSTANCE.set(index)  # this task's context; worker threads get a copy
         while True:
             batch, dequeued_ns = await self._batches.get()
             try:

@@ -4,7 +4,9 @@ A ``ModelRunner`` whose queue is a ``SequenceTable`` (``_sequences``): a request
 its sequence when it is submitted (so a request for an unknown sequence is refused at
 once, with Triton's message), the batcher task applies ``decide`` and, before handing a
 batch to a model instance, adds each request's control inputs and implicit state. After
-the execution the state outputs are kept for the sequence's next request.
+the execution the state outputs are kept for the sequence's next request. The batch
+runs as the model instance its sequences belong to (``MODEL_INSTANCE``), so a model
+that keeps a sequence's state in its instance finds it there.
 
 Cancelling a request (its client went away, its stream was cancelled) ends its
 sequence: the requests of it still waiting fail as cancelled, and later ones are
@@ -21,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import CancelledError, InternalError, InvalidArgumentError, UnavailableError
-from .._model import Model, Result
+from .._model import MODEL_INSTANCE, Model, Result
 from .._sequence_batching import SequenceBatching, SequenceControl
 from .._stats import FailureReason
 from .._types import InferenceRequest, InputTensor
@@ -89,6 +91,7 @@ class SequenceRunner(ModelRunner):
         # each executing one.
         self._joined: dict[Ticket, tuple[LiveSequence, bool, bool]] = {}
         self._executing: dict[Ticket, LiveSequence] = {}
+        self._free_instances = set(range(model.instance_count))
 
     def submit(self, request: InferenceRequest) -> Ticket:
         if not self.ready:
@@ -158,12 +161,14 @@ class SequenceRunner(ModelRunner):
                     sequence.correlation_id,
                     self.name,
                 )
-            decision = decide(self._table.ready(), now, self._idle, self._table.policy)
+            ready = self._table.ready()
+            decision = decide(ready, now, self._free_instances, self._table.policy)
             if isinstance(decision, DispatchSequences):
                 batch = [self._prepare(t) for t in _tickets(self._table.take(decision))]
                 batch = [t for t in batch if not self._skip_withdrawn(t)]
                 if batch:
                     self._idle -= 1
+                    self._free_instances.remove(decision.instance)
                     self._batches.put((batch, now))
                 del batch
                 self._notify()
@@ -220,9 +225,14 @@ class SequenceRunner(ModelRunner):
         return ticket
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
+        instance = self._executing[batch[0]].instance
+        assert instance is not None
+        token = MODEL_INSTANCE.set(instance)  # the sequences' instance, not this task's
         try:
             await super()._execute(batch, dequeued_ns)
         finally:
+            MODEL_INSTANCE.reset(token)
+            self._free_instances.add(instance)
             for ticket in batch:
                 self._table.executed(self._executing.pop(ticket))
             self._inbox.put(_WAKE)  # a sequence's next request, or a slot, is free

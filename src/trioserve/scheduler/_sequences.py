@@ -10,10 +10,12 @@ Triton's semantics, which this reproduces:
   continues that sequence in its slot (the earlier one ended early).
 - The request flagged END ends the sequence: its id is forgotten at once (a new START
   with it is a new sequence) and its slot frees once that request has executed.
-- A sequence executes one request at a time, in order, so a batch holds at most one
-  request per sequence. ``direct``: a batch is the waiting requests of the slots of
-  one model instance (a sequence keeps its slot). ``oldest``: the oldest waiting
-  requests among the slotted sequences, up to ``max_batch_size``.
+- A sequence executes one request at a time, in order, always on the same model
+  instance, so a batch holds at most one request per sequence and runs on one free
+  instance. ``direct``: a slot belongs to an instance, and a batch is the waiting
+  requests of the slots of one. ``oldest``: the oldest waiting requests among the
+  slotted sequences of one instance (a sequence joins the instance of its first
+  batch), up to ``max_batch_size``.
 - A batch goes at once when it is full or has no delay to wait; otherwise when its
   oldest request has waited ``max_queue_delay`` or a prefix reaches a preferred size.
 - A live sequence with nothing waiting or executing for ``idle`` is released.
@@ -22,6 +24,7 @@ Triton's semantics, which this reproduces:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from ._batching import QueuedItem, Wait
@@ -47,6 +50,7 @@ class LiveSequence:
     correlation_id: CorrelationId
     last_seen_ns: int
     slot: int | None = None  # None: waiting in the backlog
+    instance: int | None = None  # the model instance it runs on, once known
     pending: deque[QueuedItem] = field(default_factory=deque)
     executing: bool = False
     ended: bool = False  # its END request arrived (or it was cancelled)
@@ -59,9 +63,11 @@ class NotStarted(Exception):
 
 @dataclass(frozen=True, slots=True)
 class DispatchSequences:
-    """Execute the first waiting request of each of ``sequences`` as one batch."""
+    """Execute the first waiting request of each of ``sequences`` as one batch, on
+    model instance ``instance``."""
 
     sequences: list[LiveSequence]
+    instance: int
 
 
 class SequenceTable:
@@ -156,6 +162,7 @@ class SequenceTable:
         for sequence in decision.sequences:
             items.append(sequence.pending.popleft())
             sequence.executing = True
+            sequence.instance = decision.instance
         return items
 
     def _place(self, sequence: LiveSequence) -> None:
@@ -167,8 +174,13 @@ class SequenceTable:
         else:
             self._backlog.append(sequence)
             return
+        self._assign(sequence, slot)
+
+    def _assign(self, sequence: LiveSequence, slot: int) -> None:
         sequence.slot = slot
         self._slotted[slot] = sequence
+        if not self.policy.oldest:  # a direct slot belongs to one instance
+            sequence.instance = slot // self.policy.slots_per_instance
 
     def _release_if_done(self, sequence: LiveSequence) -> None:
         if not sequence.ended or sequence.executing or sequence.pending:
@@ -179,40 +191,38 @@ class SequenceTable:
         del self._slotted[slot]
         sequence.slot = None
         if self._backlog:
-            waiting = self._backlog.popleft()
-            waiting.slot = slot
-            self._slotted[slot] = waiting
+            self._assign(self._backlog.popleft(), slot)
         elif self.policy.slots:
             self._free.append(slot)
             self._free.sort(reverse=True)
 
 
 def decide(
-    ready: list[LiveSequence], now_ns: int, free_instances: int, policy: SequencePolicy
+    ready: list[LiveSequence], now_ns: int, free_instances: AbstractSet[int], policy: SequencePolicy
 ) -> DispatchSequences | Wait:
-    """What to do now with the ``ready`` sequences (``SequenceTable.ready``)."""
-    if not ready or free_instances <= 0:
+    """What to do now with the ``ready`` sequences (``SequenceTable.ready``), given the
+    model instances not executing."""
+    by_age = sorted(ready, key=lambda s: s.pending[0].arrival_ns)
+    # The instance of the oldest request that can run now (a new sequence: any).
+    instance = next(
+        (
+            min(free_instances) if s.instance is None else s.instance
+            for s in by_age
+            if free_instances and (s.instance is None or s.instance in free_instances)
+        ),
+        None,
+    )
+    if instance is None:
         return Wait(None)
-    if policy.oldest:
-        candidates = sorted(ready, key=lambda s: s.pending[0].arrival_ns)
-    else:  # the instance whose slots hold the oldest waiting request
-        first = min(ready, key=lambda s: s.pending[0].arrival_ns)
-        instance = _instance(first, policy)
-        candidates = [s for s in ready if _instance(s, policy) == instance]
-        candidates.sort(key=lambda s: s.pending[0].arrival_ns)
+    candidates = [s for s in by_age if s.instance in (None, instance)]
     key = candidates[0].pending[0].batch_key
     batch = [s for s in candidates if s.pending[0].batch_key == key][: policy.max_batch_size]
     if len(batch) >= policy.max_batch_size or not policy.max_queue_delay_ns:
-        return DispatchSequences(batch)
+        return DispatchSequences(batch, instance)
     send_at = batch[0].pending[0].arrival_ns + policy.max_queue_delay_ns
     if send_at <= now_ns:
-        return DispatchSequences(batch)
+        return DispatchSequences(batch, instance)
     preferred = [size for size in policy.preferred_batch_sizes if size <= len(batch)]
     if preferred:
-        return DispatchSequences(batch[: preferred[-1]])
+        return DispatchSequences(batch[: preferred[-1]], instance)
     return Wait(send_at)
-
-
-def _instance(sequence: LiveSequence, policy: SequencePolicy) -> int:
-    assert sequence.slot is not None
-    return sequence.slot // policy.slots_per_instance
