@@ -124,8 +124,11 @@ class Model:
                 "the sequence batcher"
             )
         if self.sequence_batching is not None:
-            if self.dynamic_batching is not None:
-                raise ValueError(f"model {self.name!r}: choose dynamic or sequence batching")
+            if self.dynamic_batching is not None or self.response_cache:
+                raise ValueError(
+                    f"model {self.name!r}: the sequence batcher excludes dynamic batching and "
+                    "the response cache (a sequence's answers depend on its state)"
+                )
             added = [c.name for c in self.sequence_batching.controls]
             added += [s.input_name for s in self.sequence_batching.states]
             clashes = set(added) & {t.name for t in self.inputs}

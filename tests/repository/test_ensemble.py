@@ -258,3 +258,44 @@ async def test_a_withdrawn_request_runs_no_further_step(autojump_clock, tmp_path
         stats = diamond.runner.inference_statistics()
         assert (stats.success.count, stats.fail.count) == (0, 1)
         nursery.cancel_scope.cancel()
+
+
+DOUBLER_CONFIG = """
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 2 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 2 ] } ]
+ensemble_scheduling {
+  step [ { model_name: "double" input_map { key: "X" value: "IN" }
+           output_map { key: "Y" value: "OUT" } } ]
+}
+"""
+
+
+def test_unloading_an_ensemble_with_its_dependents(tmp_path: Path) -> None:
+    write_model(tmp_path, "double", STEP_CONFIG.format(), STEP_MODEL.format(op="* 2"))
+    write_model(tmp_path, "add_one", STEP_CONFIG.format(), STEP_MODEL.format(op="+ 1"))
+    write_model(tmp_path, "pipeline", ENSEMBLE_CONFIG, None)
+    write_model(tmp_path, "doubler", DOUBLER_CONFIG, None)
+    config = ServerConfig(
+        model_repositories=[tmp_path],
+        http_port=0,
+        grpc_port=None,
+        model_control_mode="explicit",
+        load_models=("*",),
+    )
+    with server_in_thread(config) as running:
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
+        assert {m["name"] for m in http.get_model_repository_index() if m["state"] == "READY"} == {
+            "add_one",
+            "double",
+            "doubler",
+            "pipeline",
+        }
+        http.unload_model("pipeline", unload_dependents=True)
+        # add_one goes with it; double stays for doubler, which still uses it.
+        assert {m["name"] for m in http.get_model_repository_index() if m["state"] == "READY"} == {
+            "double",
+            "doubler",
+        }
+        http.close()

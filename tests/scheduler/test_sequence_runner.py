@@ -9,9 +9,11 @@ import pytest
 import trio
 
 from trioserve import (
+    DynamicBatching,
     InferenceRequest,
     InputTensor,
     InvalidArgumentError,
+    Model,
     SequenceBatching,
     SequenceControl,
     SequenceState,
@@ -230,3 +232,12 @@ def test_the_model_config_reports_the_sequence_batcher() -> None:
             }
         ],
     }
+
+
+@pytest.mark.parametrize(
+    "settings", [{"dynamic_batching": DynamicBatching()}, {"response_cache": True}]
+)
+def test_what_a_sequence_model_cannot_use(settings: dict[str, Any]) -> None:
+    spec = [TensorSpec("X", "INT32", [1])]
+    with pytest.raises(ValueError, match="the sequence batcher excludes"):
+        Model(name="m", inputs=spec, outputs=[], sequence_batching=SequenceBatching(), **settings)
