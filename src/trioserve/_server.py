@@ -37,8 +37,7 @@ from .metrics._llm_telemetry import LLMMetricFamilies
 from .repository import RepositoryManager
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
-from .scheduler._runner import ModelRunner
-from .scheduler._sequence_runner import SequenceRunner
+from .scheduler._runners import runner_class
 from .shm import SharedMemoryRegistry
 
 logger = logging.getLogger("trioserve")
@@ -184,7 +183,7 @@ def _served(
                 served.append(GenerativeRunner(model, version, telemetry))
             else:
                 cached = _cache_for(model, cache)
-                runner = SequenceRunner if model.sequence_batching is not None else ModelRunner
+                runner = runner_class(model)
                 served.append(runner(model, version, cache=cached, histogram_bounds_ns=bounds))
     return served
 

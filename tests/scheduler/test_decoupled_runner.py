@@ -12,7 +12,7 @@ import trio
 
 from trioserve import InferenceRequest, InputTensor, Model, SequenceBatching, TensorSpec
 from trioserve._tensor import datatype
-from trioserve.scheduler._runner import ModelRunner
+from trioserve.scheduler._decoupled_runner import DecoupledRunner
 
 
 class Counter(Model):
@@ -62,7 +62,7 @@ async def collect(ticket: Any) -> list[tuple[float, Any, bool]]:
 
 
 async def test_answers_arrive_as_they_are_sent(autojump_clock: Any) -> None:
-    runner = ModelRunner(Counter(), "1")
+    runner = DecoupledRunner(Counter(), "1")
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
         ticket = runner.submit(request(3))
@@ -85,7 +85,7 @@ async def test_answers_arrive_as_they_are_sent(autojump_clock: Any) -> None:
 
 async def test_a_withdrawn_request_drops_later_answers(autojump_clock: Any) -> None:
     model = Counter()
-    runner = ModelRunner(model, "1")
+    runner = DecoupledRunner(model, "1")
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
         ticket = runner.submit(request(5))
@@ -102,7 +102,7 @@ async def test_a_withdrawn_request_drops_later_answers(autojump_clock: Any) -> N
 
 
 async def test_a_failed_execution_ends_the_answers_with_its_error(autojump_clock: Any) -> None:
-    runner = ModelRunner(Counter(), "1")
+    runner = DecoupledRunner(Counter(), "1")
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
         ticket = runner.submit(request(-1))

@@ -66,10 +66,11 @@ class DecoupledResponses:
             self.final_delivered = True
             self.close()
 
-    def fail(self, error: InferenceServerError) -> None:
-        """End the stream with ``error`` (the request failed or was withdrawn)."""
-        if not self._closed:
+    def end(self, error: InferenceServerError | None) -> None:
+        """The request has its outcome: end the stream (with ``error``, if it failed)."""
+        if error is not None and not self._closed:
             self.put(error, True)
+        self.close()
 
     def close(self) -> None:
         self._closed = True

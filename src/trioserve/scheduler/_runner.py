@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
 import numpy as np
 import trio
@@ -223,9 +221,6 @@ class ModelRunner:
         item = QueuedItem(size, key, arrival, level, deadline)
         ticket = Ticket(request, item, self)
         item.payload = ticket
-        if self.model.decoupled:
-            ticket.responses = DecoupledResponses(partial(self._deliver, ticket))
-            request.response_sender = ticket.responses
         if self._cache is not None and self._answer_from_cache(ticket):
             return ticket
         self._inbox.put(ticket)
@@ -366,9 +361,6 @@ class ModelRunner:
             await self._execute_batch(batch, dequeued_ns)
 
     async def _execute_batch(self, batch: list[Ticket], dequeued_ns: int) -> None:
-        if self.model.decoupled:
-            await self._execute_decoupled(batch, dequeued_ns)
-            return
         try:
             requests = [p.request for p in batch]
             try:
@@ -400,54 +392,11 @@ class ModelRunner:
                 if not ticket.finished:  # the execution itself was cancelled
                     self._finish(ticket, error=_shutting_down())
 
-    async def _execute_decoupled(self, batch: list[Ticket], dequeued_ns: int) -> None:
-        """Run a batch of a decoupled model: its requests finish when their final flag
-        has arrived and the execution returned (the model may answer after it returns)."""
-        try:
-            input_ready_ns = now_ns()
-            await self._call_model([p.request for p in batch])
-        except Exception as exc:
-            error = _model_error(self.name, exc)
-            for ticket in batch:
-                self._finish(ticket, error=error, reason=FailureReason.BACKEND)
-        else:
-            executed_ns = now_ns()
-            times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, executed_ns)
-            self.stats.executed(sum([p.item.batch_size for p in batch]), times)
-            for ticket in batch:
-                ticket.execution = times
-                assert ticket.responses is not None
-                if ticket.responses.final_delivered:
-                    self._finish(ticket, response=_empty_response(self, ticket.request))
-        finally:
-            for ticket in batch:
-                if ticket.execution is None and not ticket.finished:  # execution cancelled
-                    self._finish(ticket, error=_shutting_down())
-
-    def _deliver(
-        self, ticket: Ticket, outputs: Mapping[str, Any] | Exception | None, final: bool
-    ) -> None:
-        """A decoupled model sent a response (in the trio thread, in order of the sends)."""
-        assert ticket.responses is not None
-        answer: InferenceResponse | InferenceServerError | None = None
-        if isinstance(outputs, Exception):
-            answer = _model_error(self.name, outputs)
-        elif outputs is not None:
-            try:
-                answer = self._response(ticket.request, outputs)
-            except InferenceServerError as exc:
-                answer = exc
-        ticket.responses.put(answer, final)
-        if final and ticket.execution is not None:
-            self._finish(ticket, response=_empty_response(self, ticket.request))
-
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         if self._execute_is_async:
             results = await self.model.execute(requests)  # type: ignore[misc]
         else:
             results = await trio.to_thread.run_sync(self.model.execute, requests)
-        if self.model.decoupled:
-            return ()  # it answers through the requests' senders
         if len(results) != len(requests):
             raise InternalError(
                 f"model returned {len(results)} results for {len(requests)} requests"
@@ -501,11 +450,8 @@ class ModelRunner:
         when the outcome is in the caller's hands ("response sent"), if not now."""
         if ticket.finished:
             return False
-        if ticket.responses is not None:
-            if error is not None:
-                ticket.responses.fail(error)
-            else:
-                ticket.responses.close()
+        if ticket.responses is not None:  # a decoupled model's answers end here
+            ticket.responses.end(error)
         ticket._resolve(response, error)
         if sent_ns is None:
             sent_ns = now_ns()
@@ -518,10 +464,6 @@ class ModelRunner:
             self.stats.cache_hit(arrival_ns, sent_ns, ticket.cache_ns)
         self._notify()
         return True
-
-
-def _empty_response(runner: ModelRunner, request: InferenceRequest) -> InferenceResponse:
-    return InferenceResponse(runner.name, runner.version, [], id=request.id)
 
 
 def _shutting_down() -> UnavailableError:

@@ -26,6 +26,7 @@ from .._errors import CancelledError, InternalError, InvalidArgumentError, Unava
 from .._model import MODEL_INSTANCE, Model, Result
 from .._sequence_batching import SequenceBatching, SequenceControl
 from .._stats import FailureReason
+from .._tensor import Datatype
 from .._types import InferenceRequest, InputTensor
 from .._validation import validate_request
 from ._batching import QueuedItem, Wait
@@ -216,11 +217,13 @@ class SequenceRunner(ModelRunner):
         inputs = dict(request.inputs)
         for control in self._batching.controls:
             data = _control_value(control, start, end, sequence.correlation_id)
-            inputs[control.name] = _tensor(control.name, control, data, batched)
+            inputs[control.name] = _tensor(control.name, control.wire_datatype, (1,), data, batched)
         states = sequence.state if isinstance(sequence.state, dict) and not start else {}
         for state in self._batching.states:
             value = states.get(state.input_name, state.initial)
-            inputs[state.input_name] = _tensor(state.input_name, state, value, batched)
+            inputs[state.input_name] = _tensor(
+                state.input_name, state.wire_datatype, tuple(state.dims), value, batched
+            )
         request.inputs = inputs
         return ticket
 
@@ -271,12 +274,14 @@ def _control_value(
     return control.false_true[1] if flag else control.false_true[0]
 
 
-def _tensor(name: str, spec: Any, value: Any, batched: bool) -> InputTensor:
-    wire = spec.wire_datatype
+def _tensor(
+    name: str, wire: Datatype, dims: tuple[int, ...], value: Any, batched: bool
+) -> InputTensor:
+    """An input the batcher adds: ``dims`` per request, under a batch dimension of 1."""
     if wire.is_bytes:
-        array = np.array([value], dtype=object)
+        array = np.array([value], dtype=object).reshape(dims)
     else:
-        array = np.asarray(value, dtype=wire.dtype).reshape(getattr(spec, "dims", (1,)))
+        array = np.asarray(value, dtype=wire.dtype).reshape(dims)
     if batched:
         array = array[np.newaxis]
     return InputTensor(name, wire, tuple(array.shape), array)
