@@ -245,3 +245,60 @@ def test_a_sequence_stays_on_its_model_instance(tmp_path: Path, strategy: str) -
         client.stop_stream()
         client.close()
     assert sums == {c: [c * (k + 1) for k in range(steps)] for c in range(1, 9)}
+
+
+BLS_SEQUENCE_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            inner = pb_utils.InferenceRequest(
+                model_name="simple_dyna_sequence",
+                inputs=[pb_utils.Tensor("INPUT", value)],
+                requested_output_names=["OUTPUT"],
+                correlation_id=request.correlation_id(),
+                flags=request.flags(),
+            ).exec()
+            if inner.has_error():
+                raise pb_utils.TritonModelException(inner.error().message())
+            responses.append(pb_utils.InferenceResponse(inner.output_tensors()))
+        return responses
+"""
+
+BLS_SEQUENCE_CONFIG = """
+backend: "python"
+max_batch_size: 8
+sequence_batching { }
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+
+def test_bls_requests_carry_their_sequence(tmp_path: Path) -> None:
+    folder = tmp_path / "relay"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(BLS_SEQUENCE_CONFIG)
+    (folder / "1" / "model.py").write_text(BLS_SEQUENCE_MODEL)
+    config = ServerConfig(
+        model_repositories=[tmp_path, TRITON_EXAMPLES], http_port=0, grpc_port=None
+    )
+    with server_in_thread(config) as running:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
+        answers = [
+            int(
+                client.infer(
+                    "relay",
+                    tensor(httpclient, value),
+                    sequence_id=42,
+                    sequence_start=index == 0,
+                    sequence_end=index == 2,
+                ).as_numpy("OUTPUT")[0][0]
+            )
+            for index, value in enumerate([5, 6, 7])
+        ]
+        client.close()
+    assert answers == [5 + 1, 6, 7 + 42]  # simple_dyna_sequence saw START, then END and id

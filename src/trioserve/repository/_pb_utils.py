@@ -281,13 +281,20 @@ class InferenceRequest:
             inputs[tensor.name()] = InputTensor(
                 tensor.name(), datatype(tensor.triton_dtype()), tuple(array.shape), array
             )
+        parameters = dict(self._parameters or {})
+        if self._correlation_id not in (0, ""):  # a request of a sequence
+            parameters["sequence_id"] = self._correlation_id
+            parameters["sequence_start"] = bool(
+                self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+            )
+            parameters["sequence_end"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
         return CoreRequest(
             self._model_name,
             version,
             inputs,
             [RequestedOutput(name) for name in self._requested],
             id=self._request_id,
-            parameters=dict(self._parameters or {}),
+            parameters=parameters,
         )
 
 
