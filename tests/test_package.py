@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,34 @@ def test_public_api_is_what_we_mean():
         assert getattr(trioserve, name) is not None
 
 
+def test_testing_api_is_what_we_mean():
+    import trioserve.testing
+
+    assert sorted(trioserve.testing.__all__) == sorted(
+        [
+            "BatchStat",
+            "DurationStat",
+            "ExecutedBatch",
+            "ExecutedStep",
+            "FailureReason",
+            "ModelStatistics",
+            "TimedLM",
+            "TimedModel",
+            "batch_size_counts",
+            "model_statistics",
+            "open_test_server",
+            "server_in_thread",
+            "timed",
+        ]
+    )
+    for name in trioserve.testing.__all__:
+        assert getattr(trioserve.testing, name) is not None
+    # What a running server offers in-process.
+    server_api = {name for name in vars(trioserve.Server) if not name.startswith("_")}
+    server_api |= {f.name for f in dataclasses.fields(trioserve.Server)}
+    assert {"infer", "generate", "rest_app"} <= server_api
+
+
 # Which top-level parts of the package may not import which (DESIGN.md's direction:
 # _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
 _ABOVE_CORE = {
@@ -92,6 +121,7 @@ FORBIDDEN = {
     # The core's two rooms that gather the floors below for every front end.
     "_pipeline": {"rest", "grpc", "testing", "_cli", "_server", "models"},
     "_context": {"rest", "grpc", "testing", "_cli", "_server", "models"},
+    "_inprocess": {"rest", "grpc", "testing", "_cli", "_server", "models"},
 }
 # Third-party libraries that one place alone may import.
 OWNERS = {

@@ -138,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="local,size=BYTES",
         help="the response cache, for models that enable it (as in Triton)",
     )
+    run.add_argument(
+        "--allow-status-page",
+        type=_boolean,
+        default=True,
+        metavar="BOOL",
+        help="serve the live status page at / and /status on the HTTP port (default true)",
+    )
     run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
@@ -195,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             allow=args.allow_metrics, port=args.metrics_port, options=args.metrics_config
         ),
         response_cache_bytes=cache_size_from_flags(args.cache_config),
+        status_page=args.allow_status_page,
     )
 
 

@@ -44,6 +44,7 @@ class ServerConfig:
     load_models: Sequence[str] = ()  # explicit mode: loaded at startup ("*": all)
     repository_poll_secs: float = 15.0
     strict_model_config: bool = False  # no auto-complete: config.pbtxt says everything
+    status_page: bool = True  # GET / and /status on the HTTP port: the live status page
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

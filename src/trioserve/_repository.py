@@ -8,6 +8,7 @@ replacement. ``control`` is what answers the repository API, when the server has
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -18,6 +19,8 @@ from ._errors import InferenceServerError, NotFoundError, unknown_model
 from ._model import Model
 from ._stats import ModelStatistics
 from ._types import InferenceRequest, InferenceResponse
+
+logger = logging.getLogger("trioserve")
 
 
 class ServedModel(Protocol):
@@ -99,6 +102,9 @@ class ModelRepository:
         self._latest = {
             name: versions[max(versions, key=int)] for name, versions in self._models.items()
         }
+        # (name, version) -> seconds its last load took: what a person waiting on a slow
+        # load reads in the log and on the status page.
+        self.load_seconds: dict[tuple[str, str], float] = {}
 
     def __iter__(self) -> Iterator[ServedModel]:
         for versions in self._models.values():
@@ -151,11 +157,21 @@ class ModelRepository:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load every model version, report started once all are ready, serve until cancelled."""
         async with trio.open_nursery() as nursery:
-            for runner in self:
-                await nursery.start(self._serve, runner)
+            served = list(self)
+            for position, runner in enumerate(served, 1):
+                await self._start(nursery, runner, f" ({position} of {len(served)})")
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()  # models installed later run here too
+
+    async def _start(self, nursery: trio.Nursery, runner: ServedModel, progress: str = "") -> None:
+        """Load ``runner`` and start serving it, logging what loads and how long it took."""
+        name, version = runner.model.name, runner.version
+        logger.info("loading model '%s' version %s%s", name, version, progress)
+        began = trio.current_time()
+        await nursery.start(self._serve, runner)
+        took = self.load_seconds[name, version] = trio.current_time() - began
+        logger.info("loaded model '%s' version %s in %.2f s", name, version, took)
 
     async def _serve(
         self, runner: ServedModel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -175,7 +191,7 @@ class ModelRepository:
         started: list[ServedModel] = []
         try:
             for runner in runners:
-                await self._nursery.start(self._serve, runner)
+                await self._start(self._nursery, runner)
                 started.append(runner)
         except BaseException:
             await self._stop(started)

@@ -9,7 +9,8 @@
 
 What the instance owns (its repository, shared-memory regions, load reporter, metrics
 registry, inference pipeline) reaches every front end as one ``ServerContext``; REST
-infer and both gRPC front ends run each request through its ``InferencePipeline``.
+infer, both gRPC front ends and the in-process ``Server.infer`` run each request
+through its ``InferencePipeline``.
 
 ``serve(config, task_status=...)`` follows trio's start protocol: it reports the running
 ``Server`` (with its bound ports) once every model is loaded and every port listens.
@@ -20,10 +21,11 @@ flight finish for up to ``exit_timeout_s``, then cancels everything.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import trio
 from prometheus_client import CollectorRegistry
@@ -31,10 +33,14 @@ from prometheus_client import CollectorRegistry
 from ._config import ServerConfig
 from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
+from ._inprocess import InProcessFrontEnd
 from ._model import Model
 from ._repository import ModelRepository, ServedModel
+from ._types import InferenceResponse
 from .metrics._llm_telemetry import LLMMetricFamilies
 from .repository import RepositoryManager
+from .rest._app import RestApp
+from .rest._endpoints import build_app
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
 from .scheduler._runners import runner_class
@@ -58,6 +64,8 @@ class Server:
     _services: trio.CancelScope
     _stopped: trio.Event
     shared_memory: SharedMemoryRegistry
+    rest_app: RestApp  # the REST front end's ASGI app, listening or not
+    _in_process: InProcessFrontEnd
     registry: CollectorRegistry | None = None  # the server's Prometheus metrics
     metrics_addresses: list[Address] = field(default_factory=list)  # the metrics port's
 
@@ -83,6 +91,37 @@ class Server:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        version: str | int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        outputs: Sequence[str] | None = None,
+        request_id: str = "",
+    ) -> InferenceResponse:
+        """Infer in-process: ``inputs`` maps input names to numpy arrays (batch dimension
+        included where the model batches). The request takes the front ends' path
+        (validation, batching, statistics, metrics, load reports) without a socket."""
+        return await self._in_process.infer(
+            model,
+            inputs,
+            version=version,
+            parameters=parameters,
+            outputs=outputs,
+            request_id=request_id,
+        )
+
+    def generate(
+        self, model: str, prompt: str, *, version: str | int | None = None, **sampling: Any
+    ) -> AsyncIterator[str]:
+        """Generate in-process: the text pieces of ``prompt``'s continuation as the engine
+        makes them; ``sampling`` takes the generate endpoint's keys (max_tokens...).
+        To stop early, iterate inside ``contextlib.aclosing(...)``: closing the iterator
+        aborts the request at once."""
+        return self._in_process.generate(model, prompt, version=version, **sampling)
 
 
 class _FrontEnds:
@@ -116,6 +155,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     runners = partial(_served, config, cache)
     repository = ModelRepository([] if explicit else runners(config.models))
     context = server_context(config, repository)
+    rest_app = build_app(context)
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:
         # The services get a nursery of their own, so that shutdown() stops them without
@@ -131,13 +171,17 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             startup_models=config.load_models,
             poll_secs=config.repository_poll_secs,
             strict=config.strict_model_config,
+            registry=context.registry,
         )
         await services.start(manager.run)
         http: list[Address] = []
         grpc: list[Address] = []
         metrics: list[Address] = []
         if config.http_port is not None:
-            http = await services.start(front_ends.run, _rest_front_end(context, config.http_port))
+            rest = _rest_front_end(rest_app, context, config.http_port)
+            http = await services.start(front_ends.run, rest)
+        else:  # the app still serves in-process clients (``Server.rest_app``)
+            services.start_soon(rest_app.run_background)
         if config.grpc_port is not None:
             grpc = await services.start(front_ends.run, _grpc_front_end(context))
         if context.registry is not None and config.metrics.port is not None:
@@ -155,6 +199,8 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             _services=services.cancel_scope,
             _stopped=trio.Event(),
             shared_memory=context.shared_memory,
+            rest_app=rest_app,
+            _in_process=InProcessFrontEnd(context),
             registry=context.registry,
             metrics_addresses=metrics,
         )
@@ -213,11 +259,10 @@ async def serve(
         await server.wait_stopped()
 
 
-def _rest_front_end(context: ServerContext, port: int) -> Callable[..., Awaitable[None]]:
-    from .rest._endpoints import build_app
-
+def _rest_front_end(
+    app: RestApp, context: ServerContext, port: int
+) -> Callable[..., Awaitable[None]]:
     config = context.config
-    app = build_app(context)
     serve_http: Callable[..., Awaitable[None]]
     if config.http_server == "hypercorn":
         from .rest._hypercorn import serve_hypercorn  # imported only when chosen

@@ -101,3 +101,10 @@ class InferenceResponse:
     outputs: list[OutputTensor]
     id: str = ""
     parameters: Parameters = field(default_factory=dict)
+
+    def as_numpy(self, name: str) -> np.ndarray[Any, Any]:
+        """The data of output ``name`` (KeyError when the response has no such output)."""
+        for tensor in self.outputs:
+            if tensor.name == name:
+                return tensor.data
+        raise KeyError(f"the response has no output '{name}'")

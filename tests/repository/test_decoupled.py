@@ -12,11 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from trioserve import Server, ServerConfig
+from trioserve import Server, ServerConfig, UnsupportedError, serve
 from trioserve.models import TRITON_EXAMPLES
 from trioserve.testing import server_in_thread
 
@@ -240,3 +241,15 @@ def test_cancelling_the_stream_cancels_the_request(sender_server: Server) -> Non
     other.client.async_stream_infer(model_name="sender", inputs=mode_input(3))
     assert other.next().as_numpy("OUT").tolist() == [1]  # the model saw it cancelled
     other.close()
+
+
+async def test_in_process_inference_refuses_decoupled_models(nursery: trio.Nursery) -> None:
+    config = ServerConfig(model_repositories=[TRITON_EXAMPLES], http_port=None, grpc_port=None)
+    server = await nursery.start(serve, config)
+    inputs = {"IN": np.ones([1], np.int32), "DELAY": np.zeros([1], np.uint32)}
+    inputs["WAIT"] = np.zeros([1], np.uint32)
+    with pytest.raises(UnsupportedError) as raised:
+        await server.infer("repeat_int32", inputs)
+    assert raised.value.message == (
+        "Server.infer doesn't support models with decoupled transaction policy"
+    )

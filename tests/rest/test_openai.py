@@ -260,7 +260,7 @@ def test_render_chat_default_and_template_errors() -> None:
     [
         ("completions", {"model": "missing", "prompt": "x"}, 404, None),
         ("completions", {"model": "simple", "prompt": "x"}, 404, None),  # not generative
-        ("completions", {"model": "tiny_lm", "prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        ("completions", {"model": "tiny_lm", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
         ("completions", {"model": "tiny_lm", "prompt": [1, 999]}, 400, "prompt"),
         ("completions", {"model": "tiny_lm", "prompt": ["a", "b"]}, 400, "prompt"),
         ("completions", {"model": "tiny_lm", "prompt": "x", "temperature": -1}, 400, None),
@@ -318,7 +318,7 @@ async def test_client_raises_openai_errors(client: openai.OpenAI) -> None:
             messages=[{"role": "user", "content": "x"}],
         )
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        await ask(client.completions.create, model="tiny_lm", prompt="x", logprobs=1)
+        await ask(client.completions.create, model="tiny_lm", prompt="x", logprobs=99)
 
 
 async def test_stream_wire_ends_with_done(http: httpx.AsyncClient) -> None:

@@ -62,14 +62,19 @@ _UNSUPPORTED_PARAMETERS = {
 
 
 def decode_request(
-    message: pb.ModelInferRequest, regions: RequestRegions | None = None
+    message: pb.ModelInferRequest,
+    regions: RequestRegions | None = None,
+    raw: Sequence[bytes | bytearray | memoryview] | None = None,
 ) -> InferenceRequest:
     """The request a ``ModelInferRequest`` holds; INVALID_ARG for anything malformed.
 
     ``regions``: where tensors placed in shared memory are read from (and leased).
+    ``raw``: the raw input contents, when they were kept apart from the message
+    (``_infer_wire``); else the message's own.
     """
     model = message.model_name
-    raw = list(message.raw_input_contents)  # each access copies out of upb: read once
+    if raw is None:
+        raw = list(message.raw_input_contents)  # each access copies out of upb: read once
     used = 0  # raw buffers go, in order, to the inputs that carry no typed contents
     inputs: dict[str, InputTensor] = {}
     for tensor in message.inputs:
@@ -188,7 +193,23 @@ def decode_parameters(parameters: Mapping[str, pb.InferParameter], where: str) -
 
 
 def encode_response(response: InferenceResponse) -> pb.ModelInferResponse:
-    """The reply, every output as raw_output_contents (tritonclient reads nothing else).
+    """The reply, every output as raw_output_contents (tritonclient reads nothing else)."""
+    reply = response_head(response)
+    raw: list[bytes] = []
+    for tensor in response.outputs:
+        if is_shared_memory_output(tensor.parameters):
+            raw.append(b"")
+            continue
+        data = array_to_raw(tensor.data, tensor.datatype)
+        # protobuf takes only bytes: this is the one copy of the output before the wire.
+        raw.append(data if isinstance(data, bytes) else bytes(data))
+    reply.raw_output_contents.extend(raw)
+    return reply
+
+
+def response_head(response: InferenceResponse) -> pb.ModelInferResponse:
+    """The reply without its raw output contents (they follow it in ``raw_output_contents``,
+    one entry per output, in order).
 
     Output tensors carry no parameters: what a requested output asked for (e.g. REST's
     ``binary_data``) means nothing on gRPC, and Triton echoes none of it either. Outputs
@@ -200,19 +221,12 @@ def encode_response(response: InferenceResponse) -> pb.ModelInferResponse:
         model_version=response.model_version,
         id=response.id,
     )
-    raw: list[bytes] = []
     for tensor in response.outputs:
         output = reply.outputs.add(
             name=tensor.name, datatype=tensor.datatype.name, shape=tensor.shape
         )
         if is_shared_memory_output(tensor.parameters):
             encode_parameters(tensor.parameters, output.parameters)
-            raw.append(b"")
-            continue
-        data = array_to_raw(tensor.data, tensor.datatype)
-        # protobuf takes only bytes: this is the one copy of the output before the wire.
-        raw.append(data if isinstance(data, bytes) else bytes(data))
-    reply.raw_output_contents.extend(raw)
     encode_parameters(response.parameters, reply.parameters)
     return reply
 

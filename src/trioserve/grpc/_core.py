@@ -12,6 +12,7 @@ each connection closes once it has none; bound the drain by cancelling.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -93,6 +94,16 @@ class _CoreServer:
             raise trio.BrokenResourceError("the client did not choose h2")
         return TlsTransport(stream)
 
+    async def sweep_idle(self) -> None:
+        """Close connections idle for ``idle_timeout_s`` (within a tick): one task for
+        all of them, ticking an eighth of the timeout, at most a second."""
+        tick = min(1.0, self.limits.idle_timeout_s / 8)
+        limit = math.ceil(self.limits.idle_timeout_s / tick)
+        while True:
+            await trio.sleep(tick)
+            for connection in list(self.connections):
+                connection.idle_tick(limit)
+
     def begin_shutdown(self) -> None:
         self.shutting_down = True
         for connection in list(self.connections):
@@ -149,16 +160,19 @@ async def serve_methods(
     """
     listeners = await bind_tcp(host, port)
     try:
-        async with trio.open_nursery() as connections:
-            server = _CoreServer(methods, limits, max_message_bytes, tls, connections)
-            async with trio.open_nursery() as acceptors:
-                for listener in listeners:
-                    acceptors.start_soon(accept_forever, listener, server.accepted)
-                task_status.started(bound_addresses(listeners))
-                if shutdown_trigger is not None:
-                    await shutdown_trigger()
-                    acceptors.cancel_scope.cancel()
-            close_all(listeners)
-            server.begin_shutdown()
+        async with trio.open_nursery() as sweeper:
+            async with trio.open_nursery() as connections:
+                server = _CoreServer(methods, limits, max_message_bytes, tls, connections)
+                sweeper.start_soon(server.sweep_idle)
+                async with trio.open_nursery() as acceptors:
+                    for listener in listeners:
+                        acceptors.start_soon(accept_forever, listener, server.accepted)
+                    task_status.started(bound_addresses(listeners))
+                    if shutdown_trigger is not None:
+                        await shutdown_trigger()
+                        acceptors.cancel_scope.cancel()
+                close_all(listeners)
+                server.begin_shutdown()
+            sweeper.cancel_scope.cancel()  # every connection has ended
     finally:
         close_all(listeners)

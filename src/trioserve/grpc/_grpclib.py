@@ -114,13 +114,29 @@ def _log_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
     logger.error("gRPC front end: %s", message, exc_info=exception)
 
 
+def _no_compression() -> GrpcError:
+    """grpclib reads no compressed message (it raises NotImplementedError for one)."""
+    return GrpcError(
+        GrpcStatus.UNIMPLEMENTED,
+        "compressed messages are not supported by the grpclib front end "
+        "(the built-in one, --grpc-server trio, takes gzip and deflate)",
+    )
+
+
+async def _receive(stream: Stream[Any, Any]) -> Any:
+    try:
+        return await stream.recv_message()
+    except NotImplementedError:
+        raise _no_compression() from None
+
+
 def _handler(method: Method, in_trio: _InTrio, drain: _Drain) -> Handler:
     """The grpclib handler that serves ``method``'s trio handler."""
     if isinstance(method, UnaryMethod):
         unary = method.handler
 
         async def answer(stream: Stream[Any, Any]) -> _GrpclibCall:
-            request = await stream.recv_message()
+            request = await _receive(stream)
             if request is None:  # the client ended the stream without sending one
                 raise GrpcError(GrpcStatus.INVALID_ARGUMENT, "the call carried no request message")
             call = _GrpclibCall(stream)
@@ -180,6 +196,8 @@ class _TrioStream:
             return await self._recv()
         except (StreamClosedError, StreamTerminatedError) as exc:
             raise ClientGone from exc
+        except NotImplementedError:
+            raise _no_compression() from None
 
     async def send(self, message: Any) -> None:
         try:

@@ -23,7 +23,6 @@ Client mistakes are logged at DEBUG and counted (``CoreStatistics``), never as t
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,19 +32,13 @@ import trio
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
 from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
-from ._h2_stream import H2Stream
+from ._h2_request import HTTP_431, Refusal, plan_call
+from ._h2_stream import CallPlan, H2Stream
 from ._h2_transport import Transport, trim
-from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError, encode_headers
+from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
+from ._infer_wire import WireReply
 from ._methods import Method, UnaryMethod
-from ._wire import (
-    MESSAGE_PREFIX,
-    compress,
-    decompressor,
-    response_headers,
-    timeout_s,
-    trailers,
-    wbits_accepted,
-)
+from ._wire import MESSAGE_PREFIX, compress, response_headers, trailers
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -53,12 +46,11 @@ logger = logging.getLogger("trioserve.grpc")
 _OUTBOX_HIGH = 4 * 1024 * 1024
 # How long a closing connection may take to flush what it queued.
 _FLUSH_S = 5.0
+# Call plans a connection keeps (distinct header blocks; a client has a handful).
+_PLANS = 64
 # Client resets (and refused streams) allowed in a burst, and refilled per second.
 _RESET_BURST = 1000
 _RESET_RATE = 200.0
-_HTTP_415 = encode_headers([(b":status", b"415"), (b"content-type", b"text/plain")])
-_HTTP_405 = encode_headers([(b":status", b"405"), (b"allow", b"POST")])
-_HTTP_431 = encode_headers([(b":status", b"431")])
 
 
 @dataclass
@@ -117,6 +109,15 @@ class H2Connection:
         self._reader = trio.CancelScope()
         self._calls: trio.Nursery | None = None
         self._draining = False
+        # Call plans by header block: the decoder hands back the very same block object
+        # for a repeated block, so a client repeating its headers is planned once.
+        self._plans: dict[int, tuple[HeaderList, CallPlan | bytes | Refusal]] = {}
+        # Idle detection, by the server's sweeper (``idle_tick``): calls opened so far,
+        # and how many ticks have passed with no call open and none opened.
+        self._opened = 0
+        self._seen_opened = 0
+        self._idle_ticks = 0
+        self._idle = False
         self._reset_tokens = float(_RESET_BURST)
         self._reset_time = trio.current_time()
 
@@ -128,7 +129,6 @@ class H2Connection:
             async with trio.open_nursery() as calls:
                 self._calls = calls
                 calls.start_soon(self._write_forever)
-                self._set_idle_deadline()
                 try:
                     with self._reader:
                         await self._read_forever()
@@ -141,7 +141,7 @@ class H2Connection:
                 except _PeerGone:
                     pass
                 else:
-                    if self._reader.cancelled_caught and not self._draining:
+                    if self._idle:
                         self._stats.idle_closed += 1
                         self._queue(h2.goaway(self._last_stream_id, h2.NO_ERROR, b"idle"))
                 for stream in list(self._streams.values()):
@@ -165,13 +165,18 @@ class H2Connection:
         if not self._streams:
             self._reader.cancel()
 
-    def _set_idle_deadline(self) -> None:
-        if self._streams:
-            self._reader.deadline = math.inf
-        elif self._draining:
+    def idle_tick(self, limit: int) -> None:
+        """One tick of the server's sweeper: close the connection once it has had no
+        call open for ``limit`` ticks in a row. (Counting beats a deadline per call:
+        moving a cancel scope's deadline costs more than the rest of opening a call.)"""
+        if self._streams or self._opened != self._seen_opened:
+            self._seen_opened = self._opened
+            self._idle_ticks = 0
+            return
+        self._idle_ticks += 1
+        if self._idle_ticks >= limit and not self._draining:
+            self._idle = True
             self._reader.cancel()
-        else:
-            self._reader.deadline = trio.current_time() + self._limits.idle_timeout_s
 
     # --- reading -------------------------------------------------------------------------
 
@@ -332,7 +337,7 @@ class H2Connection:
             stream.recv_window += stream.unacked
             stream.unacked = 0
 
-    def _taken(self, stream: H2Stream, credit: int) -> None:
+    def credit_taken(self, stream: H2Stream, credit: int) -> None:
         if stream.id in self._streams:
             self._credit(stream, credit)
             self._flush()
@@ -364,7 +369,8 @@ class H2Connection:
             if stream_id:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "GOAWAY on a stream")
             self._draining = True  # the client opens no more streams
-            self._set_idle_deadline()
+            if not self._streams:
+                self._reader.cancel()
         elif kind == h2.PUSH_PROMISE:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a client may not push")
 
@@ -496,55 +502,46 @@ class H2Connection:
             self._charge_reset()
             return
         if too_large:
-            self._answer_http(stream_id, _HTTP_431)
+            self._answer_http(stream_id, HTTP_431)
             return
         self._open_call(stream_id, headers, bool(flags & h2.END_STREAM))
 
     def _open_call(self, stream_id: int, headers: HeaderList, ended: bool) -> None:
-        fields = _request_fields(stream_id, headers)
-        if fields.get(b":method") != b"POST":
-            self._answer_http(stream_id, _HTTP_405)
+        entry = self._plans.get(id(headers))
+        if entry is not None and entry[0] is headers:
+            plan = entry[1]
+        else:
+            plan = plan_call(stream_id, headers, self._methods)
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()
+            self._plans[id(headers)] = (headers, plan)  # holding it keeps the id unique
+        if isinstance(plan, bytes):
+            self._answer_http(stream_id, plan)
             return
-        if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
-            self._answer_http(stream_id, _HTTP_415)
-            return
-        method = self._methods.get(fields.get(b":path", b"").decode("latin-1"))
+        refusal = plan if isinstance(plan, Refusal) else None
         limits = self._limits
         stream = H2Stream(
             stream_id,
-            headers,
-            method or _UNKNOWN,
+            plan.plan if isinstance(plan, Refusal) else plan,
+            self,
             limit=self._max_message,
             queue_limit=limits.stream_window_bytes,
             send_window=self._peer_initial_window,
             recv_window=limits.stream_window_bytes,
-            on_message=self._on_message,
-            on_taken=self._taken,
         )
-        stream.send = lambda message: self._send_reply(stream, message)
         self._streams[stream_id] = stream
-        self._set_idle_deadline()
-        if ended:
-            stream.remote_closed = True
-        if method is None:
-            path = fields.get(b":path", b"").decode("latin-1")
-            self._finish_now(stream, GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
+        self._opened += 1
+        stream.remote_closed = ended
+        if refusal is not None:
+            self._finish_now(stream, refusal.status, refusal.message)
             return
-        timeout = fields.get(b"grpc-timeout")
-        if timeout is not None and (seconds := timeout_s(timeout)) is not None:
-            stream.deadline = trio.current_time() + seconds
-        encoding = fields.get(b"grpc-encoding", b"identity")
-        if encoding != b"identity":
-            try:
-                stream.wbits_in = decompressor(encoding)
-            except GrpcError as exc:
-                self._finish_now(stream, exc.status, exc.message)
-                return
-            stream.wbits_out = wbits_accepted(fields.get(b"grpc-accept-encoding"), encoding)
-        if not isinstance(method, UnaryMethod) or ended:
+        assert isinstance(plan, CallPlan)
+        if plan.timeout_s is not None:
+            stream.deadline = trio.current_time() + plan.timeout_s
+        if ended or not isinstance(plan.method, UnaryMethod):
             self._start(stream)  # streaming calls run at once; unary ones on their message
 
-    def _on_message(self, stream: H2Stream) -> None:
+    def message_arrived(self, stream: H2Stream) -> None:
         if not stream.started:
             self._start(stream)
 
@@ -571,7 +568,7 @@ class H2Connection:
                         )
                     request = parse_message(method.request_type, data)
                     reply = await method.handler(request, stream)
-                    await self._send_reply(stream, reply)
+                    await self.send_reply(stream, reply)
                 else:
                     await method.handler(stream, stream)
             if scope.cancelled_caught:
@@ -585,23 +582,35 @@ class H2Connection:
         if not stream.reset:
             self._finish_now(stream, status, message)
 
-    async def _send_reply(self, stream: H2Stream, reply: Any) -> None:
-        """One response message, in DATA frames the client's windows allow."""
-        data: bytes = reply.SerializeToString()
+    async def send_reply(self, stream: H2Stream, reply: Any) -> None:
+        """One response message, in DATA frames the client's windows allow. A reply in
+        parts (``_infer_wire.WireReply``) is written part by part, never joined."""
+        parts: list[bytes | memoryview] = (
+            reply.parts if isinstance(reply, WireReply) else [reply.SerializeToString()]
+        )
+        size = sum(map(len, parts))
         limit = self._max_message
-        if len(data) > limit:
+        if size > limit:
             raise GrpcError(
-                GrpcStatus.RESOURCE_EXHAUSTED,
-                f"Sent message larger than max ({len(data)} vs. {limit})",
+                GrpcStatus.RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})"
             )
         flag = 0
         if stream.wbits_out is not None:
-            data, flag = compress(data, stream.wbits_out), 1
+            parts, flag = [compress(b"".join(parts), stream.wbits_out)], 1
+            size = len(parts[0])
         if not stream.headers_sent:
             stream.headers_sent = True
             self._queue_headers(stream.id, response_headers(stream.wbits_out), 0)
-        parts: list[bytes | memoryview] = [MESSAGE_PREFIX.pack(flag, len(data)), data]
-        remaining = 5 + len(data)
+        prefix = MESSAGE_PREFIX.pack(flag, size)
+        remaining = 5 + size
+        if remaining <= min(stream.send_window, self._send_window, self._peer_max_frame):
+            # The usual case: one DATA frame the windows allow as it is.
+            stream.send_window -= remaining
+            self._send_window -= remaining
+            self._out += (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, *parts)
+            self._out_bytes += h2.FRAME_HEADER_BYTES + remaining
+            remaining = 0
+        parts.insert(0, prefix)
         while remaining:
             if stream.reset:
                 raise ClientGone("the client reset the stream")
@@ -670,8 +679,9 @@ class H2Connection:
         self._forget(stream)
 
     def _forget(self, stream: H2Stream) -> None:
-        if self._streams.pop(stream.id, None) is not None and not self._streams:
-            self._set_idle_deadline()
+        removed = self._streams.pop(stream.id, None) is not None
+        if removed and not self._streams and self._draining:
+            self._reader.cancel()
 
     # --- writing -------------------------------------------------------------------------
 
@@ -705,6 +715,10 @@ class H2Connection:
             sent = self._transport.try_send(self._out)
         except OSError:
             self._fail()
+            return
+        if sent == self._out_bytes:  # the usual case: all of it went
+            self._out.clear()
+            self._out_bytes = 0
             return
         self._out_bytes -= sent
         self._out = trim(self._out, sent)
@@ -742,35 +756,6 @@ class H2Connection:
         self._reader.cancel()
         for stream in list(self._streams.values()):
             self._drop(stream)
-
-
-class _UnknownMethod:
-    """Stands for a path no method serves; the stream is answered UNIMPLEMENTED."""
-
-    request_type = None
-
-
-_UNKNOWN: Any = _UnknownMethod()
-
-
-def _request_fields(stream_id: int, headers: HeaderList) -> dict[bytes, bytes]:
-    """The request's fields by name, checked as RFC 9113 §8.3 asks (malformed: reset)."""
-    fields: dict[bytes, bytes] = {}
-    regular = False
-    for name, value in headers:
-        if name.startswith(b":"):
-            if regular or name in fields:
-                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "misplaced pseudo-header")
-            if name not in (b":method", b":path", b":scheme", b":authority"):
-                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "unknown pseudo-header")
-        else:
-            regular = True
-            if name.lower() != name or name in (b"connection", b"keep-alive", b"upgrade"):
-                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "malformed header field")
-        fields[name] = value
-    if b":method" not in fields or b":path" not in fields or b":scheme" not in fields:
-        raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "missing pseudo-header")
-    return fields
 
 
 def _take(parts: list[bytes | memoryview], count: int) -> list[bytes | memoryview]:

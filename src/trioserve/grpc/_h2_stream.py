@@ -18,15 +18,38 @@ requests are served waits on its window instead of filling memory.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import trio
 
 from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message
-from ._hpack import HeaderList
 from ._methods import Method
-from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, decompress, text_metadata
+from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, decompress
+
+
+class StreamOwner(Protocol):
+    """The connection, as its streams see it."""
+
+    def message_arrived(self, stream: H2Stream) -> None: ...
+
+    def credit_taken(self, stream: H2Stream, credit: int) -> None: ...
+
+    async def send_reply(self, stream: H2Stream, message: Any) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """What a request's header block says about its call, worked out once per distinct
+    block (a client repeating its headers gets the same plan from the connection's cache)."""
+
+    method: Method
+    metadata: Mapping[str, str]
+    timeout_s: float | None = None
+    wbits_in: int | None = None
+    wbits_out: int | None = None
+
 
 # A message part this large is received straight into its buffer rather than through
 # the connection's receive buffer (one copy less for big tensors).
@@ -42,27 +65,24 @@ class H2Stream:
         "_compressed",
         "_filled",
         "_message",
-        "_metadata",
+        "_owner",
         "_prefix",
         "_waiter",
         "deadline",
-        "headers",
         "headers_sent",
         "held_credit",
         "id",
         "limit",
         "local_closed",
         "messages",
+        "metadata",
         "method",
-        "on_message",
-        "on_taken",
         "queue_limit",
         "queued_bytes",
         "recv_window",
         "remote_closed",
         "reset",
         "scope",
-        "send",
         "send_window",
         "started",
         "trailers",
@@ -74,25 +94,22 @@ class H2Stream:
     def __init__(
         self,
         stream_id: int,
-        headers: HeaderList,
-        method: Method,
+        plan: CallPlan,
+        owner: StreamOwner,
         *,
         limit: int,
         queue_limit: int,
         send_window: int,
         recv_window: int,
-        on_message: Callable[[H2Stream], None],
-        on_taken: Callable[[H2Stream, int], None],
     ) -> None:
         self.id = stream_id
-        self.headers = headers
-        self.method = method
+        self.method = plan.method
+        self.metadata = plan.metadata  # ``Call.metadata``, shared by calls of one header block
+        self._owner = owner
         self.limit = limit  # the largest message accepted, in bytes
         self.queue_limit = queue_limit
         self.send_window = send_window
         self.recv_window = recv_window
-        self.on_message = on_message  # the connection's: a message is complete
-        self.on_taken = on_taken  # the connection's: the handler took bytes (credit them)
         self.unacked = 0  # bytes received and not yet credited back to the client
         self.held_credit = 0  # credit held back while too much sits queued
         self.messages: deque[Message] = deque()
@@ -104,10 +121,9 @@ class H2Stream:
         self.headers_sent = False
         self.scope: trio.CancelScope | None = None  # the handler's, once it runs
         self.deadline: float | None = None  # from grpc-timeout
-        self.wbits_in: int | None = None  # request messages' compression (zlib wbits)
-        self.wbits_out: int | None = None  # responses', when the client accepts it
-        self.trailers: dict[str, bytes] = {}
-        self._metadata: dict[str, str] | None = None
+        self.wbits_in = plan.wbits_in  # request messages' compression (zlib wbits)
+        self.wbits_out = plan.wbits_out  # responses', when the client accepts it
+        self.trailers: dict[str, bytes] | None = None
         self._waiter: trio.Event | None = None
         # The message being cut out of the DATA payload: its prefix, then its body.
         self._prefix = b""
@@ -117,13 +133,9 @@ class H2Stream:
 
     # --- what the handler sees (Call, MessageStream) -----------------------------------
 
-    @property
-    def metadata(self) -> Mapping[str, str]:
-        if self._metadata is None:
-            self._metadata = text_metadata(self.headers)
-        return self._metadata
-
     def add_trailer(self, key: str, value: bytes) -> None:
+        if self.trailers is None:
+            self.trailers = {}
         self.trailers[key] = value
 
     def take(self) -> Message | None:
@@ -134,7 +146,7 @@ class H2Stream:
         self.queued_bytes -= len(message)
         if self.held_credit and self.queued_bytes <= self.queue_limit:
             credit, self.held_credit = self.held_credit, 0
-            self.on_taken(self, credit)
+            self._owner.credit_taken(self, credit)
         return message
 
     async def recv(self) -> Any | None:
@@ -151,7 +163,9 @@ class H2Stream:
             self._waiter = trio.Event()
             await self._waiter.wait()
 
-    send: Callable[[Any], Any]  # ``MessageStream.send``, bound by the connection
+    async def send(self, message: Any) -> None:
+        """``MessageStream.send``: one response message, as the client's windows allow."""
+        await self._owner.send_reply(self, message)
 
     def wake(self) -> None:
         if self._waiter is not None:
@@ -236,4 +250,4 @@ class H2Stream:
         self.messages.append(message)
         self.queued_bytes += len(message)
         self.wake()
-        self.on_message(self)
+        self._owner.message_arrived(self)

@@ -72,7 +72,7 @@ class SocketTransport:
 
     def try_send(self, parts: list[bytes | memoryview]) -> int:
         try:
-            return self.sock.sendmsg(parts[:_IOV_MAX])
+            return self.sock.sendmsg(parts if len(parts) <= _IOV_MAX else parts[:_IOV_MAX])
         except BlockingIOError:
             return 0
 

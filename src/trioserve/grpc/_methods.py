@@ -25,8 +25,6 @@ from .._context import ServerContext
 from .._errors import UnsupportedError, unknown_model
 from .._pipeline import refuse_decoupled
 from ._codec import (
-    decode_request,
-    encode_response,
     model_config_message,
     model_metadata_message,
     server_metadata_message,
@@ -35,6 +33,7 @@ from ._codec import (
 from ._errors import ClientGone
 from ._generated import grpc_service_pb2 as pb
 from ._generated import health_pb2
+from ._infer_wire import InferPlans, ReplyHeads, WireRequest
 from ._orca import add_load_report
 from ._repository_rpcs import REPOSITORY_RPCS
 from ._shm import SHARED_MEMORY_RPCS, check_restriction
@@ -113,7 +112,7 @@ def grpc_methods(context: ServerContext) -> dict[str, Method]:
         "ServerMetadata": UnaryMethod(pb.ServerMetadataRequest, s.server_metadata),
         "ModelMetadata": UnaryMethod(pb.ModelMetadataRequest, s.model_metadata),
         "ModelConfig": UnaryMethod(pb.ModelConfigRequest, s.model_config),
-        "ModelInfer": UnaryMethod(pb.ModelInferRequest, s.model_infer),
+        "ModelInfer": UnaryMethod(WireRequest, s.model_infer),
         "ModelStatistics": UnaryMethod(pb.ModelStatisticsRequest, s.model_statistics),
     }
     for rpc in SHARED_MEMORY_RPCS:
@@ -141,6 +140,8 @@ class _Service:
         self._shared_memory_restriction = restrictions.get("shared-memory")
         self._repository_restriction = restrictions.get("model-repository")
         self._server_metadata = server_metadata_message(context.metadata)  # never changes
+        self._infer_plans = InferPlans()  # ModelInfer's request heads, decoded once
+        self._reply_heads = ReplyHeads()
 
     async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> Message:
         return pb.ServerLiveResponse(live=True)
@@ -168,11 +169,12 @@ class _Service:
     async def model_statistics(self, request: pb.ModelStatisticsRequest, call: Call) -> Message:
         return statistics_message(self._repository.statistics(request.name, request.version))
 
-    async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> Message:
-        served = self._repository.get(request.model_name, request.model_version)
+    async def model_infer(self, request: WireRequest, call: Call) -> Any:
+        plan = self._infer_plans.plan(request)
+        served = self._repository.get(plan.model_name, plan.model_version)
         refuse_decoupled(served, "ModelInfer RPC")
-        _, response = await self._pipeline.infer(served, partial(decode_request, request))
-        reply = encode_response(response)
+        _, response = await self._pipeline.infer(served, partial(plan.decode, request.raw))
+        reply = self._reply_heads.encode(response)
         add_load_report(call, self._load, served)
         return reply
 

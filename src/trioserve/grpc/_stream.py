@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trioserve.grpc")
 
+# Requests of one ModelStreamInfer call being answered at once.
+MAX_IN_FLIGHT = 128
+
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 TEXT_OUTPUT = "text_output"
@@ -78,9 +81,13 @@ class StreamInfer:
         is gone. A request the transport could not read (one over the size limit) ends
         the call with its status, raised here rather than inside an exception group."""
         failure: Exception | None = None
+        # Requests answered at once, per call. Past it the next message is left unread,
+        # so the transport's flow control holds a client that sends faster than it reads.
+        in_flight = trio.Semaphore(MAX_IN_FLIGHT)
         async with trio.open_nursery() as requests:
             replies = _Replies(io, requests.cancel_scope)
             while True:
+                await in_flight.acquire()
                 try:
                     message = await io.recv()
                 except ClientGone:
@@ -93,9 +100,9 @@ class StreamInfer:
                 if message is None:
                     break  # the nursery waits for the requests in flight
                 if self._in_sequence(message):  # its requests reach the model in order
-                    await requests.start(self._answer, message, replies)
+                    await requests.start(self._answer_one, message, replies, in_flight)
                 else:
-                    requests.start_soon(self._answer, message, replies)
+                    requests.start_soon(self._answer_one, message, replies, in_flight)
         if failure is not None:
             raise failure
         if replies.served is not None:
@@ -107,6 +114,19 @@ class StreamInfer:
         except InferenceServerError:
             return False
         return served.model.sequence_batching is not None
+
+    async def _answer_one(
+        self,
+        message: pb.ModelInferRequest,
+        replies: _Replies,
+        in_flight: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            await self._answer(message, replies, task_status=task_status)
+        finally:
+            in_flight.release()
 
     async def _answer(
         self,

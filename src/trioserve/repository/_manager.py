@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 import trio
+from prometheus_client import CollectorRegistry
 
 from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
@@ -30,6 +31,7 @@ from .._repository import ModelRepository, ServedModel
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
 from ._layout import model_folders
+from ._pb_metrics import CustomMetrics
 from ._reading import read_model
 
 logger = logging.getLogger("trioserve.repository")
@@ -53,6 +55,7 @@ class RepositoryManager:
         startup_models: Sequence[str] = (),
         poll_secs: float = 15.0,
         strict: bool = False,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         self._repository = repository
         self._make_runners = make_runners
@@ -68,6 +71,10 @@ class RepositoryManager:
         self._signatures: dict[str, tuple[tuple[str, int, int], ...]] = {}  # poll: what changed
         self._uploads: dict[str, tempfile.TemporaryDirectory[str]] = {}
         self._lock = trio.Lock()  # one load or unload at a time
+        self._polled = trio.lowlevel.ParkingLot()  # who waits for the next poll to end
+        self._metrics = CustomMetrics()  # what Python-backend models make with pb_utils
+        if registry is not None:
+            registry.register(self._metrics)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the startup models, report started, then poll (in poll mode)."""
@@ -85,10 +92,15 @@ class RepositoryManager:
             while self._mode == "poll":
                 await trio.sleep(self._poll_secs)
                 await self._poll()
+                self._polled.unpark_all()
             await trio.sleep_forever()
         finally:
             for upload in self._uploads.values():
                 upload.cleanup()
+
+    async def next_poll(self) -> None:
+        """Return once the next poll of the folders has been acted on (poll mode)."""
+        await self._polled.park()
 
     async def _scan(self) -> dict[str, Path]:
         try:
@@ -192,7 +204,13 @@ class RepositoryManager:
             folder = found
             self._signatures[name] = await trio.to_thread.run_sync(_signature, folder)
         models = await trio.to_thread.run_sync(
-            lambda: read_model(folder, self._repository, override=config, strict=self._strict)
+            lambda: read_model(
+                folder,
+                self._repository,
+                override=config,
+                strict=self._strict,
+                metrics=self._metrics,
+            )
         )
         await self._repository.install(name, self._make_runners(models))
 

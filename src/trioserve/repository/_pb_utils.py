@@ -32,6 +32,11 @@ from .._tensor import datatype, datatype_from_config, datatype_of
 from .._types import InferenceRequest as CoreRequest
 from .._types import InputTensor, RequestedOutput, ResponseSender
 from ._auto_complete import ModelConfig as ModelConfig
+from ._pb_metrics import COUNTER as COUNTER
+from ._pb_metrics import GAUGE as GAUGE
+from ._pb_metrics import HISTOGRAM as HISTOGRAM
+from ._pb_metrics import Metric as Metric
+from ._pb_metrics import MetricFamily as MetricFamily
 
 Array = np.ndarray[Any, Any]
 

@@ -12,10 +12,11 @@ returned.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,6 +28,7 @@ from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
 from ._config import ConfigError, config_document, config_json
 from ._generated.model_config_pb2 import ModelConfig, ModelInstanceGroup
+from ._pb_metrics import CustomMetrics, serving_metrics
 
 MODULE_NAME = "triton_python_backend_utils"
 
@@ -81,6 +83,7 @@ class PythonBackendModel(Model):
         folder: Path,
         version: int,
         repository: ModelRepository,
+        metrics: CustomMetrics | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(versions=(str(version),), **settings)
@@ -88,6 +91,7 @@ class PythonBackendModel(Model):
         self._config = config
         self._folder = folder
         self._repository = repository
+        self._metrics = metrics
         self._instances: list[Any] = []  # by index: the runner's model instances
         self._document = config_document(config)
         if inspect.iscoroutinefunction(model_class.execute):  # type: ignore[attr-defined]
@@ -98,16 +102,30 @@ class PythonBackendModel(Model):
     def described_config(self) -> dict[str, Any]:
         return self._document
 
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        """What the model's code reaches through pb_utils while it runs: the repository
+        its BLS requests go to, the server's custom metrics."""
+        token = pb_utils.serving_repository.set(self._repository)
+        metrics = None if self._metrics is None else serving_metrics.set((self._metrics, self))
+        try:
+            yield
+        finally:
+            if metrics is not None:
+                serving_metrics.reset(metrics)
+            pb_utils.serving_repository.reset(token)
+
     def load(self) -> None:
         """Create and initialize one instance per count of each instance group."""
-        for group in self._config.instance_group:
-            gpu = group.kind == ModelInstanceGroup.KIND_GPU
-            for index in range(group.count):
-                instance = self._class()
-                initialize = getattr(instance, "initialize", None)
-                if initialize is not None:
-                    initialize(self._args(group, index, gpu))
-                self._instances.append(instance)
+        with self._serving():
+            for group in self._config.instance_group:
+                gpu = group.kind == ModelInstanceGroup.KIND_GPU
+                for index in range(group.count):
+                    instance = self._class()
+                    initialize = getattr(instance, "initialize", None)
+                    if initialize is not None:
+                        initialize(self._args(group, index, gpu))
+                    self._instances.append(instance)
 
     def _args(self, group: Any, index: int, gpu: bool) -> dict[str, str]:
         return {
@@ -122,35 +140,32 @@ class PythonBackendModel(Model):
 
     def unload(self) -> None:
         instances, self._instances = self._instances, []
-        for instance in instances:
-            finalize = getattr(instance, "finalize", None)
-            if finalize is not None:
-                finalize()
+        with self._serving():
+            for instance in instances:
+                finalize = getattr(instance, "finalize", None)
+                if finalize is not None:
+                    finalize()
+        if self._metrics is not None:
+            self._metrics.release(self)
 
     def _execute_sync(self, requests: Sequence[InferenceRequest]) -> list[Result]:
-        token = pb_utils.serving_repository.set(self._repository)
         instance = self._instances[MODEL_INSTANCE.get()]  # running one batch at a time
-        try:
+        with self._serving():
             served = [pb_utils.InferenceRequest._served(r) for r in requests]
             try:
                 responses = instance.execute(served)
             except Exception as exc:
                 raise self._failure(exc) from exc
-        finally:
-            pb_utils.serving_repository.reset(token)
         return self._outputs(requests, responses)
 
     async def _execute_async(self, requests: Sequence[InferenceRequest]) -> list[Result]:
-        token = pb_utils.serving_repository.set(self._repository)
         instance = self._instances[MODEL_INSTANCE.get()]
-        try:
+        with self._serving():
             served = [pb_utils.InferenceRequest._served(r) for r in requests]
             try:
                 responses = await instance.execute(served)
             except Exception as exc:
                 raise self._failure(exc) from exc
-        finally:
-            pb_utils.serving_repository.reset(token)
         return self._outputs(requests, responses)
 
     def _failure(self, exc: Exception) -> InferenceServerError:

@@ -29,6 +29,7 @@ from ._ensemble import PLATFORM as ENSEMBLE
 from ._ensemble import EnsembleModel, ensemble_steps
 from ._generated.model_config_pb2 import ModelConfig
 from ._layout import chosen_versions, detect_backend, model_file, version_folders
+from ._pb_metrics import CustomMetrics
 from ._python_backend import PythonBackendModel, auto_complete, import_model_file
 
 
@@ -38,6 +39,7 @@ def read_model(
     *,
     override: str | None = None,
     strict: bool = False,
+    metrics: CustomMetrics | None = None,
 ) -> list[Model]:
     """The folder's models, one per version; ConfigError says why it cannot serve."""
     if override is None and _own_layout(folder):
@@ -70,7 +72,9 @@ def read_model(
     complete_config(config, folder)
     settings = model_settings(config, folder)
     return [
-        PythonBackendModel(classes[v], config, folders[v].parent, v, repository, **settings)
+        PythonBackendModel(
+            classes[v], config, folders[v].parent, v, repository, metrics, **settings
+        )
         for v in versions
     ]
 

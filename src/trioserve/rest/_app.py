@@ -70,10 +70,16 @@ class RestApp:
         """Serve through ``serve_http`` (an HTTP server bound to this app) with the app's
         background tasks running alongside; they stop when the HTTP server returns."""
         async with trio.open_nursery() as nursery:
-            for task in self.background:
-                nursery.start_soon(task)
+            nursery.start_soon(self.run_background)
             await serve_http(task_status=task_status)
             nursery.cancel_scope.cancel()
+
+    async def run_background(self) -> None:
+        """Run the app's background tasks until cancelled: for an app served by no
+        listener of ours (in-process clients such as ``httpx.ASGITransport``)."""
+        async with trio.open_nursery() as nursery:
+            for task in self.background:
+                nursery.start_soon(task)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -21,6 +21,7 @@ from ._openai import OpenAIEndpoints
 from ._repository_endpoints import add_repository_routes
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
+from ._status_page import add_status_page
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 _MODEL = "/v2/models/{model}"
@@ -129,4 +130,6 @@ def build_app(context: ServerContext) -> RestApp:
     restrictions = context.config.http_restricted_apis
     add_shared_memory_routes(router, context.shared_memory, restrictions.get("shared-memory"))
     add_repository_routes(router, context.repository, restrictions.get("model-repository"))
+    if context.config.status_page:
+        add_status_page(router, context.repository, context.metadata)
     return RestApp(router, context.config.http_limits.max_body_bytes, background=[disconnects.run])

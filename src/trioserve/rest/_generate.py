@@ -43,6 +43,7 @@ from ..scheduler._generation import (
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
+    TokenLogprob,
     generative,
 )
 from ..scheduler._generation_input import TEXT_INPUT, generation_request
@@ -158,6 +159,7 @@ class CollectedSamples:
     texts: list[str]
     finish_reasons: list[str | None]
     generated_tokens: int
+    logprobs: list[list[TokenLogprob]]  # each sample's, when the request asked for them
 
 
 async def collect_samples(
@@ -167,13 +169,16 @@ async def collect_samples(
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     tokens = 0
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     async with served.generate(generation) as chunks:
         async for chunk in chunks:
             texts[chunk.index].append(chunk.text)
             tokens += len(chunk.token_ids)
             if chunk.finish_reason is not None:
                 reasons[chunk.index] = chunk.finish_reason
-    return CollectedSamples(["".join(parts) for parts in texts], reasons, tokens)
+            if chunk.logprobs is not None:
+                logprobs[chunk.index].extend(chunk.logprobs)
+    return CollectedSamples(["".join(parts) for parts in texts], reasons, tokens, logprobs)
 
 
 def _parse(body: bytes) -> dict[str, Any]:

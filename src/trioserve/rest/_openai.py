@@ -15,7 +15,8 @@ Streamed answers are server-sent events, one ``data: <chunk>`` per piece of new 
 one choice, the last chunk of a choice carrying its ``finish_reason``; with
 ``stream_options.include_usage`` every chunk has ``"usage": null`` and one last chunk
 has no choices and the usage. The stream ends with ``data: [DONE]``. A chat stream's
-first chunk of each choice has ``delta.role``.
+first chunk of each choice has ``delta.role``. Asked for, each choice (or chunk) carries
+the ``logprobs`` of its tokens (``_openai_logprobs``).
 
 Errors are OpenAI's object, ``{"error": {"message", "type", "param", "code"}}``: 400 for
 a bad request, 404 (code ``model_not_found``) for a model that is not served or not
@@ -31,7 +32,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -42,13 +43,19 @@ from .._errors import ErrorKind, InferenceServerError, InvalidArgumentError, Not
 from .._generative import GenerativeModel
 from .._repository import ModelRepository
 from ..metrics._orca import LoadReporter
-from ..scheduler._generation import GenerationChunk, GenerationRequest, GenerativeServed
+from ..scheduler._generation import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerativeServed,
+    TokenLogprob,
+)
 from ..scheduler._generation_input import generation_request
 from ._app import Request, Response
 from ._chat_template import render_chat
 from ._errors import error_status
 from ._generate import SSE_HEADERS, collect_samples, send_event, unless_client_leaves
 from ._json_body import json_object
+from ._openai_logprobs import ChoiceLogprobs, requested_logprobs
 from ._openai_request import (
     OpenAIRequest,
     chat_messages,
@@ -75,6 +82,13 @@ class _Call:
     echo: str  # the text every choice starts with
     head: dict[str, Any]  # id, object, created, model: what every answer and chunk starts with
     prompt_tokens: int
+    decode: Callable[[Sequence[int]], str]  # the model's, for the logprobs' token texts
+
+    def logprobs(self) -> ChoiceLogprobs | None:
+        """A new choice's logprobs builder, when the request asked for logprobs."""
+        if self.generation.sampling.logprobs is None:
+            return None
+        return ChoiceLogprobs(self.decode, chat=self.chat, offset=len(self.echo))
 
 
 class OpenAIEndpoints:
@@ -124,7 +138,10 @@ class OpenAIEndpoints:
             text = prompt.text
             ids = _tokenized(model.encode, text)
         echo = text if options.echo else ""
-        return self._call(served, options, options.parameters, text, ids, chat=False, echo=echo)
+        logprobs = requested_logprobs(document, chat=False)
+        return self._call(
+            served, options, options.parameters, text, ids, chat=False, echo=echo, logprobs=logprobs
+        )
 
     def _chat_call(self, document: dict[str, Any]) -> _Call:
         options = read_request(document, default_max_tokens=None)
@@ -145,7 +162,10 @@ class OpenAIEndpoints:
             parameters = {**parameters, "max_tokens": max(1, model.max_model_len - len(ids))}
         last = messages[-1]
         echo = last["content"] if options.echo and last["role"] == "assistant" else ""
-        return self._call(served, options, parameters, text, ids, chat=True, echo=echo)
+        logprobs = requested_logprobs(document, chat=True)
+        return self._call(
+            served, options, parameters, text, ids, chat=True, echo=echo, logprobs=logprobs
+        )
 
     def _call(
         self,
@@ -157,6 +177,7 @@ class OpenAIEndpoints:
         *,
         chat: bool,
         echo: str,
+        logprobs: int | None,
     ) -> _Call:
         generation = generation_request(
             f"openai-{next(self._ids)}", text, parameters, trio.current_time()
@@ -167,8 +188,11 @@ class OpenAIEndpoints:
             "created": int(time.time()),
             "model": options.model,
         }
-        generation = replace(generation, prompt_token_ids=tuple(ids))
-        return _Call(served, generation, options, chat, echo, head, len(ids))
+        sampling = replace(generation.sampling, logprobs=logprobs)
+        generation = replace(generation, prompt_token_ids=tuple(ids), sampling=sampling)
+        model = served.model
+        assert isinstance(model, GenerativeModel)
+        return _Call(served, generation, options, chat, echo, head, len(ids), model.decode)
 
     def _model(self, name: str) -> tuple[GenerativeServed, GenerativeModel]:
         try:
@@ -186,8 +210,8 @@ class OpenAIEndpoints:
         if not answered or samples is None:
             return None
         choices = []
-        for index, (text, reason) in enumerate(
-            zip(samples.texts, samples.finish_reasons, strict=True)
+        for index, (text, reason, entries) in enumerate(
+            zip(samples.texts, samples.finish_reasons, samples.logprobs, strict=True)
         ):
             body = call.echo + text
             choice: dict[str, Any] = {"index": index}
@@ -195,7 +219,9 @@ class OpenAIEndpoints:
                 choice["message"] = {"role": "assistant", "content": body}
             else:
                 choice["text"] = body
-            choices.append({**choice, "logprobs": None, "finish_reason": reason})
+            builder = call.logprobs()
+            choice["logprobs"] = None if builder is None else builder.document(entries)
+            choices.append({**choice, "finish_reason": reason})
         document = {
             **call.head,
             "object": "chat.completion" if call.chat else "text_completion",
@@ -225,12 +251,13 @@ class OpenAIEndpoints:
                 try:
                     async for chunk in chunks:
                         events.generated_tokens += len(chunk.token_ids)
-                        if not (chunk.text or chunk.finish_reason):
+                        event = events.chunk(chunk)
+                        if event is None:
                             continue  # a multi-byte character is not complete yet
                         if not started:  # a refused request still gets its error status
                             await start()
                             started = True
-                        await send_event(send, events.chunk(chunk))
+                        await send_event(send, event)
                 except Exception as exc:
                     if not started:
                         raise
@@ -262,8 +289,16 @@ class _StreamEvents:
         }
         self.begun: set[int] = set()  # choices that have had their first chunk
         self.generated_tokens = 0
+        self.logprobs: dict[int, ChoiceLogprobs | None] = {}  # by choice
+        self.pending: dict[int, list[TokenLogprob]] = {}  # tokens of chunks not sent yet
 
-    def chunk(self, chunk: GenerationChunk) -> dict[str, Any]:
+    def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        """The event of ``chunk``; None while it has no text to show (its tokens' logprobs
+        then go with the next event of its choice)."""
+        if chunk.logprobs is not None:
+            self.pending.setdefault(chunk.index, []).extend(chunk.logprobs)
+        if not (chunk.text or chunk.finish_reason):
+            return None
         text = chunk.text
         first = chunk.index not in self.begun
         if first:
@@ -274,11 +309,17 @@ class _StreamEvents:
             choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
         else:
             choice["text"] = text
-        choice |= {"logprobs": None, "finish_reason": chunk.finish_reason}
+        choice |= {"logprobs": self._logprobs(chunk.index), "finish_reason": chunk.finish_reason}
         event = {**self.head, "choices": [choice]}
         if self.call.options.include_usage:
             event["usage"] = None
         return event
+
+    def _logprobs(self, index: int) -> dict[str, Any] | None:
+        if index not in self.logprobs:
+            self.logprobs[index] = self.call.logprobs()
+        builder = self.logprobs[index]
+        return None if builder is None else builder.document(self.pending.pop(index, []))
 
     def usage(self) -> dict[str, Any]:
         usage = _usage(self.call.prompt_tokens, self.generated_tokens)

@@ -10,7 +10,7 @@ message's content when that message is the assistant's) and ``add_generation_pro
 
 ``null`` reads as absent, as it does for OpenAI. Unknown keys are ignored, as vLLM does;
 settings this server cannot honour (penalties, ``logit_bias``, ``suffix``, tools, a
-non-text ``response_format``, ``logprobs``, ``best_of`` other than ``n``) are refused with
+non-text ``response_format``, ``best_of`` other than ``n``) are refused with
 a 400 naming the parameter, rather than silently sampling otherwise than asked.
 """
 
@@ -33,8 +33,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "tools": ([],),
     "functions": ([],),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
 }
 
 

@@ -30,12 +30,13 @@ from ._generation import (
     GenerationRequest,
     KVCacheState,
     SamplingParams,
+    TokenLogprob,
 )
 from ._kv_blocks import KVBlockManager
 from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
-from ._sampling import is_greedy, sample_generator, sample_rows
+from ._sampling import draws_logprobs, is_greedy, sample_generator, sample_rows
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -112,6 +113,7 @@ class LLMEngine:
         self._requests: set[EngineRequest] = set()
         self._work = trio.Event()
         self._step_no = 0
+        self._logprob_requests = 0  # requests asking for logprobs: none, no work for them
         self.accepting = True
 
     def kv_cache_state(self) -> KVCacheState:
@@ -162,6 +164,7 @@ class LLMEngine:
         record.samples.append(_Sample(seq, rng, self._output(record)))
         record.live = params.n
         self._requests.add(record)
+        self._logprob_requests += params.logprobs is not None
         self.policy.add(seq)
         self._work.set()
         return record
@@ -233,8 +236,13 @@ class LLMEngine:
         for s in record.samples:
             self.policy.remove(s.seq)
         record.finish_reason = "abort"
-        self._requests.discard(record)
+        self._forget(record)
         record.sink.fail(error)
+
+    def _forget(self, record: EngineRequest) -> None:
+        """``record`` finished: the engine holds it no more."""
+        self._requests.discard(record)
+        self._logprob_requests -= record.request.sampling.logprobs is not None
 
     async def _step(self, batch: list[StepSequence]) -> np.ndarray[Any, Any]:
         if self.model.steps_async:
@@ -267,29 +275,33 @@ class LLMEngine:
             params = record.request.sampling
             for index in range(params.n - seq.pending_forks, params.n):
                 forks.append((row, seq, index, sample_generator(params, index, self._rng)))
-        tokens = self._sample(
-            logits,
-            [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads]
-            + [(row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks],
-        )
+        draws = [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads] + [
+            (row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks
+        ]
+        tokens = self._sample(logits, draws)
+        logprobs: list[TokenLogprob | None] = [None] * len(draws)
+        if self._logprob_requests:
+            logprobs = draws_logprobs(logits, draws, tokens)
         accepted = []
-        for (_, s), token in zip(heads, tokens, strict=False):
+        for (_, s), token, logprob in zip(heads, tokens, logprobs, strict=False):
             s.seq.token_ids.append(token)
-            accepted.append((s, token))
+            accepted.append((s, token, logprob))
         # Fork before accepting: a first sample that finishes frees the prompt's blocks.
-        for (_, parent, index, rng), token in zip(forks, tokens[len(heads) :], strict=True):
+        for (_, parent, index, rng), token, logprob in zip(
+            forks, tokens[len(heads) :], logprobs[len(heads) :], strict=True
+        ):
             record = parent.owner
             child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
             record.samples.append(child)
-            accepted.append((child, token))
+            accepted.append((child, token, logprob))
         tally.generation_tokens += len(accepted)
-        for s, token in accepted:
+        for s, token, logprob in accepted:
             record = s.seq.owner
             if record.finished:
                 continue  # another of its samples failed below
             self._new_tokens(record, now, tally)
             try:
-                self._accept(record, s, token, tally, now)
+                self._accept(record, s, token, logprob, tally, now)
             except Exception as exc:  # the model's tokenizer failed: this request fails
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
                 self._drop(record, InternalError(f"model '{self.model.name}' failed: {exc}"))
@@ -332,7 +344,13 @@ class LLMEngine:
         record.token_step = self._step_no
 
     def _accept(
-        self, record: EngineRequest, s: _Sample, token: int, tally: _StepTally, now: float
+        self,
+        record: EngineRequest,
+        s: _Sample,
+        token: int,
+        logprob: TokenLogprob | None,
+        tally: _StepTally,
+        now: float,
     ) -> None:
         """Take a sample's newest token: text, stop conditions, the sink."""
         seq = s.seq
@@ -347,7 +365,8 @@ class LLMEngine:
             elif len(seq.token_ids) >= record.length_limit:
                 reason = "length"
                 text += s.output.flush()
-        record.sink.chunk(GenerationChunk(seq.index, text, (token,), reason))
+        logprobs = None if logprob is None else (logprob,)
+        record.sink.chunk(GenerationChunk(seq.index, text, (token,), reason, logprobs))
         if reason is not None:
             s.finish_reason = reason
             self.policy.remove(seq)
@@ -360,7 +379,7 @@ class LLMEngine:
         self, record: EngineRequest, reason: FinishReason, now: float, tally: _StepTally
     ) -> None:
         record.finish_reason = reason
-        self._requests.discard(record)
+        self._forget(record)
         params = record.request.sampling
         tally.finished.append(
             finished_request(

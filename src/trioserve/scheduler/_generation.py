@@ -26,6 +26,7 @@ from .._errors import InvalidArgumentError, UnsupportedError
 from .._repository import ServedModel
 
 FinishReason = Literal["stop", "length", "abort"]
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    # Each output token's log-probability and this many of the most likely ones beside
+    # it (None: none; the OpenAI front end sets it).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -54,6 +58,8 @@ class SamplingParams:
             raise InvalidArgumentError("n must be at least 1")
         if any(not s for s in self.stop):
             raise InvalidArgumentError("stop strings must not be empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, Any]) -> SamplingParams:
@@ -111,6 +117,17 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """An output token's natural-log probability under the model's logits as they are
+    (before temperature, top-k and top-p, as vLLM reports them), and the most likely
+    tokens at its place, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob)
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationChunk:
     """New output of one sample since its previous chunk."""
 
@@ -118,6 +135,7 @@ class GenerationChunk:
     text: str  # the newly decoded text (may be "" while a multi-byte character is pending)
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None  # set on the sample's last chunk only
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked for
 
 
 @dataclass(frozen=True, slots=True)

@@ -169,6 +169,10 @@ class GenerativeRunner:
     def kv_cache_state(self) -> KVCacheState:
         return self.engine.kv_cache_state()
 
+    def num_running(self) -> int:
+        """Sequences the engine is running now (vLLM's ``num_requests_running``)."""
+        return len(self.engine.policy.running)
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, run the engine until cancelled, then fail what is left and unload."""
         await call_hook(self.model.load)

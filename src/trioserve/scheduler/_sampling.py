@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._generation import SamplingParams
+from ._generation import SamplingParams, TokenLogprob
 
 Array = np.ndarray[Any, Any]
 
@@ -58,6 +58,48 @@ def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array
         rest = ~nucleus
         tokens[rest] = _unsorted_draw(scaled[rest], top_k[rest], uniforms[rest])
     return tokens.tolist()  # type: ignore[no-any-return]
+
+
+def draws_logprobs(
+    logits: Array, draws: Sequence[tuple[int, SamplingParams, Any]], tokens: Sequence[int]
+) -> list[TokenLogprob | None]:
+    """The logprobs of each draw's token (logits row, parameters, generator), for the
+    draws that asked; most ask nothing, which costs one pass over the draws."""
+    asked = [i for i, (_, params, _) in enumerate(draws) if params.logprobs is not None]
+    found: list[TokenLogprob | None] = [None] * len(draws)
+    if asked:
+        computed = token_logprobs(
+            logits[[draws[i][0] for i in asked]],
+            [tokens[i] for i in asked],
+            [draws[i][1].logprobs or 0 for i in asked],
+        )
+        for i, entry in zip(asked, computed, strict=True):
+            found[i] = entry
+    return found
+
+
+def token_logprobs(
+    logits: Array, tokens: Sequence[int], top_counts: Sequence[int]
+) -> list[TokenLogprob]:
+    """Per row of ``logits``: the log-softmax value of its chosen token and of its
+    ``top_counts`` most likely tokens. Only rows that asked for logprobs come here."""
+    rows = logits.astype(np.float64)  # a few rows: the precision costs nothing
+    peak = rows.max(axis=1, keepdims=True)
+    logp = rows - (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)))
+    k = min(max(top_counts), rows.shape[1])
+    top = np.zeros((len(rows), 0), dtype=np.int64)
+    if k:
+        top = np.argpartition(-logp, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(logp, top, axis=1), axis=1, kind="stable")
+        top = np.take_along_axis(top, order, axis=1)
+    found = []
+    for row, (token, count) in enumerate(zip(tokens, top_counts, strict=True)):
+        ids = top[row, :count].tolist()
+        values = logp[row, ids].tolist()
+        found.append(
+            TokenLogprob(token, float(logp[row, token]), tuple(zip(ids, values, strict=True)))
+        )
+    return found
 
 
 def _sorted_draw(scaled: Array, top_k: Array, top_p: Array, uniforms: Array) -> Array:

@@ -1,5 +1,32 @@
-"""Helpers for testing against a real trioserve: a server on a background thread."""
+"""Helpers for testing against trioserve.
 
+- ``open_test_server``: a server with no listeners, for in-process clients
+  (``Server.infer``, ``Server.generate``, ``Server.rest_app``); exact under
+  ``trio.testing.MockClock(autojump_threshold=0)``, pytest-trio's ``autojump_clock``.
+- ``timed(model, cost)`` and ``TimedLM``: models whose executions and steps take a
+  declared time on trio's clock, and record what they ran.
+- ``model_statistics`` and ``batch_size_counts``: snapshots of a model's statistics.
+- ``server_in_thread``: a real server on a background thread, for synchronous clients.
+"""
+
+from .._stats import BatchStat, DurationStat, FailureReason, ModelStatistics
+from ._server import batch_size_counts, model_statistics, open_test_server
 from ._thread import server_in_thread
+from ._timed import ExecutedBatch, TimedModel, timed
+from ._timed_lm import ExecutedStep, TimedLM
 
-__all__ = ["server_in_thread"]
+__all__ = [
+    "BatchStat",
+    "DurationStat",
+    "ExecutedBatch",
+    "ExecutedStep",
+    "FailureReason",
+    "ModelStatistics",
+    "TimedLM",
+    "TimedModel",
+    "batch_size_counts",
+    "model_statistics",
+    "open_test_server",
+    "server_in_thread",
+    "timed",
+]

@@ -1,0 +1,111 @@
+"""Inference on a running server from the same trio program, with no sockets.
+
+``Server.infer`` and ``Server.generate`` are a front end like REST and gRPC, only
+without a wire: inputs arrive as numpy arrays, the request runs through the server's
+``InferencePipeline`` (validation, queueing and batching, statistics, metrics, load
+counting) or its engine, and the answer comes back as numpy arrays or text. Nothing
+here reads a clock or moves bytes, so under ``trio.testing.MockClock`` every time a
+request spends is the scheduler's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from ._context import ServerContext
+from ._errors import InvalidArgumentError
+from ._pipeline import refuse_decoupled
+from ._tensor import datatype_of
+from ._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from .scheduler._generation import generative
+from .scheduler._generation_input import generation_request
+from .shm import RequestRegions
+
+
+class InProcessFrontEnd:
+    """What ``Server.infer`` and ``Server.generate`` run on: the server's context."""
+
+    def __init__(self, context: ServerContext) -> None:
+        self._context = context
+        self._ids = itertools.count(1)  # the engine's request ids for generations
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        version: str | int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        outputs: Sequence[str] | None = None,
+        request_id: str = "",
+    ) -> InferenceResponse:
+        context = self._context
+        version_name = "" if version is None else str(version)
+        served = context.repository.get(model, version_name)
+        refuse_decoupled(served, "Server.infer")
+        request = InferenceRequest(
+            model_name=model,
+            model_version=version_name,
+            inputs=_input_tensors(inputs),
+            outputs=[RequestedOutput(name) for name in outputs or ()],
+            id=request_id,
+            parameters=dict(parameters or {}),
+        )
+
+        def decode(regions: RequestRegions) -> InferenceRequest:
+            return request  # numpy in hand: no shared memory to lease
+
+        _, response = await context.pipeline.infer(served, decode)
+        return response
+
+    async def generate(
+        self, model: str, prompt: str, *, version: str | int | None = None, **sampling: Any
+    ) -> AsyncIterator[str]:
+        """The text pieces of one sample, as the engine produces them."""
+        context = self._context
+        served = generative(context.repository.get(model, "" if version is None else str(version)))
+        if sampling.get("n", 1) != 1:
+            raise InvalidArgumentError("generate streams one sample: n must be 1")
+        request = generation_request(
+            f"inprocess-{next(self._ids)}", prompt, sampling, trio.current_time()
+        )
+        with context.load.counting(served):
+            async with served.generate(request) as chunks:
+                async for chunk in chunks:
+                    # An empty chunk only means that a multi-byte character is pending.
+                    if chunk.text:
+                        yield chunk.text
+
+
+def _input_tensors(inputs: Mapping[str, Any]) -> dict[str, InputTensor]:
+    """Each input as the wire would deliver it: its datatype read from the array, BYTES
+    elements as ``bytes`` in an object array."""
+    tensors = {}
+    for name, value in inputs.items():
+        if not isinstance(name, str):
+            raise InvalidArgumentError("input names must be strings")
+        array = np.asarray(value)
+        dt = datatype_of(array)
+        if dt.is_bytes:
+            array = _bytes_elements(array)
+        tensors[name] = InputTensor(name, dt, tuple(array.shape), array)
+    return tensors
+
+
+def _bytes_elements(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    elements = np.empty(array.shape, dtype=object)
+    for index, item in np.ndenumerate(array):
+        if isinstance(item, str):
+            elements[index] = item.encode()
+        elif isinstance(item, bytes | bytearray | memoryview):
+            elements[index] = bytes(item)
+        else:
+            raise InvalidArgumentError(
+                f"BYTES elements must be str or bytes, not {type(item).__name__}"
+            )
+    return elements

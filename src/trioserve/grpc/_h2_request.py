@@ -1,0 +1,92 @@
+"""A request's header block, read once: is it a gRPC call, to which method, with what
+deadline, compression and metadata (RFC 9113 §8.3 and gRPC's HTTP/2 mapping)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from . import _h2_frames as h2
+from ._errors import GrpcError, GrpcStatus
+from ._h2_stream import CallPlan
+from ._hpack import HeaderList, encode_headers
+from ._methods import Method
+from ._wire import decompressor, text_metadata, timeout_s, wbits_accepted
+
+# Plain HTTP answers to requests that are not gRPC calls.
+HTTP_415 = encode_headers([(b":status", b"415"), (b"content-type", b"text/plain")])
+HTTP_405 = encode_headers([(b":status", b"405"), (b"allow", b"POST")])
+HTTP_431 = encode_headers([(b":status", b"431")])
+
+_PSEUDO = frozenset({b":method", b":path", b":scheme", b":authority"})
+_CONNECTION_SPECIFIC = frozenset({b"connection", b"keep-alive", b"upgrade"})
+
+
+class Refusal(Exception):
+    """The call is answered at once with ``status`` (e.g. an unknown method)."""
+
+    def __init__(self, plan: CallPlan, status: GrpcStatus, message: str) -> None:
+        super().__init__(message)
+        self.plan = plan
+        self.status = status
+        self.message = message
+
+
+class _UnknownMethod:
+    """Stands for a path no method serves; such a call is refused UNIMPLEMENTED."""
+
+    request_type = None
+
+
+_UNKNOWN: Any = _UnknownMethod()
+
+
+def plan_call(
+    stream_id: int, headers: HeaderList, methods: Mapping[str, Method]
+) -> CallPlan | bytes | Refusal:
+    """The call's plan; a header block to answer with for a request that is not a gRPC
+    call; or a ``Refusal``. Raises ``StreamError`` for a malformed request."""
+    fields = _request_fields(stream_id, headers)
+    if fields.get(b":method") != b"POST":
+        return HTTP_405
+    if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
+        return HTTP_415
+    path = fields[b":path"].decode("latin-1")
+    metadata = MappingProxyType(text_metadata(headers))
+    method = methods.get(path)
+    if method is None:
+        return Refusal(
+            CallPlan(_UNKNOWN, metadata), GrpcStatus.UNIMPLEMENTED, f"unknown method {path}"
+        )
+    timeout = fields.get(b"grpc-timeout")
+    seconds = None if timeout is None else timeout_s(timeout)
+    encoding = fields.get(b"grpc-encoding", b"identity")
+    if encoding == b"identity":
+        return CallPlan(method, metadata, seconds)
+    try:
+        wbits = decompressor(encoding)
+    except GrpcError as exc:
+        return Refusal(CallPlan(method, metadata), exc.status, exc.message)
+    accepted = wbits_accepted(fields.get(b"grpc-accept-encoding"), encoding)
+    return CallPlan(method, metadata, seconds, wbits, accepted)
+
+
+def _request_fields(stream_id: int, headers: HeaderList) -> dict[bytes, bytes]:
+    """The request's fields by name, checked as RFC 9113 §8.3 asks (malformed: reset)."""
+    fields: dict[bytes, bytes] = {}
+    regular = False
+    for name, value in headers:
+        if name.startswith(b":"):
+            if regular or name in fields:
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "misplaced pseudo-header")
+            if name not in _PSEUDO:
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "unknown pseudo-header")
+        else:
+            regular = True
+            if name.lower() != name or name in _CONNECTION_SPECIFIC:
+                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "malformed header field")
+        fields[name] = value
+    if b":method" not in fields or b":path" not in fields or b":scheme" not in fields:
+        raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "missing pseudo-header")
+    return fields
