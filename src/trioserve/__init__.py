@@ -20,6 +20,7 @@ from ._limits import HttpLimits
 from ._metrics_config import MetricsConfig
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._restricted import Restriction
+from ._sequence_batching import SequenceBatching, SequenceControl, SequenceState
 from ._server import Server, open_server, serve
 from ._stats import MemoryUsage
 from ._types import (
@@ -52,6 +53,9 @@ __all__ = [
     "OutputTensor",
     "RequestedOutput",
     "Restriction",
+    "SequenceBatching",
+    "SequenceControl",
+    "SequenceState",
     "Server",
     "ServerConfig",
     "StepSequence",

@@ -26,8 +26,8 @@ from .shm import SharedMemoryRegistry
 # What works today, by Triton's extension names; listed in server metadata.
 EXTENSIONS = (
     "binary_tensor_data", "model_configuration", "model_repository",
-    "model_repository(unload_dependents)", "parameters", "schedule_policy", "statistics",
-    "system_shared_memory",
+    "model_repository(unload_dependents)", "parameters", "schedule_policy", "sequence",
+    "statistics", "system_shared_memory",
 )  # fmt: skip
 
 

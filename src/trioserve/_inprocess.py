@@ -19,6 +19,7 @@ import trio
 
 from ._context import ServerContext
 from ._errors import InvalidArgumentError
+from ._pipeline import refuse_decoupled
 from ._tensor import datatype_of
 from ._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from .scheduler._generation import generative
@@ -46,6 +47,7 @@ class InProcessFrontEnd:
         context = self._context
         version_name = "" if version is None else str(version)
         served = context.repository.get(model, version_name)
+        refuse_decoupled(served, "Server.infer")
         request = InferenceRequest(
             model_name=model,
             model_version=version_name,

@@ -18,22 +18,29 @@ in trio; plain functions run in a worker thread so they never block the event lo
 
 The full case subclasses ``Model`` and implements ``execute(requests)``, which sees each
 request of a batch with its parameters and returns one output mapping per request.
+A ``decoupled`` model answers each request through its ``response_sender`` instead.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
 from ._errors import InferenceServerError, InvalidArgumentError
+from ._sequence_batching import SequenceBatching
 from ._stats import MemoryUsage
 from ._tensor import Datatype, datatype
 from ._types import InferenceRequest
+
+# The model instance (0 .. instance_count - 1) running the current execution: each runs
+# one execution at a time, and a sequence's requests all run on the same one.
+MODEL_INSTANCE: contextvars.ContextVar[int] = contextvars.ContextVar("model_instance", default=0)
 
 Outputs = Mapping[str, Any]
 # What execute returns for one request: its outputs, or the error that failed it alone.
@@ -96,6 +103,12 @@ class Model:
     platform: str = "python"
     parameters: Mapping[str, str] = field(default_factory=dict)
     response_cache: bool = False  # answer repeated requests from the server's response cache
+    # Decoupled: ``execute`` answers through each request's ``response_sender`` (zero or
+    # more responses, then the final flag), possibly after it returned; what it returns
+    # is ignored. Served only over streams (gRPC ModelStreamInfer).
+    decoupled: bool = False
+    # Stateful: requests carry correlation ids and run in order per sequence.
+    sequence_batching: SequenceBatching | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 0 or self.instance_count < 1:
@@ -105,6 +118,29 @@ class Model:
         names = [t.name for t in (*self.inputs, *self.outputs)]
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name!r}: tensor names must be unique")
+        if self.decoupled and (self.response_cache or self.sequence_batching is not None):
+            raise ValueError(
+                f"model {self.name!r}: a decoupled model cannot use the response cache or "
+                "the sequence batcher"
+            )
+        if self.sequence_batching is not None:
+            if self.dynamic_batching is not None or self.response_cache:
+                raise ValueError(
+                    f"model {self.name!r}: the sequence batcher excludes dynamic batching and "
+                    "the response cache (a sequence's answers depend on its state)"
+                )
+            added = [c.name for c in self.sequence_batching.controls]
+            added += [s.input_name for s in self.sequence_batching.states]
+            clashes = set(added) & {t.name for t in self.inputs}
+            if clashes:
+                raise ValueError(
+                    f"model {self.name!r}: {sorted(clashes)} are sequence inputs the "
+                    "batcher sets, not inputs the client sends"
+                )
+
+    # An ``async`` model that does not batch may have its execution cancelled when its
+    # request's client gives up (a composition of models stops its remaining steps).
+    withdraw_cancels_execution: ClassVar[bool] = False
 
     def load(self) -> Awaitable[None] | None:
         """Called once before the model serves; may be ``async``."""

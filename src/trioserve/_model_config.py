@@ -12,6 +12,7 @@ from typing import Any
 
 from ._generative import GenerativeModel
 from ._model import Model, TensorSpec
+from ._sequence_batching import SequenceBatching
 
 
 def model_metadata(model: Model, versions: list[str]) -> dict[str, Any]:
@@ -71,7 +72,9 @@ def model_config(model: Model) -> dict[str, Any]:
         ],
         "parameters": {k: {"string_value": v} for k, v in model.parameters.items()},
         # A generative model streams any number of responses per request.
-        "model_transaction_policy": {"decoupled": isinstance(model, GenerativeModel)},
+        "model_transaction_policy": {
+            "decoupled": model.decoupled or isinstance(model, GenerativeModel)
+        },
         "response_cache": {"enable": model.response_cache},
     }
     batching = model.dynamic_batching
@@ -89,4 +92,51 @@ def model_config(model: Model) -> dict[str, Any]:
                 "max_queue_size": batching.max_queue_size,
             },
         }
+    if model.sequence_batching is not None:
+        config["sequence_batching"] = _sequence_batching(model.sequence_batching)
     return config
+
+
+_CONTROL_KINDS = {
+    "START": "CONTROL_SEQUENCE_START",
+    "END": "CONTROL_SEQUENCE_END",
+    "READY": "CONTROL_SEQUENCE_READY",
+    "CORRID": "CONTROL_SEQUENCE_CORRID",
+}
+
+
+def _sequence_batching(batching: SequenceBatching) -> dict[str, Any]:
+    """Triton's JSON of a ``sequence_batching`` block."""
+    delay = batching.max_queue_delay_microseconds
+    strategy: dict[str, Any] = {"max_queue_delay_microseconds": delay}
+    if batching.strategy == "oldest":
+        strategy["max_candidate_sequences"] = batching.max_candidate_sequences
+        strategy["preferred_batch_size"] = list(batching.preferred_batch_size)
+    controls = []
+    for control in batching.controls:
+        entry: dict[str, Any] = {"kind": _CONTROL_KINDS[control.kind]}
+        if control.kind == "CORRID":
+            entry["data_type"] = control.wire_datatype.config_name
+        else:
+            field = {
+                "INT32": "int32_false_true",
+                "FP32": "fp32_false_true",
+                "BOOL": "bool_false_true",
+            }
+            entry[field[control.datatype]] = list(control.false_true)
+        controls.append({"name": control.name, "control": [entry]})
+    states = [
+        {
+            "input_name": state.input_name,
+            "output_name": state.output_name,
+            "data_type": state.wire_datatype.config_name,
+            "dims": list(state.dims),
+        }
+        for state in batching.states
+    ]
+    return {
+        "max_sequence_idle_microseconds": batching.max_sequence_idle_microseconds,
+        batching.strategy: strategy,
+        "control_input": controls,
+        "state": states,
+    }

@@ -17,6 +17,10 @@ change to shared memory, device copies or load counting is made once:
 The front end then encodes the response and adds its load report (REST's header,
 gRPC's trailer; both built by ``LoadReporter.report``).
 
+A decoupled model's request takes ``infer_decoupled`` instead, on streams only: each
+of its answers goes to the front end's ``deliver`` as it comes. Unary front ends refuse
+such models (``refuse_decoupled``).
+
 A front end may also pass a ``Watch``: the watch tracks the ticket while it waits and
 may withdraw it (REST's ``DisconnectWatch`` does when the client disconnects), in which
 case ``infer`` returns None: there is nobody left to answer.
@@ -24,12 +28,13 @@ case ``infer`` returns None: there is nobody left to answer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import trio
 
-from ._repository import ServedModel, Ticket
+from ._errors import InferenceServerError, UnsupportedError
+from ._repository import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
 from .metrics._orca import LoadReporter
 from .shm import RequestRegions, SharedMemoryRegistry
@@ -60,7 +65,7 @@ class InferencePipeline:
 
     @overload
     async def infer(
-        self, served: ServedModel, decode: Decode
+        self, served: ServedModel, decode: Decode, *, submitted: Callable[[], object] | None = None
     ) -> tuple[InferenceRequest, InferenceResponse]: ...
 
     @overload
@@ -74,8 +79,12 @@ class InferencePipeline:
         decode: Decode,
         watch: Watch[Any, Any] | None = None,
         client: Any = None,
+        *,
+        submitted: Callable[[], object] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse] | None:
         """The request ``decode`` gives and its response; None if ``watch`` withdrew it.
+        ``submitted`` is called once the request is in its model's queue (a stream of a
+        sequence model submits its requests in order).
 
         One coroutine from the decode to the outcome: every frame between the front end
         and the ticket's wait is resumed again when the outcome arrives.
@@ -87,6 +96,8 @@ class InferencePipeline:
                 await regions.read_device_inputs()
             with self._load.counting(served):
                 ticket = served.submit(request)
+                if submitted is not None:
+                    submitted()
                 token = None if watch is None else watch.track(ticket, client)
                 try:
                     await ticket.wait()
@@ -108,6 +119,57 @@ class InferencePipeline:
         finally:
             regions.close()
         return request, response
+
+    async def infer_decoupled(
+        self,
+        served: ServedModel,
+        decode: Decode,
+        deliver: Callable[[Answer, bool], Awaitable[None]],
+    ) -> None:
+        """Submit the request ``decode`` gives to a decoupled model and ``deliver`` each
+        of its answers with its final flag, the last one final. Cancelling this
+        withdraws the request (the model sees it cancelled)."""
+        regions = RequestRegions(self._shared_memory, served.model.device)
+        try:
+            request = decode(regions)
+            if regions.device_inputs:
+                await regions.read_device_inputs()
+            with self._load.counting(served):
+                ticket = served.submit(request)
+                answers = ticket.answers()
+                assert answers is not None, "a decoupled model's ticket has answers"
+                try:
+                    async for answer, final in answers:
+                        if isinstance(answer, InferenceResponse):
+                            if regions.device_outputs:
+                                await regions.write_device_outputs(answer)
+                            else:
+                                regions.write_outputs(answer)
+                        await deliver(answer, final)
+                except trio.Cancelled:
+                    ticket.withdraw()
+                    raise
+                if ticket.finished:
+                    try:
+                        ticket.outcome()
+                    except InferenceServerError:
+                        raise _Delivered from None  # counted as an error, already answered
+        except _Delivered:
+            pass
+        finally:
+            regions.close()
+
+
+def refuse_decoupled(served: ServedModel, endpoint: str) -> None:
+    """Unary endpoints cannot answer a decoupled model (Triton's message)."""
+    if served.model.decoupled:
+        raise UnsupportedError(
+            f"{endpoint} doesn't support models with decoupled transaction policy"
+        )
+
+
+class _Delivered(Exception):
+    """The request failed and its front end was told so."""
 
 
 class _Withdrawn(BaseException):

@@ -15,7 +15,7 @@ from typing import Protocol
 import trio
 from prometheus_client.registry import Collector
 
-from ._errors import NotFoundError, unknown_model
+from ._errors import InferenceServerError, NotFoundError, unknown_model
 from ._model import Model
 from ._stats import ModelStatistics
 from ._types import InferenceRequest, InferenceResponse
@@ -61,6 +61,14 @@ class Ticket(Protocol):
 
     @property
     def withdrawn(self) -> bool: ...
+
+    def answers(self) -> trio.MemoryReceiveChannel[tuple[Answer, bool]] | None:
+        """A decoupled model's answers, each with its final flag (None for other models):
+        a response, an error for that response, or None for a final flag sent alone."""
+        ...
+
+
+Answer = InferenceResponse | InferenceServerError | None
 
 
 class RepositoryControl(Protocol):

@@ -43,7 +43,7 @@ from .rest._app import RestApp
 from .rest._endpoints import build_app
 from .scheduler._cache import ResponseCache
 from .scheduler._generative_runner import GenerativeRunner
-from .scheduler._runner import ModelRunner
+from .scheduler._runners import runner_class
 from .shm import SharedMemoryRegistry
 
 logger = logging.getLogger("trioserve")
@@ -229,7 +229,8 @@ def _served(
                 served.append(GenerativeRunner(model, version, telemetry))
             else:
                 cached = _cache_for(model, cache)
-                served.append(ModelRunner(model, version, cache=cached, histogram_bounds_ns=bounds))
+                runner = runner_class(model)
+                served.append(runner(model, version, cache=cached, histogram_bounds_ns=bounds))
     return served
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -37,6 +37,22 @@ class RequestedOutput:
     parameters: Parameters = field(default_factory=dict)
 
 
+class ResponseSender(Protocol):
+    """How a decoupled model answers one request: any number of ``send`` calls, the
+    last with ``final=True`` (it may carry no outputs). Safe from any thread."""
+
+    def send(
+        self, outputs: Mapping[str, Any] | Exception | None = None, *, final: bool = False
+    ) -> None:
+        """Send outputs (name -> array), or an error for this response, or nothing."""
+        ...
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the client gave up: later responses are dropped."""
+        ...
+
+
 @dataclass(slots=True)
 class InferenceRequest:
     model_name: str
@@ -45,6 +61,8 @@ class InferenceRequest:
     outputs: list[RequestedOutput] = field(default_factory=list)  # empty: all outputs
     id: str = ""
     parameters: Parameters = field(default_factory=dict)
+    # A decoupled model's way to answer: set by the scheduler before ``execute``.
+    response_sender: ResponseSender | None = field(default=None, repr=False, compare=False)
 
     @property
     def priority(self) -> int:

@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from .._context import ServerContext
 from .._errors import UnsupportedError, unknown_model
+from .._pipeline import refuse_decoupled
 from .._repository import Ticket
 from ._codec import (
     model_config_message,
@@ -192,6 +193,7 @@ class _Service:
     async def model_infer(self, request: WireRequest, call: Call) -> Any:
         plan = self._infer_plans.plan(request)
         served = self._repository.get(plan.model_name, plan.model_version)
+        refuse_decoupled(served, "ModelInfer RPC")
         decode = partial(plan.decode, request.raw)
         answered = await self._pipeline.infer(served, decode, _CALL_WATCH, call)
         if answered is None:

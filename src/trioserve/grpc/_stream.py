@@ -10,9 +10,13 @@ own, concurrently, in ``ModelStreamInferResponse`` messages (Triton's decoupled 
   with ``triton_enable_empty_final_response: true`` (tritonclient's
   ``enable_empty_final_response=True``) gets every text response with the flag false
   and then an empty response (no outputs) with it true.
-* Any other model answers its one response, flagged final. Its inputs and outputs may
+* Any other model answers its one response, flagged final. The requests of a sequence
+  model reach it in the order they came (each is queued before the next is read). Its inputs and outputs may
   be placed in shared memory as in ModelInfer; device copies (CUDA regions, a GPU
   model's outputs) run in a worker thread.
+* A decoupled model's request is answered by each response the model sends, the
+  last flagged final; a final flag sent alone becomes an empty final response only
+  when the request set ``triton_enable_empty_final_response``.
 * A request that fails is answered by ``error_message`` (the stream goes on), with the
   request's ``id`` so clients can tell which one failed.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +40,7 @@ import trio
 
 from .._errors import InferenceServerError
 from .._pipeline import InferencePipeline
-from .._repository import ModelRepository, ServedModel
+from .._repository import Answer, ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
@@ -94,21 +99,43 @@ class StreamInfer:
                     break
                 if message is None:
                     break  # the nursery waits for the requests in flight
-                requests.start_soon(self._answer_one, message, replies, in_flight)
+                if self._in_sequence(message):  # its requests reach the model in order
+                    await requests.start(self._answer_one, message, replies, in_flight)
+                else:
+                    requests.start_soon(self._answer_one, message, replies, in_flight)
         if failure is not None:
             raise failure
         if replies.served is not None:
             add_load_report(call, self._load, replies.served)
 
+    def _in_sequence(self, message: pb.ModelInferRequest) -> bool:
+        try:
+            served = self._repository.get(message.model_name, message.model_version)
+        except InferenceServerError:
+            return False
+        return served.model.sequence_batching is not None
+
     async def _answer_one(
-        self, message: pb.ModelInferRequest, replies: _Replies, in_flight: trio.Semaphore
+        self,
+        message: pb.ModelInferRequest,
+        replies: _Replies,
+        in_flight: trio.Semaphore,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         try:
-            await self._answer(message, replies)
+            await self._answer(message, replies, task_status=task_status)
         finally:
             in_flight.release()
 
-    async def _answer(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
+    async def _answer(
+        self,
+        message: pb.ModelInferRequest,
+        replies: _Replies,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        submitted = _Once(task_status.started)
         try:
             served = self._repository.get(message.model_name, message.model_version)
             replies.served = served
@@ -116,15 +143,21 @@ class StreamInfer:
                 request = decode_request(message)
                 with self._load.counting(served):
                     await self._generate(served, request, replies)
+            elif served.model.decoupled:
+                await self._pipeline.infer_decoupled(
+                    served, partial(decode_request, message), _Answers(message, replies).deliver
+                )
             else:
                 decode = partial(decode_request, message)
-                _, response = await self._pipeline.infer(served, decode)
+                _, response = await self._pipeline.infer(served, decode, submitted=submitted)
                 await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))
         except Exception:
             logger.exception("ModelStreamInfer request for %r failed", message.model_name)
             await replies.send(_error(message, "the request failed unexpectedly"))
+        finally:
+            submitted()
 
     async def _generate(
         self, served: GenerativeServed, request: InferenceRequest, replies: _Replies
@@ -147,6 +180,28 @@ class StreamInfer:
         if empty_final or unfinished:
             empty = InferenceResponse(served.model.name, served.version, [], request.id)
             await replies.send(_response(empty, final=True))
+
+
+class _Answers:
+    """Sends a decoupled model's answers to one request: each response as it comes, an
+    error as ``error_message``; a final flag sent alone is an empty final response only
+    when the request asked for one (``triton_enable_empty_final_response``)."""
+
+    def __init__(self, message: pb.ModelInferRequest, replies: _Replies) -> None:
+        self._message = message
+        self._replies = replies
+        parameter = message.parameters.get(EMPTY_FINAL)
+        self._empty_final = parameter is not None and parameter.bool_param
+
+    async def deliver(self, answer: Answer, final: bool) -> None:
+        if isinstance(answer, InferenceServerError):
+            await self._replies.send(_error(self._message, answer.message))
+        elif answer is not None:
+            await self._replies.send(_response(answer, final=final))
+        elif final and self._empty_final:
+            message = self._message
+            empty = InferenceResponse(message.model_name, message.model_version, [], message.id)
+            await self._replies.send(_response(empty, final=True))
 
 
 class _Replies:
@@ -204,3 +259,15 @@ def _error(message: pb.ModelInferRequest, text: str) -> pb.ModelStreamInferRespo
             model_name=message.model_name, model_version=message.model_version, id=message.id
         ),
     )
+
+
+class _Once:
+    """Calls ``function`` the first time it is called (a task's ``started``)."""
+
+    def __init__(self, function: Callable[[], object]) -> None:
+        self._function: Callable[[], object] | None = function
+
+    def __call__(self) -> None:
+        function, self._function = self._function, None
+        if function is not None:
+            function()

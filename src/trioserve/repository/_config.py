@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 from .._model import DynamicBatching, TensorSpec
 from .._tensor import datatype_from_config
 from ._generated.model_config_pb2 import DataType, ModelConfig, ModelInstanceGroup
+from ._sequence_config import complete_sequence_batching, sequence_settings
 
 CONFIG_FILE = "config.pbtxt"
 
@@ -88,17 +89,8 @@ def complete_config(config: ModelConfig, folder: Path, *, gpu_available: bool = 
                 raise ConfigError(f"{where}: field '{kind}.name': must not be empty")
             if not tensor.dims:
                 raise ConfigError(f"{where}: field '{kind}.dims' of '{tensor.name}': missing")
-    for field_name, issue in (
-        ("sequence_batching", "14: stateful models"),
-        ("ensemble_scheduling", "ensembles"),
-    ):
-        if config.HasField(field_name):
-            raise ConfigError(f"{where}: field '{field_name}': not supported yet ({issue})")
-    if config.model_transaction_policy.decoupled:
-        raise ConfigError(
-            f"{where}: field 'model_transaction_policy.decoupled': decoupled models are not "
-            "supported yet"
-        )
+    if config.HasField("sequence_batching"):
+        complete_sequence_batching(config)
 
 
 def model_settings(config: ModelConfig, folder: Path) -> dict[str, Any]:
@@ -114,7 +106,13 @@ def model_settings(config: ModelConfig, folder: Path) -> dict[str, Any]:
         "platform": config.platform or config.backend,
         "parameters": {k: v.string_value for k, v in config.parameters.items()},
         "response_cache": config.response_cache.enable,
+        "decoupled": config.model_transaction_policy.decoupled,
     }
+    if config.HasField("sequence_batching"):
+        try:
+            settings["sequence_batching"] = sequence_settings(config)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: field 'sequence_batching': {exc}") from None
     if config.HasField("dynamic_batching"):
         batching = config.dynamic_batching
         queue = batching.default_queue_policy

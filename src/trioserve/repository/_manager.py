@@ -29,6 +29,7 @@ from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
 from .._repository import ModelRepository, ServedModel
 from ._config import ConfigError
+from ._ensemble import EnsembleModel
 from ._layout import model_folders
 from ._pb_metrics import CustomMetrics
 from ._reading import read_model
@@ -151,10 +152,16 @@ class RepositoryManager:
         await self._load_model(name, config, files)
 
     async def unload(self, name: str, unload_dependents: bool) -> None:
-        """The API's unload: only in explicit mode. Without ensembles no model depends on
-        another, so ``unload_dependents`` unloads nothing more."""
+        """The API's unload: only in explicit mode. With ``unload_dependents``, unloading
+        an ensemble also unloads the models of its steps that no other ensemble uses."""
         self._check_explicit()
+        composing = _composing_models(self._repository, name) if unload_dependents else set()
         await self._unload_model(name)
+        still_used = set().union(
+            *(_composing_models(self._repository, other) for other in self._repository.names())
+        )
+        for dependent in sorted(composing - still_used):
+            await self._unload_model(dependent)
 
     def _check_explicit(self) -> None:
         if self._mode != "explicit":
@@ -239,6 +246,19 @@ class RepositoryManager:
             if upload is not None:
                 upload.cleanup()
             logger.info("unloaded model '%s'", name)
+
+
+def _composing_models(repository: ModelRepository, name: str) -> set[str]:
+    """The models the steps of ensemble ``name`` use (none for other models)."""
+    if not repository.has(name):
+        return set()
+    models = [repository.get(name, version).model for version in repository.versions(name)]
+    return {
+        step.model_name
+        for model in models
+        if isinstance(model, EnsembleModel)
+        for step in model.steps
+    }
 
 
 def _overridden(model: Model, config: str | None) -> Model:

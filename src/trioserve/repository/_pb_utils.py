@@ -30,7 +30,7 @@ from .._errors import (
 from .._repository import ModelRepository
 from .._tensor import datatype, datatype_from_config, datatype_of
 from .._types import InferenceRequest as CoreRequest
-from .._types import InputTensor, RequestedOutput
+from .._types import InputTensor, RequestedOutput, ResponseSender
 from ._auto_complete import ModelConfig as ModelConfig
 from ._pb_metrics import COUNTER as COUNTER
 from ._pb_metrics import GAUGE as GAUGE
@@ -206,6 +206,7 @@ class InferenceRequest:
         self._flags = flags
         self._parameters = json.loads(parameters) if isinstance(parameters, str) else parameters
         self._timeout = timeout
+        self._sender: ResponseSender | None = None  # a served request to a decoupled model
 
     @classmethod
     def _served(cls, request: CoreRequest) -> InferenceRequest:
@@ -213,13 +214,23 @@ class InferenceRequest:
         inputs = [
             Tensor(t.name, t.data, triton_dtype=t.datatype.name) for t in request.inputs.values()
         ]
-        return cls(
+        parameters = request.parameters
+        flags = 0
+        if parameters.get("sequence_start") is True:
+            flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+        if parameters.get("sequence_end") is True:
+            flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+        served = cls(
             model_name=request.model_name,
             inputs=inputs,
             requested_output_names=[o.name for o in request.outputs],
             request_id=request.id,
-            parameters=dict(request.parameters),
+            correlation_id=parameters.get("sequence_id", 0),
+            flags=flags,
+            parameters=dict(parameters),
         )
+        served._sender = request.response_sender
+        return served
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -246,13 +257,14 @@ class InferenceRequest:
         return json.dumps(dict(self._parameters or {}))
 
     def is_cancelled(self) -> bool:
-        return False
+        return self._sender is not None and self._sender.cancelled
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException(
-            "get_response_sender is only available to decoupled models, which this server "
-            "does not serve yet"
-        )
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            raise TritonModelException(
+                "get_response_sender is only available to the requests of decoupled models"
+            )
+        return InferenceResponseSender(self._sender)
 
     def exec(self, decoupled: bool = False) -> InferenceResponse:
         """Run this request on the served model and wait for its response (from a model's
@@ -274,14 +286,47 @@ class InferenceRequest:
             inputs[tensor.name()] = InputTensor(
                 tensor.name(), datatype(tensor.triton_dtype()), tuple(array.shape), array
             )
+        parameters = dict(self._parameters or {})
+        if self._correlation_id not in (0, ""):  # a request of a sequence
+            parameters["sequence_id"] = self._correlation_id
+            parameters["sequence_start"] = bool(
+                self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+            )
+            parameters["sequence_end"] = bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END)
         return CoreRequest(
             self._model_name,
             version,
             inputs,
             [RequestedOutput(name) for name in self._requested],
             id=self._request_id,
-            parameters=dict(self._parameters or {}),
+            parameters=parameters,
         )
+
+
+class InferenceResponseSender:
+    """Sends a decoupled model's responses to one request, from any thread."""
+
+    def __init__(self, sender: ResponseSender) -> None:
+        self._sender = sender
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException("send needs a response, the final flag, or both")
+        outputs: Mapping[str, Any] | Exception | None = None
+        if response is not None:
+            error = response.error()
+            if error is not None:
+                outputs = server_error(error)
+            else:
+                outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        try:
+            self._sender.send(outputs, final=final)
+        except InferenceServerError as exc:
+            raise TritonModelException(exc.message) from None
+
+    def is_cancelled(self) -> bool:
+        return self._sender.cancelled
 
 
 def _no_decoupled(decoupled: bool) -> None:

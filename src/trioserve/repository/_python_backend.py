@@ -5,7 +5,9 @@ when the version loads (Triton's ``args`` keys, every value a string), ``execute
 for each batch, one ``pb_utils.InferenceRequest`` per request of the batch, and
 ``finalize()`` when it unloads. A plain ``execute`` runs in a worker thread, an ``async``
 one in trio. An exception from ``execute`` fails every request of the batch; a response
-carrying an error fails its own request.
+carrying an error fails its own request. A decoupled model's ``execute`` returns None
+and answers through ``request.get_response_sender()``, from any thread, even after it
+returned.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from types import ModuleType
 from typing import Any
 
 from .._errors import InferenceServerError, InternalError
-from .._model import Model, Result
+from .._model import MODEL_INSTANCE, Model, Result
 from .._repository import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
@@ -90,7 +92,7 @@ class PythonBackendModel(Model):
         self._folder = folder
         self._repository = repository
         self._metrics = metrics
-        self._free: list[Any] = []  # instances not executing a batch
+        self._instances: list[Any] = []  # by index: the runner's model instances
         self._document = config_document(config)
         if inspect.iscoroutinefunction(model_class.execute):  # type: ignore[attr-defined]
             self.execute = self._execute_async  # type: ignore[method-assign]
@@ -123,7 +125,7 @@ class PythonBackendModel(Model):
                     initialize = getattr(instance, "initialize", None)
                     if initialize is not None:
                         initialize(self._args(group, index, gpu))
-                    self._free.append(instance)
+                    self._instances.append(instance)
 
     def _args(self, group: Any, index: int, gpu: bool) -> dict[str, str]:
         return {
@@ -137,7 +139,7 @@ class PythonBackendModel(Model):
         }
 
     def unload(self) -> None:
-        instances, self._free = self._free, []
+        instances, self._instances = self._instances, []
         with self._serving():
             for instance in instances:
                 finalize = getattr(instance, "finalize", None)
@@ -147,29 +149,23 @@ class PythonBackendModel(Model):
             self._metrics.release(self)
 
     def _execute_sync(self, requests: Sequence[InferenceRequest]) -> list[Result]:
-        instance = self._free.pop()  # the runner runs at most one batch per instance
-        try:
-            with self._serving():
-                served = [pb_utils.InferenceRequest._served(r) for r in requests]
-                try:
-                    responses = instance.execute(served)
-                except Exception as exc:
-                    raise self._failure(exc) from exc
-        finally:
-            self._free.append(instance)
+        instance = self._instances[MODEL_INSTANCE.get()]  # running one batch at a time
+        with self._serving():
+            served = [pb_utils.InferenceRequest._served(r) for r in requests]
+            try:
+                responses = instance.execute(served)
+            except Exception as exc:
+                raise self._failure(exc) from exc
         return self._outputs(requests, responses)
 
     async def _execute_async(self, requests: Sequence[InferenceRequest]) -> list[Result]:
-        instance = self._free.pop()
-        try:
-            with self._serving():
-                served = [pb_utils.InferenceRequest._served(r) for r in requests]
-                try:
-                    responses = await instance.execute(served)
-                except Exception as exc:
-                    raise self._failure(exc) from exc
-        finally:
-            self._free.append(instance)
+        instance = self._instances[MODEL_INSTANCE.get()]
+        with self._serving():
+            served = [pb_utils.InferenceRequest._served(r) for r in requests]
+            try:
+                responses = await instance.execute(served)
+            except Exception as exc:
+                raise self._failure(exc) from exc
         return self._outputs(requests, responses)
 
     def _failure(self, exc: Exception) -> InferenceServerError:
@@ -181,6 +177,13 @@ class PythonBackendModel(Model):
         )
 
     def _outputs(self, requests: Sequence[InferenceRequest], responses: Any) -> list[Result]:
+        if self.decoupled:
+            if responses is not None:
+                raise InternalError(
+                    f"model '{self.name}' is decoupled: execute must return None and answer "
+                    "through each request's response sender"
+                )
+            return []
         if not isinstance(responses, list | tuple) or len(responses) != len(requests):
             count = len(responses) if isinstance(responses, list | tuple) else "no list of"
             raise InternalError(

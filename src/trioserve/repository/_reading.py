@@ -17,7 +17,17 @@ from pathlib import Path
 from .._loader import RepositoryError, load_model_folder
 from .._model import Model
 from .._repository import ModelRepository
-from ._config import CONFIG_FILE, ConfigError, complete_config, model_settings, read_config
+from ._config import (
+    CONFIG_FILE,
+    ConfigError,
+    complete_config,
+    config_document,
+    model_settings,
+    read_config,
+)
+from ._ensemble import PLATFORM as ENSEMBLE
+from ._ensemble import EnsembleModel, ensemble_steps
+from ._generated.model_config_pb2 import ModelConfig
 from ._layout import chosen_versions, detect_backend, model_file, version_folders
 from ._pb_metrics import CustomMetrics
 from ._python_backend import PythonBackendModel, auto_complete, import_model_file
@@ -40,6 +50,8 @@ def read_model(
     if strict and override is None and not (folder / CONFIG_FILE).is_file():
         raise ConfigError(f"{folder / CONFIG_FILE}: missing (--strict-model-config)")
     config = read_config(folder, override)
+    if config.platform == ENSEMBLE:
+        return _read_ensemble(config, folder, repository)
     backend = detect_backend(config, folder)
     versions = chosen_versions(config, folder)
     folders = version_folders(folder)
@@ -65,6 +77,16 @@ def read_model(
         )
         for v in versions
     ]
+
+
+def _read_ensemble(config: ModelConfig, folder: Path, repository: ModelRepository) -> list[Model]:
+    versions = chosen_versions(config, folder)  # an ensemble's version folders are empty
+    complete_config(config, folder)
+    del config.instance_group[:]  # its steps' models have instances; it has none
+    settings = model_settings(config, folder)
+    steps = ensemble_steps(config, folder)
+    document = config_document(config)
+    return [EnsembleModel(steps, config, v, repository, document, **settings) for v in versions]
 
 
 def _own_layout(folder: Path) -> bool:

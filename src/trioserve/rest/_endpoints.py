@@ -10,6 +10,7 @@ from typing import Any
 from .._context import ServerContext
 from .._errors import InvalidArgumentError
 from .._model_config import model_config, model_metadata
+from .._pipeline import refuse_decoupled
 from .._stats import statistics_document
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
@@ -75,6 +76,7 @@ class _Endpoints:
         name = request.params["model"]
         version = request.params.get("version", "")
         served = self.repository.get(name, version)
+        refuse_decoupled(served, "HTTP end point")
         decode = partial(
             decode_request, request.body, _header_length(request.headers), served.model, name,
             version,

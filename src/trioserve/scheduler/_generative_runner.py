@@ -103,6 +103,9 @@ class _CollectedTicket:
     def withdrawn(self) -> bool:
         return isinstance(self._error, CancelledError)
 
+    def answers(self) -> None:
+        return None  # the model is not decoupled: its one response is collected
+
     def chunk(self, chunk: GenerationChunk) -> None:
         self._texts[chunk.index].append(chunk.text)
 

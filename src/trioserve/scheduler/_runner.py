@@ -27,7 +27,8 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
-from .._model import Model, Outputs, Result
+from .._model import MODEL_INSTANCE, Model, Outputs, Result
+from .._repository import Answer
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -36,6 +37,7 @@ from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
+from ._decoupled import DecoupledResponses
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook
@@ -93,6 +95,7 @@ class Ticket:
     execution: ExecutionTimes | None = None  # the batch that answered it
     cache_key: bytes | None = None  # set on a cache miss: store the response under it
     cache_ns: int = 0  # time spent looking it up in the response cache
+    responses: DecoupledResponses | None = None  # a decoupled model's answers
     _waiter: trio.lowlevel.Task | None = None
 
     async def wait(self) -> None:
@@ -127,6 +130,9 @@ class Ticket:
     @property
     def withdrawn(self) -> bool:
         return isinstance(self.error, CancelledError)
+
+    def answers(self) -> trio.MemoryReceiveChannel[tuple[Answer, bool]] | None:
+        return None if self.responses is None else self.responses.receive
 
     def outcome(self) -> InferenceResponse:
         """The response, or the error raised; only once ``finished``."""
@@ -170,6 +176,8 @@ class ModelRunner:
         self._idle = model.instance_count
         self._queue = RequestQueue(self.policy.priority_levels)
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
+        # Executions that a withdrawal cancels (``Model.withdraw_cancels_execution``).
+        self._executions: dict[Ticket, trio.CancelScope] = {}
 
     @property
     def name(self) -> str:
@@ -177,11 +185,11 @@ class ModelRunner:
 
     def statistics(self) -> RunnerStatistics:
         busy = self.model.instance_count - self._idle
-        return RunnerStatistics(queued=len(self._queue), executing=busy)
+        return RunnerStatistics(queued=self._waiting(), executing=busy)
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(
-            pending=len(self._queue), response_cache=self._cache is not None
+            pending=self._waiting(), response_cache=self._cache is not None
         )
 
     def collectors(self) -> tuple[()]:
@@ -237,6 +245,9 @@ class ModelRunner:
         cancelled = CancelledError("request cancelled")
         if self._finish(ticket, error=cancelled, reason=FailureReason.CANCELED):
             self._inbox.put(_Withdraw(ticket))
+            execution = self._executions.get(ticket)
+            if execution is not None:  # the model stops working on it
+                execution.cancel()
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Queue ``request`` and wait for its outcome; cancelling this withdraws it."""
@@ -257,15 +268,23 @@ class ModelRunner:
         task_status.started()
         try:
             async with trio.open_nursery() as instances:
-                for _ in range(self.model.instance_count):
-                    instances.start_soon(self._instance)
+                for index in range(self.model.instance_count):
+                    instances.start_soon(self._instance, index)
                 await self._batch_loop()
         finally:
             self.ready = False
-            for ticket in _tickets(self._queue.pop_front(len(self._queue))):
+            for ticket in _tickets(self._take_waiting()):
                 self._finish(ticket, error=_shutting_down())
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
+
+    def _waiting(self) -> int:
+        """Requests waiting to execute."""
+        return len(self._queue)
+
+    def _take_waiting(self) -> list[QueuedItem]:
+        """Every waiting request, out of the queue (the server stops)."""
+        return self._queue.pop_front(len(self._queue))
 
     async def _batch_loop(self) -> None:
         now = now_ns()
@@ -316,8 +335,9 @@ class ModelRunner:
                 item.payload = None
         self._notify()
 
-    async def _instance(self) -> None:
+    async def _instance(self, index: int) -> None:
         """One model instance: runs the batches the batcher hands it, one at a time."""
+        MODEL_INSTANCE.set(index)  # this task's context; worker threads get a copy
         while True:
             batch, dequeued_ns = await self._batches.get()
             try:
@@ -325,11 +345,22 @@ class ModelRunner:
             finally:
                 self._idle += 1
                 self._notify()
-                if self._queue:  # requests wait for an instance: decide again
+                if self._waiting():  # requests wait for an instance: decide again
                     self._inbox.put(_WAKE)
             del batch  # held until the next batch, it would keep its tensors alive
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
+        if self.model.withdraw_cancels_execution:
+            with trio.CancelScope() as scope:
+                self._executions[batch[0]] = scope
+                try:
+                    await self._execute_batch(batch, dequeued_ns)
+                finally:
+                    del self._executions[batch[0]]
+        else:
+            await self._execute_batch(batch, dequeued_ns)
+
+    async def _execute_batch(self, batch: list[Ticket], dequeued_ns: int) -> None:
         try:
             requests = [p.request for p in batch]
             try:
@@ -419,6 +450,8 @@ class ModelRunner:
         when the outcome is in the caller's hands ("response sent"), if not now."""
         if ticket.finished:
             return False
+        if ticket.responses is not None:  # a decoupled model's answers end here
+            ticket.responses.end(error)
         ticket._resolve(response, error)
         if sent_ns is None:
             sent_ns = now_ns()

@@ -1,0 +1,292 @@
+"""Serves one version of a stateful model: the sequence batcher.
+
+A ``ModelRunner`` whose queue is a ``SequenceTable`` (``_sequences``): a request joins
+its sequence when it is submitted (so a request for an unknown sequence is refused at
+once, with Triton's message), the batcher task applies ``decide`` and, before handing a
+batch to a model instance, adds each request's control inputs and implicit state. After
+the execution the state outputs are kept for the sequence's next request. The batch
+runs as the model instance its sequences belong to (``MODEL_INSTANCE``), so a model
+that keeps a sequence's state in its instance finds it there.
+
+Cancelling a request (its client went away, its stream was cancelled) ends its
+sequence: the requests of it still waiting fail as cancelled, and later ones are
+refused as for any unknown sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._errors import CancelledError, InternalError, InvalidArgumentError, UnavailableError
+from .._model import MODEL_INSTANCE, Model, Result
+from .._sequence_batching import SequenceBatching, SequenceControl
+from .._stats import FailureReason
+from .._tensor import Datatype
+from .._types import InferenceRequest, InputTensor
+from .._validation import validate_request
+from ._batching import QueuedItem, Wait
+from ._clock import now_ns, ns_to_seconds
+from ._runner import _WAKE, ModelRunner, Ticket, _tickets, _Withdraw
+from ._sequences import (
+    CorrelationId,
+    DispatchSequences,
+    LiveSequence,
+    NotStarted,
+    SequencePolicy,
+    SequenceTable,
+    decide,
+)
+
+logger = logging.getLogger("trioserve.scheduler")
+
+_UINT64 = 1 << 64
+
+
+def sequence_policy(model: Model) -> SequencePolicy:
+    batching = model.sequence_batching
+    assert batching is not None
+    per_instance = max(model.max_batch_size, 1)
+    oldest = batching.strategy == "oldest"
+    return SequencePolicy(
+        oldest=oldest,
+        max_batch_size=per_instance,
+        slots=batching.max_candidate_sequences if oldest else per_instance * model.instance_count,
+        slots_per_instance=per_instance,
+        max_queue_delay_ns=batching.max_queue_delay_microseconds * 1000,
+        preferred_batch_sizes=tuple(batching.preferred_batch_size),
+        idle_ns=batching.max_sequence_idle_microseconds * 1000,
+    )
+
+
+def sequence_flags(request: InferenceRequest) -> tuple[CorrelationId, bool, bool]:
+    """The correlation id and the START and END flags a request carries."""
+    parameters = request.parameters
+    correlation_id = parameters.get("sequence_id", 0)
+    if type(correlation_id) is int:
+        correlation_id %= _UINT64  # a uint64 id may travel as a negative int64
+    elif type(correlation_id) is not str:
+        raise InvalidArgumentError("parameter 'sequence_id' must be an integer or a string")
+    flags = []
+    for key in ("sequence_start", "sequence_end"):
+        value = parameters.get(key, False)
+        if type(value) is not bool:
+            raise InvalidArgumentError(f"parameter '{key}' must be a boolean")
+        flags.append(value)
+    return correlation_id, flags[0], flags[1]
+
+
+class SequenceRunner(ModelRunner):
+    """A runner whose model has ``sequence_batching``."""
+
+    def __init__(self, model: Model, version: str, **settings: Any) -> None:
+        super().__init__(model, version, **settings)
+        assert model.sequence_batching is not None
+        self._batching: SequenceBatching = model.sequence_batching
+        self._table = SequenceTable(sequence_policy(model))
+        # The sequence of each waiting request, and its START and END flags; then of
+        # each executing one.
+        self._joined: dict[Ticket, tuple[LiveSequence, bool, bool]] = {}
+        self._executing: dict[Ticket, LiveSequence] = {}
+        self._free_instances = set(range(model.instance_count))
+
+    def submit(self, request: InferenceRequest) -> Ticket:
+        if not self.ready:
+            raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
+        size, key = validate_request(self.model, request)
+        correlation_id, start, end = sequence_flags(request)
+        if correlation_id in (0, ""):
+            raise InvalidArgumentError(
+                f"inference request to model '{self.name}' must specify a non-zero or "
+                "non-empty correlation ID"
+            )
+        if size > 1:
+            raise InvalidArgumentError(
+                f"inference request to model '{self.name}' must specify batch-size 1 due to "
+                "requirements of sequence batcher"
+            )
+        self._check_correlation_type(correlation_id)
+        arrival = now_ns()
+        try:
+            sequence, conflict = self._table.admit(correlation_id, start, end, arrival)
+        except NotStarted:
+            raise InvalidArgumentError(
+                f"inference request for sequence {correlation_id} to model '{self.name}' "
+                "must specify the START flag on the first request of the sequence"
+            ) from None
+        if conflict:
+            logger.warning(
+                "sequence %s for model '%s' has a conflict. The previous sequence did not end "
+                "before this sequence start. Previous sequence will be terminated early.",
+                correlation_id,
+                self.name,
+            )
+        item = QueuedItem(size, key, arrival, 1, None)
+        ticket = Ticket(request, item, self)
+        item.payload = ticket
+        sequence.pending.append(item)
+        self._joined[ticket] = (sequence, start, end)
+        self._inbox.put(_WAKE)
+        return ticket
+
+    def _check_correlation_type(self, correlation_id: CorrelationId) -> None:
+        for control in self._batching.controls:
+            if control.kind == "CORRID" and (control.datatype == "BYTES") != isinstance(
+                correlation_id, str
+            ):
+                kind = "a string" if control.datatype == "BYTES" else "an integer"
+                raise InvalidArgumentError(
+                    f"sequence batching control '{control.name}' of model '{self.name}' "
+                    f"expects {kind} correlation ID"
+                )
+
+    def _waiting(self) -> int:
+        return self._table.waiting()
+
+    def _take_waiting(self) -> list[QueuedItem]:
+        items = []
+        for sequence, _, _ in list(self._joined.values()):
+            items += self._table.cancel(sequence)
+        return items
+
+    async def _batch_loop(self) -> None:
+        now = now_ns()
+        while True:
+            for sequence in self._table.release_idle(now):
+                logger.info(
+                    "sequence %s of model '%s' was idle too long: released",
+                    sequence.correlation_id,
+                    self.name,
+                )
+            ready = self._table.ready()
+            decision = decide(ready, now, self._free_instances, self._table.policy)
+            if isinstance(decision, DispatchSequences):
+                batch = [self._prepare(t) for t in _tickets(self._table.take(decision))]
+                batch = [t for t in batch if not self._skip_withdrawn(t)]
+                if batch:
+                    self._idle -= 1
+                    self._free_instances.remove(decision.instance)
+                    self._batches.put((batch, now))
+                del batch
+                self._notify()
+                continue
+            until = _earliest(decision, self._table.next_idle_ns())
+            self._handle_all(await self._inbox.take(until))
+            now = now_ns()
+
+    def _handle(self, message: Ticket | _Withdraw | None) -> None:
+        if isinstance(message, _Withdraw):
+            ticket = message.ticket
+            joined = self._joined.pop(ticket, None)
+            if joined is not None:
+                sequence = joined[0]
+                if ticket.item in sequence.pending:
+                    sequence.pending.remove(ticket.item)
+                    ticket.item.payload = None
+                self._end_cancelled(sequence)
+            elif ticket in self._executing:
+                self._end_cancelled(self._executing[ticket])
+        self._notify()
+
+    def _skip_withdrawn(self, ticket: Ticket) -> bool:
+        """A request withdrawn before the batcher heard of it does not execute."""
+        if not ticket.finished:
+            return False
+        self._table.executed(self._executing.pop(ticket))
+        return True
+
+    def _end_cancelled(self, sequence: LiveSequence) -> None:
+        for ticket in _tickets(self._table.cancel(sequence)):
+            self._joined.pop(ticket, None)
+            self._finish(
+                ticket,
+                error=CancelledError(f"sequence {sequence.correlation_id} was cancelled"),
+                reason=FailureReason.CANCELED,
+            )
+
+    def _prepare(self, ticket: Ticket) -> Ticket:
+        """Add the control inputs and the implicit state to a request about to execute."""
+        sequence, start, end = self._joined.pop(ticket)
+        self._executing[ticket] = sequence
+        request = ticket.request
+        batched = self.model.batches
+        inputs = dict(request.inputs)
+        for control in self._batching.controls:
+            data = _control_value(control, start, end, sequence.correlation_id)
+            inputs[control.name] = _tensor(control.name, control.wire_datatype, (1,), data, batched)
+        states = sequence.state if isinstance(sequence.state, dict) and not start else {}
+        for state in self._batching.states:
+            value = states.get(state.input_name, state.initial)
+            inputs[state.input_name] = _tensor(
+                state.input_name, state.wire_datatype, tuple(state.dims), value, batched
+            )
+        request.inputs = inputs
+        return ticket
+
+    async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
+        instance = self._executing[batch[0]].instance
+        assert instance is not None
+        token = MODEL_INSTANCE.set(instance)  # the sequences' instance, not this task's
+        try:
+            await super()._execute(batch, dequeued_ns)
+        finally:
+            MODEL_INSTANCE.reset(token)
+            self._free_instances.add(instance)
+            for ticket in batch:
+                self._table.executed(self._executing.pop(ticket))
+            self._inbox.put(_WAKE)  # a sequence's next request, or a slot, is free
+
+    async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
+        results = await super()._call_model(requests)
+        if not self._batching.states:
+            return results
+        by_request = {id(t.request): sequence for t, sequence in self._executing.items()}
+        return [
+            self._keep_state(by_request[id(request)], result)
+            for request, result in zip(requests, results, strict=True)
+        ]
+
+    def _keep_state(self, sequence: LiveSequence, result: Result) -> Result:
+        if not isinstance(result, Mapping):
+            return result  # the request failed: the state stays as it was
+        kept = {}
+        for state in self._batching.states:
+            if state.output_name not in result:
+                return InternalError(
+                    f"model '{self.name}' did not produce the state output '{state.output_name}'"
+                )
+            array = np.asarray(result[state.output_name], dtype=state.wire_datatype.dtype)
+            kept[state.input_name] = array.reshape(state.dims)
+        sequence.state = kept
+        return result
+
+
+def _control_value(
+    control: SequenceControl, start: bool, end: bool, correlation_id: CorrelationId
+) -> Any:
+    if control.kind == "CORRID":
+        return correlation_id.encode() if isinstance(correlation_id, str) else correlation_id
+    flag = {"START": start, "END": end, "READY": True}[control.kind]
+    return control.false_true[1] if flag else control.false_true[0]
+
+
+def _tensor(
+    name: str, wire: Datatype, dims: tuple[int, ...], value: Any, batched: bool
+) -> InputTensor:
+    """An input the batcher adds: ``dims`` per request, under a batch dimension of 1."""
+    if wire.is_bytes:
+        array = np.array([value], dtype=object).reshape(dims)
+    else:
+        array = np.asarray(value, dtype=wire.dtype).reshape(dims)
+    if batched:
+        array = array[np.newaxis]
+    return InputTensor(name, wire, tuple(array.shape), array)
+
+
+def _earliest(decision: Wait, idle_ns: int | None) -> float:
+    times = [t for t in (decision.until_ns, idle_ns) if t is not None]
+    return ns_to_seconds(min(times)) if times else math.inf
