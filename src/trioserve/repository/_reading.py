@@ -17,6 +17,8 @@ from pathlib import Path
 from .._loader import RepositoryError, load_model_folder
 from .._model import Model
 from .._repository import ModelRepository
+from ._checkpoint_backend import BACKEND as CHECKPOINT_BACKEND
+from ._checkpoint_backend import CheckpointLoader, checkpoint_models
 from ._config import CONFIG_FILE, ConfigError, complete_config, model_settings, read_config
 from ._layout import chosen_versions, detect_backend, model_file, version_folders
 from ._pb_metrics import CustomMetrics
@@ -30,6 +32,7 @@ def read_model(
     override: str | None = None,
     strict: bool = False,
     metrics: CustomMetrics | None = None,
+    checkpoint_loader: CheckpointLoader | None = None,
 ) -> list[Model]:
     """The folder's models, one per version; ConfigError says why it cannot serve."""
     if override is None and _own_layout(folder):
@@ -41,6 +44,8 @@ def read_model(
         raise ConfigError(f"{folder / CONFIG_FILE}: missing (--strict-model-config)")
     config = read_config(folder, override)
     backend = detect_backend(config, folder)
+    if backend == CHECKPOINT_BACKEND:
+        return checkpoint_models(config, folder, checkpoint_loader)
     versions = chosen_versions(config, folder)
     folders = version_folders(folder)
     if backend == "onnxruntime":
