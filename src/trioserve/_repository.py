@@ -36,8 +36,7 @@ def version_number(version: str) -> int:
     number = int(version)
     if number < 0:
         raise InvalidArgumentError(
-            f"invalid model version specified '{version}' , version should be an integral "
-            "value > 0"
+            f"invalid model version specified '{version}' , version should be an integral value > 0"
         )
     return number
 
