@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from ._errors import InferenceServerError, InvalidArgumentError
+from ._errors import InferenceServerError, InternalError, InvalidArgumentError
 from ._sequence_batching import SequenceBatching
 from ._stats import MemoryUsage
 from ._tensor import Datatype, datatype
@@ -45,6 +45,22 @@ MODEL_INSTANCE: contextvars.ContextVar[int] = contextvars.ContextVar("model_inst
 Outputs = Mapping[str, Any]
 # What execute returns for one request: its outputs, or the error that failed it alone.
 Result = Outputs | InferenceServerError
+
+
+class ResponseOutputs(dict[str, Any]):
+    """A request's outputs and the parameters its response carries to the client (what a
+    Python-backend model's ``InferenceResponse(parameters=...)`` sets): values are
+    bool, int, float or str, as both protocols can carry them."""
+
+    def __init__(self, outputs: Outputs, parameters: Mapping[str, Any]) -> None:
+        super().__init__(outputs)
+        for key, value in parameters.items():
+            if not isinstance(key, str) or not isinstance(value, bool | int | float | str):
+                raise InternalError(
+                    f"response parameter {key!r}: values must be bool, int, float or str, "
+                    f"not {type(value).__name__}"
+                )
+        self.parameters = dict(parameters)
 
 
 @dataclass(frozen=True)

@@ -9,18 +9,36 @@ replacement. ``control`` is what answers the repository API, when the server has
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import trio
 from prometheus_client.registry import Collector
 
-from ._errors import InferenceServerError, NotFoundError, unknown_model
+from ._errors import InferenceServerError, InvalidArgumentError, NotFoundError, unknown_model
 from ._model import Model
 from ._stats import ModelStatistics
 from ._types import InferenceRequest, InferenceResponse
 
 logger = logging.getLogger("trioserve")
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def version_number(version: str) -> int:
+    """A request's version string as a number; INVALID_ARG, in Triton's words, when it
+    is not a whole number >= 0."""
+    if _INTEGER.fullmatch(version) is None:
+        raise InvalidArgumentError(
+            f"failed to get model version from specified version string '{version}', "
+            "version should be an integral value > 0"
+        )
+    number = int(version)
+    if number < 0:
+        raise InvalidArgumentError(
+            f"invalid model version specified '{version}' , version should be an integral value > 0"
+        )
+    return number
 
 
 class ServedModel(Protocol):
@@ -124,7 +142,10 @@ class ModelRepository:
             if latest is None:
                 raise unknown_model(name)
             return latest
-        runner = self._versions(name).get(version)
+        versions = self._versions(name)
+        runner = versions.get(version)
+        if runner is None:
+            runner = versions.get(str(version_number(version)))  # e.g. "01" is version 1
         if runner is None:
             raise NotFoundError(
                 f"Request for unknown model: '{name}' version {version} is not found"
@@ -148,7 +169,7 @@ class ModelRepository:
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
             return self.get(name, version).ready
-        except NotFoundError:
+        except (NotFoundError, InvalidArgumentError):
             return False
 
     def ready(self) -> bool:

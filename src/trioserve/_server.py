@@ -38,6 +38,7 @@ from ._model import Model
 from ._repository import ModelRepository, ServedModel
 from ._types import InferenceResponse
 from .metrics._llm_telemetry import LLMMetricFamilies
+from .models import load_checkpoint_model
 from .repository import RepositoryManager
 from .rest._app import RestApp
 from .rest._endpoints import build_app
@@ -152,7 +153,12 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     # In explicit mode, even the built-in models wait for a load.
     explicit = config.model_control_mode == "explicit"
     cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
-    runners = partial(_served, config, cache)
+    # One set of LLM families for the server's life: generative models loaded through
+    # the repository API later join them.
+    llm_metrics = LLMMetricFamilies(
+        config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
+    )
+    runners = partial(_served, config, cache, llm_metrics)
     repository = ModelRepository([] if explicit else runners(config.models))
     context = server_context(config, repository)
     rest_app = build_app(context)
@@ -172,6 +178,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             poll_secs=config.repository_poll_secs,
             strict=config.strict_model_config,
             registry=context.registry,
+            checkpoint_loader=load_checkpoint_model,
         )
         await services.start(manager.run)
         http: list[Address] = []
@@ -213,14 +220,14 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
 
 
 def _served(
-    config: ServerConfig, cache: ResponseCache | None, models: Sequence[Model]
+    config: ServerConfig,
+    cache: ResponseCache | None,
+    llm_metrics: LLMMetricFamilies,
+    models: Sequence[Model],
 ) -> list[ServedModel]:
     """What serves each model version: the continuous-batching engine for generative
     models, a runner otherwise. Runners that opt in share the server's response cache."""
     bounds = config.metrics.histogram_bounds_ns()
-    llm_metrics = LLMMetricFamilies(
-        models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
-    )
     served: list[ServedModel] = []
     for model in models:
         for version in model.versions:

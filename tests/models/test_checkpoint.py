@@ -4,6 +4,7 @@ through the engine and checked token for token against a dense reference written
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,10 @@ import trio
 
 from trioserve import ServerConfig, serve
 from trioserve._cli import _parser, config_from_args
+from trioserve._repository import ModelRepository
 from trioserve.models import CheckpointError, CheckpointLM, load_checkpoint_model
+from trioserve.repository import ConfigError
+from trioserve.repository._reading import read_model
 
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
@@ -310,3 +314,132 @@ def test_matches_transformers(tmp_path: Path, variant: str) -> None:
                 pad_token_id=0,
             )
         assert out[0, len(prompt) :].tolist() == reference_greedy(tensors, config, prompt, STEPS)
+
+
+# --- a checkpoint in a Triton model repository -------------------------------------------
+
+REPOSITORY_CONFIG = """
+backend: "hf_checkpoint"
+parameters { key: "max_model_len" value { string_value: "64" } }
+parameters { key: "num_kv_blocks" value { string_value: "40" } }
+parameters { key: "block_size" value { string_value: "4" } }
+parameters { key: "enable_prefix_caching" value { string_value: "false" } }
+"""
+
+
+def write_repository_model(repository: Path, *, in_version_folder: bool) -> dict[str, Any]:
+    """``repository/llm``: config.pbtxt and the checkpoint in ``1/`` or beside it."""
+    folder = repository / "llm"
+    tensors = write_checkpoint(folder / "1" if in_version_folder else folder, BASE_CONFIG)
+    (folder / "config.pbtxt").write_text(REPOSITORY_CONFIG)
+    return tensors
+
+
+def metric(text: str, line_start: str) -> float:
+    [line] = [line for line in text.splitlines() if line.startswith(line_start)]
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize("in_version_folder", [True, False], ids=["version-folder", "model-folder"])
+async def test_model_repository_serves_a_checkpoint(
+    tmp_path: Path, nursery: trio.Nursery, in_version_folder: bool
+) -> None:
+    import openai
+
+    tensors = write_repository_model(tmp_path / "repo", in_version_folder=in_version_folder)
+    args = _parser().parse_args(["run", "--model-repository", str(tmp_path / "repo")])
+    config = dataclasses.replace(config_from_args(args), http_port=0, grpc_port=None)
+    server = await nursery.start(serve, config)
+    base = f"http://127.0.0.1:{server.http_port}"
+
+    def complete() -> Any:
+        with openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client:
+            return client.completions.create(
+                model="llm", prompt=PROMPTS[0], max_tokens=STEPS, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+
+    with trio.fail_after(TIMEOUT):
+        answer = await trio.to_thread.run_sync(complete)
+    expected = reference_greedy(tensors, BASE_CONFIG, PROMPTS[0], STEPS)
+    assert answer.choices[0].text.split() == [VOCAB[t] for t in expected if t not in (1, 2)]
+    async with httpx.AsyncClient(base_url=base, timeout=TIMEOUT) as http:
+        text = (await http.get("/metrics")).text
+    # The engine is the one config.pbtxt sizes, and its vLLM families are exported (the
+    # counts follow the engine's steps a moment after the answer: only their series).
+    info = 'vllm:cache_config_info{block_size="4",cache_dtype="auto",'
+    info += 'enable_prefix_caching="False",model_name="llm",num_gpu_blocks="40"}'
+    assert metric(text, info) == 1
+    assert (
+        metric(text, 'vllm:request_success_total{finished_reason="length",model_name="llm"}') >= 0
+    )
+
+
+async def test_a_checkpoint_loads_and_unloads_through_the_repository_api(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    tensors = write_repository_model(tmp_path, in_version_folder=True)
+    expected = reference_greedy(tensors, BASE_CONFIG, [1, 3, 4], 3)  # "w0 w1" with BOS
+    config = ServerConfig(
+        model_repositories=[tmp_path], model_control_mode="explicit", http_port=0, grpc_port=None
+    )
+    server = await nursery.start(serve, config)
+    parameters = {"max_tokens": 3, "ignore_eos": True, "temperature": 0}
+    body = {"text_input": "w0 w1", "parameters": parameters}
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{server.http_port}", timeout=TIMEOUT
+    ) as http:
+        assert (await http.post("/v2/models/llm/generate", json=body)).status_code == 404
+        for _ in range(2):  # a reload joins the families the first load registered
+            loaded = await http.post("/v2/repository/models/llm/load")
+            assert loaded.status_code == 200, loaded.text
+            generated = await http.post("/v2/models/llm/generate", json=body)
+            assert generated.status_code == 200, generated.text
+            words = [VOCAB[t] for t in expected if t not in (1, 2)]
+            assert generated.json()["text_output"].split() == words
+            text = (await http.get("/metrics")).text
+            assert metric(text, 'vllm:num_requests_running{model_name="llm"}') >= 0
+            assert metric(text, 'vllm:cache_config_info{block_size="4",cache_dtype="auto",') == 1
+            unloaded = await http.post("/v2/repository/models/llm/unload")
+            assert unloaded.status_code == 200, unloaded.text
+            assert (await http.post("/v2/models/llm/generate", json=body)).status_code != 200
+
+
+def test_a_checkpoint_folder_needs_no_config_pbtxt(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "llm" / "1", BASE_CONFIG)
+    [model] = read_model(tmp_path / "llm", ModelRepository([]), checkpoint_loader=CheckpointLM)
+    assert isinstance(model, CheckpointLM) and model.name == "llm"
+    assert (model.versions, model.max_model_len, model.device) == (("1",), 128, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ('parameters { key: "max_len" value { string_value: "8" } }', "'max_len' is not known"),
+        (
+            'parameters { key: "num_kv_blocks" value { string_value: "many" } }',
+            "'many' is not a positive integer",
+        ),
+        (
+            'parameters { key: "enable_prefix_caching" value { string_value: "yes" } }',
+            "'yes' is not true or false",
+        ),
+        (
+            'input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] } ]',
+            "serves the engine's own",
+        ),
+        (
+            'parameters { key: "max_model_len" value { string_value: "4096" } }'
+            'parameters { key: "num_kv_blocks" value { string_value: "2" } }',
+            "exceeds the KV cache",
+        ),
+        ("", "tokenizer.json is missing"),
+    ],
+)
+def test_bad_checkpoint_configs_fail_that_model(tmp_path: Path, extra: str, message: str) -> None:
+    write_checkpoint(tmp_path / "llm" / "1", BASE_CONFIG)
+    if not extra:
+        (tmp_path / "llm" / "1" / "tokenizer.json").unlink()
+    (tmp_path / "llm" / "config.pbtxt").write_text(f'backend: "hf_checkpoint"\n{extra}')
+    with pytest.raises(ConfigError, match=message):
+        read_model(tmp_path / "llm", ModelRepository([]), checkpoint_loader=CheckpointLM)

@@ -1,6 +1,8 @@
 """What a server's generative models report: metric families, and one stats task each.
 
-    LLMMetricFamilies              one per server: the vLLM and TRT-LLM families
+    LLMMetricFamilies              one per server: the vLLM and TRT-LLM families (the
+                                   token-count buckets fit the largest max_model_len of
+                                   the models known at startup, else of the first loaded)
     └── VllmTelemetry              one per generative model version: its children of
                                    those families, its periodic log line, and the task
                                    that reads its engine's IterationStats
@@ -29,19 +31,33 @@ class LLMMetricFamilies:
     """A server's LLM families, sized for ``models`` (the generative ones among them)."""
 
     def __init__(
-        self, models: Sequence[Model], *, show_hidden_metrics_for_version: str | None = None
+        self,
+        models: Sequence[Model] = (),
+        *,
+        show_hidden_metrics_for_version: str | None = None,
     ) -> None:
+        self._show_hidden = show_hidden_metrics_for_version
         lengths = [m.max_model_len for m in models if isinstance(m, GenerativeModel)]
-        self.vllm = VllmFamilies(
-            max_model_len=max(lengths, default=1),
-            show_hidden_metrics_for_version=show_hidden_metrics_for_version,
-        )
+        self._vllm = self._vllm_families(max(lengths)) if lengths else None
         self.trt_llm = TrtLlmFamilies()
         self._exported = False
+
+    def _vllm_families(self, max_model_len: int) -> VllmFamilies:
+        return VllmFamilies(
+            max_model_len=max_model_len, show_hidden_metrics_for_version=self._show_hidden
+        )
+
+    @property
+    def vllm(self) -> VllmFamilies:
+        if self._vllm is None:
+            raise RuntimeError("the vLLM families are made with the first telemetry")
+        return self._vllm
 
     def telemetry(
         self, model: GenerativeModel, version: str, *, interval_s: float = 5.0
     ) -> VllmTelemetry:
+        if self._vllm is None:  # no generative model was known at first: size for this one
+            self._vllm = self._vllm_families(model.max_model_len)
         exporter = not self._exported
         self._exported = True
         return VllmTelemetry(self, model, version, exporter=exporter, interval_s=interval_s)

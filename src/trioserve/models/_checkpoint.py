@@ -44,6 +44,7 @@ class CheckpointLM(GenerativeModel):
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        versions: Sequence[str] = ("1",),
         device: Literal["cpu", "gpu"] = "cpu",
     ) -> None:
         self.path = Path(path)
@@ -74,6 +75,7 @@ class CheckpointLM(GenerativeModel):
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
             enable_prefix_caching=enable_prefix_caching,
+            versions=versions,
             device=device,
             parameters={"checkpoint": str(self.path), "model_type": config_document["model_type"]},
         )

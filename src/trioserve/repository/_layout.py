@@ -1,7 +1,9 @@
 """Triton's repository layout: model folders, numeric version folders, the backend.
 
     <repository>/<model>/config.pbtxt            optional where the backend can tell
-    <repository>/<model>/<version>/<model file>  model.py (python), model.onnx (onnxruntime)
+    <repository>/<model>/<version>/<model file>  model.py (python), model.onnx (onnxruntime),
+                                                 config.json (hf_checkpoint: a Hugging Face
+                                                 checkpoint, which may also lie in <model>/)
 
 Folders whose name is not a number are ignored as versions, as in Triton.
 """
@@ -18,6 +20,7 @@ from ._generated.model_config_pb2 import ModelConfig
 BACKENDS = {
     "python": ("", "model.py"),
     "onnxruntime": ("onnxruntime_onnx", "model.onnx"),
+    "hf_checkpoint": ("", "config.json"),
 }
 _BY_PLATFORM = {platform: name for name, (platform, _) in BACKENDS.items() if platform}
 
@@ -102,6 +105,8 @@ def _backend_from_files(config: ModelConfig, folder: Path) -> str:
             name = config.default_model_filename or default_file
             if (version / name).exists():
                 return backend
+    if (folder / BACKENDS["hf_checkpoint"][1]).is_file():
+        return "hf_checkpoint"
     raise ConfigError(
         f"{folder / CONFIG_FILE}: fields 'backend' and 'platform': neither is set and no "
         f"version folder holds a file that names the backend ({_default_files()})"

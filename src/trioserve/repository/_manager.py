@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
 from .._repository import ModelRepository, ServedModel
+from ._checkpoint_backend import CheckpointLoader
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
 from ._layout import model_folders
@@ -56,6 +57,7 @@ class RepositoryManager:
         poll_secs: float = 15.0,
         strict: bool = False,
         registry: CollectorRegistry | None = None,
+        checkpoint_loader: CheckpointLoader | None = None,
     ) -> None:
         self._repository = repository
         self._make_runners = make_runners
@@ -65,6 +67,7 @@ class RepositoryManager:
         self._startup = tuple(startup_models)
         self._poll_secs = poll_secs
         self._strict = strict
+        self._checkpoint_loader = checkpoint_loader
         self._failures: dict[str, str] = {}  # model name -> why it is not served
         self._unloaded: set[str] = set()
         self._found: set[str] = set()  # model folders seen in the repositories
@@ -73,6 +76,8 @@ class RepositoryManager:
         self._lock = trio.Lock()  # one load or unload at a time
         self._polled = trio.lowlevel.ParkingLot()  # who waits for the next poll to end
         self._metrics = CustomMetrics()  # what Python-backend models make with pb_utils
+        self._registry = registry
+        self._registered: set[int] = set()  # ids of the collectors this manager registered
         if registry is not None:
             registry.register(self._metrics)
 
@@ -193,9 +198,7 @@ class RepositoryManager:
                 raise ConfigError("file: parameters need a 'config' parameter beside them")
             folder = self._upload(name, files)
         elif name in self._builtin:
-            await self._repository.install(
-                name, self._make_runners([_overridden(self._builtin[name], config)])
-            )
+            await self._install(name, [_overridden(self._builtin[name], config)])
             return
         else:
             found = (await self._scan()).get(name)
@@ -210,9 +213,22 @@ class RepositoryManager:
                 override=config,
                 strict=self._strict,
                 metrics=self._metrics,
+                checkpoint_loader=self._checkpoint_loader,
             )
         )
-        await self._repository.install(name, self._make_runners(models))
+        await self._install(name, models)
+
+    async def _install(self, name: str, models: Sequence[Model]) -> None:
+        """Serve ``models`` as ``name``. The registry was filled at startup: the collectors
+        a model loaded since brings (an engine's vllm: families) are registered here."""
+        runners = self._make_runners(models)
+        if self._registry is not None:
+            for served in runners:
+                for collector in served.collectors():
+                    if id(collector) not in self._registered:
+                        self._registered.add(id(collector))
+                        self._registry.register(collector)
+        await self._repository.install(name, runners)
 
     def _upload(self, name: str, files: Mapping[str, bytes]) -> Path:
         """Write the load request's files into a fresh folder that stands for the model."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from .._errors import InferenceServerError, InternalError
-from .._model import MODEL_INSTANCE, Model, Result
+from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
 from .._repository import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
@@ -201,5 +202,7 @@ class PythonBackendModel(Model):
             if error is not None:
                 results.append(pb_utils.server_error(error))
             else:
-                results.append({t.name(): t.as_numpy() for t in response.output_tensors()})
+                outputs = {t.name(): t.as_numpy() for t in response.output_tensors()}
+                parameters = json.loads(response.parameters())
+                results.append(ResponseOutputs(outputs, parameters) if parameters else outputs)
         return results

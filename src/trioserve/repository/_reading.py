@@ -17,6 +17,8 @@ from pathlib import Path
 from .._loader import RepositoryError, load_model_folder
 from .._model import Model
 from .._repository import ModelRepository
+from ._checkpoint_backend import BACKEND as CHECKPOINT_BACKEND
+from ._checkpoint_backend import CheckpointLoader, checkpoint_models
 from ._config import (
     CONFIG_FILE,
     ConfigError,
@@ -40,6 +42,7 @@ def read_model(
     override: str | None = None,
     strict: bool = False,
     metrics: CustomMetrics | None = None,
+    checkpoint_loader: CheckpointLoader | None = None,
 ) -> list[Model]:
     """The folder's models, one per version; ConfigError says why it cannot serve."""
     if override is None and _own_layout(folder):
@@ -53,6 +56,8 @@ def read_model(
     if config.platform == ENSEMBLE:
         return _read_ensemble(config, folder, repository)
     backend = detect_backend(config, folder)
+    if backend == CHECKPOINT_BACKEND:
+        return checkpoint_models(config, folder, checkpoint_loader)
     versions = chosen_versions(config, folder)
     folders = version_folders(folder)
     if backend == "onnxruntime":

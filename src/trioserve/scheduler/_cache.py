@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ class _Entry:
     version: str
     outputs: tuple[tuple[str, Datatype, np.ndarray[Any, Any]], ...]
     byte_size: int
+    parameters: Mapping[str, Any]  # the response's own
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +88,9 @@ class ResponseCache:
         outputs = [
             OutputTensor(name, dt, array, wanted.get(name, {})) for name, dt, array in entry.outputs
         ]
-        return InferenceResponse(entry.model_name, entry.version, outputs, id=request.id)
+        return InferenceResponse(
+            entry.model_name, entry.version, outputs, id=request.id, parameters=entry.parameters
+        )
 
     def insert(self, key: bytes, response: InferenceResponse) -> None:
         """Store a copy of ``response``'s tensors, evicting the least recently used
@@ -102,7 +105,9 @@ class ResponseCache:
             _, evicted = self._entries.popitem(last=False)
             self._used -= evicted.byte_size
             self._evictions += 1
-        self._entries[key] = _Entry(response.model_name, response.model_version, outputs, size)
+        self._entries[key] = _Entry(
+            response.model_name, response.model_version, outputs, size, dict(response.parameters)
+        )
         self._used += size
 
 

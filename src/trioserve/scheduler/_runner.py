@@ -27,7 +27,7 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
-from .._model import MODEL_INSTANCE, Model, Outputs, Result
+from .._model import MODEL_INSTANCE, Model, Outputs, ResponseOutputs, Result
 from .._repository import Answer
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
@@ -425,7 +425,8 @@ class ModelRunner:
             elif dt.is_bytes and datatype_of(array) is not dt:
                 raise InternalError(f"output '{name}' is declared BYTES but is {array.dtype}")
             tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
-        return InferenceResponse(self.name, self.version, tensors, id=request.id)
+        extra = outputs.parameters if isinstance(outputs, ResponseOutputs) else {}
+        return InferenceResponse(self.name, self.version, tensors, id=request.id, parameters=extra)
 
     def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
         assert self._cache is not None
