@@ -33,6 +33,7 @@ import trio
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
 from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
+from ._h2_outbox import Outbox
 from ._h2_request import HTTP_431, Refusal, plan_call
 from ._h2_stream import CallPlan, H2Stream
 from ._h2_transport import Transport, trim
@@ -100,12 +101,7 @@ class H2Connection:
         self._recv_window = limits.connection_window_bytes
         self._unacked = 0
         # Writing.
-        self._out: list[bytes | memoryview] = []
-        self._out_bytes = 0
-        self._writing = False  # the writer task owns the socket until the queue is empty
-        self._writer_wake = trio.Event()
-        self._drained = trio.Event()
-        self._broken = False
+        self._outbox = Outbox(transport, self._fail)
         # Lifetime.
         self._reader = trio.CancelScope()
         self._calls: trio.Nursery | None = None
@@ -129,7 +125,7 @@ class H2Connection:
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
-                calls.start_soon(self._write_forever)
+                calls.start_soon(self._outbox.write_forever)
                 try:
                     with self._reader:
                         await self._read_forever()
@@ -138,18 +134,20 @@ class H2Connection:
                     if exc.code == h2.ENHANCE_YOUR_CALM:
                         self._stats.calm_goaways += 1
                     logger.debug("gRPC connection error %#x: %s", exc.code, exc.reason)
-                    self._queue(h2.goaway(self._last_stream_id, exc.code, exc.reason.encode()))
+                    self._outbox.queue(
+                        h2.goaway(self._last_stream_id, exc.code, exc.reason.encode())
+                    )
                 except _PeerGone:
                     pass
                 else:
                     if self._idle:
                         self._stats.idle_closed += 1
-                        self._queue(h2.goaway(self._last_stream_id, h2.NO_ERROR, b"idle"))
+                        self._outbox.queue(h2.goaway(self._last_stream_id, h2.NO_ERROR, b"idle"))
                 for stream in list(self._streams.values()):
                     self._drop(stream)
-                self._flush()
+                self._outbox.flush()
                 with trio.move_on_after(_FLUSH_S):
-                    await self._all_written()
+                    await self._outbox.drain()
                 calls.cancel_scope.cancel()
         except Exception:
             logger.exception("gRPC connection failed")
@@ -161,8 +159,8 @@ class H2Connection:
         if self._draining:
             return
         self._draining = True
-        self._queue(h2.goaway(self._last_stream_id, h2.NO_ERROR))
-        self._flush()
+        self._outbox.queue(h2.goaway(self._last_stream_id, h2.NO_ERROR))
+        self._outbox.flush()
         if not self._streams:
             self._reader.cancel()
 
@@ -188,8 +186,8 @@ class H2Connection:
             buf += await self._recv()
         if not buf.startswith(h2.PREFACE):
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        self._queue(self._opening_frames())
-        self._flush()
+        self._outbox.queue(self._opening_frames())
+        self._outbox.flush()
         pos = len(h2.PREFACE)
         first = True
         max_frame = self._limits.max_frame_bytes
@@ -228,7 +226,7 @@ class H2Connection:
                 self._on_frame(kind, flags, stream_id, payload)
             except h2.StreamError as exc:
                 self._reset_stream(exc.stream_id, exc.code, exc.reason)
-            self._flush()
+            self._outbox.flush()
 
     async def _recv(self) -> bytes:
         data = await self._transport.recv()
@@ -290,10 +288,10 @@ class H2Connection:
         if stream is not None and flags & h2.END_STREAM:
             stream.end_remote()
         if self._unacked >= self._limits.connection_window_bytes // 2:
-            self._queue(h2.window_update(0, self._unacked))
+            self._outbox.queue(h2.window_update(0, self._unacked))
             self._recv_window += self._unacked
             self._unacked = 0
-        self._flush()
+        self._outbox.flush()
         return buf, pos
 
     def _receiving(self, stream_id: int, length: int) -> H2Stream | None:
@@ -334,14 +332,14 @@ class H2Connection:
     def _credit(self, stream: H2Stream, count: int) -> None:
         stream.unacked += count
         if stream.unacked >= self._limits.stream_window_bytes // 2 and not stream.remote_closed:
-            self._queue(h2.window_update(stream.id, stream.unacked))
+            self._outbox.queue(h2.window_update(stream.id, stream.unacked))
             stream.recv_window += stream.unacked
             stream.unacked = 0
 
     def credit_taken(self, stream: H2Stream, credit: int) -> None:
         if stream.id in self._streams:
             self._credit(stream, credit)
-            self._flush()
+            self._outbox.flush()
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if kind == h2.HEADERS:
@@ -358,7 +356,7 @@ class H2Connection:
             if len(payload) != 8:
                 raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "PING payload is not 8 bytes")
             if not flags & h2.ACK:
-                self._queue(h2.ping_ack(payload))
+                self._outbox.queue(h2.ping_ack(payload))
         elif kind == h2.RST_STREAM:
             self._on_rst_stream(stream_id, payload)
         elif kind == h2.PRIORITY:
@@ -397,7 +395,7 @@ class H2Connection:
                 self._peer_max_frame = value
             elif key == h2.ENABLE_PUSH and value > 1:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid ENABLE_PUSH")
-        self._queue(h2.SETTINGS_ACK)
+        self._outbox.queue(h2.SETTINGS_ACK)
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -499,7 +497,7 @@ class H2Connection:
         self._last_stream_id = stream_id
         if self._draining or len(self._streams) >= self._limits.max_concurrent_streams:
             self._stats.refused_streams += 1
-            self._queue(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
+            self._outbox.queue(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
             self._charge_reset()
             return
         if too_large:
@@ -618,8 +616,8 @@ class H2Connection:
             # The usual case: one DATA frame the windows allow as it is.
             stream.send_window -= remaining
             self._send_window -= remaining
-            self._out += (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, *parts)
-            self._out_bytes += h2.FRAME_HEADER_BYTES + remaining
+            frame = (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, *parts)
+            self._outbox.extend(frame, h2.FRAME_HEADER_BYTES + remaining)
             remaining = 0
         parts.insert(0, prefix)
         while remaining:
@@ -627,21 +625,21 @@ class H2Connection:
                 raise ClientGone("the client reset the stream")
             count = min(remaining, stream.send_window, self._send_window, self._peer_max_frame)
             if count <= 0:
-                self._flush()
+                self._outbox.flush()
                 await self._window_opened.wait()
                 continue
             stream.send_window -= count
             self._send_window -= count
-            self._queue(h2.frame_header(count, h2.DATA, 0, stream.id))
+            self._outbox.queue(h2.frame_header(count, h2.DATA, 0, stream.id))
             for part in _take(parts, count):
-                self._queue(part)
+                self._outbox.queue(part)
             parts = trim(parts, count)
             remaining -= count
-            if self._out_bytes > _OUTBOX_HIGH:
-                self._flush()
-                await self._all_written()
+            if self._outbox.size > _OUTBOX_HIGH:
+                self._outbox.flush()
+                await self._outbox.drain()
         if not isinstance(stream.method, UnaryMethod):
-            self._flush()  # a streamed message goes now; a unary one with its trailers
+            self._outbox.flush()  # a streamed message goes now; a unary one with its trailers
 
     def _finish_now(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
         """End the call: trailers (trailers-only before any response), then the stream."""
@@ -652,9 +650,9 @@ class H2Connection:
         stream.local_closed = True
         if not stream.remote_closed:
             # The answer is complete while the client still sends: tell it to stop.
-            self._queue(h2.rst_stream(stream.id, h2.NO_ERROR))
+            self._outbox.queue(h2.rst_stream(stream.id, h2.NO_ERROR))
         self._forget(stream)
-        self._flush()
+        self._outbox.flush()
 
     def _answer_http(self, stream_id: int, block: bytes) -> None:
         """A plain HTTP answer to a request that is not a gRPC call."""
@@ -663,18 +661,18 @@ class H2Connection:
     def _queue_headers(self, stream_id: int, block: bytes, flags: int) -> None:
         size = self._peer_max_frame
         if len(block) <= size:
-            self._queue(h2.frame(h2.HEADERS, flags | h2.END_HEADERS, stream_id, block))
+            self._outbox.queue(h2.frame(h2.HEADERS, flags | h2.END_HEADERS, stream_id, block))
             return
         pieces = [block[at : at + size] for at in range(0, len(block), size)]
-        self._queue(h2.frame(h2.HEADERS, flags, stream_id, pieces[0]))
+        self._outbox.queue(h2.frame(h2.HEADERS, flags, stream_id, pieces[0]))
         for piece in pieces[1:-1]:
-            self._queue(h2.frame(h2.CONTINUATION, 0, stream_id, piece))
-        self._queue(h2.frame(h2.CONTINUATION, h2.END_HEADERS, stream_id, pieces[-1]))
+            self._outbox.queue(h2.frame(h2.CONTINUATION, 0, stream_id, piece))
+        self._outbox.queue(h2.frame(h2.CONTINUATION, h2.END_HEADERS, stream_id, pieces[-1]))
 
     def _reset_stream(self, stream_id: int, code: int, reason: str) -> None:
         self._stats.stream_errors += 1
         logger.debug("gRPC stream %d reset (%#x): %s", stream_id, code, reason)
-        self._queue(h2.rst_stream(stream_id, code))
+        self._outbox.queue(h2.rst_stream(stream_id, code))
         stream = self._streams.get(stream_id)
         if stream is not None:
             self._drop(stream)
@@ -715,57 +713,8 @@ class H2Connection:
         self._window_opened.set()
         self._window_opened = trio.Event()
 
-    def _queue(self, part: bytes | memoryview) -> None:
-        self._out.append(part)
-        self._out_bytes += len(part)
-
-    def _flush(self) -> None:
-        """Send what is queued, as far as the socket takes it now; the rest is the
-        writer task's."""
-        if self._writing or not self._out or self._broken:
-            return
-        try:
-            sent = self._transport.try_send(self._out)
-        except OSError:
-            self._fail()
-            return
-        if sent == self._out_bytes:  # the usual case: all of it went
-            self._out.clear()
-            self._out_bytes = 0
-            return
-        self._out_bytes -= sent
-        self._out = trim(self._out, sent)
-        if self._out:
-            self._writing = True
-            self._writer_wake.set()
-
-    async def _write_forever(self) -> None:
-        while True:
-            await self._writer_wake.wait()
-            self._writer_wake = trio.Event()
-            while self._out:
-                parts, self._out, self._out_bytes = self._out, [], 0
-                try:
-                    await self._transport.send_all(parts)
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._fail()
-                    return
-            self._writing = False
-            self._drained.set()
-            self._drained = trio.Event()
-
-    async def _all_written(self) -> None:
-        while (self._out or self._writing) and not self._broken:
-            if not self._writing:
-                self._flush()
-                continue
-            await self._drained.wait()
-
     def _fail(self) -> None:
         """The socket failed: nothing more can be sent, so the connection ends."""
-        self._broken = True
-        self._out, self._out_bytes = [], 0
-        self._drained.set()
         self._reader.cancel()
         for stream in list(self._streams.values()):
             self._drop(stream)

@@ -1,0 +1,99 @@
+"""What a connection has to send, and the sending of it.
+
+Any task queues frames synchronously (``queue``/``extend``) and ``flush`` sends them at
+once as far as the socket takes them: a small call's answer leaves in the one
+``sendmsg`` of the task that produced it. What the socket does not take now goes to the
+writer task (``write_forever``), so no answering task waits on a slow reader and a
+cancelled one cannot leave half a frame behind. ``drain`` waits until all is sent; a
+failed socket calls ``on_broken`` once and drops everything queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import trio
+
+from ._h2_transport import Transport, trim
+
+Part = bytes | memoryview
+
+
+class Outbox:
+    __slots__ = (
+        "_drained",
+        "_on_broken",
+        "_transport",
+        "_wake",
+        "_writing",
+        "broken",
+        "parts",
+        "size",
+    )
+
+    def __init__(self, transport: Transport, on_broken: Callable[[], None]) -> None:
+        self._transport = transport
+        self._on_broken = on_broken
+        self.parts: list[Part] = []
+        self.size = 0  # bytes queued and not yet sent
+        self._writing = False  # the writer task owns the socket until the queue is empty
+        self._wake = trio.Event()
+        self._drained = trio.Event()
+        self.broken = False
+
+    def queue(self, part: Part) -> None:
+        self.parts.append(part)
+        self.size += len(part)
+
+    def extend(self, parts: Iterable[Part], size: int) -> None:
+        """Queue ``parts``, ``size`` bytes together (the caller knows it already)."""
+        self.parts += parts
+        self.size += size
+
+    def flush(self) -> None:
+        """Send what is queued, as far as the socket takes it now; the rest is the
+        writer task's."""
+        if self._writing or not self.parts or self.broken:
+            return
+        try:
+            sent = self._transport.try_send(self.parts)
+        except OSError:
+            self._fail()
+            return
+        if sent == self.size:  # the usual case: all of it went
+            self.parts.clear()
+            self.size = 0
+            return
+        self.size -= sent
+        self.parts = trim(self.parts, sent)
+        self._writing = True
+        self._wake.set()
+
+    async def write_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            while self.parts:
+                parts, self.parts, self.size = self.parts, [], 0
+                try:
+                    await self._transport.send_all(parts)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._fail()
+                    return
+            self._writing = False
+            self._drained.set()
+            self._drained = trio.Event()
+
+    async def drain(self) -> None:
+        """Until everything queued has been sent (or the socket failed)."""
+        while (self.parts or self._writing) and not self.broken:
+            if not self._writing:
+                self.flush()
+                continue
+            await self._drained.wait()
+
+    def _fail(self) -> None:
+        self.broken = True
+        self.parts, self.size = [], 0
+        self._drained.set()
+        self._on_broken()
