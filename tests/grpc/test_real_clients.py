@@ -166,3 +166,20 @@ async def test_nghttp_sees_grpc_status_ok(nursery: trio.Nursery, tmp_path: Path)
         done = await trio.run_process(command, capture_stdout=True, stderr=subprocess.STDOUT)
     out = done.stdout.decode("latin-1")
     assert "grpc-status: 0" in out and ":status: 200" in out
+
+
+async def test_client_mistakes_are_counted_in_metrics(nursery: trio.Nursery) -> None:
+    server = await start(nursery)
+    assert server.registry is not None
+    before = server.registry.get_sample_value("trioserve_grpc_protocol_errors_total")
+    assert before == 0
+    stream = await trio.open_tcp_stream("127.0.0.1", server.grpc_port)
+    async with stream:
+        settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
+        data_on_stream_0 = b"\x00\x00\x01\x00\x00\x00\x00\x00\x00x"
+        await stream.send_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + settings + data_on_stream_0)
+        with trio.fail_after(TIMEOUT):
+            while await stream.receive_some(65536):
+                pass  # until the server closes the connection after its GOAWAY
+    after = server.registry.get_sample_value("trioserve_grpc_protocol_errors_total")
+    assert after == 1

@@ -15,9 +15,10 @@ import logging
 import math
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 
 import trio
+from prometheus_client.core import CounterMetricFamily
 
 from .._context import ServerContext
 from .._limits import GrpcLimits
@@ -47,6 +48,7 @@ class _CoreServer:
         limits: GrpcLimits,
         max_message_bytes: int,
         tls: ssl.SSLContext | None,
+        statistics: CoreStatistics,
         nursery: trio.Nursery,
     ) -> None:
         self.methods = methods
@@ -55,7 +57,7 @@ class _CoreServer:
         self.tls = tls
         self.nursery = nursery
         self.connections: set[H2Connection] = set()
-        self.statistics = CoreStatistics()
+        self.statistics = statistics
         self.shutting_down = False
 
     def accepted(self, sock: socket.socket, client: Address, local: Address) -> None:
@@ -122,16 +124,48 @@ async def serve_grpc_core(
     tls = None
     if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
         tls = tls_context(config.grpc_tls_certfile, config.grpc_tls_keyfile)
-    await serve_methods(
-        with_reflection(grpc_methods(context)),
-        config.host,
-        config.grpc_port,
-        config.grpc_limits,
-        max_message_bytes=config.grpc_max_message_bytes,
-        tls=tls,
-        shutdown_trigger=context.stop_accepting.wait,
-        task_status=task_status,
-    )
+    statistics = CoreStatistics()
+    collector = _CoreCollector(statistics)
+    if context.registry is not None:
+        context.registry.register(collector)
+    try:
+        await serve_methods(
+            with_reflection(grpc_methods(context)),
+            config.host,
+            config.grpc_port,
+            config.grpc_limits,
+            max_message_bytes=config.grpc_max_message_bytes,
+            tls=tls,
+            statistics=statistics,
+            shutdown_trigger=context.stop_accepting.wait,
+            task_status=task_status,
+        )
+    finally:
+        if context.registry is not None:
+            context.registry.unregister(collector)
+
+
+class _CoreCollector:
+    """What clients did wrong on the gRPC port, as Prometheus counters (the core logs
+    each at DEBUG only, so a client cannot flood the log)."""
+
+    def __init__(self, statistics: CoreStatistics) -> None:
+        self._statistics = statistics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, description in _COUNTERS.items():
+            family = CounterMetricFamily(f"trioserve_grpc_{name}", description)
+            family.add_metric([], getattr(self._statistics, name))
+            yield family
+
+
+_COUNTERS = {
+    "protocol_errors": "gRPC connections ended with GOAWAY for a protocol error",
+    "stream_errors": "gRPC streams reset for a protocol error",
+    "refused_streams": "gRPC streams refused (over the concurrency limit or after GOAWAY)",
+    "calm_goaways": "gRPC connections ended for resetting too many streams",
+    "idle_closed": "gRPC connections closed for being idle",
+}
 
 
 def with_reflection(methods: dict[str, Method]) -> dict[str, Method]:
@@ -151,6 +185,7 @@ async def serve_methods(
     *,
     max_message_bytes: int = 2**31 - 1,
     tls: ssl.SSLContext | None = None,
+    statistics: CoreStatistics | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -162,7 +197,8 @@ async def serve_methods(
     try:
         async with trio.open_nursery() as sweeper:
             async with trio.open_nursery() as connections:
-                server = _CoreServer(methods, limits, max_message_bytes, tls, connections)
+                counts = CoreStatistics() if statistics is None else statistics
+                server = _CoreServer(methods, limits, max_message_bytes, tls, counts, connections)
                 sweeper.start_soon(server.sweep_idle)
                 async with trio.open_nursery() as acceptors:
                     for listener in listeners:

@@ -7,7 +7,6 @@ Everything here is plain functions over bytes; ``_h2_connection`` calls them.
 from __future__ import annotations
 
 import base64
-import binascii
 import re
 import struct
 import zlib
@@ -112,14 +111,6 @@ def metadata_value(key: str, value: bytes | str) -> bytes:
         raw = value if isinstance(value, bytes) else value.encode()
         return base64.b64encode(raw).rstrip(b"=")
     return value if isinstance(value, bytes) else value.encode("latin-1")
-
-
-def binary_metadata(value: bytes) -> bytes | None:
-    """A received ``-bin`` value decoded (padded or not); None if it is not base64."""
-    try:
-        return base64.b64decode(value + b"=" * (-len(value) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return None
 
 
 RESPONSE_HEADERS = encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
