@@ -174,6 +174,11 @@ def _decode_outputs(value: Any) -> list[RequestedOutput]:
         what = f"output '{entry['name']}'"
         parameters = _parameters(entry.get("parameters"), what)
         _check_flag(parameters, "binary_data", what)
+        if parameters.get("binary_data") and "shared_memory_region" in parameters:
+            # Exclusive, as in Triton (the request-wide binary_data_output gives way).
+            raise InvalidArgumentError(
+                f"{what} can't set both 'shared_memory_region' and 'binary_data'"
+            )
         if "classification" in parameters:
             raise UnsupportedError("the classification extension is not supported")
         outputs.append(RequestedOutput(entry["name"], parameters))
