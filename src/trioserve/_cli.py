@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="close gRPC connections with no call open for this long",
     )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    run.add_argument(
+        "--max-shared-memory-regions",
+        type=int,
+        default=ServerConfig.max_shared_memory_regions,
+        help="shared-memory regions registered at once (each holds file descriptors)",
+    )
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
         run.add_argument(
             flag,
@@ -195,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             idle_timeout_s=args.http_idle_timeout_secs,
         ),
         exit_timeout_s=args.exit_timeout_secs,
+        max_shared_memory_regions=args.max_shared_memory_regions,
         http_restricted_apis=parse_restrictions(args.http_restricted_api),
         grpc_restricted_apis=parse_restrictions(args.grpc_restricted_protocol),
         show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_SHARED_MEMORY_REGIONS = 256
+"""Shared-memory regions registered at once, by default (``--max-shared-memory-regions``)."""
+
 
 @dataclass(frozen=True)
 class HttpLimits:
