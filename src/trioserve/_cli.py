@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import trio
@@ -239,12 +241,29 @@ async def run_until_signalled(config: ServerConfig) -> None:
             logger.info("serving models: %s", ", ".join(server.repository.names()))
             async for signum in signals:
                 logger.info(
-                    "received %s: draining (up to %.0f s)",
+                    "received %s: draining (up to %.0f s); send it again to stop at once",
                     signal.Signals(signum).name,
                     config.exit_timeout_s,
                 )
                 break
-            await server.shutdown()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_exit_on_another_signal, signals)
+                await server.shutdown()
+                nursery.cancel_scope.cancel()
+
+
+async def _exit_on_another_signal(signals: AsyncIterator[int]) -> None:
+    """A second SIGINT or SIGTERM during the drain ends the process there and then.
+
+    Nothing short of leaving the process is "at once": a model running in a worker thread
+    cannot be cancelled, and the drain would wait for it. The exit status is 128 + the
+    signal's number, what a shell reports for a process that signal ended, so it cannot be
+    mistaken for a completed drain (0).
+    """
+    async for signum in signals:
+        logger.warning("received %s again: stopping without draining", signal.Signals(signum).name)
+        logging.shutdown()  # flush the log: _exit runs no handlers
+        os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
