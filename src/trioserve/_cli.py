@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-bytes", type=int, default=defaults.max_header_bytes)
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
+    run.add_argument(
+        "--http-body-timeout-secs",
+        type=float,
+        default=defaults.body_timeout_s,
+        help="time to receive a whole request body (built-in HTTP server); then 408",
+    )
     run.add_argument("--grpc-tls-certfile", help="serve gRPC over TLS (ALPN h2)")
     run.add_argument("--grpc-tls-keyfile")
     grpc_defaults = GrpcLimits()
@@ -201,6 +207,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_header_bytes=args.http_max_header_bytes,
             max_header_count=args.http_max_header_count,
             idle_timeout_s=args.http_idle_timeout_secs,
+            body_timeout_s=args.http_body_timeout_secs,
         ),
         exit_timeout_s=args.exit_timeout_secs,
         max_shared_memory_regions=args.max_shared_memory_regions,
