@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import trio
@@ -87,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-bytes", type=int, default=defaults.max_header_bytes)
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
+    run.add_argument(
+        "--http-body-timeout-secs",
+        type=float,
+        default=defaults.body_timeout_s,
+        help="time to receive a whole request body (built-in HTTP server); then 408",
+    )
     run.add_argument("--grpc-tls-certfile", help="serve gRPC over TLS (ALPN h2)")
     run.add_argument("--grpc-tls-keyfile")
     grpc_defaults = GrpcLimits()
@@ -106,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
         help="close gRPC connections with no call open for this long",
     )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    run.add_argument(
+        "--max-shared-memory-regions",
+        type=int,
+        default=ServerConfig.max_shared_memory_regions,
+        help="shared-memory regions registered at once (each holds file descriptors)",
+    )
     for flag in ("--http-restricted-api", "--grpc-restricted-protocol"):
         run.add_argument(
             flag,
@@ -193,8 +207,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_header_bytes=args.http_max_header_bytes,
             max_header_count=args.http_max_header_count,
             idle_timeout_s=args.http_idle_timeout_secs,
+            body_timeout_s=args.http_body_timeout_secs,
         ),
         exit_timeout_s=args.exit_timeout_secs,
+        max_shared_memory_regions=args.max_shared_memory_regions,
         http_restricted_apis=parse_restrictions(args.http_restricted_api),
         grpc_restricted_apis=parse_restrictions(args.grpc_restricted_protocol),
         show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,
@@ -232,12 +248,29 @@ async def run_until_signalled(config: ServerConfig) -> None:
             logger.info("serving models: %s", ", ".join(server.repository.names()))
             async for signum in signals:
                 logger.info(
-                    "received %s: draining (up to %.0f s)",
+                    "received %s: draining (up to %.0f s); send it again to stop at once",
                     signal.Signals(signum).name,
                     config.exit_timeout_s,
                 )
                 break
-            await server.shutdown()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_exit_on_another_signal, signals)
+                await server.shutdown()
+                nursery.cancel_scope.cancel()
+
+
+async def _exit_on_another_signal(signals: AsyncIterator[int]) -> None:
+    """A second SIGINT or SIGTERM during the drain ends the process there and then.
+
+    Nothing short of leaving the process is "at once": a model running in a worker thread
+    cannot be cancelled, and the drain would wait for it. The exit status is 128 + the
+    signal's number, what a shell reports for a process that signal ended, so it cannot be
+    mistaken for a completed drain (0).
+    """
+    async for signum in signals:
+        logger.warning("received %s again: stopping without draining", signal.Signals(signum).name)
+        logging.shutdown()  # flush the log: _exit runs no handlers
+        os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:

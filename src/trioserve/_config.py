@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ._limits import GrpcLimits, HttpLimits
+from ._limits import MAX_SHARED_MEMORY_REGIONS, GrpcLimits, HttpLimits
 from ._metrics_config import MetricsConfig
 from ._model import Model
 from ._restricted import Restriction, check_restrictions
@@ -31,6 +31,7 @@ class ServerConfig:
     grpc_tls_certfile: str | None = None  # the built-in ("trio") gRPC server only
     grpc_tls_keyfile: str | None = None
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
+    max_shared_memory_regions: int = MAX_SHARED_MEMORY_REGIONS  # system and CUDA together
     # API group ("shared-memory", ...) -> the header its requests must carry, per transport
     http_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
     grpc_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
@@ -67,6 +68,8 @@ class ServerConfig:
             raise ValueError("TLS is served by the hypercorn HTTP server (http_server='hypercorn')")
         if self.exit_timeout_s < 0:
             raise ValueError("exit_timeout_s must be >= 0")
+        if self.max_shared_memory_regions < 0:
+            raise ValueError("max_shared_memory_regions must be >= 0")
         check_restrictions(self.http_restricted_apis)
         check_restrictions(self.grpc_restricted_apis)
         if self.response_cache_bytes < 0:

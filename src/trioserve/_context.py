@@ -56,7 +56,7 @@ def server_context(
 ) -> ServerContext:
     """A fresh context for a server of ``config`` serving ``repository``; ``load``: a
     reporter of the caller's (one with a host of its own), else a new one."""
-    shared_memory = SharedMemoryRegistry()
+    shared_memory = SharedMemoryRegistry(config.max_shared_memory_regions)
     load = LoadReporter() if load is None else load
     metrics = config.metrics
     return ServerContext(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_SHARED_MEMORY_REGIONS = 256
+"""Shared-memory regions registered at once, by default (``--max-shared-memory-regions``)."""
+
 
 @dataclass(frozen=True)
 class HttpLimits:
@@ -25,6 +28,9 @@ class HttpLimits:
     """Time to receive a complete request head once its first byte arrived; then 408 + close."""
     idle_timeout_s: float = 75.0
     """A keep-alive connection with no request in progress is closed after this."""
+    body_timeout_s: float = 60.0
+    """Time to receive a whole request body once the server waits for it, however steadily
+    it trickles in; then 408 + close."""
 
 
 @dataclass(frozen=True)

@@ -106,13 +106,31 @@ def element_count(shape: Sequence[int]) -> int:
     return count
 
 
+MAX_DIMS = 64
+"""The most dimensions a tensor may have: numpy's own limit."""
+_MAX_EXTENT = (1 << 63) // 16
+"""Bound on the product of a shape's non-zero dimensions: numpy refuses an array whose
+dimensions, zeros set aside, multiply past its index range in bytes (16-byte elements at
+most), even an empty one."""
+
+
 def check_shape(shape: Any, what: str) -> tuple[int, ...]:
-    """A client-sent shape as a tuple of non-negative ints, or INVALID_ARG."""
+    """A client-sent shape as a tuple of non-negative ints numpy can make an array of
+    (at most ``MAX_DIMS`` of them, not too large together), or INVALID_ARG."""
     if isinstance(shape, list | tuple):
+        extent = 1
         for d in shape:  # a plain loop: no generator to set up for the usual two dims
             if type(d) is not int or d < 0:
                 break
+            if d:
+                extent *= d
         else:
+            if len(shape) > MAX_DIMS:
+                raise InvalidArgumentError(
+                    f"{what}: shape has {len(shape)} dimensions, at most {MAX_DIMS} are allowed"
+                )
+            if extent > _MAX_EXTENT:
+                raise InvalidArgumentError(f"{what}: shape {list(shape)} is too large")
             return tuple(shape)
     raise InvalidArgumentError(
         f"{what}: shape must be a list of non-negative integers, got {shape!r}"
@@ -241,8 +259,8 @@ def array_from_json(
         )
     if count == 0:
         return np.zeros(shape, dtype=dt.dtype)
-    if dt.dtype.kind in "iu" and parsed.dtype.kind in "fO":
-        parsed = _big_integers(data, parsed.shape)
+    if dt.bounds is not None and parsed.dtype.kind in "fO":
+        parsed = _big_integers(dt, data, parsed.shape, what)
     if parsed.dtype.kind not in dt.json_kinds:
         raise InvalidArgumentError(f"{what}: data must be {_json_kind_words(dt)} for {dt.name}")
     if dt.bounds is not None and parsed.dtype != dt.dtype:
@@ -256,14 +274,19 @@ _SMALL = 256
 _PLAIN_TYPES = {"b": frozenset({bool}), "iu": frozenset({int}), "iuf": frozenset({int, float})}
 
 
-def _big_integers(data: list[Any], shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
-    """Integers past int64 make numpy guess float64; keep them exact for UINT64."""
+def _big_integers(
+    dt: Datatype, data: list[Any], shape: tuple[int, ...], what: str
+) -> np.ndarray[Any, Any]:
+    """Integers past int64 make numpy guess float64 or object: check them exactly against
+    ``dt``'s range (numpy would raise OverflowError), then convert."""
     flat = _flatten(data)
     if not all(type(x) is int for x in flat):
         return np.array(flat, dtype=object)  # not all integers: fails the kind check
-    exact = np.empty(len(flat), dtype=object)
-    exact[:] = flat
-    return exact.reshape(shape).astype(np.uint64) if min(flat) >= 0 else exact.reshape(shape)
+    assert dt.bounds is not None
+    low, high = dt.bounds
+    if min(flat) < low or max(flat) > high:
+        raise InvalidArgumentError(f"{what}: value out of range for {dt.name}")
+    return np.array(flat, dtype=dt.dtype).reshape(shape)
 
 
 def _json_kind_words(dt: Datatype) -> str:
@@ -282,7 +305,10 @@ def _bytes_from_json(data: list[Any], count: int, what: str) -> np.ndarray[Any, 
     for i, item in enumerate(flat):
         if not isinstance(item, str):
             raise InvalidArgumentError(f"{what}: BYTES data must be strings")
-        result[i] = item.encode()
+        try:
+            result[i] = item.encode()
+        except UnicodeEncodeError:  # a lone surrogate: JSON can escape one, UTF-8 cannot
+            raise InvalidArgumentError(f"{what}: BYTES data is not valid Unicode text") from None
     return result
 
 

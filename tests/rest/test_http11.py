@@ -881,6 +881,59 @@ async def test_header_timeout_answers_408(
         assert await client.read_to_eof() == b""
 
 
+async def test_body_timeout_answers_408_to_a_trickling_body(
+    serve11: Serve, autojump_clock: trio.testing.MockClock
+) -> None:
+    """One byte every 2 s never stalls for the idle timeout: only the body timeout, which
+    bounds the whole body, ends it."""
+    told: list[str] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        while (message := await receive())["type"] == "http.request":
+            if not message["more_body"]:
+                await hello_app(scope, receive, send)
+                return
+        told.append(message["type"])  # the server answered for us: just leave
+
+    async def trickle(client: Client) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while True:
+                await trio.sleep(2)
+                await client.send(b"x")
+
+    limits = HttpLimits(body_timeout_s=10, idle_timeout_s=5)
+    with trio.fail_after(1000):
+        port = await serve11(app, limits)
+        client = await Client.connect(port)
+        await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n")
+        before = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle, client)
+            response = await client.read_response()
+            assert response.status == 408
+            assert response.json() == {"error": "timed out reading the request body"}
+            assert response.headers["connection"] == "close"
+            assert trio.current_time() - before == pytest.approx(10)
+            assert await client.read_to_eof() == b""
+            nursery.cancel_scope.cancel()
+        assert told == ["http.disconnect"]
+        # A body that arrives in time is served, however slowly it came.
+        client = await Client.connect(port)
+        await client.send(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\n")
+        for byte in b"body":
+            await trio.sleep(2)
+            await client.send(bytes([byte]))
+        assert (await client.read_response()).body == b"hello /slow"
+
+
+async def test_body_timeout_flag() -> None:
+    from trioserve._cli import _parser, config_from_args
+
+    args = _parser().parse_args(["run", "--http-body-timeout-secs", "7.5"])
+    assert config_from_args(args).http_limits.body_timeout_s == 7.5
+    assert config_from_args(_parser().parse_args(["run"])).http_limits.body_timeout_s == 60
+
+
 async def test_100_continue_sent_only_when_body_is_read(serve11: Serve) -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] == "/read":

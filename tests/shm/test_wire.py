@@ -113,6 +113,28 @@ def test_http_output_parameters(http, registered):
     ]  # fmt: skip
 
 
+def test_http_output_in_shared_memory_is_not_binary(http, registered):
+    """Both at once is refused, as Triton does; a request-wide binary_data_output is not
+    (the output in shared memory gives way to it, as tritonclient expects)."""
+    document = _identity_input({"shared_memory_region": "r", "shared_memory_byte_size": 16})
+    placed = {
+        "shared_memory_region": "r",
+        "shared_memory_byte_size": 16,
+        "shared_memory_offset": 64,
+    }
+    document["outputs"] = [{"name": "OUTPUT0", "parameters": {**placed, "binary_data": True}}]
+    response = http.post("/v2/models/identity_fp32/infer", json=document)
+    assert response.status_code == 400
+    assert response.json()["error"] == (
+        "output 'OUTPUT0' can't set both 'shared_memory_region' and 'binary_data'"
+    )
+    document["outputs"][0]["parameters"] = {**placed, "binary_data": False}
+    document["parameters"] = {"binary_data_output": True}
+    response = http.post("/v2/models/identity_fp32/infer", json=document)
+    assert response.status_code == 200
+    assert response.json()["outputs"][0]["parameters"] == placed
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "says"),
     [

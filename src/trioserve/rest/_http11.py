@@ -313,8 +313,12 @@ class Connection:
         except OSError:
             return b""
 
-    async def recv_body(self, max_bytes: int) -> bytes:
-        """Body bytes (at most ``max_bytes``); ``b""`` at EOF, error or a stalled upload."""
+    async def recv_body(self, max_bytes: int, deadline: float) -> bytes:
+        """Body bytes (at most ``max_bytes``); ``b""`` at EOF, error or a stalled upload.
+
+        HttpError 408 past ``deadline``: a body that trickles in keeps making progress, so
+        only a bound on the whole body frees the connection from it.
+        """
         try:
             data = self.sock.recv(max_bytes)  # a body is usually already in flight: try first
         except BlockingIOError:
@@ -325,8 +329,11 @@ class Connection:
             await checkpoint()  # got data without waiting: still be a checkpoint
         else:
             # No progress for idle_timeout_s counts as the client having gone.
-            data = await self._recv(trio.current_time() + self.limits.idle_timeout_s)
+            stalled = trio.current_time() + self.limits.idle_timeout_s
+            data = await self._recv(min(stalled, deadline))
             if data is None:
+                if deadline < stalled:
+                    raise HttpError(408, "timed out reading the request body")
                 data = b""
         if not data:
             self.peer_closed = True

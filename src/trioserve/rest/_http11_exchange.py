@@ -16,6 +16,7 @@ module holds the per-request half:
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import trio
@@ -62,6 +63,7 @@ class Exchange:
     stale reference kept by the app can never touch the next request on the connection."""
 
     __slots__ = (
+        "body_deadline",
         "body_done",
         "body_left",
         "conn",
@@ -103,6 +105,7 @@ class Exchange:
         self.state = _NO_RESPONSE
         self.dropped = False  # sends are ignored: client gone or the server answered already
         self.waiter: trio.CancelScope | None = None
+        self.body_deadline = math.inf  # set when the body is first waited for
 
     async def run(self, app: ASGIApp) -> bool:
         """Run the app for this request; True if the connection can carry another one."""
@@ -208,7 +211,7 @@ class Exchange:
                 conn.pos = 0
                 self.body_left = left - avail
             else:
-                body = await conn.recv_body(min(left, _BODY_RECV_SIZE))
+                body = await conn.recv_body(min(left, _BODY_RECV_SIZE), self._body_deadline())
                 if not body:
                     return None
                 self.body_left = left - len(body)
@@ -226,11 +229,18 @@ class Exchange:
                     return body
                 if body:
                     return body
-            data = await conn.recv_body(_BODY_RECV_SIZE)
+            data = await conn.recv_body(_BODY_RECV_SIZE, self._body_deadline())
             if not data:
                 return None
             conn.buf = buf[conn.pos :] + data if conn.pos < len(buf) else data
             conn.pos = 0
+
+    def _body_deadline(self) -> float:
+        """When the body must be complete: ``body_timeout_s`` after it was first waited for
+        (not from the head, so a request answered without its body pays nothing)."""
+        if self.body_deadline == math.inf:
+            self.body_deadline = trio.current_time() + self.conn.limits.body_timeout_s
+        return self.body_deadline
 
     async def _wait_disconnect(self) -> Message:
         """Block until the client goes away or the response is finished."""

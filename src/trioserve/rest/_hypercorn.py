@@ -15,7 +15,7 @@ Content-Length, or as a chunked / HTTP/2 body passes it), ``max_header_count`` a
 ``max_request_line_bytes`` for the target (414), and a 500 JSON error when the app fails
 before starting its response.
 
-No equivalent at all: ``header_timeout_s``. Hypercorn's ``read_timeout`` applies to every
+No equivalent at all: ``header_timeout_s`` and ``body_timeout_s``. Hypercorn's ``read_timeout`` applies to every
 read for the whole life of a connection, so it would also cut long-lived streaming
 responses whose client sends nothing; it stays unset. A slow request head is bounded by
 ``keep_alive_timeout`` instead, which runs until a complete head has arrived.

@@ -74,13 +74,15 @@ def decode_request(
         )
     outputs = _decode_outputs(document.get("outputs"))
     shared_memory_outputs(regions, outputs)
+    parameters = _parameters(document.get("parameters"), "request")
+    _check_flag(parameters, "binary_data_output", "request")
     return InferenceRequest(
         model_name=model_name,
         model_version=model_version,
         inputs=inputs,
         outputs=outputs,
         id=_decode_id(document.get("id")),
-        parameters=_parameters(document.get("parameters"), "request"),
+        parameters=parameters,
     )
 
 
@@ -111,6 +113,12 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgumentError(f"{where} 'parameters' must be a JSON object")
     return value
+
+
+def _check_flag(parameters: dict[str, Any], key: str, where: str) -> None:
+    """A flag parameter is true or false: the string "false" is no way to say false."""
+    if type(parameters.get(key, False)) is not bool:
+        raise InvalidArgumentError(f"{where} parameter '{key}' must be a boolean")
 
 
 def _decode_inputs(
@@ -163,7 +171,14 @@ def _decode_outputs(value: Any) -> list[RequestedOutput]:
     for entry in value:
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise InvalidArgumentError("each requested output needs a string 'name'")
-        parameters = _parameters(entry.get("parameters"), f"output '{entry['name']}'")
+        what = f"output '{entry['name']}'"
+        parameters = _parameters(entry.get("parameters"), what)
+        _check_flag(parameters, "binary_data", what)
+        if parameters.get("binary_data") and "shared_memory_region" in parameters:
+            # Exclusive, as in Triton (the request-wide binary_data_output gives way).
+            raise InvalidArgumentError(
+                f"{what} can't set both 'shared_memory_region' and 'binary_data'"
+            )
         if "classification" in parameters:
             raise UnsupportedError("the classification extension is not supported")
         outputs.append(RequestedOutput(entry["name"], parameters))

@@ -30,6 +30,8 @@ def json_object(text: bytes | str) -> dict[str, Any]:
             document = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgumentError(f"malformed JSON in the request: {exc}") from None
+    except RecursionError:  # the decoder bounds its own recursion by the interpreter's
+        raise InvalidArgumentError("malformed JSON in the request: nested too deeply") from None
     if not isinstance(document, dict):
         raise InvalidArgumentError("the request must be a JSON object")
     return document

@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from .._errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, UnavailableError
+from .._limits import MAX_SHARED_MEMORY_REGIONS
 from ._cuda import CudaRegion, cuda_unavailable_reason
 from ._region import Kind, Region
 from ._system import SystemRegion
@@ -23,9 +24,16 @@ _KIND_WORDS = {"system": "system", "cuda": "CUDA"}
 
 
 class SharedMemoryRegistry:
-    """Register, look up, lease and unregister regions; ``close`` unregisters them all."""
+    """Register, look up, lease and unregister regions; ``close`` unregisters them all.
 
-    def __init__(self) -> None:
+    At most ``max_regions`` are registered at once (those being opened count): each holds
+    file descriptors (a system region two: its own and its mapping's) or device handles,
+    so without a bound one client could register until the process has no descriptor
+    left for anything else.
+    """
+
+    def __init__(self, max_regions: int = MAX_SHARED_MEMORY_REGIONS) -> None:
+        self._max_regions = max_regions
         self._regions: dict[str, Region] = {}
         self._opening: set[str] = set()  # names of CUDA regions being opened
         self._closed = False
@@ -70,6 +78,11 @@ class SharedMemoryRegistry:
             raise InvalidArgumentError("a shared memory region needs a non-empty name")
         if name in self._regions or name in self._opening:
             raise AlreadyExistsError(f"shared memory region '{name}' already in manager")
+        if len(self._regions) + len(self._opening) >= self._max_regions:
+            raise InvalidArgumentError(
+                f"failed to register shared memory region '{name}': {self._max_regions} "
+                "regions are registered, the most this server allows; unregister one first"
+            )
         return name
 
     # --- status and unregister ---------------------------------------------------------

@@ -113,7 +113,7 @@ class RequestRegions:
     ) -> np.ndarray[Any, Any]:
         region = span.region
         if isinstance(region, SystemRegion):
-            view = region.read_view(span.offset, span.byte_size)
+            view = region.read_view(span.offset, span.byte_size, what)
             return array_from_raw(dt, shape, view, what)
         assert isinstance(region, CudaRegion)
         if self._device == "gpu" and not dt.is_bytes:
@@ -180,6 +180,8 @@ class RequestRegions:
                     f"'{tensor.name}' ({span.byte_size} bytes) should be at least {size} "
                     "bytes to hold the results"
                 )
+            if isinstance(span.region, SystemRegion):  # refused before anything is written
+                span.region.check_backed(span.offset + size, f"output '{tensor.name}'")
             writes.append((tensor, span, raw, size))
         for tensor, span, raw, size in writes:
             _write(span, raw, size)
@@ -288,7 +290,7 @@ def _raw_output(data: Any, dt: Datatype, region: Region) -> Any:
 def _write(span: _Span, raw: Any, size: int) -> None:
     region = span.region
     if isinstance(region, SystemRegion):
-        region.write_target(span.offset, size)[:] = raw
+        region.write(span.offset, raw)
     else:
         assert isinstance(region, CudaRegion)
         region.write(span.offset, raw, size)
