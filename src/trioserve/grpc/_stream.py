@@ -52,7 +52,7 @@ from ._generated import grpc_service_pb2 as pb
 from ._orca import add_load_report
 
 if TYPE_CHECKING:
-    from ._methods import Call, MessageStream
+    from ._call import Call, MessageStream
 
 logger = logging.getLogger("trioserve.grpc")
 
