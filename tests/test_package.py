@@ -172,6 +172,64 @@ def test_import_direction(path):
             assert str(relative).startswith(owner), f"only {owner} may import {library}"
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each trioserve module and the trioserve modules it imports, annotation-only imports
+    included. Packages a module lies in are left out: Python runs them first anyway."""
+    paths = [p for p in SRC.rglob("*.py") if "_generated" not in p.parts]
+    modules = {_module_name(p): p for p in paths}
+    graph = {}
+    for name, path in modules.items():
+        ancestors = {name.rsplit(".", depth)[0] for depth in range(1, name.count(".") + 1)}
+        graph[name] = {m for m in _imports(path) if m in modules} - ancestors - {name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_circles_are_found():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_circles():
+    assert _circles(_import_graph()) == []
+
+
 @pytest.mark.parametrize(
     ("flags", "expected"), [([], "trio"), (["--grpc-server", "grpclib"], "grpclib")]
 )

@@ -10,12 +10,10 @@ request spends is the scheduler's own.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import trio
 
 from ._context import ServerContext
 from ._errors import InvalidArgumentError
@@ -23,7 +21,6 @@ from ._pipeline import refuse_decoupled
 from ._tensor import datatype_of
 from ._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from .scheduler._generation import generative
-from .scheduler._generation_input import generation_request
 from .shm import RequestRegions
 
 
@@ -32,7 +29,6 @@ class InProcessFrontEnd:
 
     def __init__(self, context: ServerContext) -> None:
         self._context = context
-        self._ids = itertools.count(1)  # the engine's request ids for generations
 
     async def infer(
         self,
@@ -71,9 +67,7 @@ class InProcessFrontEnd:
         served = generative(context.repository.get(model, "" if version is None else str(version)))
         if sampling.get("n", 1) != 1:
             raise InvalidArgumentError("generate streams one sample: n must be 1")
-        request = generation_request(
-            f"inprocess-{next(self._ids)}", prompt, sampling, trio.current_time()
-        )
+        request = context.pipeline.generation_request("inprocess", prompt, sampling)
         with context.load.counting(served):
             async with served.generate(request) as chunks:
                 async for chunk in chunks:

@@ -204,12 +204,18 @@ class FunctionModel(Model):
     def __init__(self, function: Callable[..., Any], **settings: Any) -> None:
         super().__init__(**settings)
         self.function = function
-        if inspect.iscoroutinefunction(function):
-            self.execute = self._execute_async  # type: ignore[method-assign]
-        else:
-            self.execute = self._execute_sync  # type: ignore[method-assign]
+        self._async = inspect.iscoroutinefunction(function)
 
-    def _execute_sync(self, requests: Sequence[InferenceRequest]) -> Sequence[Outputs]:
+    @property
+    def is_async(self) -> bool:
+        return self._async
+
+    def execute(
+        self, requests: Sequence[InferenceRequest]
+    ) -> Sequence[Outputs] | Awaitable[Sequence[Outputs]]:
+        """The function's outputs per request; awaitable when the function is async."""
+        if self._async:
+            return self._execute_async(requests)
         return self._split(requests, self.function(**self._stack(requests)))
 
     async def _execute_async(self, requests: Sequence[InferenceRequest]) -> Sequence[Outputs]:

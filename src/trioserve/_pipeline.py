@@ -24,11 +24,16 @@ such models (``refuse_decoupled``).
 A front end may also pass a ``Watch``: the watch tracks the ticket while it waits and
 may withdraw it (REST's ``DisconnectWatch`` does when the client disconnects), in which
 case ``infer`` returns None: there is nobody left to answer.
+
+Generations do not take this path (they stream chunks from the engine), but every front
+end builds its ``GenerationRequest`` here, with the server's one request-id counter and
+the arrival time stamped in one place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import itertools
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import trio
@@ -37,6 +42,8 @@ from ._errors import InferenceServerError, UnsupportedError
 from ._repository import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
 from .metrics._orca import LoadReporter
+from .scheduler._generation import GenerationRequest
+from .scheduler._generation_input import generation_request
 from .shm import RequestRegions, SharedMemoryRegistry
 
 Decode = Callable[[RequestRegions], InferenceRequest]
@@ -57,11 +64,20 @@ class Watch(Protocol, Generic[_Client, _Token]):
 class InferencePipeline:
     """A server instance's inference path; its front ends share one."""
 
-    __slots__ = ("_load", "_shared_memory")
+    __slots__ = ("_ids", "_load", "_shared_memory")
 
     def __init__(self, shared_memory: SharedMemoryRegistry, load: LoadReporter) -> None:
         self._shared_memory = shared_memory
         self._load = load
+        self._ids = itertools.count(1)
+
+    def generation_request(
+        self, origin: str, prompt: object, parameters: Mapping[str, Any]
+    ) -> GenerationRequest:
+        """The engine's request for ``prompt``, arriving now, with the server's next
+        request id (``origin`` names the front end, for logs; clients' ids may repeat)."""
+        request_id = f"{origin}-{next(self._ids)}"
+        return generation_request(request_id, prompt, parameters, trio.current_time())
 
     @overload
     async def infer(

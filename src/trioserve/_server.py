@@ -233,7 +233,8 @@ def _served(
         for version in model.versions:
             if isinstance(model, GenerativeModel):
                 telemetry = llm_metrics.telemetry(model, version)
-                served.append(GenerativeRunner(model, version, telemetry))
+                engine = GenerativeRunner(model, version, telemetry, histogram_bounds_ns=bounds)
+                served.append(engine)
             else:
                 cached = _cache_for(model, cache)
                 runner = runner_class(model)

@@ -19,6 +19,7 @@ import trio
 
 from trioserve import HttpLimits, ServerConfig
 from trioserve._context import server_context
+from trioserve._inprocess import InProcessFrontEnd
 from trioserve._repository import ModelRepository
 from trioserve.models import reference_zoo
 from trioserve.rest._endpoints import build_app
@@ -58,6 +59,29 @@ async def events(response: httpx.Response) -> AsyncIterator[Any]:
 
 def head(**extra: Any) -> dict[str, Any]:
     return {"model_name": "scripted_lm", "model_version": "1", **extra}
+
+
+async def test_front_ends_number_generations_with_one_counter(
+    nursery: trio.Nursery, scripted_lm: Any
+) -> None:
+    """The engine's request ids come from the server's pipeline, whichever front end
+    asked; a client's own ``id`` stays in its answer only."""
+    repository = ModelRepository([scripted_lm])
+    await nursery.start(repository.run)
+    context = server_context(ServerConfig(), repository)
+    app = build_app(context)
+    serve = partial(serve_http11, app, "127.0.0.1", 0, HttpLimits())
+    ((_, port),) = await nursery.start(app.serve_with, serve)
+    body = {"id": "mine", "text_input": "a", "parameters": {"max_tokens": 1}}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=TIMEOUT) as http:
+        with trio.fail_after(TIMEOUT):
+            assert (await http.post("/v2/models/scripted_lm/generate", json=body)).is_success
+            async for _ in InProcessFrontEnd(context).generate("scripted_lm", "b", max_tokens=1):
+                pass
+            stream = await http.post("/v2/models/scripted_lm/generate_stream", json=body)
+            assert stream.is_success
+    ids = [request.request_id for request in scripted_lm.requests]
+    assert ids == ["http-1", "inprocess-2", "http-3"]
 
 
 # --- generate --------------------------------------------------------------------------

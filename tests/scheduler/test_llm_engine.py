@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from trioserve import (
     CancelledError,
@@ -23,9 +24,13 @@ from trioserve import (
     InputTensor,
     InternalError,
     InvalidArgumentError,
+    MetricsConfig,
+    ServerConfig,
     StepSequence,
+    UnavailableError,
     UnsupportedError,
 )
+from trioserve._server import open_server
 from trioserve._tensor import datatype
 from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
@@ -326,6 +331,9 @@ async def test_a_failing_tokenizer_fails_its_request_not_the_engine(nursery, aut
     async with runner.generate(good) as stream:
         assert "".join([c.text async for c in stream]) == "xy"
     assert runner.kv_cache_state().used_blocks == 0
+    # "d" is the third token: the request failed after three steps, as the model's.
+    assert _failures(runner) == ({"BACKEND": 1}, (1, 3 * round(STEP * 1e9)))
+    assert runner.inference_statistics().success.count == 1
 
 
 async def test_the_runner_is_a_generative_served_model(make_harness, autojump_clock):
@@ -361,3 +369,122 @@ async def test_statistics_extension_figures(make_harness, autojump_clock):
     assert (stats.compute_input.ns, stats.compute_output.ns) == (0, 0)
     assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(1, 2)]
     assert (stats.fail.count, stats.fail.ns) == (1, ns)
+
+
+def _failures(runner: GenerativeRunner) -> tuple[dict[str, int], tuple[int, int]]:
+    """The runner's failures by reason (those that happened), and (fail count, fail ns)."""
+    stats = runner.inference_statistics()
+    reasons = {reason.value: n for reason, n in stats.failures.items() if n}
+    return reasons, (stats.fail.count, stats.fail.ns)
+
+
+class FailingStepLM(CountingLM):
+    """Its step fails on every batch that holds a "!"."""
+
+    async def step(self, batch: Sequence[StepSequence]):
+        logits = await super().step(batch)
+        if any(ord("!") in b.token_ids for b in batch):
+            raise RuntimeError("no !")
+        return logits
+
+
+class FailingEncodeLM(CountingLM):
+    def encode(self, text):
+        if "!" in text:
+            raise ValueError("no !")
+        return super().encode(text)
+
+
+async def _drain(runner: GenerativeRunner, request: GenerationRequest) -> None:
+    async with runner.generate(request) as stream:
+        async for _ in stream:
+            pass
+
+
+def _request(prompt: str, *, waited: float = 0.0, max_tokens: int = 3) -> GenerationRequest:
+    """A request for ``prompt`` that arrived ``waited`` s ago."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return GenerationRequest(prompt, prompt, sampling, trio.current_time() - waited)
+
+
+async def test_a_failing_step_is_a_backend_failure(nursery, autojump_clock):
+    runner = GenerativeRunner(FailingStepLM(), "1")
+    await nursery.start(runner.run)
+    with pytest.raises(InternalError, match="no !"):
+        await _drain(runner, _request("a!", waited=0.004))
+    # Its end to end time: 4 ms before it reached the engine, then the one failed step.
+    assert _failures(runner) == ({"BACKEND": 1}, (1, 4_000_000 + round(STEP * 1e9)))
+    await _drain(runner, _request("a"))  # the engine goes on
+    assert runner.inference_statistics().success.count == 1
+
+
+async def test_a_prompt_the_tokenizer_fails_is_a_backend_failure(nursery, autojump_clock):
+    runner = GenerativeRunner(FailingEncodeLM(), "1")
+    await nursery.start(runner.run)
+    with pytest.raises(InvalidArgumentError, match="cannot tokenize the prompt: no !"):
+        await _drain(runner, _request("a!", waited=0.002))
+    assert _failures(runner) == ({"BACKEND": 1}, (1, 2_000_000))
+    assert runner.inference_statistics().success.count == 0
+
+
+async def test_requests_the_shutdown_ends_fail_as_other(autojump_clock):
+    runner = GenerativeRunner(CountingLM(), "1")
+    errors: list[Exception] = []
+
+    async def client(request: GenerationRequest) -> None:
+        try:
+            await _drain(runner, request)
+        except UnavailableError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as clients, trio.open_nursery() as engine:
+        await engine.start(runner.run)
+        clients.start_soon(client, _request("a", max_tokens=20))
+        clients.start_soon(client, _request("k", waited=0.001, max_tokens=20))
+        await trio.sleep(2.5 * STEP)  # both are in their third step
+        engine.cancel_scope.cancel()
+    assert [str(e) for e in errors] == ["server is shutting down"] * 2
+    assert _failures(runner) == ({"OTHER": 2}, (2, 2 * 30_000_000 + 1_000_000))
+
+
+async def test_generative_models_get_the_servers_histograms_and_failures(autojump_clock):
+    """Through the server: ``nv_inference_request_failure{reason}`` counts an LLM's
+    failures, and its latency histograms take ``--metrics-config`` buckets."""
+    config = ServerConfig(
+        models=[FailingStepLM()],
+        http_port=None,
+        grpc_port=None,
+        metrics=MetricsConfig(histogram_buckets_s=(0.02, 0.05)),
+    )
+    async with open_server(config) as server:
+        assert (
+            "".join(
+                [t async for t in server.generate("counting", "a", max_tokens=2, temperature=0)]
+            )
+            == "bc"
+        )
+        with pytest.raises(InternalError, match="no !"):
+            async for _ in server.generate("counting", "b!", max_tokens=2):
+                pass
+        assert server.registry is not None
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest(server.registry).decode())
+            for s in family.samples
+        }
+    labels = (("model", "counting"), ("version", "1"))
+    failures = "nv_inference_request_failure"  # Triton's name: no _total
+    assert (
+        samples[(failures, (("model", "counting"), ("reason", "BACKEND"), ("version", "1")))] == 1
+    )
+    assert (
+        samples[(failures, (("model", "counting"), ("reason", "CANCELED"), ("version", "1")))] == 0
+    )
+    # The answered request took two steps (24 ms): above 20 ms, within 50 ms.
+    request = "trioserve_request_duration_seconds"
+    buckets = {
+        le: samples[(f"{request}_bucket", tuple(sorted((*labels, ("le", le)))))]
+        for le in ("0.02", "0.05", "+Inf")
+    }
+    assert buckets == {"0.02": 0, "0.05": 1, "+Inf": 1}
+    assert samples[(f"{request}_sum", labels)] == pytest.approx(2 * STEP)

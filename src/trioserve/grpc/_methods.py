@@ -14,10 +14,10 @@ ModelInfer and ModelStreamInfer's tensor requests run through the server's
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from google.protobuf.message import Message
 
@@ -25,6 +25,7 @@ from .._context import ServerContext
 from .._errors import UnsupportedError, unknown_model
 from .._pipeline import refuse_decoupled
 from .._repository import Ticket
+from ._call import Call, MessageStream
 from ._codec import (
     model_config_message,
     model_metadata_message,
@@ -51,27 +52,6 @@ __all__ = [
 ]  # fmt: skip
 
 
-class Call(Protocol):
-    """What a handler sees of its call, whichever front end carries it."""
-
-    @property
-    def metadata(self) -> Mapping[str, str]:
-        """Request metadata by lower-case key; values of keys not ending in ``-bin`` as
-        text (latin-1 decoded, never failing); ``-bin`` keys are left out."""
-        ...
-
-    def add_trailer(self, key: str, value: bytes) -> None:
-        """Trailing metadata to send with the status; ``-bin`` keys carry raw bytes."""
-        ...
-
-    def cancel_with(self, withdraw: Callable[[], None] | None) -> None:
-        """What to call if the client cancels the call while it waits (None: nothing).
-        The built-in front end runs unary calls without a cancel scope of their own
-        (one costs more than the rest of a small call), so a handler that waits on a
-        model registers how to give up; grpclib's calls are cancelled as trio tasks."""
-        ...
-
-
 class _CallWatch:
     """A waiting ticket withdrawn when its gRPC client cancels (``_pipeline.Watch``)."""
 
@@ -83,19 +63,6 @@ class _CallWatch:
 
 
 _CALL_WATCH = _CallWatch()
-
-
-class MessageStream(Protocol):
-    """A streaming call's messages, for trio code."""
-
-    async def recv(self) -> Any | None:
-        """The next request message (parsed); None once the client half-closed. Raises
-        ``ClientGone``, or ``GrpcError`` for a message the front end could not take."""
-        ...
-
-    async def send(self, message: Any) -> None:
-        """Send one reply message. Raises ``ClientGone``."""
-        ...
 
 
 @dataclass(frozen=True)

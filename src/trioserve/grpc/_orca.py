@@ -15,7 +15,7 @@ from ..metrics._orca import FORMAT_HEADER, LoadReport, LoadReporter
 from ._generated.orca_load_report_pb2 import OrcaLoadReport
 
 if TYPE_CHECKING:
-    from ._methods import Call
+    from ._call import Call
 
 TRAILER_KEY = "endpoint-load-metrics-bin"
 _FORMAT_KEY = FORMAT_HEADER.decode()

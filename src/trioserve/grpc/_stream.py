@@ -29,7 +29,6 @@ aborted by the engine.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -45,14 +44,14 @@ from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import GenerationChunk, GenerativeServed
-from ..scheduler._generation_input import generation_request, prompt_and_parameters
+from ..scheduler._generation_input import prompt_and_parameters
 from ._codec import decode_request, encode_response
 from ._errors import ClientGone
 from ._generated import grpc_service_pb2 as pb
 from ._orca import add_load_report
 
 if TYPE_CHECKING:
-    from ._methods import Call, MessageStream
+    from ._call import Call, MessageStream
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -72,9 +71,8 @@ class StreamInfer:
         self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
     ) -> None:
         self._repository = repository
-        self._pipeline = pipeline  # tensor requests take ModelInfer's path
+        self._pipeline = pipeline  # tensor requests take ModelInfer's path; generations' ids
         self._load = load  # generations count toward the server's load reports
-        self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
 
     async def serve(self, io: MessageStream, call: Call) -> None:
         """Answer every request of one call; returns when all are answered or the client
@@ -163,9 +161,7 @@ class StreamInfer:
         self, served: GenerativeServed, request: InferenceRequest, replies: _Replies
     ) -> None:
         prompt, parameters = prompt_and_parameters(request.inputs, request.parameters)
-        generation = generation_request(
-            f"grpc-{next(self._ids)}", prompt, parameters, trio.current_time()
-        )
+        generation = self._pipeline.generation_request("grpc", prompt, parameters)
         empty_final = parameters.get(EMPTY_FINAL) is True
         n = generation.sampling.n
         unfinished = n

@@ -17,7 +17,7 @@ import importlib.util
 import inspect
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -95,10 +95,19 @@ class PythonBackendModel(Model):
         self._metrics = metrics
         self._instances: list[Any] = []  # by index: the runner's model instances
         self._document = config_document(config)
-        if inspect.iscoroutinefunction(model_class.execute):  # type: ignore[attr-defined]
-            self.execute = self._execute_async  # type: ignore[method-assign]
-        else:
-            self.execute = self._execute_sync  # type: ignore[method-assign]
+        self._async = inspect.iscoroutinefunction(model_class.execute)  # type: ignore[attr-defined]
+
+    @property
+    def is_async(self) -> bool:
+        return self._async
+
+    def execute(
+        self, requests: Sequence[InferenceRequest]
+    ) -> Sequence[Result] | Awaitable[Sequence[Result]]:
+        """The instance's responses; awaitable when its ``execute`` is ``async def``."""
+        if self._async:
+            return self._execute_async(requests)
+        return self._execute_sync(requests)
 
     def described_config(self) -> dict[str, Any]:
         return self._document

@@ -11,7 +11,8 @@ import gzip
 import logging
 import zlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -36,12 +37,14 @@ class Request:
     send: Send  # for endpoints that stream their response; they then return None
 
 
-@dataclass(slots=True)
-class Response:
+class Response(NamedTuple):
+    """An endpoint's answer. Immutable, since endpoints share constant ones (``_TRUE``...);
+    a named tuple, as one is built per request and a frozen dataclass costs twice as much."""
+
     status: int = 200
     body: bytes = b""
     content_type: bytes | None = JSON
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    headers: tuple[tuple[bytes, bytes], ...] = ()
     compressible: bool = False  # honour Accept-Encoding (inference responses)
 
 
@@ -97,8 +100,8 @@ class RestApp:
                 Request(scope["method"], scope["path"], params, headers, body, receive, send)
             )
         except MethodNotAllowed as exc:
-            response = _error(405, exc.message)
-            response.headers.append((b"allow", ", ".join(exc.allow).encode()))
+            allow = (b"allow", ", ".join(exc.allow).encode())
+            response = Response(405, error_body(exc.message), headers=(allow,))
         except _TooLarge as exc:
             response = _error(413, exc.message)
         except InferenceServerError as exc:

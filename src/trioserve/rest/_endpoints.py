@@ -87,10 +87,10 @@ class _Endpoints:
         inference, result = answered
         body, header_length = encode_response(result, inference)
         load_report = self.load.http_header(served, request.headers)
-        headers = [] if load_report is None else [load_report]
+        headers: tuple[tuple[bytes, bytes], ...] = () if load_report is None else (load_report,)
         if header_length is None:
             return Response(200, body, headers=headers, compressible=True)
-        headers.append((b"inference-header-content-length", str(header_length).encode()))
+        headers += ((b"inference-header-content-length", str(header_length).encode()),)
         return Response(200, body, b"application/octet-stream", headers, compressible=True)
 
 
@@ -107,7 +107,7 @@ def build_app(context: ServerContext) -> RestApp:
     """The REST app of the server that ``context`` describes."""
     disconnects = DisconnectWatch()
     e = _Endpoints(context, disconnects)
-    generate = GenerateEndpoints(context.repository, context.load)
+    generate = GenerateEndpoints(context.repository, context.pipeline, context.load)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -123,7 +123,7 @@ def build_app(context: ServerContext) -> RestApp:
         router.add("POST", f"{base}/infer", e.infer)
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
-    openai = OpenAIEndpoints(context.repository, context.load)
+    openai = OpenAIEndpoints(context.repository, context.pipeline, context.load)
     router.add("GET", "/v1/models", openai.models)
     router.add("POST", "/v1/completions", openai.completions)
     router.add("POST", "/v1/chat/completions", openai.chat_completions)

@@ -27,7 +27,6 @@ disconnect and cancels the generation, whose ``generate()`` block then exits ear
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
+from .._pipeline import InferencePipeline
 from .._repository import ModelRepository
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import (
@@ -46,7 +46,7 @@ from ..scheduler._generation import (
     TokenLogprob,
     generative,
 )
-from ..scheduler._generation_input import TEXT_INPUT, generation_request
+from ..scheduler._generation_input import TEXT_INPUT
 from ._app import Request, Response
 from ._asgi import Receive
 from ._json_body import json_object
@@ -66,10 +66,12 @@ T = TypeVar("T")
 
 
 class GenerateEndpoints:
-    def __init__(self, repository: ModelRepository, load: LoadReporter) -> None:
+    def __init__(
+        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
+    ) -> None:
         self.repository = repository
+        self.pipeline = pipeline  # builds the engine's requests
         self.load = load
-        self._ids = itertools.count(1)  # the engine's request ids; clients' ids may repeat
 
     async def generate(self, request: Request) -> Response | None:
         served, generation, head = self._prepare(request)
@@ -92,7 +94,7 @@ class GenerateEndpoints:
         return Response(
             200,
             _COMPACT.encode(document).encode(),
-            headers=[] if report is None else [report],
+            headers=() if report is None else (report,),
             compressible=True,
         )
 
@@ -136,12 +138,7 @@ class GenerateEndpoints:
         )
         document = _parse(request.body)
         parameters = _parameters(document)
-        generation = generation_request(
-            f"http-{next(self._ids)}",
-            document.get(TEXT_INPUT),
-            parameters,
-            trio.current_time(),
-        )
+        generation = self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters)
         head: dict[str, Any] = {}
         if "id" in document:
             if not isinstance(document["id"], str):

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
+import socket
+from typing import Protocol
 
 import trio
 from trio.lowlevel import checkpoint, wait_readable
 
+from .._limits import HttpLimits
 from ._asgi import ASGIApp, Message
 from ._http11_parser import (
     CLOSE,
@@ -33,9 +35,6 @@ from ._http11_parser import (
     scan_response_headers,
     status_line,
 )
-
-if TYPE_CHECKING:
-    from ._http11 import Connection
 
 logger = logging.getLogger("trioserve.http")
 
@@ -52,6 +51,51 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _NO_RESPONSE, _HEAD_PENDING, _STREAMING, _DONE = range(4)
 # Body framing of the response.
 _LENGTH, _CHUNKED, _UNTIL_CLOSE, _NO_BODY = range(4)
+
+
+class _ServerState(Protocol):
+    @property
+    def date(self) -> bytes: ...
+
+    @property
+    def shutting_down(self) -> bool: ...
+
+
+class Connection(Protocol):
+    """What an exchange uses of its connection (``_http11.Connection``): the socket, the
+    unparsed input ``buf[pos:]`` that it consumes, and the connection's writes. Declared
+    here so that this module needs nothing from ``_http11``, which builds exchanges."""
+
+    buf: bytes
+    pos: int
+    peer_closed: bool
+    torn: bool
+
+    @property
+    def sock(self) -> socket.socket: ...
+
+    @property
+    def fd(self) -> int: ...
+
+    @property
+    def client(self) -> tuple[str, int]: ...
+
+    @property
+    def local(self) -> tuple[str, int]: ...
+
+    @property
+    def limits(self) -> HttpLimits: ...
+
+    @property
+    def server(self) -> _ServerState: ...
+
+    async def recv_body(self, max_bytes: int, deadline: float) -> bytes: ...
+
+    async def write(self, data: bytes) -> bool: ...
+
+    async def write_parts(self, parts: list[bytes]) -> bool: ...
+
+    async def write_rest(self, view: memoryview) -> bool: ...
 
 
 def _disconnect() -> Message:

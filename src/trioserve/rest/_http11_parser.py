@@ -8,7 +8,6 @@ when the input was valid, which is a single C-level pass and no regex.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -16,6 +15,7 @@ from typing import TypeAlias
 from urllib.parse import unquote
 
 from .._limits import HttpLimits
+from ._errors import error_body
 
 
 class HttpError(Exception):
@@ -440,7 +440,7 @@ CLOSE = b"connection: close\r\n"
 
 def error_response(status: int, message: str, connection: bytes) -> bytes:
     """A complete JSON error response; ``connection`` is a header line or ``b""``."""
-    body = json.dumps({"error": message}).encode()
+    body = error_body(message)
     return b"".join(
         (
             status_line(status),

@@ -27,7 +27,6 @@ half-closes its side counts as gone (its response is dropped).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -40,6 +39,7 @@ from hypercorn.trio import serve
 
 from .._limits import HttpLimits
 from ._asgi import ASGIApp, Message, Receive, Scope, Send, answer_lifespan
+from ._errors import error_body
 
 logger = logging.getLogger("trioserve.http")
 
@@ -187,7 +187,7 @@ class _Exchange:
 
     async def error(self, status: int, message: str) -> None:
         """Answer in the app's place with ``{"error": message}``."""
-        body = json.dumps({"error": message}).encode()
+        body = error_body(message)
         headers: list[tuple[bytes, bytes]] = [
             (b"content-type", b"application/json"),
             (b"content-length", b"%d" % len(body)),

@@ -27,7 +27,6 @@ client that goes away aborts the generation.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -37,10 +36,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-import trio
-
 from .._errors import ErrorKind, InferenceServerError, InvalidArgumentError, NotFoundError
 from .._generative import GenerativeModel
+from .._pipeline import InferencePipeline
 from .._repository import ModelRepository
 from ..metrics._orca import LoadReporter
 from ..scheduler._generation import (
@@ -49,7 +47,6 @@ from ..scheduler._generation import (
     GenerativeServed,
     TokenLogprob,
 )
-from ..scheduler._generation_input import generation_request
 from ._app import Request, Response
 from ._chat_template import render_chat
 from ._errors import error_status
@@ -92,10 +89,12 @@ class _Call:
 
 
 class OpenAIEndpoints:
-    def __init__(self, repository: ModelRepository, load: LoadReporter) -> None:
+    def __init__(
+        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
+    ) -> None:
         self.repository = repository
+        self.pipeline = pipeline  # builds the engine's requests
         self.load = load
-        self._ids = itertools.count(1)  # the engine's request ids
         self._created = int(time.time())  # the models' "created": when the server started
 
     async def models(self, request: Request) -> Response:
@@ -179,9 +178,7 @@ class OpenAIEndpoints:
         echo: str,
         logprobs: int | None,
     ) -> _Call:
-        generation = generation_request(
-            f"openai-{next(self._ids)}", text, parameters, trio.current_time()
-        )
+        generation = self.pipeline.generation_request("openai", text, parameters)
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "",  # set per answer
@@ -232,7 +229,7 @@ class OpenAIEndpoints:
         return Response(
             200,
             _COMPACT.encode(document).encode(),
-            headers=[] if report is None else [report],
+            headers=() if report is None else (report,),
             compressible=True,
         )
 

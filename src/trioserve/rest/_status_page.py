@@ -21,7 +21,7 @@ from ._router import Router
 
 _HTML = b"text/html; charset=utf-8"
 # Figures are live: a cache between the page and the server would show stale ones.
-_NO_STORE = [(b"cache-control", b"no-store")]
+_NO_STORE = ((b"cache-control", b"no-store"),)
 
 
 def add_status_page(
@@ -31,11 +31,11 @@ def add_status_page(
     report = StatusReport(repository, server_metadata)
 
     async def html(request: Request) -> Response:
-        return Response(200, page, _HTML, list(_NO_STORE), compressible=True)
+        return Response(200, page, _HTML, _NO_STORE, compressible=True)
 
     async def document(request: Request) -> Response:
         body = json.dumps(report.document(trio.current_time()), separators=(",", ":"))
-        return Response(200, body.encode(), headers=list(_NO_STORE))
+        return Response(200, body.encode(), headers=_NO_STORE)
 
     router.add("GET", "/", html)
     router.add("GET", "/status", html)

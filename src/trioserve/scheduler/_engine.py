@@ -6,6 +6,11 @@ whose tokens are all processed, turns tokens into text, applies stop conditions 
 hands each request's new text to its sink. Then it sends one ``IterationStats`` down
 the stats channel and goes again; with nothing to do it sleeps until a request comes.
 
+Every request's end goes to ``Outcomes`` at once, whatever ended it: its output done,
+an abort, the model failing (its step, or its tokenizer on the prompt or the output),
+or the engine stopping. That is the one place the model's statistics learn of it, so
+nothing ends uncounted, shutdown included (the stats channel's reader is gone by then).
+
 ``add`` and ``abort`` are called from the front ends' tasks. They change the engine's
 state directly (everything runs on the one trio thread): an abort frees the request's
 blocks at once, even while a step that includes it is in flight; the step's results
@@ -24,6 +29,7 @@ import trio
 
 from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel, StepSequence
+from .._stats import FailureReason
 from ._generation import (
     FinishReason,
     GenerationChunk,
@@ -49,6 +55,16 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
     def fail(self, error: Exception) -> None: ...
+
+
+class Outcomes(Protocol):
+    """Where the engine records how each request ended (times in trio's clock, seconds)."""
+
+    def finished(self, request: FinishedRequest) -> None:
+        """Its output is complete ("stop", "length"), or its requester aborted it."""
+
+    def failed(self, arrival: float, end: float, reason: FailureReason) -> None:
+        """It failed: BACKEND when the model did, OTHER when the engine stopped."""
 
 
 @dataclass(eq=False, slots=True)
@@ -99,8 +115,10 @@ class LLMEngine:
         stats: trio.MemorySendChannel[IterationStats] | None = None,
         *,
         seed: int | None = None,
+        outcomes: Outcomes | None = None,
     ) -> None:
         self.model = model
+        self._outcomes = outcomes
         self.blocks = KVBlockManager(
             model.num_kv_blocks, model.block_size, prefix_caching=model.enable_prefix_caching
         )
@@ -130,6 +148,10 @@ class LLMEngine:
             try:
                 prompt = self.model.encode(request.prompt)
             except Exception as exc:
+                if self._outcomes is not None:
+                    self._outcomes.failed(
+                        request.arrival_time, trio.current_time(), FailureReason.BACKEND
+                    )
                 raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
         if not prompt:
             raise InvalidArgumentError("the prompt is empty")
@@ -183,7 +205,7 @@ class LLMEngine:
         """Shutting down: every request still in the engine fails with ``error``."""
         self.accepting = False
         for record in list(self._requests):
-            self._drop(record, error)
+            self._drop(record, error, FailureReason.OTHER)
 
     async def run(self) -> None:
         while True:
@@ -228,15 +250,17 @@ class LLMEngine:
         logger.warning("model %r step failed: %r", self.model.name, exc)
         error = InternalError(f"model '{self.model.name}' failed: {exc}")
         for record in {seq.owner for seq, _ in plan.chunks}:
-            self._drop(record, error)
+            self._drop(record, error, FailureReason.BACKEND)
 
-    def _drop(self, record: EngineRequest, error: Exception) -> None:
+    def _drop(self, record: EngineRequest, error: Exception, reason: FailureReason) -> None:
         if record.finished:
             return
         for s in record.samples:
             self.policy.remove(s.seq)
         record.finish_reason = "abort"
         self._forget(record)
+        if self._outcomes is not None:
+            self._outcomes.failed(record.times.arrival, trio.current_time(), reason)
         record.sink.fail(error)
 
     def _forget(self, record: EngineRequest) -> None:
@@ -304,7 +328,8 @@ class LLMEngine:
                 self._accept(record, s, token, logprob, tally, now)
             except Exception as exc:  # the model's tokenizer failed: this request fails
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
-                self._drop(record, InternalError(f"model '{self.model.name}' failed: {exc}"))
+                error = InternalError(f"model '{self.model.name}' failed: {exc}")
+                self._drop(record, error, FailureReason.BACKEND)
 
     def _sample(
         self,
@@ -381,17 +406,18 @@ class LLMEngine:
         record.finish_reason = reason
         self._forget(record)
         params = record.request.sampling
-        tally.finished.append(
-            finished_request(
-                record.times,
-                now,
-                reason,
-                prompt_tokens=record.prompt_len,
-                sample_tokens=[s.seq.num_output for s in record.samples],
-                n=params.n,
-                max_tokens=params.max_tokens,
-            )
+        finished = finished_request(
+            record.times,
+            now,
+            reason,
+            prompt_tokens=record.prompt_len,
+            sample_tokens=[s.seq.num_output for s in record.samples],
+            n=params.n,
+            max_tokens=params.max_tokens,
         )
+        tally.finished.append(finished)
+        if self._outcomes is not None:
+            self._outcomes.finished(finished)
         if reason == "abort":
             return  # the requester left: nobody reads its sink
         record.sink.close()

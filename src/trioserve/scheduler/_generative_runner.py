@@ -2,13 +2,16 @@
 
     GenerativeRunner.run
     ├── LLMEngine.run           the continuous-batching loop
-    └── _consume_stats          per-iteration stats -> the statistics extension
-        └── telemetry.consume   the same stats -> metrics and the periodic log
+    └── telemetry.consume       per-iteration stats -> metrics and the periodic log
 
-The statistics extension sees a generative request as one inference and one execution
-(batch size 1): success and fail durations are its end to end time, queue its queue
-interval and compute_infer its inference interval (first scheduled to last token); an
-aborted request is a CANCELED failure.
+The engine tells the runner how each request ended (``Outcomes``), and the runner
+records it in the version's ``ModelStats``, as a tensor model's runner does: the
+statistics extension and the Triton metrics (``nv_inference_request_failure{reason}``,
+the latency histograms) cover generative models too. A generative request counts as one
+inference and one execution (batch size 1): success and fail durations are its end to
+end time, queue its queue interval and compute_infer its inference interval (first
+scheduled to last token). An aborted request is a CANCELED failure, a failure of the
+model (its step or its tokenizer) a BACKEND one, a request the shutdown ends OTHER.
 
 Front ends reach the engine three ways: ``generate`` (a stream of chunks, for REST
 generate / generate_stream and gRPC ModelStreamInfer), and ``infer`` / ``submit`` (OIP
@@ -149,14 +152,16 @@ class GenerativeRunner:
         telemetry: EngineTelemetry | None = None,
         *,
         seed: int | None = None,
+        histogram_bounds_ns: Sequence[int] = (),
     ) -> None:
         self.model: Model = model  # what ServedModel promises; the engine keeps the full type
         self.version = version
         self.ready = False
         self._telemetry = telemetry
-        self.stats = ModelStats(model.name, version)
+        self.stats = ModelStats(model.name, version, histogram_bounds_ns=histogram_bounds_ns)
         self._stats_send, self._stats_receive = trio.open_memory_channel[IterationStats](math.inf)
-        self.engine = LLMEngine(model, self._stats_send, seed=seed)
+        iterations = self._stats_send if telemetry is not None else None
+        self.engine = LLMEngine(model, iterations, seed=seed, outcomes=self)
         self.engine.accepting = False
         self._ids = itertools.count(1)
 
@@ -178,7 +183,8 @@ class GenerativeRunner:
         await call_hook(self.model.load)
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._consume_stats)
+                if self._telemetry is not None:
+                    nursery.start_soon(self._telemetry.consume, self._stats_receive)
                 nursery.start_soon(self.engine.run)
                 self.engine.accepting = self.ready = True
                 task_status.started()
@@ -193,29 +199,21 @@ class GenerativeRunner:
         self.engine.accepting = self.ready = False
         await trio.lowlevel.checkpoint()
 
-    async def _consume_stats(self) -> None:
-        """Record each finished request, and hand every iteration on to the telemetry."""
-        relay_send, relay_receive = trio.open_memory_channel[IterationStats](math.inf)
-        async with trio.open_nursery() as nursery:
-            if self._telemetry is not None:
-                nursery.start_soon(self._telemetry.consume, relay_receive)
-            async with relay_send:
-                async for item in self._stats_receive:
-                    for finished in item.finished:
-                        self._record(finished)
-                    if self._telemetry is not None:
-                        relay_send.send_nowait(item)
+    # --- Outcomes: the engine reports every request's end here -------------------------
 
-    def _record(self, finished: FinishedRequest) -> None:
-        e2e_ns = round(finished.e2e * 1e9)
-        if finished.finish_reason == "abort":
+    def finished(self, request: FinishedRequest) -> None:
+        e2e_ns = round(request.e2e * 1e9)
+        if request.finish_reason == "abort":
             self.stats.failed(0, e2e_ns, FailureReason.CANCELED)
             return
-        scheduled_ns = round(finished.queue * 1e9)
-        done_ns = scheduled_ns + round(finished.inference * 1e9)
+        scheduled_ns = round(request.queue * 1e9)
+        done_ns = scheduled_ns + round(request.inference * 1e9)
         times = ExecutionTimes(scheduled_ns, scheduled_ns, done_ns, done_ns)
         self.stats.executed(1, times)
         self.stats.succeeded(0, e2e_ns, 1, times)
+
+    def failed(self, arrival: float, end: float, reason: FailureReason) -> None:
+        self.stats.failed(0, round((end - arrival) * 1e9), reason)
 
     @asynccontextmanager
     async def generate(
