@@ -53,12 +53,15 @@ class Result:
     requests_per_s: float
     p50_ms: float
     p99_ms: float
+    cpu_us: float | None = None  # the server's CPU time per request, when its pid is known
 
     def row(self) -> str:
         line = (
             f"{self.mode:<16} c={self.concurrency:<4} {self.requests_per_s:>10.1f} req/s"
             f"   p50 {self.p50_ms:7.2f} ms   p99 {self.p99_ms:7.2f} ms"
         )
+        if self.cpu_us is not None:
+            line += f"   cpu {self.cpu_us:8.1f} us/req"
         if self.mode.startswith("big-"):
             line += f"   {self.requests_per_s * BIG_BYTES / 2**20:8.0f} MiB/s"
         return line
@@ -288,7 +291,7 @@ def run_h2load(
         body.write_bytes(len(message).to_bytes(5, "big") + message)  # gRPC's message prefix
         command = [
             "taskset", "-c", cpus, "h2load", "-t1", f"-c{connections}", f"-m{streams}",
-            f"-D{round(duration)}", "--warm-up-time=1", "-d", str(body),
+            f"-D{round(duration)}", "-d", str(body),
             "-H", "content-type: application/grpc", "-H", "te: trailers",
             f"http://{url}/inference.GRPCInferenceService/ModelInfer",
         ]  # fmt: skip
@@ -299,6 +302,26 @@ def run_h2load(
     rps = float(re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out).group(1))  # type: ignore[union-attr]
     mean = re.search(r"time for request:\s+\S+\s+\S+\s+(\S+)", out).group(1)  # type: ignore[union-attr]
     return Result(f"{mode}x{streams}", connections, rps, _ms(mean), float("nan"))
+
+
+# --- the server's CPU time -------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` and all its descendants (Triton's backend
+    stubs run as child processes), from /proc."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # it ended meanwhile
+    return total
 
 
 # --- the server under test ------------------------------------------------------------
@@ -326,7 +349,7 @@ def _wait_ready(url: str, timeout: float = 60.0) -> None:
 @contextmanager
 def trioserve_process(
     cpus: str, http_server: str, grpc_server: str, python: str
-) -> Iterator[tuple[str, str]]:
+) -> Iterator[tuple[str, str, int]]:
     http, grpc = _free_port(), _free_port()
     command = [
         "taskset",
@@ -352,7 +375,7 @@ def trioserve_process(
     process = subprocess.Popen(command)
     try:
         _wait_ready(f"127.0.0.1:{http}")
-        yield f"127.0.0.1:{http}", f"127.0.0.1:{grpc}"
+        yield f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", process.pid
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -380,6 +403,11 @@ def main() -> None:
     parser.add_argument("--grpc-server", default="trio", choices=("trio", "grpclib"))
     parser.add_argument("--grpc-streams", type=int, default=1, help="h2load calls per connection")
     parser.add_argument(
+        "--server-pid",
+        type=int,
+        help="with --url/--grpc-url: the server's pid, to print its CPU time per request",
+    )
+    parser.add_argument(
         "--server-python",
         default=sys.executable,
         help="the interpreter that runs a server this tool starts (with trioserve installed)",
@@ -394,9 +422,9 @@ def main() -> None:
     client_cpus = [int(c) for c in args.client_cpus.split(",")]
 
     @contextmanager
-    def target() -> Iterator[tuple[str, str]]:
+    def target() -> Iterator[tuple[str, str, int | None]]:
         if args.url or args.grpc_url:
-            yield args.url, args.grpc_url
+            yield args.url, args.grpc_url, args.server_pid
         else:
             print(f"trioserve on {_describe(args.server_python)}", flush=True)
             with trioserve_process(
@@ -404,10 +432,11 @@ def main() -> None:
             ) as urls:
                 yield urls
 
-    with target() as (http_url, grpc_url):
+    with target() as (http_url, grpc_url, pid):
         for mode in modes:
             with big_regions(http_url) if mode == "big-shm" else nullcontext():
                 for concurrency in levels:
+                    cpu_before = None if pid is None else cpu_seconds(pid)
                     if mode.endswith("h2load"):
                         result = run_h2load(
                             grpc_url,
@@ -430,6 +459,9 @@ def main() -> None:
                         result = run_wrk(
                             http_url, mode, concurrency, args.duration, args.client_cpus
                         )
+                    if pid is not None and cpu_before is not None and result.requests_per_s:
+                        requests = result.requests_per_s * args.duration
+                        result.cpu_us = (cpu_seconds(pid) - cpu_before) / requests * 1e6
                     print(result.row(), flush=True)
 
 

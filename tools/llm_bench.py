@@ -316,6 +316,7 @@ def main() -> None:
             with trioserve_process(args.server_cpus, args.http_server, "trio", sys.executable) as (
                 http_url,
                 _,
+                _,
             ):
                 yield http_url
 
