@@ -30,7 +30,7 @@ def _blocks(text: str) -> list[tuple[int, str]]:
 def _collect() -> dict[str, Any]:
     tests: dict[str, Any] = {}
     blocks = _blocks(README.read_text())
-    assert len(blocks) >= 5, "the README's testing examples went missing"
+    assert len(blocks) >= 6, "the README's testing examples went missing"
     for line, code in blocks:
         namespace: dict[str, Any] = {"__name__": f"readme_line_{line}"}
         exec(compile("\n" * (line - 1) + code, str(README), "exec"), namespace)

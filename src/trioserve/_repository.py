@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import trio
@@ -123,6 +124,9 @@ class ModelRepository:
         # (name, version) -> seconds its last load took: what a person waiting on a slow
         # load reads in the log and on the status page.
         self.load_seconds: dict[tuple[str, str], float] = {}
+        # (name, version) -> when its load began, while it loads; version "" while the
+        # model's files are read, before its versions are known.
+        self.loading: dict[tuple[str, str], float] = {}
 
     def __iter__(self) -> Iterator[ServedModel]:
         for versions in self._models.values():
@@ -189,10 +193,20 @@ class ModelRepository:
         """Load ``runner`` and start serving it, logging what loads and how long it took."""
         name, version = runner.model.name, runner.version
         logger.info("loading model '%s' version %s%s", name, version, progress)
-        began = trio.current_time()
-        await nursery.start(self._serve, runner)
+        with self.loading_model(name, version):
+            began = self.loading[name, version]
+            await nursery.start(self._serve, runner)
         took = self.load_seconds[name, version] = trio.current_time() - began
         logger.info("loaded model '%s' version %s in %.2f s", name, version, took)
+
+    @contextmanager
+    def loading_model(self, name: str, version: str = "") -> Iterator[None]:
+        """Mark ``name`` (one ``version``, or "" for the whole model) as loading."""
+        self.loading[name, version] = trio.current_time()
+        try:
+            yield
+        finally:
+            del self.loading[name, version]
 
     async def _serve(
         self, runner: ServedModel, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED

@@ -10,9 +10,19 @@ import numpy as np
 import pytest
 import trio
 
-from trioserve import InferenceRequest, InputTensor, InternalError, Model, TensorSpec
+from trioserve import (
+    InferenceRequest,
+    InputTensor,
+    InternalError,
+    Model,
+    Server,
+    ServerConfig,
+    TensorSpec,
+    serve,
+)
 from trioserve import model as declare_model
 from trioserve._context import server_metadata
+from trioserve._errors import InvalidArgumentError
 from trioserve._repository import ModelRepository
 from trioserve._tensor import datatype
 from trioserve.metrics._status import StatusReport, histogram_percentile
@@ -141,3 +151,44 @@ async def test_loading_is_logged_and_timed(
     ]
     (first, _) = StatusReport(repository, server_metadata()).document(0.0)["models"]
     assert first["load_seconds"] == 2.5
+
+
+class FailsToLoad(Model):
+    async def load(self) -> None:
+        await trio.sleep(0.5)
+        raise RuntimeError("weights are missing")
+
+
+async def test_loading_and_failed_models(nursery: trio.Nursery, autojump_clock: Any) -> None:
+    slow = SlowLoading(name="slow", inputs=[], outputs=[])
+    broken = FailsToLoad(name="broken", inputs=[], outputs=[])
+    config = ServerConfig(
+        http_port=None, grpc_port=None, models=[slow, broken], model_control_mode="explicit"
+    )
+    server: Server = await nursery.start(serve, config)
+    control = server.repository.control
+    assert control is not None
+    report = StatusReport(server.repository, server_metadata())
+
+    def rows() -> list[tuple[Any, ...]]:
+        document = report.document(trio.current_time())
+        keys = ("name", "version", "state", "reason", "loading_seconds", "load_seconds")
+        return [tuple(model[key] for key in keys) for model in document["models"]]
+
+    # Found, not loaded: listed as the repository index lists them.
+    assert rows() == [("broken", "", "", "", None, None), ("slow", "", "", "", None, None)]
+    nursery.start_soon(control.load, "slow", None, {})
+    await trio.sleep(1)
+    assert rows() == [
+        ("slow", "1", "LOADING", "", 1.0, None), ("broken", "", "", "", None, None),
+    ]  # fmt: skip
+    assert ("slow", "", "LOADING", "") in [tuple(e.values()) for e in control.index(False)]
+    await trio.sleep(1.5)
+    with pytest.raises(InvalidArgumentError, match="weights are missing"):
+        await control.load("broken", None, {})
+    assert rows() == [
+        ("slow", "1", "READY", "", None, 2.5),
+        ("broken", "", "UNAVAILABLE", "RuntimeError: weights are missing", None, None),
+    ]
+    served, failed = report.document(trio.current_time())["models"]
+    assert served["success"] == 0 and failed["success"] is None  # no figures without a runner

@@ -7,6 +7,7 @@ Skipped where no ``chromium`` is installed (``.ci/run`` installs Debian's).
 from __future__ import annotations
 
 import shutil
+import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,36 @@ async def start(nursery: trio.Nursery, **settings: Any) -> str:
     return f"http://127.0.0.1:{server.http_port}"
 
 
+IDENTITY_CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+"""
+IDENTITY_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
+
+def write_repository(root: Path) -> None:
+    """Models ``good`` and ``late`` answer; ``broken``'s config.pbtxt does not parse."""
+    for name in ("good", "broken", "late"):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(IDENTITY_MODEL))
+        config = IDENTITY_CONFIG.format(name=name)
+        (root / name / "config.pbtxt").write_text(config if name != "broken" else "input [ {")
+
+
 def served_models() -> list[Any]:
     zoo = {m.name: m for m in reference_zoo()}
     return [zoo["simple"], zoo["fail"], TinyLM(num_kv_blocks=64)]
@@ -194,6 +225,49 @@ async def test_under_load(nursery: trio.Nursery, tmp_path: Path) -> None:
     running, waiting = (int(v) for v in lm["running"].split(" / "))
     assert running + waiting <= 2  # two clients, one request each at a time
     assert 0 <= float(lm["kv"].removesuffix(" %")) <= 100
+
+
+@needs_chromium
+async def test_failed_and_loaded_at_runtime(nursery: trio.Nursery, tmp_path: Path) -> None:
+    write_repository(tmp_path / "models")
+    base = await start(
+        nursery,
+        model_repositories=[tmp_path / "models"],
+        model_control_mode="explicit",
+        load_models=["good", "broken"],
+    )
+    page = await rendered(f"{base}/", tmp_path)
+    assert list(page.rows) == ["good", "broken", "late"]
+    good, broken, late = page.rows["good"], page.rows["broken"], page.rows["late"]
+    assert (good["version"], good["state"], good["counts"], good["reason"]) == (
+        "1",
+        "READY",
+        "0 / 0",
+        "",
+    )
+    assert (broken["version"], broken["state"], broken["counts"]) == (
+        "\u2013",
+        "UNAVAILABLE",
+        "\u2013",
+    )
+    assert "config.pbtxt" in broken["reason"]
+    assert (late["state"], late["reason"]) == ("NOT LOADED", "")
+
+    async with httpx.AsyncClient(base_url=base) as http:
+        index = (await http.post("/v2/repository/index", json={})).json()
+        assert {
+            "name": "broken",
+            "version": "",
+            "state": "UNAVAILABLE",
+            "reason": broken["reason"],
+        } in index
+        assert (await http.post("/v2/repository/models/late/load")).status_code == 200
+    page = await rendered(f"{base}/status", tmp_path)
+    assert list(page.rows) == ["good", "late", "broken"]
+    late = page.rows["late"]
+    assert (late["version"], late["state"], late["counts"]) == ("1", "READY", "0 / 0")
+    assert late["load"].endswith(" s")
+    assert page.rows["broken"]["state"] == "UNAVAILABLE"
 
 
 async def test_turned_off(nursery: trio.Nursery) -> None:

@@ -97,6 +97,7 @@ class StatusReport:
             if baseline is not None and interval is not None:
                 before = baseline.counters.get((stats.name, stats.version))
             models.append(self._model(runner, stats, before, interval))
+        models += self._not_served(now)
         return {
             "server": {
                 "name": self._metadata.get("name", ""),
@@ -107,6 +108,27 @@ class StatusReport:
             "window_seconds": interval,
             "models": models,
         }
+
+    def _not_served(self, now: float) -> list[dict[str, Any]]:
+        """The versions loading now, then what the repository index lists but nothing
+        serves: a model that failed to load (UNAVAILABLE, with the reason), one unloaded,
+        one found in a repository and not loaded (state "")."""
+        loading = self._repository.loading
+        whole = {name for name, version in loading if version}
+        entries = [
+            _without_figures(name, version, "LOADING", "", loading_seconds=now - began)
+            for (name, version), began in sorted(loading.items())
+            if version or name not in whole  # a version's row says more than its model's
+        ]
+        control = self._repository.control
+        for entry in control.index(ready_only=False) if control is not None else []:
+            if entry["state"] not in ("READY", "LOADING"):
+                entries.append(
+                    _without_figures(
+                        entry["name"], entry["version"], entry["state"], entry["reason"]
+                    )
+                )
+        return entries
 
     def _model(
         self,
@@ -124,7 +146,9 @@ class StatusReport:
             "kind": "generative" if isinstance(runner, GenerativeServed) else "tensor",
             "ready": runner.ready,
             "state": "READY" if runner.ready else "UNAVAILABLE",
+            "reason": "",
             "load_seconds": self._repository.load_seconds.get((stats.name, stats.version)),
+            "loading_seconds": None,
             "success": now.success,
             "fail": now.fail,
             "pending": stats.pending,
@@ -145,6 +169,29 @@ class StatusReport:
                 "kv_cache_usage": runner.kv_cache_state().utilization,
             }
         return document
+
+
+def _without_figures(
+    name: str, version: str, state: str, reason: str, *, loading_seconds: float | None = None
+) -> dict[str, Any]:
+    """A model version that serves nothing yet: the keys of a served one, figures None."""
+    return {
+        "name": name,
+        "version": version,
+        "kind": None,
+        "ready": False,
+        "state": state,
+        "reason": reason,
+        "load_seconds": None,
+        "loading_seconds": loading_seconds,
+        "success": None,
+        "fail": None,
+        "pending": None,
+        "requests_per_second": None,
+        "failures_per_second": None,
+        "mean_latency_ms": None,
+        "latency_ms": None,
+    }
 
 
 def _counters(stats: ModelStatistics) -> _Counters:

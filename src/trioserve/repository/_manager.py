@@ -138,6 +138,8 @@ class RepositoryManager:
         entries = []
         known = set(self._builtin) | set(self._failures) | set(self._unloaded)
         known |= self._found | set(self._repository.names())
+        loading = {name for name, _ in self._repository.loading}
+        known |= loading
         for name in sorted(known):
             if self._repository.has(name):
                 entries += [
@@ -148,6 +150,8 @@ class RepositoryManager:
             elif not ready_only:
                 reason = self._failures.get(name, "unloaded" if name in self._unloaded else "")
                 state = "UNAVAILABLE" if reason else ""
+                if name in loading:
+                    state, reason = "LOADING", ""
                 entries.append({"name": name, "version": "", "state": state, "reason": reason})
         return entries
 
@@ -179,7 +183,8 @@ class RepositoryManager:
         """Load (or reload) ``name``; an error says ``failed to load``, as Triton's does."""
         async with self._lock:
             try:
-                await self._load(name, config, files)
+                with self._repository.loading_model(name):
+                    await self._load(name, config, files)
             except ConfigError as exc:
                 self._failures[name] = str(exc)
                 raise InvalidArgumentError(f"failed to load '{name}', {exc}") from None
