@@ -41,13 +41,14 @@ from .._generative import GenerativeModel
 from .._pipeline import InferencePipeline
 from .._repository import ModelRepository
 from ..metrics._orca import LoadReporter
-from ..scheduler._generation import (
+from ..scheduler import (
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
+    Tokenizer,
     TokenLogprob,
+    call_tokenizer,
 )
-from ..scheduler._model_calls import Tokenizer, call_tokenizer
 from ._app import Request, Response
 from ._chat_template import render_chat
 from ._errors import error_status
