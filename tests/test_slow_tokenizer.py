@@ -86,15 +86,21 @@ async def test_a_blocked_tokenizer_stalls_only_its_own_request(slow: Any, path: 
     assert answers[0].status_code == 200, answers[0].text
 
 
+@pytest.mark.parametrize("kind", ["infer", "generate"])
 async def test_a_request_cancelled_while_tokenizing_counts_as_canceled(
-    nursery: trio.Nursery,
+    nursery: trio.Nursery, kind: str
 ) -> None:
     model = SlowTokenizerLM()
     server = await nursery.start(serve, ServerConfig(models=[model]))
     with trio.fail_after(TIMEOUT):
         with trio.CancelScope() as scope:
             nursery.start_soon(_cancel_when_blocked, model, scope)
-            await server.infer("slow_tokenizer", {"text_input": np.array([b"slow"], dtype=object)})
+            if kind == "infer":
+                inputs = {"text_input": np.array([b"slow"], dtype=object)}
+                await server.infer("slow_tokenizer", inputs)
+            else:
+                async for _ in server.generate("slow_tokenizer", "slow", max_tokens=2):
+                    pass
         assert scope.cancelled_caught
         model.release.set()
         await trio.testing.wait_all_tasks_blocked()  # the runner's admission task ends
@@ -106,3 +112,30 @@ async def test_a_request_cancelled_while_tokenizing_counts_as_canceled(
 async def _cancel_when_blocked(model: SlowTokenizerLM, scope: trio.CancelScope) -> None:
     await _blocked(model)
     scope.cancel()
+
+
+async def test_a_request_the_shutdown_ends_while_tokenizing_counts_as_other(
+    nursery: trio.Nursery,
+) -> None:
+    model = SlowTokenizerLM()
+    server = await nursery.start(serve, ServerConfig(models=[model], exit_timeout_s=0.05))
+    runner = server.repository.get("slow_tokenizer")
+    errors: list[Exception] = []
+
+    async def infer() -> None:
+        try:
+            await server.infer("slow_tokenizer", {"text_input": np.array([b"slow"], dtype=object)})
+        except Exception as exc:  # what the shutdown ends it with
+            errors.append(exc)
+
+    with trio.fail_after(TIMEOUT):
+        nursery.start_soon(infer)
+        await _blocked(model)
+        await server.shutdown()  # the tokenizer is still blocked: shutdown does not wait for it
+        await server.wait_stopped()
+        await trio.testing.wait_all_tasks_blocked()  # the cancelled tasks end
+    model.release.set()
+    stats = runner.inference_statistics()
+    assert stats.failures[FailureReason.OTHER] == 1
+    assert stats.fail.count == 1
+    assert [str(e) for e in errors] == ["server is shutting down"]

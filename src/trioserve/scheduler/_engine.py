@@ -10,6 +10,8 @@ Every request's end goes to ``Outcomes`` at once, whatever ended it: its output 
 an abort, the model failing (its step, or its tokenizer on the prompt or the output),
 or the engine stopping. That is the one place the model's statistics learn of it, so
 nothing ends uncounted, shutdown included (the stats channel's reader is gone by then).
+An ``add`` cancelled while it tokenizes is the one exception: the request never entered
+the engine, and its caller (the runner) records it.
 
 ``add`` and ``abort`` are called from the front ends' tasks. ``add`` tokenizes the
 prompt in a worker thread (user tokenizers can be slow), then both change the engine's
@@ -151,22 +153,16 @@ class LLMEngine:
         return self._queue(request, prompt, sink)
 
     async def _encode(self, request: GenerationRequest) -> list[int]:
-        """The prompt's tokens, off the event loop (``call_tokenizer``). A request
-        cancelled meanwhile ends CANCELED (OTHER once the engine stopped accepting: a
-        shutdown)."""
+        """The prompt's tokens, off the event loop (``call_tokenizer``). A failing
+        tokenizer is a BACKEND failure; a cancelled ``add`` is recorded by its caller,
+        which knows who cancelled it (the requester, or a stopping runner)."""
         try:
             return await call_tokenizer(self.model.encode, request.prompt)
-        except trio.Cancelled:
-            reason = FailureReason.CANCELED if self.accepting else FailureReason.OTHER
-            self._failed(request, reason)
-            raise
         except Exception as exc:
-            self._failed(request, FailureReason.BACKEND)
+            if self._outcomes is not None:
+                now = trio.current_time()
+                self._outcomes.failed(request.arrival_time, now, FailureReason.BACKEND)
             raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
-
-    def _failed(self, request: GenerationRequest, reason: FailureReason) -> None:
-        if self._outcomes is not None:
-            self._outcomes.failed(request.arrival_time, trio.current_time(), reason)
 
     def _queue(self, request: GenerationRequest, prompt: list[int], sink: Sink) -> EngineRequest:
         params = request.sampling

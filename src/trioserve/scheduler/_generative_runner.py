@@ -227,7 +227,11 @@ class GenerativeRunner:
     ) -> AsyncIterator[AsyncIterator[GenerationChunk]]:
         """The request's chunks; leaving the block early aborts the request."""
         stream = _ChunkStream()
-        record = await self.engine.add(request, stream)
+        try:
+            record = await self.engine.add(request, stream)
+        except trio.Cancelled:  # the requester left while its prompt was tokenized
+            self.failed(request.arrival_time, trio.current_time(), FailureReason.CANCELED)
+            raise
         try:
             yield stream
         finally:
@@ -251,7 +255,11 @@ class GenerativeRunner:
             except InferenceServerError as exc:
                 ticket.fail(exc)
             except trio.Cancelled:
-                if not ticket.finished:  # the runner stopped, not the requester
+                # Withdrawn by the requester: CANCELED; the runner stopping: OTHER.
+                withdrawn = ticket.admission.cancel_called
+                reason = FailureReason.CANCELED if withdrawn else FailureReason.OTHER
+                self.failed(generation.arrival_time, trio.current_time(), reason)
+                if not withdrawn:
                     ticket.fail(UnavailableError("server is shutting down"))
                 raise
 
