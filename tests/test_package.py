@@ -72,10 +72,12 @@ def test_testing_api_is_what_we_mean():
             "ExecutedBatch",
             "ExecutedStep",
             "FailureReason",
+            "GatedModel",
             "ModelStatistics",
             "TimedLM",
             "TimedModel",
             "batch_size_counts",
+            "gated",
             "model_statistics",
             "open_test_server",
             "server_in_thread",
@@ -170,6 +172,49 @@ def test_import_direction(path):
     for library, owner in OWNERS.items():
         if library in top_level:
             assert str(relative).startswith(owner), f"only {owner} may import {library}"
+
+
+# Packages with a public face: their __init__ names what the rest of trioserve may use,
+# and no module outside them imports their private modules.
+SEALED = {"scheduler"}
+
+
+def _private_reach(relative: Path, imported: list[str]) -> set[str]:
+    """The private modules of sealed packages, other than its own, that a file imports."""
+    sealed = SEALED - {relative.parts[0]}
+    reached = set()
+    for module in imported:
+        parts = module.split(".")[:3]
+        if (
+            len(parts) == 3
+            and parts[0] == "trioserve"
+            and parts[1] in sealed
+            and parts[2][0] == "_"
+        ):
+            reached.add(".".join(parts))
+    return reached
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in SRC.rglob("*.py") if "_generated" not in p.parts), ids=str
+)
+def test_sealed_packages_are_reached_through_their_public_face(path):
+    relative = path.relative_to(SRC)
+    reached = _private_reach(relative, _imports(path))
+    assert not reached, f"{relative} imports {sorted(reached)}: import the package instead"
+
+
+def test_private_reach_is_found():
+    imported = ["trioserve.scheduler._engine", "trioserve.scheduler.LLMEngine"]
+    assert _private_reach(Path("rest/_x.py"), imported) == {"trioserve.scheduler._engine"}
+    assert _private_reach(Path("scheduler/_x.py"), imported) == set()
+
+
+def test_sealed_packages_export_what_they_name():
+    import trioserve.scheduler as scheduler
+
+    assert all(hasattr(scheduler, name) for name in scheduler.__all__)
+    assert not [name for name in scheduler.__all__ if name.startswith("_")]
 
 
 def _module_name(path: Path) -> str:

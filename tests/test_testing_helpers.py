@@ -18,6 +18,7 @@ from trioserve.testing import (
     TimedLM,
     TimedModel,
     batch_size_counts,
+    gated,
     model_statistics,
     open_test_server,
     timed,
@@ -172,3 +173,33 @@ async def test_engine_sizes_reach_the_fake(autojump_clock: Any) -> None:
             clients.start_soon(generate, "k")
     assert finished == pytest.approx({"a": 0.002, "k": 0.004})
     assert [s.tokens for s in lm.steps] == [(1,)] * 4
+
+
+async def test_a_gated_model_holds_executions_until_released(autojump_clock: Any) -> None:
+    model = gated(zoo("simple"))
+    assert (model.name, model.inputs, model.max_batch_size) == (
+        "simple",
+        zoo("simple").inputs,
+        zoo("simple").max_batch_size,
+    )
+    inputs = {"INPUT0": np.ones((1, 16), np.int32), "INPUT1": np.ones((1, 16), np.int32)}
+    answers: list[Any] = []
+    async with open_test_server([model]) as server:
+        async with trio.open_nursery() as nursery:
+
+            async def infer() -> None:
+                answers.append(await server.infer("simple", inputs))
+
+            nursery.start_soon(infer)
+            await model.entered.wait()
+            await trio.sleep(3600)  # held, whatever the time
+            assert (model.waiting, answers) == (1, [])
+            model.release.set()
+        assert model.waiting == 0
+        assert answers[0].outputs[0].data.tolist() == [[2] * 16]
+        assert model_statistics(server, "simple").success.count == 1
+
+
+def test_a_generative_model_cannot_be_gated() -> None:
+    with pytest.raises(TypeError, match="steps"):
+        gated(TimedLM(step_cost=0.01))

@@ -24,7 +24,7 @@ from ._model import Model
 from ._restricted import parse_restrictions
 from ._server import open_server
 from ._version import __version__
-from .scheduler._cache import cache_size_from_flags
+from .scheduler import cache_size_from_flags
 
 logger = logging.getLogger("trioserve")
 

@@ -18,7 +18,8 @@ logits of the token that follows each sequence's last processed token. Sampling,
 stop conditions, streaming and metrics are the engine's.
 
 A plain ``step`` runs in a worker thread (GPU work too: the thread blocks on the
-device, the event loop does not); an ``async def step`` runs in trio.
+device, the event loop does not); an ``async def step`` runs in trio. So do ``encode``
+and ``encode_chat`` on prompts. ``decode`` runs on the event loop, a few tokens at a time.
 """
 
 from __future__ import annotations
@@ -107,13 +108,15 @@ class GenerativeModel(Model):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int] | Awaitable[list[int]]:
+        """Token ids of ``text``. A plain ``encode`` runs in a worker thread (a slow
+        tokenizer holds up its own request only); an ``async def encode`` runs in trio."""
         raise NotImplementedError(f"{type(self).__name__} must implement encode()")
 
-    def encode_chat(self, text: str) -> list[int]:
+    def encode_chat(self, text: str) -> list[int] | Awaitable[list[int]]:
         """Token ids of a prompt rendered by a chat template, which writes its own special
         tokens (a BOS...): a tokenizer that adds them to every text leaves them out here.
-        By default, ``encode``."""
+        By default, ``encode``; it runs as ``encode`` does."""
         return self.encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:

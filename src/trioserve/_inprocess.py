@@ -20,7 +20,7 @@ from ._errors import InvalidArgumentError
 from ._pipeline import refuse_decoupled
 from ._tensor import datatype_of
 from ._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
-from .scheduler._generation import generative
+from .scheduler import generative
 from .shm import RequestRegions
 
 

@@ -42,8 +42,7 @@ from ._errors import InferenceServerError, UnsupportedError
 from ._repository import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
 from .metrics._orca import LoadReporter
-from .scheduler._generation import GenerationRequest
-from .scheduler._generation_input import generation_request
+from .scheduler import GenerationRequest, generation_request
 from .shm import RequestRegions, SharedMemoryRegistry
 
 Decode = Callable[[RequestRegions], InferenceRequest]

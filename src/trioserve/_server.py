@@ -42,9 +42,7 @@ from .models import load_checkpoint_model
 from .repository import RepositoryManager
 from .rest._app import RestApp
 from .rest._endpoints import build_app
-from .scheduler._cache import ResponseCache
-from .scheduler._generative_runner import GenerativeRunner
-from .scheduler._runners import runner_class
+from .scheduler import GenerativeRunner, ResponseCache, runner_class
 from .shm import SharedMemoryRegistry
 
 logger = logging.getLogger("trioserve")

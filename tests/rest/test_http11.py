@@ -25,8 +25,9 @@ import trio.testing
 
 from trioserve._limits import HttpLimits
 from trioserve.rest._asgi import ASGIApp, Receive, Scope, Send
+from trioserve.rest._errors import HttpError
 from trioserve.rest._http11 import serve_http11
-from trioserve.rest._http11_parser import ChunkedDecoder, HttpError, parse_head
+from trioserve.rest._http11_parser import ChunkedDecoder, parse_head
 from trioserve.rest._hypercorn import serve_hypercorn
 
 TIMEOUT = 10

@@ -1,7 +1,8 @@
 import pytest
 
-from trioserve import NotFoundError
-from trioserve.rest._router import MethodNotAllowed, Router
+from trioserve import InferenceServerError, NotFoundError
+from trioserve.rest._errors import HttpError
+from trioserve.rest._router import Router
 
 
 @pytest.fixture
@@ -42,9 +43,11 @@ def test_unknown_paths(router, path):
 
 
 def test_wrong_method_lists_the_allowed_ones(router):
-    with pytest.raises(MethodNotAllowed) as info:
+    with pytest.raises(HttpError) as info:
         router.resolve("GET", "/v2/models/m/infer")
-    assert info.value.allow == ["POST"]
+    assert (info.value.status, info.value.headers) == (405, ((b"allow", b"POST"),))
+    # A transport error, not one of the core's: no except clause can take it for one.
+    assert not isinstance(info.value, InferenceServerError)
 
 
 @pytest.mark.parametrize("literal_first", [True, False])
@@ -55,3 +58,14 @@ def test_the_most_literal_pattern_wins_whatever_the_order(literal_first):
         router.add("GET", path, handler)
     assert router.resolve("GET", "/v2/models/stats") == ("all stats", {})
     assert router.resolve("GET", "/v2/models/simple") == ("metadata", {"model": "simple"})
+
+
+def test_every_error_kind_has_one_status_per_transport():
+    from trioserve._errors import ErrorKind
+    from trioserve.grpc._errors import GRPC_STATUS, GrpcError
+    from trioserve.rest._errors import HTTP_STATUS
+
+    assert set(HTTP_STATUS) == set(GRPC_STATUS) == set(ErrorKind)
+    # The transports' own errors stand apart from the core's tree.
+    assert not issubclass(HttpError, InferenceServerError)
+    assert not issubclass(GrpcError, InferenceServerError)

@@ -49,7 +49,7 @@ class CountingLM(GenerativeModel):
         super().__init__("counting", eos_token_id=EOS, **settings)
         self.steps: list[list[tuple[int, int]]] = []  # (start, tokens) per entry, per step
 
-    def encode(self, text):
+    async def encode(self, text):  # in trio: exact times under the mock clock
         return list(text.encode())
 
     def decode(self, token_ids):
@@ -389,10 +389,10 @@ class FailingStepLM(CountingLM):
 
 
 class FailingEncodeLM(CountingLM):
-    def encode(self, text):
+    async def encode(self, text):
         if "!" in text:
             raise ValueError("no !")
-        return super().encode(text)
+        return await super().encode(text)
 
 
 async def _drain(runner: GenerativeRunner, request: GenerationRequest) -> None:

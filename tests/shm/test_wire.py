@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 import trioserve
 from trioserve import Restriction, Server, ServerConfig, TensorSpec
 from trioserve.models import reference_zoo
-from trioserve.testing import server_in_thread
+from trioserve.testing import GatedModel, gated, server_in_thread
 
 SECRET = {"shared-memory": Restriction("admin-key", "s3cret")}
 
@@ -272,28 +272,24 @@ def test_restricted_shared_memory(restricted, regions, protocol):
 # --- reference counting --------------------------------------------------------------
 
 
-def _gated_model(entered: trio.Event, release: trio.Event) -> trioserve.Model:
+def _gated_model() -> GatedModel:
     @trioserve.model(
         name="gated",
         inputs=[TensorSpec("INPUT0", "FP32", [-1])],
         outputs=[TensorSpec("OUTPUT0", "FP32", [-1])],
     )
-    async def gated(INPUT0: np.ndarray) -> dict[str, np.ndarray]:
-        entered.set()
-        await release.wait()
+    def double(INPUT0: np.ndarray) -> dict[str, np.ndarray]:
         return {"OUTPUT0": INPUT0 * 2}  # reads the input only after its region went
 
-    return gated
+    return gated(double)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-grpclib"])
 async def test_unregistered_while_in_flight(regions, protocol):
-    entered, release = trio.Event(), trio.Event()
+    model = _gated_model()
     grpc_server = "grpclib" if protocol.endswith("-grpclib") else "trio"
     protocol = protocol.removesuffix("-grpclib")
-    config = ServerConfig(
-        models=[_gated_model(entered, release)], http_port=0, grpc_port=0, grpc_server=grpc_server
-    )
+    config = ServerConfig(models=[model], http_port=0, grpc_port=0, grpc_server=grpc_server)
     data = np.arange(1024, dtype=np.float32)
     in_handle, in_key = regions.create("in", data.nbytes)
     out_handle, out_key = regions.create("out", data.nbytes)
@@ -330,14 +326,14 @@ async def test_unregistered_while_in_flight(regions, protocol):
 
         nursery.start_soon(infer)
         with trio.fail_after(30):
-            await entered.wait()
+            await model.entered.wait()
         await call("unregister_system_shared_memory")
         assert server.shared_memory.status("system") == []
         assert regions.mappings(in_key) == regions.mappings(out_key) == 2  # still mapped
         # The names are free again at once: "in" now names another object.
         _, other_key = regions.create("other", 64)
         await call("register_system_shared_memory", "in", other_key, 64)
-        release.set()
+        model.release.set()
         with trio.fail_after(30):
             await done.wait()
         # A finished request can still sit in a reference cycle (ticket <-> queue item)

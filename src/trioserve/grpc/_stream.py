@@ -43,8 +43,7 @@ from .._repository import Answer, ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
-from ..scheduler._generation import GenerationChunk, GenerativeServed
-from ..scheduler._generation_input import prompt_and_parameters
+from ..scheduler import GenerationChunk, GenerativeServed, prompt_and_parameters
 from ._codec import decode_request, encode_response
 from ._errors import ClientGone
 from ._generated import grpc_service_pb2 as pb

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from .._generative import GenerativeModel
 from .._model import Model
-from ..scheduler._llm_stats import IterationStats
+from ..scheduler import IterationStats
 from ._stat_logger import EngineStatLogger
 from ._trt_llm import TrtLlmFamilies, TrtLlmMetrics
 from ._vllm import EngineShape, VllmFamilies, VllmMetrics

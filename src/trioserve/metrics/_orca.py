@@ -47,7 +47,7 @@ from typing import Protocol, TypeVar, cast, runtime_checkable
 import trio
 
 from .._repository import ServedModel
-from ..scheduler._generation import GenerativeServed, KVCacheState
+from ..scheduler import GenerativeServed, KVCacheState
 from ._host_usage import HostUsage
 from ._recent import RecentActivity, combined_totals
 

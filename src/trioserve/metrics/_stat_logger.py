@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from ..scheduler._llm_stats import IterationStats
+from ..scheduler import IterationStats
 
 logger = logging.getLogger("trioserve.llm.stats")
 

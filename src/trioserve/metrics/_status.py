@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._repository import ModelRepository, ServedModel
 from .._stats import ModelStatistics
-from ..scheduler._generation import GenerativeServed
+from ..scheduler import GenerativeServed
 
 PERCENTILES = (0.5, 0.9, 0.99)
 _MAX_SAMPLES = 64  # bounds memory when many pages poll at once; rates stay exact

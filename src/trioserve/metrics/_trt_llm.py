@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from prometheus_client import Gauge
 from prometheus_client.registry import Collector
 
-from ..scheduler._llm_stats import IterationStats
+from ..scheduler import IterationStats
 from ._vllm import EngineShape
 
 BLOCK_TYPES = ("max", "free", "used", "tokens_per", "reused", "fraction")

@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from ..scheduler._llm_stats import IterationStats
+from ..scheduler import IterationStats
 from ._vllm_names import DEPRECATED, FAMILIES, LENGTHS, buckets_1_2_5, minor_version
 
 

@@ -2,7 +2,8 @@
 
 It reads the body (bounded, decompressed), routes, calls an endpoint and writes its
 ``Response``; every ``InferenceServerError`` becomes ``{"error": ...}`` with the status
-from ``_errors.HTTP_STATUS``. It runs unchanged on our HTTP/1.1 core and on Hypercorn.
+from ``_errors.HTTP_STATUS``, every ``HttpError`` (405, 413) with its own status and
+headers. It runs unchanged on our HTTP/1.1 core and on Hypercorn.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
 from ._asgi import Receive, Scope, Send, answer_lifespan
-from ._errors import error_body, error_status
-from ._router import MethodNotAllowed, Router
+from ._errors import HttpError, body_too_large, error_body, error_status
+from ._router import Router
 
 logger = logging.getLogger("trioserve.rest")
 
@@ -99,13 +100,10 @@ class RestApp:
             response = await endpoint(
                 Request(scope["method"], scope["path"], params, headers, body, receive, send)
             )
-        except MethodNotAllowed as exc:
-            allow = (b"allow", ", ".join(exc.allow).encode())
-            response = Response(405, error_body(exc.message), headers=(allow,))
-        except _TooLarge as exc:
-            response = _error(413, exc.message)
         except InferenceServerError as exc:
-            response = _error(error_status(exc), exc.message)
+            response = Response(error_status(exc), error_body(exc.message))
+        except HttpError as exc:
+            response = Response(exc.status, error_body(exc.message), headers=exc.headers)
         if response is None:
             return  # answered by the endpoint itself, or the client went away
         await _send(send, response, headers)
@@ -120,7 +118,7 @@ class RestApp:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_body_bytes:
-                raise _TooLarge(self.max_body_bytes)
+                raise body_too_large(self.max_body_bytes)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -129,17 +127,6 @@ class RestApp:
         if encoding is None or encoding == b"identity":
             return body
         return _decompress(body, encoding, self.max_body_bytes)
-
-
-class _TooLarge(InferenceServerError):
-    """The body (or what it inflates to) is over the limit: 413, outside the kind table."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"request body exceeds the limit of {limit} bytes")
-
-
-def _error(status: int, message: str) -> Response:
-    return Response(status, error_body(message))
 
 
 def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
@@ -155,7 +142,7 @@ def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
     except zlib.error as exc:
         raise InvalidArgumentError(f"malformed {encoding.decode()} body: {exc}") from None
     if len(data) > limit:
-        raise _TooLarge(limit)
+        raise body_too_large(limit)
     if not inflater.eof:
         raise InvalidArgumentError(f"truncated {encoding.decode()} body")
     return data

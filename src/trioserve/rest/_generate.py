@@ -39,14 +39,14 @@ from .._errors import InferenceServerError, InvalidArgumentError
 from .._pipeline import InferencePipeline
 from .._repository import ModelRepository
 from ..metrics._orca import LoadReporter
-from ..scheduler._generation import (
+from ..scheduler import (
+    TEXT_INPUT,
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
     TokenLogprob,
     generative,
 )
-from ..scheduler._generation_input import TEXT_INPUT
 from ._app import Request, Response
 from ._asgi import Receive
 from ._json_body import json_object

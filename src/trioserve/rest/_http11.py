@@ -42,10 +42,10 @@ from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writab
 from .._limits import HttpLimits
 from .._sockets import accept_forever, bind_tcp, bound_addresses, close_all
 from ._asgi import ASGIApp
+from ._errors import HttpError
 from ._http11_exchange import RECV_SIZE, Exchange
 from ._http11_parser import (
     CLOSE,
-    HttpError,
     RequestHead,
     check_partial_head,
     date_line,

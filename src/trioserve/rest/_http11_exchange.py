@@ -25,11 +25,11 @@ from trio.lowlevel import checkpoint, wait_readable
 
 from .._limits import HttpLimits
 from ._asgi import ASGIApp, Message
+from ._errors import HttpError
 from ._http11_parser import (
     CLOSE,
     STATUS_LINES,
     ChunkedDecoder,
-    HttpError,
     RequestHead,
     error_response,
     scan_response_headers,

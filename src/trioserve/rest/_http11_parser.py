@@ -15,17 +15,7 @@ from typing import TypeAlias
 from urllib.parse import unquote
 
 from .._limits import HttpLimits
-from ._errors import error_body
-
-
-class HttpError(Exception):
-    """A request the server answers itself with ``status`` and ``{"error": message}``."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
+from ._errors import HttpError, error_body
 
 _TCHAR = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _VCHAR = bytes(range(0x21, 0x7F))

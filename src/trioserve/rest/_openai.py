@@ -41,11 +41,13 @@ from .._generative import GenerativeModel
 from .._pipeline import InferencePipeline
 from .._repository import ModelRepository
 from ..metrics._orca import LoadReporter
-from ..scheduler._generation import (
+from ..scheduler import (
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
+    Tokenizer,
     TokenLogprob,
+    call_tokenizer,
 )
 from ._app import Request, Response
 from ._chat_template import render_chat
@@ -112,10 +114,10 @@ class OpenAIEndpoints:
         return await self._answer(request, self._chat_call)
 
     async def _answer(
-        self, request: Request, prepare: Callable[[dict[str, Any]], _Call]
+        self, request: Request, prepare: Callable[[dict[str, Any]], Awaitable[_Call]]
     ) -> Response | None:
         try:
-            call = prepare(json_object(request.body))
+            call = await prepare(json_object(request.body))
             if call.options.stream:
                 await self._stream(request, call)
                 return None  # answered as it went, or the client went away
@@ -124,7 +126,7 @@ class OpenAIEndpoints:
             status, error = error_object(exc)
             return Response(status, _COMPACT.encode({"error": error}).encode())
 
-    def _completion_call(self, document: dict[str, Any]) -> _Call:
+    async def _completion_call(self, document: dict[str, Any]) -> _Call:
         options = read_request(document, default_max_tokens=_COMPLETION_MAX_TOKENS)
         served, model = self._model(options.model)
         prompt = completion_prompt(document)
@@ -135,14 +137,14 @@ class OpenAIEndpoints:
         else:
             assert prompt.text is not None
             text = prompt.text
-            ids = _tokenized(model.encode, text)
+            ids = await _tokenized(model.encode, text)
         echo = text if options.echo else ""
         logprobs = requested_logprobs(document, chat=False)
         return self._call(
             served, options, options.parameters, text, ids, chat=False, echo=echo, logprobs=logprobs
         )
 
-    def _chat_call(self, document: dict[str, Any]) -> _Call:
+    async def _chat_call(self, document: dict[str, Any]) -> _Call:
         options = read_request(document, default_max_tokens=None)
         served, model = self._model(options.model)
         messages = chat_messages(document)
@@ -155,7 +157,7 @@ class OpenAIEndpoints:
             model.special_tokens,
             add_generation_prompt=add_generation_prompt,
         )
-        ids = _tokenized(model.encode_chat, text)
+        ids = await _tokenized(model.encode_chat, text)
         parameters = options.parameters
         if "max_tokens" not in parameters:  # as many as the model's length leaves room for
             parameters = {**parameters, "max_tokens": max(1, model.max_model_len - len(ids))}
@@ -343,12 +345,11 @@ def _generative(served: Any) -> tuple[GenerativeServed, GenerativeModel] | None:
     return None
 
 
-def _tokenized(encode: Callable[[str], list[int]], text: str) -> list[int]:
+async def _tokenized(encode: Tokenizer, text: str) -> list[int]:
     try:
-        ids = encode(text)
+        return await call_tokenizer(encode, text)
     except Exception as exc:
         raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
-    return list(ids)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..scheduler._generation import MAX_LOGPROBS, TokenLogprob
+from ..scheduler import MAX_LOGPROBS, TokenLogprob
 from ._openai_request import ParameterError
 
 

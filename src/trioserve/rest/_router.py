@@ -12,18 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from .._errors import InferenceServerError, NotFoundError
+from .._errors import NotFoundError
+from ._errors import method_not_allowed
 
 H = TypeVar("H")
 _SEEN_LIMIT = 1024
-
-
-class MethodNotAllowed(InferenceServerError):
-    """The path exists but not for this method; ``allow`` lists the methods it takes."""
-
-    def __init__(self, allow: list[str]) -> None:
-        super().__init__("Method Not Allowed")
-        self.allow = allow
 
 
 @dataclass
@@ -55,7 +48,8 @@ class Router(Generic[H]):
         route.handlers[method] = handler
 
     def resolve(self, method: str, path: str) -> tuple[H, dict[str, str]]:
-        """The handler and path parameters; NOT_FOUND or ``MethodNotAllowed`` otherwise."""
+        """The handler and path parameters; NOT_FOUND, or an ``HttpError`` 405 for a path
+        that does not take ``method``."""
         found = self._seen.get(path)
         if found is None:
             found = self._match(path)
@@ -65,7 +59,7 @@ class Router(Generic[H]):
         route, params = found
         handler = route.handlers.get(method)
         if handler is None:
-            raise MethodNotAllowed(sorted(route.handlers))
+            raise method_not_allowed(sorted(route.handlers))
         return handler, params
 
     def _match(self, path: str) -> tuple[_Route[H], dict[str, str]]:

@@ -1,1 +1,61 @@
-"""Schedulers: the dynamic batcher for tensor models (and later the LLM engine)."""
+"""Schedulers: what stands between a model and the front ends.
+
+Two halves, one public face (everything else here is private, and
+``tests/test_package.py`` holds the rest of the package to that):
+
+- the tensor half: ``ModelRunner`` (dynamic batching), ``SequenceRunner`` (the sequence
+  batcher), ``DecoupledRunner`` (many responses per request), picked by
+  ``runner_class``; ``ResponseCache``, the response cache they share;
+- the LLM half: ``GenerativeRunner`` and its ``LLMEngine`` (continuous batching), the
+  request and chunk types front ends speak (``GenerationRequest``, ``GenerationChunk``,
+  ``TokenLogprob``...), ``IterationStats`` for the metrics, ``call_tokenizer`` to
+  tokenize off the event loop.
+"""
+
+from ._cache import ResponseCache, cache_size_from_flags
+from ._decoupled_runner import DecoupledRunner
+from ._engine import LLMEngine
+from ._generation import (
+    MAX_LOGPROBS,
+    GenerationChunk,
+    GenerationRequest,
+    GenerativeServed,
+    KVCacheState,
+    SamplingParams,
+    TokenLogprob,
+    generative,
+)
+from ._generation_input import TEXT_INPUT, generation_request, prompt_and_parameters
+from ._generative_runner import GenerativeRunner
+from ._llm_stats import FinishedRequest, IterationStats
+from ._model_calls import Tokenizer, call_tokenizer
+from ._runner import ModelRunner, Ticket
+from ._runners import runner_class
+from ._sequence_runner import SequenceRunner
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "TEXT_INPUT",
+    "DecoupledRunner",
+    "FinishedRequest",
+    "GenerationChunk",
+    "GenerationRequest",
+    "GenerativeRunner",
+    "GenerativeServed",
+    "IterationStats",
+    "KVCacheState",
+    "LLMEngine",
+    "ModelRunner",
+    "ResponseCache",
+    "SamplingParams",
+    "SequenceRunner",
+    "Ticket",
+    "TokenLogprob",
+    "Tokenizer",
+    "cache_size_from_flags",
+    "call_tokenizer",
+    "generation_request",
+    "generative",
+    "prompt_and_parameters",
+    "runner_class",
+]

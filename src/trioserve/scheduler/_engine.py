@@ -10,11 +10,14 @@ Every request's end goes to ``Outcomes`` at once, whatever ended it: its output 
 an abort, the model failing (its step, or its tokenizer on the prompt or the output),
 or the engine stopping. That is the one place the model's statistics learn of it, so
 nothing ends uncounted, shutdown included (the stats channel's reader is gone by then).
+An ``add`` cancelled while it tokenizes is the one exception: the request never entered
+the engine, and its caller (the runner) records it.
 
-``add`` and ``abort`` are called from the front ends' tasks. They change the engine's
-state directly (everything runs on the one trio thread): an abort frees the request's
-blocks at once, even while a step that includes it is in flight; the step's results
-for it are then dropped.
+``add`` and ``abort`` are called from the front ends' tasks. ``add`` tokenizes the
+prompt in a worker thread (user tokenizers can be slow), then both change the engine's
+state directly (everything else runs on the one trio thread): an abort frees the
+request's blocks at once, even while a step that includes it is in flight; the step's
+results for it are then dropped.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ._kv_blocks import KVBlockManager
 from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
+from ._model_calls import call_tokenizer
 from ._sampling import draws_logprobs, is_greedy, sample_generator, sample_rows
 
 logger = logging.getLogger("trioserve.llm")
@@ -137,22 +141,31 @@ class LLMEngine:
     def kv_cache_state(self) -> KVCacheState:
         return KVCacheState(self.blocks.num_blocks, self.blocks.num_used, self.blocks.block_size)
 
-    def add(self, request: GenerationRequest, sink: Sink) -> EngineRequest:
-        """Queue ``request`` (event QUEUED); its output goes to ``sink``."""
+    async def add(self, request: GenerationRequest, sink: Sink) -> EngineRequest:
+        """Tokenize ``request``'s prompt, then queue it (event QUEUED); its output goes
+        to ``sink``."""
         if not self.accepting:
             raise UnavailableError(f"model '{self.model.name}' is not ready")
-        params = request.sampling
         if request.prompt_token_ids is not None:
             prompt = list(request.prompt_token_ids)
         else:
-            try:
-                prompt = self.model.encode(request.prompt)
-            except Exception as exc:
-                if self._outcomes is not None:
-                    self._outcomes.failed(
-                        request.arrival_time, trio.current_time(), FailureReason.BACKEND
-                    )
-                raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
+            prompt = await self._encode(request)
+        return self._queue(request, prompt, sink)
+
+    async def _encode(self, request: GenerationRequest) -> list[int]:
+        """The prompt's tokens, off the event loop (``call_tokenizer``). A failing
+        tokenizer is a BACKEND failure; a cancelled ``add`` is recorded by its caller,
+        which knows who cancelled it (the requester, or a stopping runner)."""
+        try:
+            return await call_tokenizer(self.model.encode, request.prompt)
+        except Exception as exc:
+            if self._outcomes is not None:
+                now = trio.current_time()
+                self._outcomes.failed(request.arrival_time, now, FailureReason.BACKEND)
+            raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
+
+    def _queue(self, request: GenerationRequest, prompt: list[int], sink: Sink) -> EngineRequest:
+        params = request.sampling
         if not prompt:
             raise InvalidArgumentError("the prompt is empty")
         if len(prompt) >= self.model.max_model_len:

@@ -31,7 +31,7 @@ import numpy as np
 import trio
 from prometheus_client.registry import Collector
 
-from .._errors import CancelledError, UnavailableError
+from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
 from .._model import Model
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
@@ -92,7 +92,8 @@ class _CollectedTicket:
         self._done = trio.Event()
         self._response: InferenceResponse | None = None
         self._error: Exception | None = None
-        self.record: EngineRequest | None = None
+        self.record: EngineRequest | None = None  # once admitted (its prompt tokenized)
+        self.admission = trio.CancelScope()
 
     @property
     def finished(self) -> bool:
@@ -131,9 +132,11 @@ class _CollectedTicket:
         """The client gave up: abort the generation and fail this ticket as cancelled."""
         if self._done.is_set():
             return
+        self.fail(CancelledError("request cancelled"))
         if self.record is not None:
             self._runner.engine.abort(self.record)
-        self.fail(CancelledError("request cancelled"))
+        else:
+            self.admission.cancel()
 
     def outcome(self) -> InferenceResponse:
         if self._error is not None:
@@ -164,6 +167,7 @@ class GenerativeRunner:
         self.engine = LLMEngine(model, iterations, seed=seed, outcomes=self)
         self.engine.accepting = False
         self._ids = itertools.count(1)
+        self._admissions: trio.Nursery | None = None  # tasks admitting submitted requests
 
     def collectors(self) -> Sequence[Collector]:
         return self._telemetry.collectors() if self._telemetry else ()
@@ -186,10 +190,12 @@ class GenerativeRunner:
                 if self._telemetry is not None:
                     nursery.start_soon(self._telemetry.consume, self._stats_receive)
                 nursery.start_soon(self.engine.run)
+                self._admissions = nursery
                 self.engine.accepting = self.ready = True
                 task_status.started()
         finally:
             self.ready = False
+            self._admissions = None
             self.engine.fail_all(UnavailableError("server is shutting down"))
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
@@ -221,19 +227,41 @@ class GenerativeRunner:
     ) -> AsyncIterator[AsyncIterator[GenerationChunk]]:
         """The request's chunks; leaving the block early aborts the request."""
         stream = _ChunkStream()
-        record = self.engine.add(request, stream)
+        try:
+            record = await self.engine.add(request, stream)
+        except trio.Cancelled:  # the requester left while its prompt was tokenized
+            self.failed(request.arrival_time, trio.current_time(), FailureReason.CANCELED)
+            raise
         try:
             yield stream
         finally:
             self.engine.abort(record)
 
     def submit(self, request: InferenceRequest) -> _CollectedTicket:
-        """Queue an OIP request; its response arrives on the returned ticket."""
+        """Queue an OIP request; its response arrives on the returned ticket. A task of
+        the runner's admits it to the engine (tokenizing takes a worker thread)."""
         validate_request(self.model, request)
         generation = self._generation_request(request)
+        if not self.engine.accepting or self._admissions is None:
+            raise UnavailableError(f"model '{self.model.name}' is not ready")
         ticket = _CollectedTicket(self, request, generation.sampling.n)
-        ticket.record = self.engine.add(generation, ticket)
+        self._admissions.start_soon(self._admit, generation, ticket)
         return ticket
+
+    async def _admit(self, generation: GenerationRequest, ticket: _CollectedTicket) -> None:
+        with ticket.admission:  # withdrawing the ticket cancels it
+            try:
+                ticket.record = await self.engine.add(generation, ticket)
+            except InferenceServerError as exc:
+                ticket.fail(exc)
+            except trio.Cancelled:
+                # Withdrawn by the requester: CANCELED; the runner stopping: OTHER.
+                withdrawn = ticket.admission.cancel_called
+                reason = FailureReason.CANCELED if withdrawn else FailureReason.OTHER
+                self.failed(generation.arrival_time, trio.current_time(), reason)
+                if not withdrawn:
+                    ticket.fail(UnavailableError("server is shutting down"))
+                raise
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         ticket = self.submit(request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import trio
 
@@ -14,3 +15,16 @@ async def call_hook(hook: Callable[[], Awaitable[None] | None]) -> None:
         await hook()
     else:
         await trio.to_thread.run_sync(hook)
+
+
+Tokenizer = Callable[[str], list[int] | Awaitable[list[int]]]
+
+
+async def call_tokenizer(encode: Tokenizer, text: str) -> list[int]:
+    """The tokens of ``text``: an ``async`` tokenizer runs in trio, a plain one in a worker
+    thread, so that a slow one holds up only its own request. Cancelled, the call returns
+    at once; the thread is left to finish and its tokens are dropped."""
+    if inspect.iscoroutinefunction(encode):
+        return list(await cast(Callable[[str], Awaitable[list[int]]], encode)(text))
+    tokens = await trio.to_thread.run_sync(encode, text, abandon_on_cancel=True)
+    return list(cast(list[int], tokens))

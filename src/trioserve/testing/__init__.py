@@ -5,11 +5,13 @@
   ``trio.testing.MockClock(autojump_threshold=0)``, pytest-trio's ``autojump_clock``.
 - ``timed(model, cost)`` and ``TimedLM``: models whose executions and steps take a
   declared time on trio's clock, and record what they ran.
+- ``gated(model)``: a model whose executions wait until the test releases them.
 - ``model_statistics`` and ``batch_size_counts``: snapshots of a model's statistics.
 - ``server_in_thread``: a real server on a background thread, for synchronous clients.
 """
 
 from .._stats import BatchStat, DurationStat, FailureReason, ModelStatistics
+from ._gated import GatedModel, gated
 from ._server import batch_size_counts, model_statistics, open_test_server
 from ._thread import server_in_thread
 from ._timed import ExecutedBatch, TimedModel, timed
@@ -21,10 +23,12 @@ __all__ = [
     "ExecutedBatch",
     "ExecutedStep",
     "FailureReason",
+    "GatedModel",
     "ModelStatistics",
     "TimedLM",
     "TimedModel",
     "batch_size_counts",
+    "gated",
     "model_statistics",
     "open_test_server",
     "server_in_thread",

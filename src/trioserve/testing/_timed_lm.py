@@ -56,7 +56,8 @@ class TimedLM(GenerativeModel):
     async def load(self) -> None:
         """Nothing to load; ``async`` so that no worker thread lets a mock clock jump."""
 
-    def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str) -> list[int]:
+        """``async``, as ``load``: a tokenizer in a worker thread lets a mock clock jump."""
         return list(text.encode())
 
     def decode(self, token_ids: Sequence[int]) -> str:
