@@ -25,6 +25,7 @@ from trioserve.metrics._host_usage import (
 )
 from trioserve.metrics._orca import LoadReporter, _json_number
 from trioserve.metrics._recent import RecentActivity, Totals
+from trioserve.rest._load_report import load_report_header
 from trioserve.scheduler._generation import KVCacheState
 from trioserve.scheduler._runner import ModelRunner
 
@@ -163,12 +164,12 @@ async def test_tensor_model_report(nursery: trio.Nursery, autojump_clock: Any) -
     assert report.eps == 0.0
     await trio.sleep(2.0)
     # The same 6 request-seconds over four seconds: 1.5 in flight, 0.75 per instance.
-    assert load.http_header(runner, JSON_ASKED) == (
+    assert load_report_header(load, runner, JSON_ASKED) == (
         b"endpoint-load-metrics",
         b'JSON {"named_metrics":{"num_requests_waiting":0,"num_requests_running":0},'
         b'"application_utilization":0.75,"rps_fractional":1.0,"eps":0.0}',
     )
-    assert load.http_header(runner, TEXT_ASKED) == (
+    assert load_report_header(load, runner, TEXT_ASKED) == (
         b"endpoint-load-metrics",
         b"TEXT named_metrics.num_requests_waiting=0, named_metrics.num_requests_running=0",
     )
@@ -216,7 +217,7 @@ async def test_kv_cache_report_in_both_forms(kv_engine: Any, autojump_clock: Any
     load = LoadReporter(host=host)
     with load.counting(engine):
         pass
-    assert load.http_header(engine, JSON_ASKED) == (
+    assert load_report_header(load, engine, JSON_ASKED) == (
         b"endpoint-load-metrics",
         b'JSON {"named_metrics":{"kv_cache_utilization":0.75,"max_token_capacity":8192},'
         b'"application_utilization":0.75,"rps_fractional":1.0,"eps":0.0,"mem_utilization":0.5}',
@@ -224,13 +225,13 @@ async def test_kv_cache_report_in_both_forms(kv_engine: Any, autojump_clock: Any
     await trio.sleep(1.0)
     with load.counting(engine):
         pass
-    assert load.http_header(engine, JSON_ASKED) == (
+    assert load_report_header(load, engine, JSON_ASKED) == (
         b"endpoint-load-metrics",
         b'JSON {"named_metrics":{"kv_cache_utilization":0.75,"max_token_capacity":8192},'
         b'"application_utilization":0.75,"rps_fractional":2.0,"eps":0.0,'
         b'"cpu_utilization":0.25,"mem_utilization":0.5}',
     )
-    assert load.http_header(engine, TEXT_ASKED) == (
+    assert load_report_header(load, engine, TEXT_ASKED) == (
         b"endpoint-load-metrics",
         b"TEXT named_metrics.kv_cache_utilization=0.750000, named_metrics.max_token_capacity=8192",
     )
@@ -254,10 +255,13 @@ async def test_kv_cache_report_in_both_forms(kv_engine: Any, autojump_clock: Any
 async def test_kv_cache_figures(kv_engine: Any, kv: KVCacheState, json: bytes, text: bytes) -> None:
     engine = kv_engine(kv)
     load = LoadReporter(host=no_host_figures())
-    json_header = load.http_header(engine, JSON_ASKED)
+    json_header = load_report_header(load, engine, JSON_ASKED)
     assert json_header is not None
     assert json_header[1].startswith(b'JSON {"named_metrics":' + json + b",")
-    assert load.http_header(engine, TEXT_ASKED) == (b"endpoint-load-metrics", b"TEXT " + text)
+    assert load_report_header(load, engine, TEXT_ASKED) == (
+        b"endpoint-load-metrics",
+        b"TEXT " + text,
+    )
 
 
 @pytest.mark.parametrize(
@@ -276,8 +280,8 @@ async def test_missing_or_negative_kv_figures_send_no_report(
     load = LoadReporter(host=no_host_figures())
     engine = kv_engine(kv)
     with caplog.at_level(logging.ERROR, logger="trioserve.metrics"):
-        assert load.http_header(engine, JSON_ASKED) is None
-        assert load.http_header(engine, TEXT_ASKED) is None
+        assert load_report_header(load, engine, JSON_ASKED) is None
+        assert load_report_header(load, engine, TEXT_ASKED) is None
         assert load.report(engine) is None
     assert len(caplog.records) == 3
     assert all(logged in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
@@ -288,10 +292,14 @@ async def test_unknown_format_logs_and_sends_nothing(
 ) -> None:
     load = LoadReporter(host=no_host_figures())
     engine = kv_engine(KVCacheState(total_blocks=8, used_blocks=2, block_size=16))
-    with caplog.at_level(logging.ERROR, logger="trioserve.metrics"):
+    with caplog.at_level(logging.ERROR, logger="trioserve.http"):
         for unknown in (b"xml", b"JSON", b""):
-            assert load.http_header(engine, {b"endpoint-load-metrics-format": unknown}) is None
-        assert load.http_header(engine, {}) is None  # not asked: nothing, and nothing logged
+            assert (
+                load_report_header(load, engine, {b"endpoint-load-metrics-format": unknown}) is None
+            )
+        assert (
+            load_report_header(load, engine, {}) is None
+        )  # not asked: nothing, and nothing logged
     assert [r.getMessage() for r in caplog.records] == [
         f"unknown endpoint-load-metrics-format '{f}': no load report sent"
         for f in ("xml", "JSON", "")
@@ -312,6 +320,6 @@ class Unwell:
 async def test_a_failing_report_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     load = LoadReporter(host=no_host_figures())
     with caplog.at_level(logging.ERROR, logger="trioserve.metrics"):
-        assert load.http_header(Unwell(), JSON_ASKED) is None  # type: ignore[arg-type]
+        assert load_report_header(load, Unwell(), JSON_ASKED) is None  # type: ignore[arg-type]
     assert caplog.records[0].getMessage() == "building the load report for model 'slow' failed"
     assert caplog.records[0].exc_info is not None

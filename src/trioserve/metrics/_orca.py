@@ -38,7 +38,7 @@ the response goes out without a report.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from types import TracebackType
@@ -141,7 +141,8 @@ class LoadReporter:
     """A server instance's load, as ORCA reports; its front ends share one.
 
     Front ends wrap each request that reaches a model in ``counting`` and ask ``report``
-    (gRPC) or ``http_header`` (REST) for what to attach to a successful response.
+    for what to attach to a successful response, each in its own form: gRPC's trailer
+    (``grpc/_orca.py``), REST's header (``rest/_load_report.py``).
     """
 
     def __init__(
@@ -172,26 +173,6 @@ class LoadReporter:
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
         return _never_failing(served, self._report)
-
-    def http_header(
-        self, served: ServedModel, request_headers: Mapping[bytes, bytes]
-    ) -> tuple[bytes, bytes] | None:
-        """The ``endpoint-load-metrics`` header for a response of ``served``, if the
-        request asked for one in a format we know and a report can be made."""
-        wanted = request_headers.get(FORMAT_HEADER)
-        if wanted is None:
-            return None
-        if wanted not in (b"json", b"text"):
-            logger.error(
-                "unknown endpoint-load-metrics-format %r: no load report sent",
-                wanted.decode("latin-1"),
-            )
-            return None
-        form = LoadReport.json if wanted == b"json" else LoadReport.text
-        value = _never_failing(served, lambda served: form(self._report(served)))
-        if value is None:
-            return None
-        return REPORT_HEADER, value.encode()
 
     def _model(self, served: ServedModel) -> _ModelLoad:
         key = (served.model.name, served.version)

@@ -16,6 +16,7 @@ from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
+from ._load_report import load_report_header
 from ._metrics import metrics_endpoint
 from ._openai import OpenAIEndpoints
 from ._repository_endpoints import add_repository_routes
@@ -86,7 +87,7 @@ class _Endpoints:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
         body, header_length = encode_response(result, inference)
-        load_report = self.load.http_header(served, request.headers)
+        load_report = load_report_header(self.load, served, request.headers)
         headers: tuple[tuple[bytes, bytes], ...] = () if load_report is None else (load_report,)
         if header_length is None:
             return Response(200, body, headers=headers, compressible=True)

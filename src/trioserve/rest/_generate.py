@@ -50,6 +50,7 @@ from ..scheduler import (
 from ._app import Request, Response
 from ._asgi import Receive
 from ._json_body import json_object
+from ._load_report import load_report_header
 
 logger = logging.getLogger("trioserve.rest")
 
@@ -90,7 +91,7 @@ class GenerateEndpoints:
             answered, document = await unless_client_leaves(request.receive, collect)
         if not answered:
             return None
-        report = self.load.http_header(served, request.headers)
+        report = load_report_header(self.load, served, request.headers)
         return Response(
             200,
             _COMPACT.encode(document).encode(),
@@ -110,7 +111,9 @@ class GenerateEndpoints:
                 # Wait for the first piece before answering, so that a request the engine
                 # refuses gets an ordinary error response with its status.
                 piece = await next_piece(pieces)
-                report = self.load.http_header(served, request.headers)  # on the first response
+                report = load_report_header(
+                    self.load, served, request.headers
+                )  # on the first response
                 headers = SSE_HEADERS if report is None else [*SSE_HEADERS, report]
                 await send({"type": "http.response.start", "status": 200, "headers": headers})
                 try:

@@ -54,6 +54,7 @@ from ._chat_template import render_chat
 from ._errors import error_status
 from ._generate import SSE_HEADERS, collect_samples, send_event, unless_client_leaves
 from ._json_body import json_object
+from ._load_report import load_report_header
 from ._openai_logprobs import ChoiceLogprobs, requested_logprobs
 from ._openai_request import (
     OpenAIRequest,
@@ -227,7 +228,7 @@ class OpenAIEndpoints:
             "choices": choices,
             "usage": _usage(call.prompt_tokens, samples.generated_tokens),
         }
-        report = self.load.http_header(call.served, request.headers)
+        report = load_report_header(self.load, call.served, request.headers)
         return Response(
             200,
             _COMPACT.encode(document).encode(),
@@ -240,7 +241,7 @@ class OpenAIEndpoints:
         send = request.send
 
         async def start() -> None:
-            report = self.load.http_header(call.served, request.headers)  # first response
+            report = load_report_header(self.load, call.served, request.headers)  # first response
             headers = SSE_HEADERS if report is None else [*SSE_HEADERS, report]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
 
