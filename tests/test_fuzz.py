@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import re
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -65,6 +64,7 @@ MODELS = ["identity_fp32", "identity_bytes", "simple", "simple_string"]
 DATATYPES = ["BOOL", "UINT8", "INT8", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES", "BF16"]
 REGION = "fuzz_region"  # registered on every fuzzed server, REGION_BYTES long
 REGION_BYTES = 64
+REGION_KEY = f"/trioserve_fuzz_{os.getpid()}"
 
 
 def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
@@ -149,10 +149,58 @@ json_documents = st.one_of(
 )
 
 
+SPECS = {m.name: m for m in reference_zoo()}
+# Elements by datatype: in range, at the edges, out of range, of the wrong kind.
+elements = st.one_of(
+    st.integers(-129, 256),
+    st.sampled_from([2**31, 2**63 - 1, -(2**63), 2**64, 1e39, -0.0, "7", "x", "\\u00e9", True]),
+    st.floats(),
+)
+
+
 @st.composite
-def infer_bodies(draw: Any) -> tuple[bytes, str | None]:
-    """An inference body and its ``Inference-Header-Content-Length`` (``None``: absent)."""
-    header = json.dumps(draw(json_documents)).encode()
+def near_valid_documents(draw: Any) -> dict[str, Any]:
+    """A request for one of ``MODELS`` that is right in all but a few places: it passes
+    the early checks and reaches the deeper ones (shapes against data, binary sizes,
+    shared-memory offsets, output flags)."""
+    model = SPECS[draw(st.sampled_from(MODELS))]
+    inputs = []
+    for spec in model.inputs:
+        count = draw(st.integers(0, 17))
+        tensor: dict[str, Any] = {
+            "name": spec.name,
+            "datatype": draw(st.just(spec.datatype) | st.sampled_from(DATATYPES)),
+            "shape": draw(st.just([count]) | st.just([1, count]) | shapes),
+        }
+        where = draw(st.sampled_from(["data", "binary", "shm"]))
+        if where == "data":
+            tensor["data"] = draw(st.lists(elements, min_size=count, max_size=count) | json_values)
+        elif where == "binary":
+            tensor["parameters"] = {"binary_data_size": draw(st.integers(-1, 80))}
+        else:
+            tensor["parameters"] = {
+                "shared_memory_region": draw(st.sampled_from([REGION, "no_such_region"])),
+                "shared_memory_byte_size": draw(st.integers(-1, 2 * REGION_BYTES)),
+                "shared_memory_offset": draw(st.integers(-1, 2 * REGION_BYTES)),
+            }
+        inputs.append(tensor)
+    document: dict[str, Any] = {"inputs": draw(st.permutations(inputs))}
+    if draw(st.booleans()):
+        document["outputs"] = [
+            {"name": spec.name, "parameters": draw(parameters)} for spec in model.outputs
+        ]
+    return {"model": model.name, "document": document}
+
+
+@st.composite
+def infer_requests(draw: Any) -> tuple[str, bytes, str | None]:
+    """A model name, an inference body and its ``Inference-Header-Content-Length``
+    (``None``: absent)."""
+    name, document = draw(
+        st.tuples(st.sampled_from(MODELS), json_documents)
+        | near_valid_documents().map(lambda d: (d["model"], d["document"]))
+    )
+    header = json.dumps(document).encode()
     if draw(st.booleans()):
         header = draw(mutated(st.just(header)))
     binary = draw(st.binary(max_size=80))
@@ -160,7 +208,7 @@ def infer_bodies(draw: Any) -> tuple[bytes, str | None]:
         st.sampled_from([None, str(len(header)), "0", "-1", "x", str(2**64)])
         | st.integers(0, len(header) + len(binary)).map(str)
     )
-    return header + (binary if length is not None else b""), length
+    return name, header + (binary if length is not None else b""), length
 
 
 def http_request(method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
@@ -240,6 +288,38 @@ def infer_messages(draw: Any) -> pb.ModelInferRequest:
     return message
 
 
+ITEM_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "INT32": 4, "INT64": 8, "FP16": 2, "FP32": 4,
+              "FP64": 8, "BF16": 2}  # fmt: skip
+
+
+@st.composite
+def near_valid_messages(draw: Any) -> pb.ModelInferRequest:
+    """A ``ModelInferRequest`` for one of ``MODELS`` that is right in all but a few places
+    (raw sizes, shapes, shared-memory offsets), as ``near_valid_documents`` for REST."""
+    model = SPECS[draw(st.sampled_from(MODELS))]
+    message = pb.ModelInferRequest(model_name=model.name)
+    for spec in model.inputs:
+        count = draw(st.integers(0, 17))
+        dt = draw(st.just(spec.datatype) | st.sampled_from(DATATYPES))
+        tensor = message.inputs.add(name=spec.name, datatype=dt, shape=draw(st.just([count]) | shapes))  # fmt: skip
+        where = draw(st.sampled_from(["raw", "shm"]))
+        if where == "raw" and dt == "BYTES":
+            items = draw(st.lists(st.binary(max_size=4), min_size=count, max_size=count))
+            raw = b"".join(len(i).to_bytes(4, "little") + i for i in items)
+            message.raw_input_contents.append(draw(st.just(raw) | mutated(st.just(raw))))
+        elif where == "raw":
+            size = count * ITEM_BYTES.get(dt, 1) + draw(st.sampled_from([0, 0, -1, 1]))
+            message.raw_input_contents.append(draw(st.binary(min_size=max(size, 0), max_size=max(size, 0))))  # fmt: skip
+        else:
+            tensor.parameters["shared_memory_region"].string_param = draw(st.sampled_from([REGION, "no_such_region"]))  # fmt: skip
+            tensor.parameters["shared_memory_byte_size"].int64_param = draw(st.integers(-1, 2 * REGION_BYTES))  # fmt: skip
+            tensor.parameters["shared_memory_offset"].int64_param = draw(st.integers(-1, 2 * REGION_BYTES))  # fmt: skip
+    for spec in model.outputs:
+        if draw(st.booleans()):
+            _fill_parameters(draw, message.outputs.add(name=spec.name).parameters)
+    return message
+
+
 def _fill_parameters(draw: Any, target: Any) -> None:
     for key, value in draw(parameters).items():
         kind = draw(st.sampled_from(["bool", "int64", "string", "double", "uint64"]))
@@ -255,11 +335,8 @@ def _fill_parameters(draw: Any, target: Any) -> None:
             target[key].string_param = value if isinstance(value, str) else json.dumps(value)
 
 
-grpc_payloads = st.one_of(
-    st.binary(max_size=120),
-    infer_messages().map(lambda m: m.SerializeToString()),
-    mutated(infer_messages().map(lambda m: m.SerializeToString())),
-)
+grpc_messages = (infer_messages() | near_valid_messages()).map(lambda m: m.SerializeToString())
+grpc_payloads = st.one_of(st.binary(max_size=120), grpc_messages, mutated(grpc_messages))
 
 
 # --- the servers ---------------------------------------------------------------------
@@ -295,7 +372,7 @@ def error_records() -> Iterator[ErrorRecords]:
 def servers(error_records: ErrorRecords) -> Iterator[dict[str, Server]]:
     """The zoo on the built-in HTTP server, once per gRPC front end, each with ``REGION``
     registered."""
-    key = f"/trioserve_fuzz_{uuid.uuid4().hex[:12]}"
+    key = REGION_KEY
     handle = shm.create_shared_memory_region(REGION, key, REGION_BYTES)
     try:
         with (
@@ -349,9 +426,9 @@ ZOO = {m.name: m for m in reference_zoo()}
 
 
 @fuzz_settings(300)
-@given(st.sampled_from(MODELS), infer_bodies())
-def test_json_and_binary_decoder(name: str, body: tuple[bytes, str | None]) -> None:
-    data, length = body
+@given(infer_requests())
+def test_json_and_binary_decoder(request: tuple[str, bytes, str | None]) -> None:
+    name, data, length = request
     header_length = int(length) if length is not None and length.isdigit() else None
     regions = RequestRegions(SharedMemoryRegistry())
     refusal(
@@ -419,28 +496,65 @@ def test_live_http_parser(servers: dict[str, Server], error_records: ErrorRecord
 
 
 @fuzz_settings(60)
-@given(st.sampled_from(MODELS) | st.text(max_size=5), infer_bodies())
+@given(infer_requests())
 def test_live_http_infer(
     servers: dict[str, Server],
     error_records: ErrorRecords,
-    name: str,
-    body: tuple[bytes, str | None],
+    request: tuple[str, bytes, str | None],
 ) -> None:
-    data, length = body
+    name, data, length = request
     headers = {} if length is None else {"Inference-Header-Content-Length": length}
-    path = f"/v2/models/{name.encode().hex() if not name.isidentifier() else name}/infer"
+    path = f"/v2/models/{name}/infer"
     check_http(servers["trio"], http_request("POST", path, data, headers), error_records)
+
+
+registrations = st.fixed_dictionaries(
+    {},
+    optional={
+        "key": st.sampled_from([REGION_KEY, "/no_such_key", "../etc/passwd", "/", "", "/a/b"])
+        | st.text(max_size=8)
+        | json_values,
+        "offset": st.integers(-1, 2 * REGION_BYTES) | json_values,
+        "byte_size": st.integers(-1, 2 * REGION_BYTES) | json_values,
+        "device_id": json_values,
+        "raw_handle": json_values,
+    },
+)
+
+
+@fuzz_settings(40)
+@given(st.sampled_from(["system", "cuda"]), registrations, st.integers(-1, 2 * REGION_BYTES))
+def test_live_http_shared_memory_registration(
+    servers: dict[str, Server],
+    error_records: ErrorRecords,
+    kind: str,
+    body: dict[str, Any],
+    offset: int,
+) -> None:
+    """Registration bodies (the fuzzed region's key among the keys), then an inference
+    request that reads the region (registered or not) at ``offset``."""
+    data = json.dumps(body).encode()
+    path = f"/v2/{kind}sharedmemory/region/fuzz_registration"
+    check_http(servers["trio"], http_request("POST", f"{path}/register", data, {}), error_records)
+    placed = {"shared_memory_region": "fuzz_registration", "shared_memory_offset": offset,
+              "shared_memory_byte_size": 8}  # fmt: skip
+    infer = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [2], "parameters": placed}]}
+    infer_path = "/v2/models/identity_fp32/infer"
+    check_http(servers["trio"], http_request("POST", infer_path, json.dumps(infer).encode(), {}), error_records)  # fmt: skip
+    check_http(servers["trio"], http_request("POST", f"{path}/unregister", b"", {}), error_records)
 
 
 _SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
-def check_grpc(server: Server, payload: bytes, error_records: ErrorRecords) -> None:
+def check_grpc(
+    server: Server, payload: bytes, error_records: ErrorRecords, method: str = "ModelInfer"
+) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         call: Callable[..., bytes] = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer"
+            f"/inference.GRPCInferenceService/{method}"
         )
-        error: Any = refusal(grpc.RpcError, lambda: pb.ModelInferResponse.FromString(call(payload, timeout=10)))  # fmt: skip
+        error: Any = refusal(grpc.RpcError, lambda: call(payload, timeout=10))
     if error is not None:
         assert error.code() not in _SERVER_FAULTS, (error.code(), error.details())
         assert error.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "the server did not answer"
@@ -455,5 +569,42 @@ def test_live_grpc_infer(
     @given(grpc_payloads)
     def prop(payload: bytes) -> None:
         check_grpc(servers[front_end], payload, error_records)
+
+    prop()
+
+
+@st.composite
+def shared_memory_registrations(draw: Any) -> bytes:
+    message = pb.SystemSharedMemoryRegisterRequest(
+        name="fuzz_registration",
+        key=draw(st.sampled_from([REGION_KEY, "/no_such_key", "../x", "/", ""]) | st.text(max_size=8)),
+        offset=draw(st.integers(0, 2 * REGION_BYTES) | st.just(2**64 - 1)),
+        byte_size=draw(st.integers(0, 2 * REGION_BYTES) | st.just(2**64 - 1)),
+    )  # fmt: skip
+    return draw(
+        st.just(message.SerializeToString()) | mutated(st.just(message.SerializeToString()))
+    )
+
+
+@pytest.mark.parametrize("front_end", ["trio", "grpclib"])
+def test_live_grpc_shared_memory_registration(
+    servers: dict[str, Server], error_records: ErrorRecords, front_end: str
+) -> None:
+    """Registration messages (the fuzzed region's key among the keys), then an inference
+    request that reads the region (registered or not) at ``offset``."""
+
+    @fuzz_settings(30)
+    @given(shared_memory_registrations(), st.integers(0, 2 * REGION_BYTES))
+    def prop(registration: bytes, offset: int) -> None:
+        server = servers[front_end]
+        check_grpc(server, registration, error_records, "SystemSharedMemoryRegister")
+        infer = pb.ModelInferRequest(model_name="identity_fp32")
+        tensor = infer.inputs.add(name="INPUT0", datatype="FP32", shape=[2])
+        tensor.parameters["shared_memory_region"].string_param = "fuzz_registration"
+        tensor.parameters["shared_memory_offset"].int64_param = offset
+        tensor.parameters["shared_memory_byte_size"].int64_param = 8
+        check_grpc(server, infer.SerializeToString(), error_records)
+        unregister = pb.SystemSharedMemoryUnregisterRequest(name="fuzz_registration")
+        check_grpc(server, unregister.SerializeToString(), error_records, "SystemSharedMemoryUnregister")  # fmt: skip
 
     prop()
