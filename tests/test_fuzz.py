@@ -489,23 +489,25 @@ def check_http(server: Server, data: bytes, error_records: ErrorRecords) -> None
     assert error_records.take() == []
 
 
-@fuzz_settings(60)
-@given(http_bytes)
-def test_live_http_parser(servers: dict[str, Server], error_records: ErrorRecords, data: bytes) -> None:  # fmt: skip
-    check_http(servers["trio"], data, error_records)
+def test_live_http_parser(servers: dict[str, Server], error_records: ErrorRecords) -> None:
+    @fuzz_settings(60)
+    @given(http_bytes)
+    def prop(data: bytes) -> None:
+        check_http(servers["trio"], data, error_records)
+
+    prop()
 
 
-@fuzz_settings(60)
-@given(infer_requests())
-def test_live_http_infer(
-    servers: dict[str, Server],
-    error_records: ErrorRecords,
-    request: tuple[str, bytes, str | None],
-) -> None:
-    name, data, length = request
-    headers = {} if length is None else {"Inference-Header-Content-Length": length}
-    path = f"/v2/models/{name}/infer"
-    check_http(servers["trio"], http_request("POST", path, data, headers), error_records)
+def test_live_http_infer(servers: dict[str, Server], error_records: ErrorRecords) -> None:
+    @fuzz_settings(60)
+    @given(infer_requests())
+    def prop(request: tuple[str, bytes, str | None]) -> None:
+        name, data, length = request
+        headers = {} if length is None else {"Inference-Header-Content-Length": length}
+        path = f"/v2/models/{name}/infer"
+        check_http(servers["trio"], http_request("POST", path, data, headers), error_records)
+
+    prop()
 
 
 registrations = st.fixed_dictionaries(
@@ -522,26 +524,26 @@ registrations = st.fixed_dictionaries(
 )
 
 
-@fuzz_settings(40)
-@given(st.sampled_from(["system", "cuda"]), registrations, st.integers(-1, 2 * REGION_BYTES))
 def test_live_http_shared_memory_registration(
-    servers: dict[str, Server],
-    error_records: ErrorRecords,
-    kind: str,
-    body: dict[str, Any],
-    offset: int,
+    servers: dict[str, Server], error_records: ErrorRecords
 ) -> None:
     """Registration bodies (the fuzzed region's key among the keys), then an inference
     request that reads the region (registered or not) at ``offset``."""
-    data = json.dumps(body).encode()
-    path = f"/v2/{kind}sharedmemory/region/fuzz_registration"
-    check_http(servers["trio"], http_request("POST", f"{path}/register", data, {}), error_records)
-    placed = {"shared_memory_region": "fuzz_registration", "shared_memory_offset": offset,
-              "shared_memory_byte_size": 8}  # fmt: skip
-    infer = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [2], "parameters": placed}]}
-    infer_path = "/v2/models/identity_fp32/infer"
-    check_http(servers["trio"], http_request("POST", infer_path, json.dumps(infer).encode(), {}), error_records)  # fmt: skip
-    check_http(servers["trio"], http_request("POST", f"{path}/unregister", b"", {}), error_records)
+
+    @fuzz_settings(40)
+    @given(st.sampled_from(["system", "cuda"]), registrations, st.integers(-1, 2 * REGION_BYTES))
+    def prop(kind: str, body: dict[str, Any], offset: int) -> None:
+        data = json.dumps(body).encode()
+        path = f"/v2/{kind}sharedmemory/region/fuzz_registration"
+        check_http(servers["trio"], http_request("POST", f"{path}/register", data, {}), error_records)  # fmt: skip
+        placed = {"shared_memory_region": "fuzz_registration", "shared_memory_offset": offset,
+                  "shared_memory_byte_size": 8}  # fmt: skip
+        infer = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [2], "parameters": placed}]}  # fmt: skip
+        infer_path = "/v2/models/identity_fp32/infer"
+        check_http(servers["trio"], http_request("POST", infer_path, json.dumps(infer).encode(), {}), error_records)  # fmt: skip
+        check_http(servers["trio"], http_request("POST", f"{path}/unregister", b"", {}), error_records)  # fmt: skip
+
+    prop()
 
 
 _SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -606,5 +608,32 @@ def test_live_grpc_shared_memory_registration(
         check_grpc(server, infer.SerializeToString(), error_records)
         unregister = pb.SystemSharedMemoryUnregisterRequest(name="fuzz_registration")
         check_grpc(server, unregister.SerializeToString(), error_records, "SystemSharedMemoryUnregister")  # fmt: skip
+
+    prop()
+
+
+def grpc_call_bytes(payload: bytes) -> bytes:
+    """What a client writes for one unary ModelInfer call on a fresh connection."""
+    import h2.config
+    import h2.connection
+
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
+               (":authority", "127.0.0.1"), ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+    connection.send_headers(1, headers)
+    connection.send_data(1, b"\\0" + len(payload).to_bytes(4, "big") + payload, end_stream=True)
+    return connection.data_to_send()
+
+
+def test_live_http2_frames(servers: dict[str, Server], error_records: ErrorRecords) -> None:
+    """A gRPC call's HTTP/2 bytes, mutated, to the built-in gRPC server: it answers or
+    closes the connection, within the bound, and logs no failure."""
+
+    @fuzz_settings(40)
+    @given(mutated(grpc_messages.map(grpc_call_bytes)))
+    def prop(data: bytes) -> None:
+        trio.run(_exchange, servers["trio"].grpc_port, data)
+        assert error_records.take() == []
 
     prop()
