@@ -5,9 +5,8 @@
 
 Runs the fuzz test module in rounds until the time is up, each round with a fresh random
 seed and ``--examples`` examples per property (the test suite runs the same properties
-with a few derandomized examples). Stops at the first failure and prints it: hypothesis
-shrinks the failing input and prints it with the seed that reproduces it
-(``--seed`` replays one round).
+with a few derandomized examples). Stops after the first round that fails and prints its
+report: hypothesis shrinks each failing input and prints it; ``--seed`` replays that round.
 """
 
 from __future__ import annotations
