@@ -116,6 +116,9 @@ def test_bool_raw_must_be_zero_or_one():
         ("INT64", [2**63], "out of range"),
         ("UINT64", [2**64], "out of range"),
         ("INT32", [[2**31]], "out of range"),  # nested: numpy's own conversion path
+        ("FP16", [70000], "out of range"),  # would round to infinity
+        ("FP32", [3.4028235677973366e38], "out of range"),
+        ("FP32", [[1e39]], "out of range"),
         ("BOOL", [1, 0], "true/false"),
         ("FP32", ["x"], "numbers"),
         ("FP32", [[1, 2], [3]], "rectangular"),
@@ -137,6 +140,8 @@ def test_json_type_errors(name, data, message):
         ("UINT8", [0, 255]),
         ("INT64", [-(2**63), 2**63 - 1]),
         ("UINT64", [0, 2**64 - 1]),
+        ("FP16", [-65504.0, 65504.0]),
+        ("FP32", [-3.4028234663852886e38, 3.4028234663852886e38]),
     ],
 )
 def test_json_integers_at_the_ends_of_their_range_are_exact(name, data):

@@ -11,6 +11,7 @@ read-only views of the received body, which is what models get.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -246,8 +247,9 @@ def array_from_json(
         # letting numpy infer a dtype and then checking it with reductions. numpy checks
         # the integer range itself, raising OverflowError.
         try:
-            return np.array(data, dtype=dt.dtype).reshape(shape)
-        except OverflowError:
+            with _float_overflow_raises(dt):
+                return np.array(data, dtype=dt.dtype).reshape(shape)
+        except (OverflowError, FloatingPointError):
             raise InvalidArgumentError(f"{what}: value out of range for {dt.name}") from None
     try:
         parsed = np.array(data)
@@ -267,7 +269,18 @@ def array_from_json(
         low, high = dt.bounds
         if parsed.min() < low or parsed.max() > high:
             raise InvalidArgumentError(f"{what}: value out of range for {dt.name}")
-    return parsed.astype(dt.dtype, copy=False).reshape(shape)
+    try:
+        with _float_overflow_raises(dt):
+            return parsed.astype(dt.dtype, copy=False).reshape(shape)
+    except FloatingPointError:
+        raise InvalidArgumentError(f"{what}: value out of range for {dt.name}") from None
+
+
+def _float_overflow_raises(dt: Datatype) -> contextlib.AbstractContextManager[object]:
+    """For float datatypes, a number past the type's range (1e39 for FP32, 70000 for FP16)
+    raises ``FloatingPointError`` instead of silently becoming infinity with a warning:
+    it is refused as out of range, as integers past theirs are."""
+    return np.errstate(over="raise") if dt.dtype.kind == "f" else contextlib.nullcontext()
 
 
 _SMALL = 256

@@ -65,6 +65,10 @@ FP32_ONE = _input("FP32", [1], [1.0])
         ("identity_int64", _input("INT64", [1], [[2**64]]), "out of range for INT64"),
         ("identity_int64", _input("INT64", [300], [2**64] + [1] * 299), "out of range"),
         ("identity_int64", _input("INT64", [2], [[2**63, -1]]), "out of range"),
+        # Found by tests/test_fuzz.py: the midpoint between FP32's largest value and 2**128
+        # rounds to infinity.
+        ("identity_fp32", _input("FP32", [1], [3.4028235677973366e38]), "out of range for FP32"),
+        ("identity_fp32", _input("FP32", [1, 2], [[1.0, 1e39]]), "out of range for FP32"),
         ("identity_bytes", '{"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [1], '
          '"data": ["\\ud800"]}]}', "not valid Unicode"),
         ("identity_fp32", {**FP32_ONE, "parameters": {"binary_data_output": "false"}},
