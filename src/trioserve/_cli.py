@@ -90,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
     run.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=defaults.max_connections,
+        help="HTTP connections open at once; one more is answered 503",
+    )
+    run.add_argument(
         "--http-body-timeout-secs",
         type=float,
         default=defaults.body_timeout_s,
@@ -208,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_header_count=args.http_max_header_count,
             idle_timeout_s=args.http_idle_timeout_secs,
             body_timeout_s=args.http_body_timeout_secs,
+            max_connections=args.http_max_connections,
         ),
         exit_timeout_s=args.exit_timeout_secs,
         max_shared_memory_regions=args.max_shared_memory_regions,

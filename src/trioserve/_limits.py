@@ -28,6 +28,10 @@ class HttpLimits:
     """Time to receive a complete request head once its first byte arrived; then 408 + close."""
     idle_timeout_s: float = 75.0
     """A keep-alive connection with no request in progress is closed after this."""
+    max_connections: int = 4096
+    """Connections open at once; one more is answered 503 and closed at once (the
+    process's descriptor limit, often 1,024 by default, may bind first: raise it with
+    ``ulimit -n``)."""
     body_timeout_s: float = 60.0
     """Time to receive a whole request body once the server waits for it, however steadily
     it trickles in; then 408 + close."""

@@ -31,6 +31,7 @@ that only half-closes still gets its response, but ``receive()`` reports the dis
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import socket
@@ -113,11 +114,22 @@ class _Server:
         self, nursery: trio.Nursery
     ) -> Callable[[socket.socket, tuple[str, int], tuple[str, int]], None]:
         def start(sock: socket.socket, client: tuple[str, int], local: tuple[str, int]) -> None:
+            if len(self.connections) >= self.limits.max_connections:
+                _refuse(sock)
+                return
             conn = Connection(self, sock, client, local)
             self.connections.add(conn)
             nursery.start_soon(conn.run)
 
         return start
+
+
+def _refuse(sock: socket.socket) -> None:
+    """Answer a connection over the limit without spending a task on it: the answer
+    fits the socket's buffer, so one non-blocking send delivers it (or nothing does)."""
+    with contextlib.suppress(OSError):
+        sock.send(error_response(503, "too many connections: try again later", CLOSE))
+    sock.close()
 
 
 class Connection:
