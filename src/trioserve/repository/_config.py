@@ -185,7 +185,8 @@ def _int64_as_numbers(message: Message, document: dict[str, Any]) -> None:
 
 
 def _repeated(field: FieldDescriptor) -> bool:
-    return bool(field.label == FieldDescriptor.LABEL_REPEATED)
+    # ``is_repeated``, not ``label``: protobuf 7 dropped ``FieldDescriptor.label``.
+    return bool(field.is_repeated)
 
 
 def config_json(config: ModelConfig) -> str:
