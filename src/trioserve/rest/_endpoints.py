@@ -3,7 +3,6 @@ statistics (and ``/metrics`` when the server exports metrics)."""
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from typing import Any
 
@@ -16,6 +15,7 @@ from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
+from ._json_body import COMPACT
 from ._load_report import load_report_header
 from ._metrics import metrics_endpoint
 from ._openai import OpenAIEndpoints
@@ -24,7 +24,6 @@ from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 from ._status_page import add_status_page
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
 
@@ -34,7 +33,7 @@ _FALSE = Response(400, content_type=None)
 
 
 def _json(document: Any) -> Response:
-    return Response(200, _COMPACT.encode(document).encode())
+    return Response(200, COMPACT.encode(document).encode())
 
 
 class _Endpoints:

@@ -27,7 +27,6 @@ disconnect and cancels the generation, whose ``generate()`` block then exits ear
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -49,12 +48,11 @@ from ..scheduler import (
 )
 from ._app import Request, Response
 from ._asgi import Receive
-from ._json_body import json_object
+from ._json_body import COMPACT, json_object
 from ._load_report import load_report_header
 
 logger = logging.getLogger("trioserve.rest")
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
 _EVENT_STREAM = b"text/event-stream; charset=utf-8"
 SSE_HEADERS = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
 # Keys a generate request may carry at the top level besides the sampling parameters.
@@ -94,7 +92,7 @@ class GenerateEndpoints:
         report = load_report_header(self.load, served, request.headers)
         return Response(
             200,
-            _COMPACT.encode(document).encode(),
+            COMPACT.encode(document).encode(),
             headers=() if report is None else (report,),
             compressible=True,
         )
@@ -228,7 +226,7 @@ def _event(head: dict[str, Any], chunk: GenerationChunk, with_index: bool) -> di
 
 async def send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> None:
     # Compact JSON escapes every newline, so one line is one event's data.
-    frame = b"data: " + _COMPACT.encode(document).encode() + b"\n\n"
+    frame = b"data: " + COMPACT.encode(document).encode() + b"\n\n"
     await send({"type": "http.response.body", "body": frame, "more_body": True})
 
 

@@ -8,7 +8,6 @@ raw data of the model's single input. Raw input data becomes numpy views of the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
@@ -38,7 +37,7 @@ from ..shm import (
     shared_memory_input,
     shared_memory_outputs,
 )
-from ._json_body import json_object
+from ._json_body import COMPACT, json_object
 
 _JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
 
@@ -299,7 +298,7 @@ def _make_encoder() -> Callable[[Any], str]:
     """Compact JSON text of a value: one C encoder built once (``JSONEncoder.encode``
     builds one per call)."""
     if c_make_encoder is None:  # a Python without the C accelerator
-        return json.JSONEncoder(separators=(",", ":")).encode
+        return COMPACT.encode
     encoder = c_make_encoder(
         None, _unserializable, encode_basestring_ascii, None, ":", ",", False, False, True
     )

@@ -27,7 +27,6 @@ client that goes away aborts the generation.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -53,7 +52,7 @@ from ._app import Request, Response
 from ._chat_template import render_chat
 from ._errors import error_status
 from ._generate import SSE_HEADERS, collect_samples, send_event, unless_client_leaves
-from ._json_body import json_object
+from ._json_body import COMPACT, json_object
 from ._load_report import load_report_header
 from ._openai_logprobs import ChoiceLogprobs, requested_logprobs
 from ._openai_request import (
@@ -66,7 +65,6 @@ from ._openai_request import (
 
 logger = logging.getLogger("trioserve.rest")
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
 _DONE = b"data: [DONE]\n\n"
 _COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the model's room
 
@@ -106,7 +104,7 @@ class OpenAIEndpoints:
             for name in self.repository.names()
             if _generative(self.repository.get(name)) is not None
         ]
-        return Response(200, _COMPACT.encode({"object": "list", "data": listed}).encode())
+        return Response(200, COMPACT.encode({"object": "list", "data": listed}).encode())
 
     async def completions(self, request: Request) -> Response | None:
         return await self._answer(request, self._completion_call)
@@ -125,7 +123,7 @@ class OpenAIEndpoints:
             return await self._complete(request, call)
         except InferenceServerError as exc:
             status, error = error_object(exc)
-            return Response(status, _COMPACT.encode({"error": error}).encode())
+            return Response(status, COMPACT.encode({"error": error}).encode())
 
     async def _completion_call(self, document: dict[str, Any]) -> _Call:
         options = read_request(document, default_max_tokens=_COMPLETION_MAX_TOKENS)
@@ -231,7 +229,7 @@ class OpenAIEndpoints:
         report = load_report_header(self.load, call.served, request.headers)
         return Response(
             200,
-            _COMPACT.encode(document).encode(),
+            COMPACT.encode(document).encode(),
             headers=() if report is None else (report,),
             compressible=True,
         )

@@ -9,7 +9,6 @@ A restricted "model-repository" API group answers 403 without the expected heade
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .._errors import InvalidArgumentError, UnsupportedError
@@ -17,11 +16,10 @@ from .._repository import ModelRepository, RepositoryControl
 from .._restricted import Restriction
 from ..repository import decode_file_parameters
 from ._app import Endpoint, Request, Response
-from ._json_body import json_object
+from ._json_body import COMPACT, json_object
 from ._router import Router
 from ._shm_endpoints import _restricted
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
 _DONE = Response(200, content_type=None)
 
 
@@ -38,7 +36,7 @@ class _RepositoryEndpoints:
         ready = _body(request).get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgumentError("'ready' must be a boolean")
-        return Response(200, _COMPACT.encode(self._control().index(ready)).encode())
+        return Response(200, COMPACT.encode(self._control().index(ready)).encode())
 
     async def load(self, request: Request) -> Response:
         parameters = _parameters(request)

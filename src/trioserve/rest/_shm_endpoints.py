@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
 
 from .._errors import InvalidArgumentError
@@ -20,10 +19,9 @@ from .._restricted import Restriction
 from ..shm import SharedMemoryRegistry
 from ._app import Endpoint, Request, Response
 from ._errors import error_body
-from ._json_body import json_object
+from ._json_body import COMPACT, json_object
 from ._router import Router
 
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
 _DONE = Response(200, content_type=None)
 _FORBIDDEN = 403
 
@@ -97,7 +95,7 @@ def _restricted(endpoint: Endpoint, restriction: Restriction | None) -> Endpoint
 
 
 def _json(document: Any) -> Response:
-    return Response(200, _COMPACT.encode(document).encode())
+    return Response(200, COMPACT.encode(document).encode())
 
 
 def _raw_handle(value: Any) -> bytes:
