@@ -1,13 +1,13 @@
 """Listening sockets for the front ends that drive sockets themselves (the HTTP/1.1 core
-and the HTTP/2 core): binding every address of a host name, and accepting without ever
-letting an accept error reach the server's nursery."""
+and the HTTP/2 core): binding every address of a host name, accepting without ever
+letting an accept error reach the server's nursery, and the task tree both serve in."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 from trio.lowlevel import notify_closing, wait_readable
@@ -88,3 +88,43 @@ async def accept_forever(
                 sock.close()
                 continue
             accepted(sock, (addr[0], addr[1]), (local[0], local[1]))
+
+
+Accepted = Callable[[socket.socket, Address, Address], None]
+
+
+async def serve_tcp(
+    host: str,
+    port: int,
+    accepted: Callable[[trio.Nursery], Accepted],
+    sweep: Callable[[], Awaitable[object]],
+    begin_shutdown: Callable[[], None],
+    *,
+    shutdown_trigger: Callable[[], Awaitable[object]] | None,
+    task_status: trio.TaskStatus[list[Address]],
+) -> None:
+    """Accept on ``host:port`` until cancelled or shut down; a core's task tree.
+
+    ``accepted(connections)`` gives what starts each connection in ``connections``;
+    ``sweep`` runs beside them (the core's timeouts). When ``shutdown_trigger`` returns:
+    the listeners close, ``begin_shutdown`` tells the connections, and this returns once
+    every connection has ended.
+    """
+    listeners = await bind_tcp(host, port)
+    try:
+        async with trio.open_nursery() as sweeper:
+            sweeper.start_soon(sweep)
+            async with trio.open_nursery() as connections:
+                start = accepted(connections)
+                async with trio.open_nursery() as acceptors:
+                    for listener in listeners:
+                        acceptors.start_soon(accept_forever, listener, start)
+                    task_status.started(bound_addresses(listeners))
+                    if shutdown_trigger is not None:
+                        await shutdown_trigger()
+                        acceptors.cancel_scope.cancel()
+                close_all(listeners)
+                begin_shutdown()
+            sweeper.cancel_scope.cancel()  # every connection has ended
+    finally:
+        close_all(listeners)

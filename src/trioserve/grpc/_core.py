@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from .._context import ServerContext
 from .._limits import GrpcLimits
-from .._sockets import Address, accept_forever, bind_tcp, bound_addresses, close_all
+from .._sockets import Accepted, Address, serve_tcp
 from ._h2_connection import CoreStatistics, H2Connection
 from ._h2_transport import SocketTransport, TlsTransport, Transport
 from ._methods import Method, StreamMethod, grpc_methods
@@ -49,19 +49,20 @@ class _CoreServer:
         max_message_bytes: int,
         tls: ssl.SSLContext | None,
         statistics: CoreStatistics,
-        nursery: trio.Nursery,
     ) -> None:
         self.methods = methods
         self.limits = limits
         self.max_message_bytes = max_message_bytes
         self.tls = tls
-        self.nursery = nursery
         self.connections: set[H2Connection] = set()
         self.statistics = statistics
         self.shutting_down = False
 
-    def accepted(self, sock: socket.socket, client: Address, local: Address) -> None:
-        self.nursery.start_soon(self._serve, sock)
+    def accepted(self, connections: trio.Nursery) -> Accepted:
+        def start(sock: socket.socket, client: Address, local: Address) -> None:
+            connections.start_soon(self._serve, sock)
+
+        return start
 
     async def _serve(self, sock: socket.socket) -> None:
         transport: Transport
@@ -193,22 +194,9 @@ async def serve_methods(
 
     Reports the bound ``(host, port)`` pairs once listening (port 0 picks a free one).
     """
-    listeners = await bind_tcp(host, port)
-    try:
-        async with trio.open_nursery() as sweeper:
-            async with trio.open_nursery() as connections:
-                counts = CoreStatistics() if statistics is None else statistics
-                server = _CoreServer(methods, limits, max_message_bytes, tls, counts, connections)
-                sweeper.start_soon(server.sweep_idle)
-                async with trio.open_nursery() as acceptors:
-                    for listener in listeners:
-                        acceptors.start_soon(accept_forever, listener, server.accepted)
-                    task_status.started(bound_addresses(listeners))
-                    if shutdown_trigger is not None:
-                        await shutdown_trigger()
-                        acceptors.cancel_scope.cancel()
-                close_all(listeners)
-                server.begin_shutdown()
-            sweeper.cancel_scope.cancel()  # every connection has ended
-    finally:
-        close_all(listeners)
+    counts = CoreStatistics() if statistics is None else statistics
+    server = _CoreServer(methods, limits, max_message_bytes, tls, counts)
+    await serve_tcp(
+        host, port, server.accepted, server.sweep_idle, server.begin_shutdown,
+        shutdown_trigger=shutdown_trigger, task_status=task_status,
+    )  # fmt: skip

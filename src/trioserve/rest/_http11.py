@@ -41,7 +41,7 @@ import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
 
 from .._limits import HttpLimits
-from .._sockets import accept_forever, bind_tcp, bound_addresses, close_all
+from .._sockets import serve_tcp
 from ._asgi import ASGIApp
 from ._errors import HttpError
 from ._http11_exchange import RECV_SIZE, Exchange
@@ -432,21 +432,8 @@ async def serve_http11(
     are closed, requests in progress finish (their connection closes afterwards), and then
     this returns; bound the drain by cancelling.
     """
-    listeners = await bind_tcp(host, port)
     server = _Server(app, limits)
-    try:
-        async with trio.open_nursery() as sweeper:
-            sweeper.start_soon(server.sweep_timeouts)
-            async with trio.open_nursery() as connections:
-                async with trio.open_nursery() as acceptors:
-                    for listener in listeners:
-                        acceptors.start_soon(accept_forever, listener, server.accepted(connections))
-                    task_status.started(bound_addresses(listeners))
-                    if shutdown_trigger is not None:
-                        await shutdown_trigger()
-                        acceptors.cancel_scope.cancel()
-                close_all(listeners)
-                server.begin_shutdown()
-            sweeper.cancel_scope.cancel()  # every connection has finished
-    finally:
-        close_all(listeners)
+    await serve_tcp(
+        host, port, server.accepted, server.sweep_timeouts, server.begin_shutdown,
+        shutdown_trigger=shutdown_trigger, task_status=task_status,
+    )  # fmt: skip
