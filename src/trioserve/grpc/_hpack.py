@@ -158,15 +158,7 @@ class HeaderDecoder:
                     index, pos = _integer(data, pos, index)
                 header = self._entry(index)
             elif byte & 0x40:  # literal with incremental indexing (section 6.2.1)
-                index = byte & 0x3F
-                if index == 0x3F:
-                    index, pos = _integer(data, pos, index)
-                if index:
-                    name = self._entry(index)[0]
-                else:
-                    name, pos = _string(data, pos)
-                value, pos = _string(data, pos)
-                header = (name, value)
+                header, pos = self._literal(data, pos, byte & 0x3F, 0x3F)
                 self._insert(header)
                 table_changed = True
             elif byte & 0x20:  # dynamic table size update (section 6.3)
@@ -184,15 +176,7 @@ class HeaderDecoder:
                 table_changed = True
                 continue
             else:  # literal without indexing or never indexed (sections 6.2.2, 6.2.3)
-                index = byte & 0x0F
-                if index == 0x0F:
-                    index, pos = _integer(data, pos, index)
-                if index:
-                    name = self._entry(index)[0]
-                else:
-                    name, pos = _string(data, pos)
-                value, pos = _string(data, pos)
-                header = (name, value)
+                header, pos = self._literal(data, pos, byte & 0x0F, 0x0F)
             fields_seen = True
             # Past the limit, stop collecting (a tiny block can name a large table entry
             # thousands of times) but keep decoding: the table must stay in step.
@@ -210,6 +194,19 @@ class HeaderDecoder:
                 del cache[next(iter(cache))]  # the oldest
             cache[data] = result
         return result
+
+    def _literal(self, data: bytes, pos: int, index: int, prefix_max: int) -> tuple[Header, int]:
+        """A literal field after its first byte: the name (by ``index`` into the tables,
+        or a string when 0; ``index`` at ``prefix_max`` continues as an integer), then the
+        value."""
+        if index == prefix_max:
+            index, pos = _integer(data, pos, index)
+        if index:
+            name = self._entry(index)[0]
+        else:
+            name, pos = _string(data, pos)
+        value, pos = _string(data, pos)
+        return (name, value), pos
 
     def _entry(self, index: int) -> Header:
         if index <= _STATIC_LENGTH:
