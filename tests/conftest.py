@@ -200,3 +200,12 @@ async def tiny_server(nursery: trio.Nursery, request: pytest.FixtureRequest) -> 
     )
     started: Server = await nursery.start(serve, config)
     return started
+
+
+@pytest.fixture
+def http(server: Server) -> Iterator[Any]:
+    """An httpx client of the ``server`` fixture's HTTP port (the module names its server)."""
+    import httpx
+
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}") as client:
+        yield client

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -38,12 +37,6 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     )
     with server_in_thread(config) as running:
         yield running
-
-
-@pytest.fixture
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}") as client:
-        yield client
 
 
 def _input(datatype: str, shape: list[int], data: Any) -> dict[str, Any]:

@@ -92,3 +92,16 @@ def double_gpu() -> trioserve.Model:
         return {"OUTPUT0": INPUT0 * 2}
 
     return double_gpu
+
+
+@pytest.fixture(scope="module", params=["trio", "grpclib"])
+def zoo_on_each_grpc_front_end(request: pytest.FixtureRequest) -> Iterator[trioserve.Server]:
+    """The reference zoo on both transports, once per gRPC front end."""
+    from trioserve.models import reference_zoo
+    from trioserve.testing import server_in_thread
+
+    config = trioserve.ServerConfig(
+        models=reference_zoo(), http_port=0, grpc_port=0, grpc_server=request.param
+    )
+    with server_in_thread(config) as running:
+        yield running

@@ -5,7 +5,6 @@ the checks, the first access past the new end of the file killed the process (SI
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -15,26 +14,14 @@ import pytest
 import tritonclient.utils.shared_memory as shm
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from trioserve import Server, ServerConfig
-from trioserve.models import reference_zoo
-from trioserve.testing import server_in_thread
+from trioserve import Server
 
 SIZE = 2 * 4096  # two pages: the second lies wholly past a truncation to one page
 
 
-@pytest.fixture(scope="module", params=["trio", "grpclib"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    config = ServerConfig(
-        models=reference_zoo(), http_port=0, grpc_port=0, grpc_server=request.param
-    )
-    with server_in_thread(config) as running:
-        yield running
-
-
-@pytest.fixture
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}") as client:
-        yield client
+@pytest.fixture(scope="module")
+def server(zoo_on_each_grpc_front_end: Server) -> Server:
+    return zoo_on_each_grpc_front_end
 
 
 def _truncate(key: str, size: int) -> None:

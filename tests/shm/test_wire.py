@@ -28,20 +28,10 @@ from trioserve.testing import GatedModel, gated, server_in_thread
 SECRET = {"shared-memory": Restriction("admin-key", "s3cret")}
 
 
-@pytest.fixture(scope="module", params=["trio", "grpclib"])
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+@pytest.fixture(scope="module")
+def server(zoo_on_each_grpc_front_end: Server) -> Server:
     """The gRPC tests run on each gRPC front end (the HTTP ones alike, on each server)."""
-    config = ServerConfig(
-        models=reference_zoo(), http_port=0, grpc_port=0, grpc_server=request.param
-    )
-    with server_in_thread(config) as running:
-        yield running
-
-
-@pytest.fixture
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}") as client:
-        yield client
+    return zoo_on_each_grpc_front_end
 
 
 @pytest.fixture
