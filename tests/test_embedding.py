@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import struct
 
 import httpx
 import numpy as np
@@ -117,8 +119,9 @@ async def test_shutdown_cancels_what_outlives_the_exit_timeout():
             await stream.aclose()
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
 @pytest.mark.parametrize("http_server", HTTP_SERVERS)
-async def test_client_disconnect_withdraws_a_queued_request(http_server):
+async def test_client_disconnect_withdraws_a_queued_request(http_server, reset):
     gate = Gate()
     config = ServerConfig(models=[gate.model], http_port=0, grpc_port=None, http_server=http_server)
     with trio.fail_after(30):
@@ -128,6 +131,10 @@ async def test_client_disconnect_withdraws_a_queued_request(http_server):
             await gate.started.wait()
             second = await _raw_post(server.http_port, "/v2/models/gate/infer", _gate_body(2))
             await runner.wait_until(lambda s: s.queued == 1)
+            if reset:  # an abortive close: RST instead of FIN
+                second.socket.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
             await second.aclose()  # the client gives up while queued
             await runner.wait_until(lambda s: s.queued == 0)
             gate.release.set()

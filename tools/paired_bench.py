@@ -9,7 +9,7 @@ trioserve's dependencies installed).
 The machine's speed drifts (a shared virtual machine: by a third from minute to minute),
 so throughput measured in turns compares the moments as much as the builds. Here both
 servers run at once, pinned to the same core, each under its own wrk (HTTP JSON,
-``simple``, concurrency 8) on another core: they share the core and its slow and fast
+``simple``, 8 connections unless ``--connections`` says otherwise) on another core: they share the core and its slow and fast
 moments alike. Each server's CPU time (user + system, from ``/proc/PID/stat``) divided by
 the requests it answered is its cost per request; the ratio of the two costs is the
 figure to read. Two copies of one build give a ratio within about 2% of 1.
@@ -52,7 +52,8 @@ def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path)
     servers = [_start(src, python, args.server_cpus) for src, python in sides]
     try:
         before = [_cpu_seconds(process.pid) for process, _ in servers]
-        wrk = ["taskset", "-c", args.client_cpus, "wrk", "-t1", "-c8", f"-d{args.duration}s"]
+        wrk = ["taskset", "-c", args.client_cpus, "wrk", "-t1", f"-c{args.connections}"]
+        wrk.append(f"-d{args.duration}s")
         loads = [
             subprocess.Popen(
                 [*wrk, "-s", str(script), f"http://127.0.0.1:{port}/v2/models/simple/infer"],
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("new", help="the src folder of the build being measured")
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--connections", type=int, default=8, help="wrk's, per server")
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--client-cpus", default="1")
     parser.add_argument("--old-python", default=sys.executable, help="the old side's interpreter")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import gzip
 import logging
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
-from ._asgi import Receive, Scope, Send, answer_lifespan
+from ._asgi import HANGUP_FD, Receive, Scope, Send, answer_lifespan
 from ._errors import HttpError, body_too_large, error_body, error_status
 from ._router import Router
 
@@ -36,6 +36,7 @@ class Request:
     body: bytes
     receive: Receive
     send: Send  # for endpoints that stream their response; they then return None
+    hangup: MutableMapping[str, Any] | None  # the HANGUP_FD scope extension, if offered
 
 
 class Response(NamedTuple):
@@ -97,9 +98,11 @@ class RestApp:
             body = await self._read_body(receive, headers)
             if body is None:
                 return  # the client went away
-            response = await endpoint(
-                Request(scope["method"], scope["path"], params, headers, body, receive, send)
-            )
+            request = Request(
+                scope["method"], scope["path"], params, headers, body, receive, send,
+                _hangup_hint(scope),
+            )  # fmt: skip
+            response = await endpoint(request)
         except InferenceServerError as exc:
             response = Response(error_status(exc), error_body(exc.message))
         except HttpError as exc:
@@ -127,6 +130,11 @@ class RestApp:
         if encoding is None or encoding == b"identity":
             return body
         return _decompress(body, encoding, self.max_body_bytes)
+
+
+def _hangup_hint(scope: Scope) -> MutableMapping[str, Any] | None:
+    extensions = scope.get("extensions")
+    return extensions.get(HANGUP_FD) if extensions else None
 
 
 def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:

@@ -15,6 +15,13 @@ Receive: TypeAlias = Callable[[], Awaitable[Message]]
 Send: TypeAlias = Callable[[Message], Awaitable[None]]
 ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+HANGUP_FD = "trioserve.hangup_fd"
+"""A scope extension of our HTTP/1.1 core: ``{"fd": n}``, the connection's socket, which
+the app may poll (never read) for the client's hangup while it works on a request; the
+disconnect itself is still learnt through ``receive()``. One dict per connection, the same
+for each of its requests, so the app may keep per-connection state in it under keys of
+its own. Servers without it give no hint."""
+
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:
     """Complete the lifespan protocol: trioserve starts and stops its models itself."""

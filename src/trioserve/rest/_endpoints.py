@@ -81,7 +81,7 @@ class _Endpoints:
             decode_request, request.body, _header_length(request.headers), served.model, name,
             version,
         )  # fmt: skip
-        answered = await self.pipeline.infer(served, decode, self.disconnects, request.receive)
+        answered = await self.pipeline.infer(served, decode, self.disconnects, request)
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered

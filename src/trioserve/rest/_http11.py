@@ -42,7 +42,7 @@ from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writab
 
 from .._limits import HttpLimits
 from .._sockets import serve_tcp
-from ._asgi import ASGIApp
+from ._asgi import HANGUP_FD, ASGIApp
 from ._errors import HttpError
 from ._http11_exchange import RECV_SIZE, Exchange
 from ._http11_parser import (
@@ -138,6 +138,7 @@ class Connection:
         "client",
         "epoch",
         "expired",
+        "extensions",
         "fd",
         "limits",
         "local",
@@ -163,6 +164,8 @@ class Connection:
         self.limits = server.limits
         self.sock = sock
         self.fd = sock.fileno()
+        # The ASGI scope's extensions, the same for each request on this connection.
+        self.extensions = {HANGUP_FD: {"fd": self.fd}}
         self.client = client
         self.local = local
         # Unparsed input is buf[pos:]; bytes + offset so a whole request parses without copies.

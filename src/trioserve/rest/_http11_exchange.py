@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 from trio.lowlevel import checkpoint, wait_readable
@@ -82,6 +82,9 @@ class Connection(Protocol):
 
     @property
     def local(self) -> tuple[str, int]: ...
+
+    @property
+    def extensions(self) -> dict[str, dict[str, Any]]: ...  # the scope's, per connection
 
     @property
     def limits(self) -> HttpLimits: ...
@@ -168,6 +171,7 @@ class Exchange:
             "headers": head[5],
             "client": conn.client,
             "server": conn.local,
+            "extensions": conn.extensions,
         }
         try:
             await app(scope, self.receive, self.send)
