@@ -12,6 +12,7 @@ import trio
 
 import trioserve
 from trioserve import InferenceRequest, InferenceResponse, TensorSpec
+from trioserve._load_facts import LoadFacts
 from trioserve._stats import ModelStatistics
 from trioserve.scheduler._generation import (
     GenerationChunk,
@@ -71,6 +72,9 @@ class KVEngineDouble:
             yield GenerationChunk(0, request.prompt, (), "stop")
 
         yield chunks()
+
+    def load_facts(self) -> LoadFacts:
+        return LoadFacts(kv_cache=self.kv_cache_state)
 
     def kv_cache_state(self) -> KVCacheState:
         if isinstance(self.kv, BaseException):
