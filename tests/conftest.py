@@ -97,9 +97,6 @@ class ScriptedLM:
 
         return ModelStats(self.model.name, self.version).statistics()
 
-    def collectors(self) -> tuple[()]:
-        return ()
-
     def kv_cache_state(self) -> Any:
         from trioserve._load_facts import KVCacheState
 

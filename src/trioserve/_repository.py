@@ -15,7 +15,6 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import trio
-from prometheus_client.registry import Collector
 
 from ._errors import InferenceServerError, InvalidArgumentError, NotFoundError, unknown_model
 from ._load_facts import LoadFacts
@@ -59,11 +58,6 @@ class ServedModel(Protocol):
     def inference_statistics(self) -> ModelStatistics:
         """Triton's statistics of this version (what the statistics extension and the
         nv_inference_* metrics report)."""
-        ...
-
-    def collectors(self) -> Sequence[Collector]:
-        """Prometheus collectors of metrics of its own kind, registered with the server's
-        registry once the model is served (e.g. an engine's vllm: families)."""
         ...
 
     def load_facts(self) -> LoadFacts:

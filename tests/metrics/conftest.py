@@ -61,9 +61,6 @@ class KVEngineDouble:
     def inference_statistics(self) -> ModelStatistics:
         return self._runner.inference_statistics()
 
-    def collectors(self) -> tuple[()]:
-        return ()
-
     @asynccontextmanager
     async def generate(
         self, request: GenerationRequest

@@ -29,7 +29,6 @@ from typing import Protocol
 
 import numpy as np
 import trio
-from prometheus_client.registry import Collector
 
 from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
@@ -50,8 +49,6 @@ _BYTES = datatype("BYTES")
 
 class EngineTelemetry(Protocol):
     """What turns the engine's stats into metrics and logs (``metrics/`` provides one)."""
-
-    def collectors(self) -> Sequence[Collector]: ...
 
     async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None: ...
 
@@ -170,9 +167,6 @@ class GenerativeRunner:
         self._ids = itertools.count(1)
         self._admissions: trio.Nursery | None = None  # tasks admitting submitted requests
         self._load_facts = LoadFacts(kv_cache=self.engine.kv_cache_state)
-
-    def collectors(self) -> Sequence[Collector]:
-        return self._telemetry.collectors() if self._telemetry else ()
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(pending=len(self.engine.policy.waiting))

@@ -189,9 +189,6 @@ class ModelRunner:
     def load_facts(self) -> LoadFacts:
         return self._load_facts
 
-    def collectors(self) -> tuple[()]:
-        return ()  # the server's Triton collector reads inference_statistics()
-
     async def wait_until(self, predicate: Callable[[QueueState], bool]) -> None:
         """Return once ``predicate(self.statistics())`` holds (checked on every change)."""
         while not predicate(self.statistics()):
