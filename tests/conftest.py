@@ -97,13 +97,15 @@ class ScriptedLM:
 
         return ModelStats(self.model.name, self.version).statistics()
 
-    def collectors(self) -> tuple[()]:
-        return ()
-
     def kv_cache_state(self) -> Any:
-        from trioserve.scheduler._generation import KVCacheState
+        from trioserve._load_facts import KVCacheState
 
         return KVCacheState(total_blocks=8, used_blocks=0, block_size=16)
+
+    def load_facts(self) -> Any:
+        from trioserve._load_facts import LoadFacts
+
+        return LoadFacts(kv_cache=self.kv_cache_state)
 
     @asynccontextmanager
     async def generate(self, request: Any) -> AsyncIterator[AsyncIterator[Any]]:

@@ -10,6 +10,9 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+import trioserve
+from trioserve.models import TinyLM, reference_zoo
+
 MAX_TOKENS = 5
 
 
@@ -70,3 +73,68 @@ async def test_generate_traffic_shows_on_metrics_stats_and_load_reports(
         # Triton's counters have no _total on the wire; the parser adds it to sample names.
         assert scraped[("nv_inference_request_success_total", version)] == 4
         assert scraped[("nv_inference_count_total", version)] == 4
+
+
+# --- the LLM families: one set per server, from its first generative model on -------------
+
+LLM_FAMILY_PREFIXES = ("vllm:", "nv_trt_llm_")
+
+
+def llm_family_names(text: str) -> list[str]:
+    """The LLM families on a scrape, in order, a name once per time it is exposed."""
+    return [
+        f.name
+        for f in text_string_to_metric_families(text)
+        if f.name.startswith(LLM_FAMILY_PREFIXES)
+    ]
+
+
+async def scrape(server: trioserve.Server) -> str:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+        return (await http.get("/metrics")).text
+
+
+async def test_two_generative_models_share_one_set_of_families(nursery: trio.Nursery) -> None:
+    models = [TinyLM(num_kv_blocks=96), TinyLM("other_lm", num_kv_blocks=64)]
+    config = trioserve.ServerConfig(models=models, http_port=0)
+    server: trioserve.Server = await nursery.start(trioserve.serve, config)
+    text = await scrape(server)
+    names = llm_family_names(text)
+    assert "vllm:num_requests_running" in names and "nv_trt_llm_request_metrics" in names
+    assert len(names) == len(set(names))  # every family once, whatever the models
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("vllm:"):  # a series per model (and the server's, first)
+            labelled = {s.labels["model_name"] for s in family.samples}
+            assert {"tiny_lm", "other_lm"} <= labelled, family.name
+    scraped = samples(text)
+    kv = "kv_cache_block_type"
+    for name, blocks in (("tiny_lm", 96), ("other_lm", 64)):
+        labels = ((kv, "max"), ("model", name), ("version", "1"))
+        assert scraped[("nv_trt_llm_kv_cache_block_metrics", labels)] == blocks
+
+
+async def test_no_llm_families_without_a_generative_model(nursery: trio.Nursery) -> None:
+    config = trioserve.ServerConfig(models=reference_zoo(), http_port=0)
+    server: trioserve.Server = await nursery.start(trioserve.serve, config)
+    text = await scrape(server)
+    assert "nv_inference_count" in text  # the scrape has the tensor models' families
+    assert llm_family_names(text) == []
+
+
+async def test_llm_families_appear_once_a_generative_model_is_loaded(
+    nursery: trio.Nursery,
+) -> None:
+    config = trioserve.ServerConfig(
+        models=[*reference_zoo(), TinyLM()], http_port=0, model_control_mode="explicit"
+    )
+    server: trioserve.Server = await nursery.start(trioserve.serve, config)
+    assert llm_family_names(await scrape(server)) == []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}") as http:
+        for name in ("simple", "tiny_lm"):
+            loaded = await http.post(f"/v2/repository/models/{name}/load")
+            assert loaded.status_code == 200
+    names = llm_family_names(await scrape(server))
+    assert "vllm:num_requests_running" in names and len(names) == len(set(names))
+    assert ("vllm:num_requests_running", (("model_name", "tiny_lm"),)) in samples(
+        await scrape(server)
+    )

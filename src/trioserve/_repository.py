@@ -15,9 +15,9 @@ from contextlib import contextmanager
 from typing import Protocol
 
 import trio
-from prometheus_client.registry import Collector
 
 from ._errors import InferenceServerError, InvalidArgumentError, NotFoundError, unknown_model
+from ._load_facts import LoadFacts
 from ._model import Model
 from ._stats import ModelStatistics
 from ._types import InferenceRequest, InferenceResponse
@@ -60,9 +60,8 @@ class ServedModel(Protocol):
         nv_inference_* metrics report)."""
         ...
 
-    def collectors(self) -> Sequence[Collector]:
-        """Prometheus collectors of metrics of its own kind, registered with the server's
-        registry once the model is served (e.g. an engine's vllm: families)."""
+    def load_facts(self) -> LoadFacts:
+        """What it can tell about its load (its queue, its KV cache), for load reports."""
         ...
 
 

@@ -159,6 +159,8 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     runners = partial(_served, config, cache, llm_metrics)
     repository = ModelRepository([] if explicit else runners(config.models))
     context = server_context(config, repository)
+    if context.registry is not None:  # empty until a generative model is served
+        context.registry.register(llm_metrics)
     rest_app = build_app(context)
     front_ends = _FrontEnds()
     async with trio.open_nursery() as root:

@@ -12,6 +12,7 @@ import trio
 
 import trioserve
 from trioserve import InferenceRequest, InferenceResponse, TensorSpec
+from trioserve._load_facts import LoadFacts
 from trioserve._stats import ModelStatistics
 from trioserve.scheduler._generation import (
     GenerationChunk,
@@ -60,9 +61,6 @@ class KVEngineDouble:
     def inference_statistics(self) -> ModelStatistics:
         return self._runner.inference_statistics()
 
-    def collectors(self) -> tuple[()]:
-        return ()
-
     @asynccontextmanager
     async def generate(
         self, request: GenerationRequest
@@ -71,6 +69,9 @@ class KVEngineDouble:
             yield GenerationChunk(0, request.prompt, (), "stop")
 
         yield chunks()
+
+    def load_facts(self) -> LoadFacts:
+        return LoadFacts(kv_cache=self.kv_cache_state)
 
     def kv_cache_state(self) -> KVCacheState:
         if isinstance(self.kv, BaseException):

@@ -39,17 +39,6 @@ async def sleepy(X):
     return {"Y": X}
 
 
-class EngineLike(ModelRunner):
-    """A served model that brings a collector of its own (as an LLM engine does)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.tokens = Counter("vllm:prompt_tokens", "Prompt tokens", ["model_name"], registry=None)
-
-    def collectors(self):
-        return (self.tokens,)
-
-
 def request(value: float) -> InferenceRequest:
     data = np.full((1, 1), value, dtype=np.float32)
     return InferenceRequest("sleepy", "", {"X": InputTensor("X", datatype("FP32"), (1, 1), data)})
@@ -134,16 +123,15 @@ async def test_triton_families_agree_with_the_statistics(autojump_clock):
     assert buckets == {"0.001": 4.0, "0.005": 4.0, "+Inf": 4.0}  # 1 ms delay, at most
 
 
-async def test_served_models_bring_their_own_collectors(autojump_clock):
-    runner, other_version = EngineLike(sleepy, "1"), EngineLike(sleepy, "2")
-    other_version.tokens = runner.tokens  # one engine's collector, shared by two versions
-    runner.tokens.labels(model_name="sleepy").inc(7)
-    repository = ModelRepository([runner, other_version])
+async def test_other_collectors_keep_prometheus_clients_exposition(autojump_clock):
+    repository = ModelRepository([ModelRunner(sleepy, "1")])
     registry = server_registry(repository, MetricsConfig(latency_histograms=False))
+    tokens = Counter("custom_tokens", "Tokens", ["model_name"], registry=registry)
+    tokens.labels(model_name="sleepy").inc(7)
     text = exposition(registry)
     # prometheus_client's own counters keep their usual exposition.
-    assert b'vllm:prompt_tokens_total{model_name="sleepy"} 7.0' in text
-    assert b"# TYPE vllm:prompt_tokens_total counter" in text
+    assert b'custom_tokens_total{model_name="sleepy"} 7.0' in text
+    assert b"# TYPE custom_tokens_total counter" in text
     assert b"trioserve_request_duration_seconds" not in text
     assert "nv_cpu_utilization" in families(text)
 

@@ -15,6 +15,7 @@ import trio
 
 import trioserve
 from trioserve import InferenceRequest, InputTensor, InternalError, TensorSpec
+from trioserve._load_facts import LoadFacts
 from trioserve._tensor import DATATYPES
 from trioserve.metrics._host_usage import (
     HostUsage,
@@ -313,7 +314,10 @@ class Unwell:
         self.model = slow_model()
         self.version = "1"
 
-    def statistics(self) -> Any:
+    def load_facts(self) -> LoadFacts:
+        return LoadFacts(queue=self._queue)
+
+    def _queue(self) -> Any:
         raise RuntimeError("statistics unavailable")
 
 

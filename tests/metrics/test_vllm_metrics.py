@@ -248,17 +248,25 @@ def _engine(running, used):
     )
 
 
+def test_the_families_show_from_the_first_generative_model_on():
+    lm = TinyLM(num_kv_blocks=100)
+    families = LLMMetricFamilies([lm])  # sized at startup, before any model is served
+    registry = CollectorRegistry()
+    registry.register(families)
+    assert list(registry.collect()) == []
+    families.telemetry(lm, "1")
+    names = [family.name for family in registry.collect()]
+    assert "vllm:num_requests_running" in names and "nv_trt_llm_request_metrics" in names
+    assert len(names) == len(set(names))
+
+
 def test_a_servers_generative_models_share_one_set_of_families():
     lm, other = TinyLM(num_kv_blocks=100), TinyLM("other_lm", num_kv_blocks=100)
     families = LLMMetricFamilies([lm, other])
     v1, v2 = families.telemetry(lm, "1"), families.telemetry(lm, "2")
     third = families.telemetry(other, "1")
-    # Every served model's collectors go into the server's registry: no family twice.
     registry = CollectorRegistry()
-    for telemetry in (v1, v2, third):
-        for collector in telemetry.collectors():
-            registry.register(collector)
-    assert v2.collectors() == () and third.collectors() == ()
+    registry.register(families)
     v1.metrics.record(_engine(running=3, used=10))
     v2.metrics.record(_engine(running=2, used=30))
     third.metrics.record(_engine(running=7, used=50))
@@ -300,9 +308,7 @@ def test_load_gauges_lead_with_the_whole_server(models):
     families = LLMMetricFamilies(lms)
     telemetry = [families.telemetry(lm, "1") for lm in lms]
     registry = CollectorRegistry()
-    for t in telemetry:
-        for collector in t.collectors():
-            registry.register(collector)
+    registry.register(families)
     for i, t in enumerate(telemetry):
         t.metrics.record(_engine(running=3 + i, used=10 + 30 * i))
     scraped = {

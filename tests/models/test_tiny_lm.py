@@ -147,11 +147,10 @@ def test_cupy_steps_match_numpy(model):
 
 async def _run_prompts(lm: TinyLM, prompts: list[str], rounds: int = 1):
     """Greedy texts of ``prompts`` (all at once, ``rounds`` times) and the metrics after."""
-    telemetry = LLMMetricFamilies([lm]).telemetry(lm, "1")
-    runner = GenerativeRunner(lm, "1", telemetry)
+    families = LLMMetricFamilies([lm])
+    runner = GenerativeRunner(lm, "1", families.telemetry(lm, "1"))
     registry = CollectorRegistry()
-    for collector in runner.collectors():
-        registry.register(collector)
+    registry.register(families)
     texts: dict[tuple[int, str], str] = {}
 
     async def one(round_no, prompt):

@@ -68,11 +68,11 @@ class CountingLM(GenerativeModel):
 class Harness:
     def __init__(self, model: CountingLM, nursery: trio.Nursery) -> None:
         self.model = model
-        self.telemetry = LLMMetricFamilies([model]).telemetry(model, "1")
+        families = LLMMetricFamilies([model])
+        self.telemetry = families.telemetry(model, "1")
         self.runner = GenerativeRunner(model, "1", self.telemetry, seed=0)
         self.registry = CollectorRegistry()
-        for collector in self.runner.collectors():
-            self.registry.register(collector)
+        self.registry.register(families)
         self.nursery = nursery
 
     async def generate(self, prompt, *, arrival_offset=0.0, priority=0, **sampling):

@@ -7,16 +7,17 @@
                                    those families, its periodic log line, and the task
                                    that reads its engine's IterationStats
 
-Every served model's ``collectors()`` is registered in the server's registry, so the
-shared families must come out exactly once: the first version to join the families
-hands them out, the others hand out nothing.
+The server registers its ``LLMMetricFamilies`` in its registry once, at startup. They
+yield nothing until the first generative model version is served (joins them), so a
+server that never serves one shows none of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import trio
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from .._generative import GenerativeModel
@@ -27,8 +28,9 @@ from ._trt_llm import TrtLlmFamilies, TrtLlmMetrics
 from ._vllm import EngineShape, VllmFamilies, VllmMetrics
 
 
-class LLMMetricFamilies:
-    """A server's LLM families, sized for ``models`` (the generative ones among them)."""
+class LLMMetricFamilies(Collector):
+    """A server's LLM families, sized for ``models`` (the generative ones among them);
+    a collector of the server's registry."""
 
     def __init__(
         self,
@@ -40,7 +42,7 @@ class LLMMetricFamilies:
         lengths = [m.max_model_len for m in models if isinstance(m, GenerativeModel)]
         self._vllm = self._vllm_families(max(lengths)) if lengths else None
         self.trt_llm = TrtLlmFamilies()
-        self._exported = False
+        self._joined = False  # a generative model version has been served
 
     def _vllm_families(self, max_model_len: int) -> VllmFamilies:
         return VllmFamilies(
@@ -58,12 +60,14 @@ class LLMMetricFamilies:
     ) -> VllmTelemetry:
         if self._vllm is None:  # no generative model was known at first: size for this one
             self._vllm = self._vllm_families(model.max_model_len)
-        exporter = not self._exported
-        self._exported = True
-        return VllmTelemetry(self, model, version, exporter=exporter, interval_s=interval_s)
+        self._joined = True
+        return VllmTelemetry(self, model, version, interval_s=interval_s)
 
-    def collectors(self) -> Sequence[Collector]:
-        return (*self.vllm.collectors(), *self.trt_llm.collectors())
+    def collect(self) -> Iterator[Metric]:
+        if not self._joined:
+            return
+        for collector in (*self.vllm.collectors(), *self.trt_llm.collectors()):
+            yield from collector.collect()
 
 
 class VllmTelemetry:
@@ -75,7 +79,6 @@ class VllmTelemetry:
         model: GenerativeModel,
         version: str,
         *,
-        exporter: bool,
         interval_s: float,
     ) -> None:
         shape = EngineShape(
@@ -87,16 +90,11 @@ class VllmTelemetry:
             model.max_model_len,
             model.max_num_seqs,
         )
-        self.families = families
         self.metrics = VllmMetrics(families.vllm, shape)
         self.trt_llm = TrtLlmMetrics(families.trt_llm, shape)
         self.model_name = model.name
         self.interval_s = interval_s
-        self._exporter = exporter
         self.stat_logger: EngineStatLogger | None = None
-
-    def collectors(self) -> Sequence[Collector]:
-        return self.families.collectors() if self._exporter else ()
 
     async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None:
         """Record every IterationStats as it comes; log every ``interval_s``."""

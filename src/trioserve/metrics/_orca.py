@@ -12,7 +12,9 @@ A client asks for a report with the request header ``endpoint-load-metrics-forma
 - gRPC: the same report, serialized, in the trailer ``endpoint-load-metrics-bin``
   (built in ``grpc/``, which owns the generated message).
 
-What a report says about a model:
+What a report says about a model comes from what the model tells of itself
+(``ServedModel.load_facts``: a tensor model's runner its queue, a generative model's
+engine its KV cache):
 
 ==========================  ===========================  ==============================
 field                       model with a KV cache        tensor model
@@ -42,12 +44,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal
 from types import TracebackType
-from typing import Protocol, TypeVar, cast, runtime_checkable
+from typing import TypeVar
 
 import trio
 
+from .._load_facts import KVCacheState
 from .._repository import ServedModel
-from ..scheduler import GenerativeServed, KVCacheState
 from ._host_usage import HostUsage
 from ._recent import RecentActivity, combined_totals
 
@@ -62,21 +64,6 @@ KV_CACHE_UTILIZATION = "kv_cache_utilization"
 MAX_TOKEN_CAPACITY = "max_token_capacity"
 REQUESTS_WAITING = "num_requests_waiting"
 REQUESTS_RUNNING = "num_requests_running"
-
-
-class _QueueFigures(Protocol):
-    @property
-    def queued(self) -> int: ...
-
-    @property
-    def executing(self) -> int: ...
-
-
-@runtime_checkable
-class _ReportsQueue(Protocol):
-    """A served model that tells its queue depth (``ModelRunner.statistics``)."""
-
-    def statistics(self) -> _QueueFigures: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +119,6 @@ _STANDARD_FIELDS = (
 @dataclass(slots=True)
 class _ModelLoad:
     activity: RecentActivity  # the model's own requests, for its utilization
-    generative: bool  # has a KV cache
-    reports_queue: bool
     instances: int
 
 
@@ -178,22 +163,19 @@ class LoadReporter:
         key = (served.model.name, served.version)
         model = self._models.get(key)
         if model is None:
-            # Protocol checks are slow; what a model offers does not change.
             model = self._models[key] = _ModelLoad(
-                RecentActivity(self._window_s),
-                generative=isinstance(served, GenerativeServed),
-                reports_queue=isinstance(served, _ReportsQueue),
-                instances=served.model.instance_count,
+                RecentActivity(self._window_s), instances=served.model.instance_count
             )
         return model
 
     def _report(self, served: ServedModel) -> LoadReport:
         now = self._clock()
         model = self._model(served)
-        kv_cache = _kv_cache(served) if model.generative else None
+        facts = served.load_facts()
+        kv_cache = _kv_cache(facts.kv_cache) if facts.kv_cache is not None else None
         waiting = running = None
-        if model.reports_queue:
-            queue = cast(_ReportsQueue, served).statistics()
+        if facts.queue is not None:
+            queue = facts.queue()
             waiting, running = queue.queued, queue.executing
         if kv_cache is not None:
             utilization = kv_cache.utilization
@@ -254,14 +236,14 @@ class _NoReport(Exception):
     """What a report needs is missing, e.g. a generative model's KV-cache figures."""
 
 
-def _kv_cache(served: ServedModel) -> KVCacheState:
-    """The KV cache of a generative model."""
+def _kv_cache(read: Callable[[], KVCacheState | None]) -> KVCacheState:
+    """The KV cache of a model that has one, as ``read`` tells it now."""
     try:
-        state = cast(GenerativeServed, served).kv_cache_state()
+        state = read()
     except Exception as exc:
         raise _NoReport(f"no KV-cache figures ({exc!r})") from None
-    if not isinstance(state, KVCacheState):
-        raise _NoReport(f"no KV-cache figures ({state!r})")
+    if state is None:
+        raise _NoReport("no KV-cache figures (None)")
     if min(state.total_blocks, state.used_blocks, state.block_size) < 0:
         raise _NoReport(f"negative KV-cache figures: {state}")
     return state

@@ -2,8 +2,8 @@
 
 Each server builds its own registry (never prometheus_client's global one), so two
 servers in one process report separately. It holds the Triton families of every served
-model version, the latency histograms, host metrics, and whatever collectors each served
-model brings of its own (``ServedModel.collectors()``, e.g. an engine's vllm: families).
+model version, the latency histograms and host metrics; the server adds its LLM families
+(``LLMMetricFamilies``) and the Python backend's custom metrics.
 """
 
 from __future__ import annotations
@@ -38,12 +38,6 @@ def server_registry(repository: ModelRepository, config: MetricsConfig) -> Colle
     gpus = gpu_collector()
     if gpus is not None:
         registry.register(gpus)
-    registered: set[int] = set()  # versions of one model may share their engine's collector
-    for served in repository:
-        for collector in served.collectors():
-            if id(collector) not in registered:
-                registered.add(id(collector))
-                registry.register(collector)
     return registry
 
 

@@ -76,8 +76,6 @@ class RepositoryManager:
         self._lock = trio.Lock()  # one load or unload at a time
         self._polled = trio.lowlevel.ParkingLot()  # who waits for the next poll to end
         self._metrics = CustomMetrics()  # what Python-backend models make with pb_utils
-        self._registry = registry
-        self._registered: set[int] = set()  # ids of the collectors this manager registered
         if registry is not None:
             registry.register(self._metrics)
 
@@ -224,15 +222,8 @@ class RepositoryManager:
         await self._install(name, models)
 
     async def _install(self, name: str, models: Sequence[Model]) -> None:
-        """Serve ``models`` as ``name``. The registry was filled at startup: the collectors
-        a model loaded since brings (an engine's vllm: families) are registered here."""
+        """Serve ``models`` as ``name``."""
         runners = self._make_runners(models)
-        if self._registry is not None:
-            for served in runners:
-                for collector in served.collectors():
-                    if id(collector) not in self._registered:
-                        self._registered.add(id(collector))
-                        self._registry.register(collector)
         await self._repository.install(name, runners)
 
     def _upload(self, name: str, files: Mapping[str, bytes]) -> Path:

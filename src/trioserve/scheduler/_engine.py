@@ -32,12 +32,12 @@ import trio
 
 from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel, StepSequence
+from .._load_facts import KVCacheState
 from .._stats import FailureReason
 from ._generation import (
     FinishReason,
     GenerationChunk,
     GenerationRequest,
-    KVCacheState,
     SamplingParams,
     TokenLogprob,
 )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._errors import InvalidArgumentError, UnsupportedError
+from .._load_facts import KVCacheState
 from .._repository import ServedModel
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -136,23 +137,6 @@ class GenerationChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None  # set on the sample's last chunk only
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token, when asked for
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheState:
-    """The engine's KV cache at one moment (what load reports and gauges show)."""
-
-    total_blocks: int
-    used_blocks: int
-    block_size: int  # tokens per block
-
-    @property
-    def utilization(self) -> float:
-        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def max_token_capacity(self) -> int:
-        return self.total_blocks * self.block_size
 
 
 @runtime_checkable

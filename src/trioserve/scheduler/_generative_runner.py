@@ -29,17 +29,17 @@ from typing import Protocol
 
 import numpy as np
 import trio
-from prometheus_client.registry import Collector
 
 from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
+from .._load_facts import KVCacheState, LoadFacts
 from .._model import Model
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
 from ._engine import EngineRequest, LLMEngine
-from ._generation import GenerationChunk, GenerationRequest, KVCacheState
+from ._generation import GenerationChunk, GenerationRequest
 from ._generation_input import generation_request, prompt_and_parameters
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import call_hook
@@ -49,8 +49,6 @@ _BYTES = datatype("BYTES")
 
 class EngineTelemetry(Protocol):
     """What turns the engine's stats into metrics and logs (``metrics/`` provides one)."""
-
-    def collectors(self) -> Sequence[Collector]: ...
 
     async def consume(self, stats: trio.MemoryReceiveChannel[IterationStats]) -> None: ...
 
@@ -168,15 +166,16 @@ class GenerativeRunner:
         self.engine.accepting = False
         self._ids = itertools.count(1)
         self._admissions: trio.Nursery | None = None  # tasks admitting submitted requests
-
-    def collectors(self) -> Sequence[Collector]:
-        return self._telemetry.collectors() if self._telemetry else ()
+        self._load_facts = LoadFacts(kv_cache=self.engine.kv_cache_state)
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(pending=len(self.engine.policy.waiting))
 
     def kv_cache_state(self) -> KVCacheState:
         return self.engine.kv_cache_state()
+
+    def load_facts(self) -> LoadFacts:
+        return self._load_facts
 
     def num_running(self) -> int:
         """Sequences the engine is running now (vLLM's ``num_requests_running``)."""

@@ -27,6 +27,7 @@ from .._errors import (
     InternalError,
     UnavailableError,
 )
+from .._load_facts import LoadFacts, QueueState
 from .._model import MODEL_INSTANCE, Model, Outputs, ResponseOutputs, Result
 from .._repository import Answer
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
@@ -66,14 +67,6 @@ def policy_for(model: Model) -> BatchingPolicy:
         priority_levels=levels,
         default_priority_level=batching.default_priority_level or levels,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerStatistics:
-    """A snapshot of a runner's load."""
-
-    queued: int  # waiting in the queue
-    executing: int  # model instances busy
 
 
 @dataclass(eq=False, slots=True)
@@ -178,24 +171,25 @@ class ModelRunner:
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
         # Executions that a withdrawal cancels (``Model.withdraw_cancels_execution``).
         self._executions: dict[Ticket, trio.CancelScope] = {}
+        self._load_facts = LoadFacts(queue=self.statistics)  # asked on every load report
 
     @property
     def name(self) -> str:
         return self.model.name
 
-    def statistics(self) -> RunnerStatistics:
+    def statistics(self) -> QueueState:
         busy = self.model.instance_count - self._idle
-        return RunnerStatistics(queued=self._waiting(), executing=busy)
+        return QueueState(queued=self._waiting(), executing=busy)
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(
             pending=self._waiting(), response_cache=self._cache is not None
         )
 
-    def collectors(self) -> tuple[()]:
-        return ()  # the server's Triton collector reads inference_statistics()
+    def load_facts(self) -> LoadFacts:
+        return self._load_facts
 
-    async def wait_until(self, predicate: Callable[[RunnerStatistics], bool]) -> None:
+    async def wait_until(self, predicate: Callable[[QueueState], bool]) -> None:
         """Return once ``predicate(self.statistics())`` holds (checked on every change)."""
         while not predicate(self.statistics()):
             await self._changes.park()
