@@ -120,6 +120,12 @@ def _parser() -> argparse.ArgumentParser:
         default=grpc_defaults.idle_timeout_s,
         help="close gRPC connections with no call open for this long",
     )
+    run.add_argument(
+        "--grpc-max-connections",
+        type=int,
+        default=grpc_defaults.max_connections,
+        help="gRPC connections open at once (built-in gRPC server); one more is closed",
+    )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
     run.add_argument(
         "--max-shared-memory-regions",
@@ -208,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_limits=GrpcLimits(
             max_concurrent_streams=args.grpc_max_concurrent_streams,
             idle_timeout_s=args.grpc_idle_timeout_secs,
+            max_connections=args.grpc_max_connections,
         ),
         http_limits=HttpLimits(
             max_body_bytes=args.http_max_body_bytes,

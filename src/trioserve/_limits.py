@@ -56,3 +56,6 @@ class GrpcLimits:
     """Receive window of a connection, across its calls."""
     max_frame_bytes: int = 1024 * 1024
     """The largest HTTP/2 frame a client may send (SETTINGS_MAX_FRAME_SIZE)."""
+    max_connections: int = HttpLimits.max_connections
+    """Connections open at once; one more is closed as soon as it is accepted, and
+    counted in ``trioserve_grpc_refused_connections``."""

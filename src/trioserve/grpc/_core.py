@@ -55,16 +55,31 @@ class _CoreServer:
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self.connections: set[H2Connection] = set()
+        self.open_sockets = 0  # accepted and not yet closed, TLS handshakes included
         self.statistics = statistics
         self.shutting_down = False
 
     def accepted(self, connections: trio.Nursery) -> Accepted:
         def start(sock: socket.socket, client: Address, local: Address) -> None:
+            if self.open_sockets >= self.limits.max_connections:
+                # Closed at once, before any HTTP/2 (as gRPC's own servers refuse past
+                # their connection quota): the client's calls fail UNAVAILABLE. No task,
+                # no frame, nothing read: a crowd costs an accept and a close each.
+                self.statistics.refused_connections += 1
+                sock.close()
+                return
+            self.open_sockets += 1
             connections.start_soon(self._serve, sock)
 
         return start
 
     async def _serve(self, sock: socket.socket) -> None:
+        try:
+            await self._serve_socket(sock)
+        finally:
+            self.open_sockets -= 1
+
+    async def _serve_socket(self, sock: socket.socket) -> None:
         transport: Transport
         if self.tls is None:
             transport = SocketTransport(sock)
@@ -166,6 +181,7 @@ _COUNTERS = {
     "refused_streams": "gRPC streams refused (over the concurrency limit or after GOAWAY)",
     "calm_goaways": "gRPC connections ended for resetting too many streams",
     "idle_closed": "gRPC connections closed for being idle",
+    "refused_connections": "gRPC connections closed at once for being over the connection limit",
 }
 
 

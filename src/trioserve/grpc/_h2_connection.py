@@ -64,6 +64,7 @@ class CoreStatistics:
     refused_streams: int = 0  # over MAX_CONCURRENT_STREAMS or after GOAWAY
     calm_goaways: int = 0  # connections ended for resetting too many streams
     idle_closed: int = 0  # connections closed for being idle
+    refused_connections: int = 0  # closed on accept, over the connection limit
 
 
 class _PeerGone(Exception):

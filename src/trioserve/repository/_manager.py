@@ -14,9 +14,11 @@ fails to load stays listed in the index as UNAVAILABLE with the reason.
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -126,10 +128,8 @@ class RepositoryManager:
                 await self._load_reporting(name)
 
     async def _load_reporting(self, name: str) -> None:
-        try:
+        with contextlib.suppress(InvalidArgumentError):  # logged, and listed in the index
             await self._load_model(name, None, {})
-        except InvalidArgumentError as exc:
-            logger.error("%s", exc)
 
     def index(self, ready_only: bool) -> list[dict[str, str]]:
         """Every model the repositories hold or the server serves, by name."""
@@ -156,6 +156,7 @@ class RepositoryManager:
     async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
         """The API's load: only in explicit mode."""
         self._check_explicit()
+        _check_model_name(name)
         await self._load_model(name, config, files)
 
     async def unload(self, name: str, unload_dependents: bool) -> None:
@@ -183,17 +184,26 @@ class RepositoryManager:
             try:
                 with self._repository.loading_model(name):
                     await self._load(name, config, files)
-            except ConfigError as exc:
-                self._failures[name] = str(exc)
-                raise InvalidArgumentError(f"failed to load '{name}', {exc}") from None
-            except Exception as exc:  # the model's own initialize failed
-                self._failures[name] = f"{type(exc).__name__}: {exc}"
-                raise InvalidArgumentError(
-                    f"failed to load '{name}', {type(exc).__name__}: {exc}"
-                ) from None
+            except Exception as exc:  # a bad config or model file, or initialize failed
+                reason = (
+                    str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+                )
+                logger.error("failed to load '%s', %s", name, reason)
+                self._failures[name] = reason = self._without_server_paths(reason)
+                raise InvalidArgumentError(f"failed to load '{name}', {reason}") from None
             self._failures.pop(name, None)
             self._unloaded.discard(name)
             logger.info("loaded model '%s'", name)
+
+    def _without_server_paths(self, reason: str) -> str:
+        """A load failure as clients see it (the log has it whole): files named from
+        their repository folder, never by where the server keeps them."""
+        roots = {str(root) for root in self._folders}
+        roots |= {str(root.resolve()) for root in self._folders}
+        roots |= {upload.name for upload in self._uploads.values()}
+        for root in sorted(roots, key=len, reverse=True):
+            reason = reason.replace(root.rstrip(os.sep) + os.sep, "")
+        return reason
 
     async def _load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
         if files:
@@ -258,6 +268,21 @@ class RepositoryManager:
             if upload is not None:
                 upload.cleanup()
             logger.info("unloaded model '%s'", name)
+
+
+def _check_model_name(name: str) -> None:
+    """INVALID_ARG unless ``name`` can name one folder: an upload writes the model's files
+    under it, so a slash or ``..`` would reach outside the server's folder for them."""
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:  # a lone surrogate: no file name
+        size = -1
+    if not name or name in (".", "..") or "/" in name or "\0" in name or size < 0:
+        raise InvalidArgumentError(f"invalid model name '{name[:_NAME_MAX]}'")
+    if size > _NAME_MAX:
+        raise InvalidArgumentError(
+            f"invalid model name '{name[:64]}...': longer than {_NAME_MAX} bytes"
+        )
 
 
 def _composing_models(repository: ModelRepository, name: str) -> set[str]:

@@ -362,7 +362,7 @@ class ModelRunner:
                 results = await self._call_model(requests)
                 executed_ns = now_ns()
                 responses = [
-                    out if isinstance(out, InferenceServerError) else self._response(p.request, out)
+                    self._response_or_error(p.request, out)
                     for p, out in zip(batch, results, strict=True)
                 ]
             except Exception as exc:
@@ -397,6 +397,18 @@ class ModelRunner:
             )
         return results  # type: ignore[no-any-return]
 
+    def _response_or_error(
+        self, request: InferenceRequest, result: Result
+    ) -> InferenceResponse | InferenceServerError:
+        """A result whose outputs do not fit the model's config fails its own request
+        only, not the others of its batch."""
+        if isinstance(result, InferenceServerError):
+            return result
+        try:
+            return self._response(request, result)
+        except Exception as exc:
+            return _model_error(self.name, exc)
+
     def _response(self, request: InferenceRequest, outputs: Outputs) -> InferenceResponse:
         declared = self.model.output_specs
         wanted = request.outputs or None
@@ -405,7 +417,7 @@ class ModelRunner:
         tensors = []
         for name in names:
             if name not in outputs:
-                raise InternalError(f"model did not produce output '{name}'")
+                raise InternalError(f"model '{self.name}' did not produce output '{name}'")
             dt = declared[name].wire_datatype
             produced = outputs[name]
             # A GPU model's cupy array stays on the device: the front end copies it into a
@@ -417,7 +429,9 @@ class ModelRunner:
             if not dt.is_bytes and array.dtype != dt.dtype:
                 array = array.astype(dt.dtype)
             elif dt.is_bytes and datatype_of(array) is not dt:
-                raise InternalError(f"output '{name}' is declared BYTES but is {array.dtype}")
+                raise InternalError(
+                    f"model '{self.name}': output '{name}' is declared BYTES but is {array.dtype}"
+                )
             tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
         extra = outputs.parameters if isinstance(outputs, ResponseOutputs) else {}
         return InferenceResponse(self.name, self.version, tensors, id=request.id, parameters=extra)

@@ -44,6 +44,7 @@ from .._errors import InvalidArgumentError
 from ._region import Region
 
 SHM_DIRECTORY = "/dev/shm"
+_NAME_MAX = 255  # the longest file name, as shm_open allows (NAME_MAX)
 
 
 class SystemRegion(Region):
@@ -149,6 +150,18 @@ def _map_window(name: str, key: str, offset: int, byte_size: int) -> tuple[int, 
 def _object_name(key: str) -> str:
     """The object's file name in /dev/shm, by shm_open's rules; INVALID_ARG otherwise."""
     name = key.lstrip("/")
-    if not name or "/" in name or "\0" in name or name in (".", ".."):
-        raise InvalidArgumentError(f"invalid shared memory key '{key}'")
+    if not name or "/" in name or "\0" in name or name in (".", "..") or _size(name) < 0:
+        raise InvalidArgumentError(f"invalid shared memory key '{key[:_NAME_MAX]}'")
+    if _size(name) > _NAME_MAX:  # refused here rather than by open (ENAMETOOLONG)
+        raise InvalidArgumentError(
+            f"invalid shared memory key '{key[:64]}...': longer than {_NAME_MAX} bytes"
+        )
     return name
+
+
+def _size(name: str) -> int:
+    """The file name's length in bytes; -1 for a name no file can have (a lone surrogate)."""
+    try:
+        return len(name.encode())
+    except UnicodeEncodeError:
+        return -1

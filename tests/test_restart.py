@@ -1,0 +1,134 @@
+"""``trioserve run`` killed with SIGKILL, with requests in flight and keep-alive
+connections open on every port, starts again on the same ports at once: the listeners
+bind over the dead process's TIME_WAIT connections (SO_REUSEADDR) and serve."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import tritonclient.grpc as grpcclient
+
+# Tells (on stderr) that it runs, then blocks its worker thread: a request in flight.
+BLOCKING_MODEL = """
+import sys
+import time
+
+class TritonPythonModel:
+    def execute(self, requests):
+        print("model is executing", file=sys.stderr, flush=True)
+        time.sleep(600)
+"""
+CONFIG = """
+name: "blocking"
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+RESTART_LIMIT_S = 20.0  # a fresh interpreter's imports included, on a busy machine
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@contextlib.contextmanager
+def running(
+    repository: Path, ports: list[int], servers: list[str]
+) -> Iterator[subprocess.Popen[str]]:
+    """The server on ``ports`` (HTTP, gRPC, metrics), once it says it serves."""
+    http, grpc, metrics = ports
+    command = [
+        sys.executable, "-m", "trioserve", "run", "--model-repository", str(repository),
+        "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc),
+        "--metrics-port", str(metrics), *servers,
+    ]  # fmt: skip
+    with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            wait_for(process, "serving models: blocking")
+            yield process
+        finally:
+            process.kill()
+
+
+def wait_for(process: subprocess.Popen[str], text: str) -> None:
+    """Read the server's log until ``text``: waits for a line, not for a time."""
+    assert process.stderr is not None
+    for line in process.stderr:
+        if text in line:
+            return
+    raise AssertionError(f"the server ended without logging {text!r}")
+
+
+def open_connections(ports: list[int]) -> list[socket.socket]:
+    """A keep-alive connection on each port, each having had an answer."""
+    http, grpc, metrics = ports
+    connections = []
+    for port, greeting in (
+        (http, b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n"),
+        (grpc, H2_PREFACE),
+        (metrics, b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n"),
+    ):
+        connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+        connection.sendall(greeting)
+        assert connection.recv(65536)
+        connections.append(connection)
+    return connections
+
+
+def post_ignoring_errors(url: str) -> None:
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(url, json=body, timeout=60)
+
+
+def serves(ports: list[int]) -> None:
+    http, grpc, metrics = ports
+    assert httpx.get(f"http://127.0.0.1:{http}/v2/health/ready").status_code == 200
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc}")
+    assert client.is_server_live()
+    client.close()
+    assert "nv_inference_count" in httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+
+
+@pytest.mark.parametrize(
+    "servers", [[], ["--http-server", "hypercorn", "--grpc-server", "grpclib"]]
+)
+def test_sigkill_then_restart_on_the_same_ports(tmp_path: Path, servers: list[str]) -> None:
+    (tmp_path / "blocking" / "1").mkdir(parents=True)
+    (tmp_path / "blocking" / "config.pbtxt").write_text(CONFIG)
+    (tmp_path / "blocking" / "1" / "model.py").write_text(textwrap.dedent(BLOCKING_MODEL))
+    ports = free_ports(3)
+    with running(tmp_path, ports, servers) as first:
+        serves(ports)
+        connections = open_connections(ports)
+        url = f"http://127.0.0.1:{ports[0]}/v2/models/blocking/infer"
+        in_flight = threading.Thread(target=post_ignoring_errors, args=(url,), daemon=True)
+        in_flight.start()
+        wait_for(first, "model is executing")
+        first.kill()
+        first.wait(10)
+    started = time.monotonic()
+    with running(tmp_path, ports, servers):
+        serves(ports)
+        assert time.monotonic() - started < RESTART_LIMIT_S
+    in_flight.join(20)
+    assert not in_flight.is_alive()
+    for connection in connections:
+        connection.close()
