@@ -89,6 +89,9 @@ class ScriptedLM:
     async def infer(self, request: Any) -> Any:
         raise UnsupportedError("the scripted model only generates")
 
+    def admit(self) -> None:
+        pass
+
     def submit(self, request: Any) -> Any:
         raise UnsupportedError("the scripted model only generates")
 

@@ -104,6 +104,7 @@ class InferencePipeline:
         One coroutine from the decode to the outcome: every frame between the front end
         and the ticket's wait is resumed again when the outcome arrives.
         """
+        served.admit()
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
             request = decode(regions)
@@ -144,6 +145,7 @@ class InferencePipeline:
         """Submit the request ``decode`` gives to a decoupled model and ``deliver`` each
         of its answers with its final flag, the last one final. Cancelling this
         withdraws the request (the model sees it cancelled)."""
+        served.admit()
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
             request = decode(regions)

@@ -53,6 +53,11 @@ class ServedModel(Protocol):
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
 
+    def admit(self) -> None:
+        """Raise the refusal a new request would meet now (a full queue), before the
+        front end spends anything on decoding it; the refusal is counted."""
+        ...
+
     def submit(self, request: InferenceRequest) -> Ticket: ...
 
     def inference_statistics(self) -> ModelStatistics:

@@ -55,6 +55,9 @@ class KVEngineDouble:
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         return await self._runner.infer(request)
 
+    def admit(self) -> None:
+        self._runner.admit()
+
     def submit(self, request: InferenceRequest) -> Ticket:
         return self._runner.submit(request)
 

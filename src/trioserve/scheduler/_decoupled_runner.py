@@ -27,6 +27,8 @@ from ._runner import ModelRunner, Ticket, _model_error, _shutting_down
 class DecoupledRunner(ModelRunner):
     """A runner whose model is ``decoupled``."""
 
+    _chains_batches = False  # executes its own way
+
     def submit(self, request: InferenceRequest) -> Ticket:
         ticket = super().submit(request)
         # Set before the batcher task runs (no checkpoint in between), so before execute.

@@ -236,6 +236,9 @@ class GenerativeRunner:
         finally:
             self.engine.abort(record)
 
+    def admit(self) -> None:
+        """The engine's own limits refuse later, once the prompt is known."""
+
     def submit(self, request: InferenceRequest) -> _CollectedTicket:
         """Queue an OIP request; its response arrives on the returned ticket. A task of
         the runner's admits it to the engine (tokenizing takes a worker thread)."""

@@ -31,6 +31,10 @@ class Handoff(Generic[T]):
         else:
             self._items.append(item)
 
+    def take_nowait(self) -> T | None:
+        """An item already handed over (e.g. by this consumer itself), without waiting."""
+        return self._items.popleft() if self._items else None
+
     async def get(self) -> T:
         if self._items:
             item = self._items.popleft()

@@ -83,6 +83,8 @@ def sequence_flags(request: InferenceRequest) -> tuple[CorrelationId, bool, bool
 class SequenceRunner(ModelRunner):
     """A runner whose model has ``sequence_batching``."""
 
+    _chains_batches = False  # executes its own way
+
     def __init__(self, model: Model, version: str, **settings: Any) -> None:
         super().__init__(model, version, **settings)
         assert model.sequence_batching is not None
@@ -147,11 +149,11 @@ class SequenceRunner(ModelRunner):
     def _waiting(self) -> int:
         return self._table.waiting()
 
-    def _take_waiting(self) -> list[QueuedItem]:
+    def _take_waiting(self) -> list[Ticket]:
         items = []
         for sequence, _, _ in list(self._joined.values()):
             items += self._table.cancel(sequence)
-        return items
+        return _tickets(items)
 
     async def _batch_loop(self) -> None:
         now = now_ns()
