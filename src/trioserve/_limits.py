@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+OFF_LOOP_BYTES = 256 * 1024
+"""Messages (and REST responses) at least this large are decoded (encoded) in a worker
+thread: about 5 ms of JSON, past which the work would hold up every other client."""
+
 MAX_SHARED_MEMORY_REGIONS = 256
 """Shared-memory regions registered at once, by default (``--max-shared-memory-regions``)."""
 

@@ -80,12 +80,23 @@ class InferencePipeline:
 
     @overload
     async def infer(
-        self, served: ServedModel, decode: Decode, *, submitted: Callable[[], object] | None = None
+        self,
+        served: ServedModel,
+        decode: Decode,
+        *,
+        submitted: Callable[[], object] | None = None,
+        large: bool = False,
     ) -> tuple[InferenceRequest, InferenceResponse]: ...
 
     @overload
     async def infer(
-        self, served: ServedModel, decode: Decode, watch: Watch[_Client, _Token], client: _Client
+        self,
+        served: ServedModel,
+        decode: Decode,
+        watch: Watch[_Client, _Token],
+        client: _Client,
+        *,
+        large: bool = False,
     ) -> tuple[InferenceRequest, InferenceResponse] | None: ...
 
     async def infer(
@@ -96,10 +107,12 @@ class InferencePipeline:
         client: Any = None,
         *,
         submitted: Callable[[], object] | None = None,
+        large: bool = False,
     ) -> tuple[InferenceRequest, InferenceResponse] | None:
         """The request ``decode`` gives and its response; None if ``watch`` withdrew it.
         ``submitted`` is called once the request is in its model's queue (a stream of a
-        sequence model submits its requests in order).
+        sequence model submits its requests in order). ``large``: the message is big
+        enough (``OFF_LOOP_BYTES``) to decode in a worker thread.
 
         One coroutine from the decode to the outcome: every frame between the front end
         and the ticket's wait is resumed again when the outcome arrives.
@@ -107,7 +120,7 @@ class InferencePipeline:
         served.admit()
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
-            request = decode(regions)
+            request = await _decode_in_thread(decode, regions) if large else decode(regions)
             if regions.device_inputs:
                 await regions.read_device_inputs()
             with self._load.counting(served):
@@ -183,6 +196,17 @@ def refuse_decoupled(served: ServedModel, endpoint: str) -> None:
         raise UnsupportedError(
             f"{endpoint} doesn't support models with decoupled transaction policy"
         )
+
+
+async def _decode_in_thread(decode: Decode, regions: RequestRegions) -> InferenceRequest:
+    """Decode a large message in a worker thread, so that no other client waits for it
+    (a 40 MiB JSON body takes a second or more); the regions it names are still leased
+    on the event loop, which alone touches the registry."""
+    regions.leasing_from_thread = True
+    try:
+        return await trio.to_thread.run_sync(decode, regions)
+    finally:
+        regions.leasing_from_thread = False
 
 
 class _Delivered(Exception):

@@ -252,7 +252,7 @@ def array_from_json(
         except (OverflowError, FloatingPointError):
             raise InvalidArgumentError(f"{what}: value out of range for {dt.name}") from None
     try:
-        parsed = np.array(data)
+        parsed = _array_in_slices(data)
     except ValueError:
         raise InvalidArgumentError(f"{what}: data is not a rectangular array") from None
     if parsed.size != count:
@@ -274,6 +274,18 @@ def array_from_json(
             return parsed.astype(dt.dtype, copy=False).reshape(shape)
     except FloatingPointError:
         raise InvalidArgumentError(f"{what}: value out of range for {dt.name}") from None
+
+
+# Elements converted per numpy call for long JSON data: one call holds the GIL, and
+# large bodies are decoded in a worker thread while the event loop waits for the GIL.
+_SLICE = 32768
+
+
+def _array_in_slices(data: list[Any]) -> np.ndarray[Any, Any]:
+    """``np.array(data)``, in slices of the outer list when it is long."""
+    if len(data) <= _SLICE:
+        return np.array(data)
+    return np.concatenate([np.array(data[i : i + _SLICE]) for i in range(0, len(data), _SLICE)])
 
 
 def _float_overflow_raises(dt: Datatype) -> contextlib.AbstractContextManager[object]:

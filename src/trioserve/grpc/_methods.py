@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 
 from .._context import ServerContext
 from .._errors import UnsupportedError, unknown_model
+from .._limits import OFF_LOOP_BYTES
 from .._pipeline import refuse_decoupled
 from .._repository import Ticket
 from ._call import Call, MessageStream
@@ -162,7 +163,8 @@ class _Service:
         served = self._repository.get(plan.model_name, plan.model_version)
         refuse_decoupled(served, "ModelInfer RPC")
         decode = partial(plan.decode, request.raw)
-        answered = await self._pipeline.infer(served, decode, _CALL_WATCH, call)
+        large = len(request.head) >= OFF_LOOP_BYTES  # raw inputs are views: no decoding
+        answered = await self._pipeline.infer(served, decode, _CALL_WATCH, call, large=large)
         if answered is None:
             raise ClientGone("the client cancelled the call")
         _, response = answered

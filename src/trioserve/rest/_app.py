@@ -129,7 +129,9 @@ class RestApp:
         encoding = headers.get(b"content-encoding")
         if encoding is None or encoding == b"identity":
             return body
-        return _decompress(body, encoding, self.max_body_bytes)
+        # In a worker thread: a small body may inflate to the limit (a "bomb"), and
+        # inflating hundreds of MiB takes the better part of a second.
+        return await trio.to_thread.run_sync(_decompress, body, encoding, self.max_body_bytes)
 
 
 def _hangup_hint(scope: Scope) -> MutableMapping[str, Any] | None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import trio
+
 from .._context import ServerContext
 from .._errors import InvalidArgumentError
+from .._limits import OFF_LOOP_BYTES
 from .._model_config import model_config, model_metadata
 from .._pipeline import refuse_decoupled
 from .._stats import statistics_document
@@ -81,11 +84,15 @@ class _Endpoints:
             decode_request, request.body, _header_length(request.headers), served.model, name,
             version,
         )  # fmt: skip
-        answered = await self.pipeline.infer(served, decode, self.disconnects, request)
+        large = len(request.body) >= OFF_LOOP_BYTES
+        answered = await self.pipeline.infer(served, decode, self.disconnects, request, large=large)
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
-        body, header_length = encode_response(result, inference)
+        if sum(t.data.nbytes for t in result.outputs) >= OFF_LOOP_BYTES:
+            body, header_length = await trio.to_thread.run_sync(encode_response, result, inference)
+        else:
+            body, header_length = encode_response(result, inference)
         load_report = load_report_header(self.load, served, request.headers)
         headers: tuple[tuple[bytes, bytes], ...] = () if load_report is None else (load_report,)
         if header_length is None:

@@ -284,8 +284,24 @@ def encode_response(
 
 
 def _json_data(tensor: OutputTensor) -> str:
-    data = array_to_json(tensor.data, tensor.datatype, f"output '{tensor.name}'")
-    if tensor.datatype.dtype.kind in "iu":
+    what = f"output '{tensor.name}'"
+    flat = tensor.data.reshape(-1)
+    if flat.size <= _SLICE:
+        return _json_list(array_to_json(flat, tensor.datatype, what), tensor.datatype)
+    # Large outputs are encoded in a worker thread; one encoder call per slice lets the
+    # event loop have the GIL between them.
+    slices = (
+        _json_list(array_to_json(flat[i : i + _SLICE], tensor.datatype, what), tensor.datatype)
+        for i in range(0, flat.size, _SLICE)
+    )
+    return "[" + ",".join(text[1:-1] for text in slices) + "]"
+
+
+_SLICE = 32768  # elements
+
+
+def _json_list(data: list[Any], dt: Datatype) -> str:
+    if dt.dtype.kind in "iu":
         return repr(data)  # a list of ints reads as JSON, and repr writes it quicker
     return _encode(data)
 

@@ -72,7 +72,7 @@ class RequestRegions:
 
     __slots__ = (  # one per request
         "_device", "_host_copies", "_leases", "_outputs", "_registry", "device_inputs",
-        "device_outputs",
+        "device_outputs", "leasing_from_thread",
     )  # fmt: skip
 
     def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
@@ -83,6 +83,8 @@ class RequestRegions:
         self._host_copies: tuple[_HostCopy, ...] = ()  # rare: no list for every request
         self.device_inputs = False
         self.device_outputs = device == "gpu"  # a GPU model's outputs are on the device
+        # Set while a worker thread decodes: leases are then taken on the event loop.
+        self.leasing_from_thread = False
 
     def __enter__(self) -> RequestRegions:
         return self
@@ -103,7 +105,10 @@ class RequestRegions:
         if placed is None:
             return None
         name, offset, byte_size = placed
-        region = self._registry.lease(name)
+        if self.leasing_from_thread:
+            region = trio.from_thread.run_sync(self._registry.lease, name)
+        else:
+            region = self._registry.lease(name)
         self._leases.append(region)
         region.check_span(offset, byte_size, what)
         return _Span(region, offset, byte_size)
