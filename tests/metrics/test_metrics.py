@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -175,7 +176,7 @@ async def test_the_task_gauge_counts_every_task_of_the_run(autojump_clock):
             nursery.start_soon(release.wait)
         async with trio.open_nursery() as inner:
             inner.start_soon(release.wait)
-            await trio.sleep(0)  # the tasks start
+            await trio.testing.wait_all_tasks_blocked()  # the tasks start and park
             assert task_gauge() == before + 4
             release.set()
     assert task_gauge() == before
