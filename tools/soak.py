@@ -147,8 +147,11 @@ def task_count(http_url: str) -> int | None:
 
 
 def sample(phase: str, pid: int, http_url: str, started: float, tally: Tally) -> Sample:
-    rss, fds, threads = process_figures(pid)  # before the scrape opens a connection
-    tasks = task_count(http_url)
+    try:
+        rss, fds, threads = process_figures(pid)  # before the scrape opens a connection
+        tasks = task_count(http_url)
+    except OSError as error:
+        raise SystemExit(f"soak: FAIL: the server is gone ({error})") from None
     elapsed = time.monotonic() - started
     return Sample(phase, elapsed, rss, fds, threads, tasks, tally.snapshot())
 
@@ -159,10 +162,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(python: str, log: Any) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_server(
+    python: str, extra: list[str], log: Any
+) -> tuple[subprocess.Popen[bytes], str, str]:
     http, grpc = free_port(), free_port()
     command = [python, "-m", "trioserve", "run", "--host", "127.0.0.1",
-               "--http-port", str(http), "--grpc-port", str(grpc), "--log-level", "warning"]  # fmt: skip
+               "--http-port", str(http), "--grpc-port", str(grpc), "--log-level", "warning",
+               *extra]  # fmt: skip
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     http_url = f"127.0.0.1:{http}"
     deadline = time.monotonic() + 120
@@ -277,6 +283,14 @@ def main() -> int:
     parser.add_argument("--server-pid", type=int, help="a running server's process id")
     parser.add_argument("--server-python", default=sys.executable,
                         help="the interpreter that runs the server this tool starts")  # fmt: skip
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the server this tool starts (repeatable), e.g. "
+        "--server-arg=--http-server --server-arg=hypercorn",
+    )
     parser.add_argument("--max-rss-growth-mib", type=float, default=50.0)
     parser.add_argument("--max-fd-growth", type=int, default=10)
     parser.add_argument("--max-task-growth", type=int, default=50)
@@ -289,7 +303,7 @@ def main() -> int:
     with tempfile.TemporaryFile() as log:
         server = None
         if args.url is None:
-            server, http_url, grpc_url = start_server(args.server_python, log)
+            server, http_url, grpc_url = start_server(args.server_python, args.server_arg, log)
             pid = server.pid
         else:
             http_url, grpc_url, pid = args.url, args.grpc_url, args.server_pid
