@@ -109,9 +109,9 @@ class Pacer:
         stop.wait(max(0.0, slot - time.monotonic()))
 
 
-def schedule(seed: int) -> list[str]:
-    """One round of kinds, each as often as its weight, in a fixed shuffled order."""
-    kinds = [kind for kind, (weight, _) in KINDS.items() for _ in range(weight)]
+def schedule(kinds: list[str], seed: int) -> list[str]:
+    """One round of ``kinds``, each as often as its weight, in a fixed shuffled order."""
+    kinds = [kind for kind in kinds for _ in range(KINDS[kind][0])]
     random.Random(seed).shuffle(kinds)
     return kinds
 
@@ -225,7 +225,7 @@ def soak(
     before = idle_sample("idle before", pid, http_url, time.monotonic(), tally)
     print(f"soak: idle before the traffic: {before.line()}", flush=True)
     stop = threading.Event()
-    turns = itertools.cycle(schedule(args.seed))
+    turns = itertools.cycle(schedule(args.kinds, args.seed))
     pacer = Pacer(args.rate)
     threads = [
         threading.Thread(
@@ -264,7 +264,7 @@ def soak(
     idle_limits = {name: limits[name] for name in ("fds", "tasks")}
     failures += growth("idle before -> idle after the traffic", before, after, idle_limits)
     done = after.done
-    for kind in KINDS:
+    for kind in args.kinds:
         if not done.get("ok", {}).get(kind) and not done.get("cancelled", {}).get(kind):
             failures.append(f"no {kind} request completed")
     for kind, count in done.get("errors", {}).items():
@@ -294,9 +294,18 @@ def main() -> int:
     parser.add_argument("--max-rss-growth-mib", type=float, default=50.0)
     parser.add_argument("--max-fd-growth", type=int, default=10)
     parser.add_argument("--max-task-growth", type=int, default=50)
+    parser.add_argument(
+        "--kinds",
+        type=lambda text: text.split(","),
+        default=list(KINDS),
+        metavar="KIND,...",
+        help=f"only these kinds of requests (default all: {', '.join(KINDS)})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="orders the kinds of requests")
     parser.add_argument("--json", type=Path, help="write the samples and the verdict here")
     args = parser.parse_args()
+    if unknown := set(args.kinds) - set(KINDS):
+        parser.error(f"unknown kinds: {', '.join(sorted(unknown))}")
     given = (args.url, args.grpc_url, args.server_pid)
     if any(x is not None for x in given) and None in given:
         parser.error("--url, --grpc-url and --server-pid go together")
