@@ -14,7 +14,7 @@ the server's RSS, open file descriptors and threads (from /proc), its trio tasks
 ``trioserve_tasks`` gauge of /metrics), and the requests done so far per kind.
 
 At the end it compares the sample taken when the warm-up ended (the first fifth of the
-run) with the last one, and the idle server before and after the traffic, and exits 1
+run, at least one interval) with the last one, and the idle server before and after the traffic, and exits 1
 if RSS, descriptors or tasks grew past the thresholds, if any request failed in a way
 it should not have, or if the server it started logged an error.
 """
@@ -135,9 +135,15 @@ def worker(clients: Clients, turns: itertools.cycle[str], pacer: Pacer, tally: T
 def process_figures(pid: int) -> tuple[float, int, int]:
     """(RSS in MiB, open descriptors, threads) of a process, from /proc."""
     status = Path(f"/proc/{pid}/status").read_text()
-    rss_kib = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
-    threads = int(re.search(r"^Threads:\s+(\d+)", status, re.M).group(1))  # type: ignore[union-attr]
-    return rss_kib / 1024, len(os.listdir(f"/proc/{pid}/fd")), threads
+
+    def status_field(name: str) -> int:
+        found = re.search(rf"^{name}:\s+(\d+)", status, re.MULTILINE)
+        if found is None:  # a zombie has no VmRSS
+            raise OSError(f"/proc/{pid}/status has no {name}")
+        return int(found.group(1))
+
+    rss_mib = status_field("VmRSS") / 1024
+    return rss_mib, len(os.listdir(f"/proc/{pid}/fd")), status_field("Threads")
 
 
 def task_count(http_url: str) -> int | None:
