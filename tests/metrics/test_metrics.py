@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +22,7 @@ from trioserve._repository import ModelRepository
 from trioserve._tensor import datatype
 from trioserve.metrics import exposition, server_registry
 from trioserve.metrics._system import CpuCollector, GpuCollector, gpu_collector
+from trioserve.metrics._tasks import TaskCollector
 from trioserve.scheduler._cache import ResponseCache
 from trioserve.scheduler._runner import ModelRunner
 
@@ -147,6 +149,29 @@ async def test_each_server_has_its_own_registry(autojump_clock):
         for r in registries
     ]
     assert counts == [4, 0]
+
+
+def task_gauge() -> float:
+    registry = server_registry(ModelRepository([]), MetricsConfig())
+    return families(exposition(registry))["trioserve_tasks"][("trioserve_tasks", ())]
+
+
+async def test_the_task_gauge_counts_every_task_of_the_run(autojump_clock):
+    before = task_gauge()
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):  # one nested nursery deep, to count tasks below tasks
+            nursery.start_soon(release.wait)
+        async with trio.open_nursery() as inner:
+            inner.start_soon(release.wait)
+            await trio.testing.wait_all_tasks_blocked()  # the tasks start and park
+            assert task_gauge() == before + 4
+            release.set()
+    assert task_gauge() == before
+
+
+def test_no_task_gauge_outside_a_trio_run():
+    assert list(TaskCollector().collect()) == []
 
 
 def test_cpu_metrics_from_proc(tmp_path):

@@ -683,6 +683,20 @@ async def test_idle_keep_alive_connection_is_closed(
         assert 30 <= trio.current_time() - before <= 35
 
 
+async def test_connection_closed_at_once_when_its_idle_client_leaves(
+    serve: Serve, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A client that ends its side between requests is gone: the server closes its side
+    then, not when the idle timeout would have closed the connection anyway."""
+    with trio.fail_after(1000):
+        client = await Client.connect(await serve(hello_app, HttpLimits(idle_timeout_s=30)))
+        assert (await client.request(get())).status == 200
+        before = trio.current_time()
+        await client.stream.send_eof()
+        assert await client.read_to_eof() == b""
+        assert trio.current_time() - before < 1
+
+
 async def test_graceful_shutdown(serve: Serve) -> None:
     shutdown = trio.Event()
     in_app = trio.Event()

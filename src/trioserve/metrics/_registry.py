@@ -19,6 +19,7 @@ from .._repository import ModelRepository
 from .._stats import ModelStatistics
 from ._histograms import LatencyHistogramCollector
 from ._system import CpuCollector, gpu_collector
+from ._tasks import TaskCollector
 from ._triton import TritonCollector
 
 # The Prometheus text format, version 0.0.4, which is what ``exposition`` writes.
@@ -35,6 +36,7 @@ def server_registry(repository: ModelRepository, config: MetricsConfig) -> Colle
     if config.latency_histograms:
         registry.register(LatencyHistogramCollector(snapshots))
     registry.register(CpuCollector())
+    registry.register(TaskCollector())
     gpus = gpu_collector()
     if gpus is not None:
         registry.register(gpus)
