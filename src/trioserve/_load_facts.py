@@ -48,3 +48,4 @@ class LoadFacts:
 
     queue: Callable[[], QueueState] | None = None
     kv_cache: Callable[[], KVCacheState | None] | None = None
+    running: Callable[[], int] | None = None  # sequences a generative engine runs now

@@ -16,21 +16,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from .._repository import ModelRepository, ServedModel
 from .._stats import ModelStatistics
-from ..scheduler import GenerativeServed
 
 PERCENTILES = (0.5, 0.9, 0.99)
 _MAX_SAMPLES = 64  # bounds memory when many pages poll at once; rates stay exact
-
-
-@runtime_checkable
-class _CountsRunning(Protocol):
-    """A generative runner that tells how many sequences its engine runs now."""
-
-    def num_running(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,10 +132,11 @@ class StatusReport:
         now = _counters(stats)
         since = before or _Counters(0, 0, 0, tuple(0 for _ in now.latency_counts))
         succeeded = now.success - since.success
+        facts = runner.load_facts()
         document: dict[str, Any] = {
             "name": stats.name,
             "version": stats.version,
-            "kind": "generative" if isinstance(runner, GenerativeServed) else "tensor",
+            "kind": "generative" if facts.kv_cache is not None else "tensor",
             "ready": runner.ready,
             "state": "READY" if runner.ready else "UNAVAILABLE",
             "reason": "",
@@ -162,11 +155,12 @@ class StatusReport:
         if before is not None and interval is not None:
             document["requests_per_second"] = (succeeded + now.fail - since.fail) / interval
             document["failures_per_second"] = (now.fail - since.fail) / interval
-        if isinstance(runner, GenerativeServed):
+        if facts.kv_cache is not None:
+            kv_cache = facts.kv_cache()
             document["generative"] = {
-                "running": runner.num_running() if isinstance(runner, _CountsRunning) else None,
+                "running": None if facts.running is None else facts.running(),
                 "waiting": stats.pending,
-                "kv_cache_usage": runner.kv_cache_state().utilization,
+                "kv_cache_usage": None if kv_cache is None else kv_cache.utilization,
             }
         return document
 

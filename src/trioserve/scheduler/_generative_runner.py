@@ -166,7 +166,7 @@ class GenerativeRunner:
         self.engine.accepting = False
         self._ids = itertools.count(1)
         self._admissions: trio.Nursery | None = None  # tasks admitting submitted requests
-        self._load_facts = LoadFacts(kv_cache=self.engine.kv_cache_state)
+        self._load_facts = LoadFacts(kv_cache=self.engine.kv_cache_state, running=self.num_running)
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(pending=len(self.engine.policy.waiting))
