@@ -7,7 +7,6 @@ Flags follow tritonserver's names where one exists (``--model-repository``,
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from . import _gc
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError
@@ -249,27 +249,6 @@ def _checkpoint_models(flags: list[str]) -> list[Model]:
     return models
 
 
-# Container allocations, net of frees, between two young-generation collections (Python's
-# default is 700).
-_YOUNG_GC_THRESHOLD = 10_000
-
-
-def tune_garbage_collector() -> None:
-    """Tune the cyclic garbage collector for serving; the process's own choice, so done by
-    ``trioserve run`` and not by ``serve()``, which runs inside its host's process.
-
-    What a request allocates is alive until it is answered, so under many connections a
-    young collection finds hundreds of requests' objects alive, promotes them, and the
-    older generations, full of objects that die there, are collected again and again: at
-    1,000 connections that cost about a sixth of the server's CPU. Freezing what startup
-    built (models, modules) takes it out of every later full collection, and a higher
-    young threshold makes collections rare (frees by reference counting keep the net
-    count low), still bounding the cyclic garbage a busy server keeps.
-    """
-    gc.freeze()
-    gc.set_threshold(_YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
-
-
 async def run_until_signalled(config: ServerConfig) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -282,14 +261,17 @@ async def run_until_signalled(config: ServerConfig) -> None:
                 for host, port in addresses:
                     logger.info("%s service listening on %s:%d", kind, host, port)
             logger.info("serving models: %s", ", ".join(server.repository.names()))
-            tune_garbage_collector()
-            async for signum in signals:
-                logger.info(
-                    "received %s: draining (up to %.0f s); send it again to stop at once",
-                    signal.Signals(signum).name,
-                    config.exit_timeout_s,
-                )
-                break
+            _gc.tune()
+            async with trio.open_nursery() as collector:
+                collector.start_soon(_gc.collect_periodically)
+                async for signum in signals:
+                    logger.info(
+                        "received %s: draining (up to %.0f s); send it again to stop at once",
+                        signal.Signals(signum).name,
+                        config.exit_timeout_s,
+                    )
+                    break
+                collector.cancel_scope.cancel()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_exit_on_another_signal, signals)
                 await server.shutdown()
