@@ -11,7 +11,8 @@ the rest are refused with 503 (UNAVAILABLE). wrk drives HTTP JSON from core 1 wi
 closed loop of ``--clients`` connections against the server on core 0. A server that
 refuses cheaply keeps its completed requests per second near the peak however many
 clients press: the figure to read is ``completed/s`` at ten times the clients that reach the
-peak (200 against 20), and how little CPU a refusal costs.
+peak (200 against 20), and how little CPU a refusal costs. wrk's latencies mix answers
+and refusals.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import _LUA, _free_port, _wait_ready, cpu_seconds
+from bench import _LUA, _free_port, _ms, _wait_ready, cpu_seconds
 
 CONFIG = """
 name: "sleepy"
@@ -80,7 +81,14 @@ def run_level(url: str, clients: int, duration: int, cpus: str, tmp: Path) -> di
     refused = int(refused_match.group(1)) if refused_match else 0
     if "Socket errors" in out:
         print(out, file=sys.stderr)
-    return {"completed": (total - refused) / duration, "refused": refused / duration}
+    p50 = _ms(re.search(r"\s50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"\s99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    return {
+        "completed": (total - refused) / duration,
+        "refused": refused / duration,
+        "p50": p50,
+        "p99": p99,
+    }
 
 
 def main() -> None:
@@ -115,7 +123,8 @@ def main() -> None:
                 cpu = (cpu_seconds(pid) - before) / args.duration if pid else float("nan")
                 print(
                     f"clients {clients:>4}: completed {rates['completed']:7.1f}/s  "
-                    f"refused {rates['refused']:8.1f}/s  server CPU {cpu:4.0%}"
+                    f"refused {rates['refused']:8.1f}/s  p50 {rates['p50']:6.2f} ms  "
+                    f"p99 {rates['p99']:6.2f} ms (answers and refusals)  server CPU {cpu:4.0%}"
                 )
         finally:
             if process is not None:
