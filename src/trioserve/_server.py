@@ -279,9 +279,15 @@ def _rest_front_end(
             serve_hypercorn, certfile=config.tls_certfile, keyfile=config.tls_keyfile
         )
     else:
-        from .rest._http11 import serve_http11
+        from .metrics._counters import CountersCollector
+        from .rest._http11 import HTTP_COUNTERS, HttpStatistics, serve_http11
 
-        serve_http = serve_http11
+        statistics = HttpStatistics()
+        if context.registry is not None:
+            context.registry.register(
+                CountersCollector("trioserve_http_", statistics, HTTP_COUNTERS)
+            )
+        serve_http = partial(serve_http11, statistics=statistics)
     bound = partial(
         serve_http, app, config.host, port, config.http_limits,
         shutdown_trigger=context.stop_accepting.wait,

@@ -33,6 +33,7 @@ async def test_a_connection_over_the_limit_is_refused(nursery: trio.Nursery) -> 
         assert refused.startswith(b"HTTP/1.1 503")
         assert b"too many connections" in refused
         await third.aclose()
+        assert _metric(server, "trioserve_http_refused_connections_total") == 1
         await first.aclose()
         while True:  # until the server has seen the first connection go
             again = await trio.open_tcp_stream("127.0.0.1", port)
@@ -45,3 +46,13 @@ async def test_a_connection_over_the_limit_is_refused(nursery: trio.Nursery) -> 
                 break
             assert reply in (b"",) or reply.startswith(b"HTTP/1.1 503")
         await second.aclose()
+
+
+def _metric(server: trioserve.Server, name: str) -> float:
+    from prometheus_client import generate_latest
+
+    assert server.registry is not None
+    for line in generate_latest(server.registry).decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")

@@ -26,7 +26,7 @@ import trio.testing
 from trioserve._limits import HttpLimits
 from trioserve.rest._asgi import ASGIApp, Receive, Scope, Send
 from trioserve.rest._errors import HttpError
-from trioserve.rest._http11 import serve_http11
+from trioserve.rest._http11 import HttpStatistics, serve_http11
 from trioserve.rest._http11_parser import ChunkedDecoder, parse_head
 from trioserve.rest._hypercorn import serve_hypercorn
 
@@ -683,6 +683,18 @@ async def test_idle_keep_alive_connection_is_closed(
         assert 30 <= trio.current_time() - before <= 35
 
 
+async def test_idle_closes_are_counted(
+    serve11: Serve, autojump_clock: trio.testing.MockClock
+) -> None:
+    statistics = HttpStatistics()
+    with trio.fail_after(1000):
+        port = await serve11(hello_app, HttpLimits(idle_timeout_s=30), statistics=statistics)
+        client = await Client.connect(port)
+        assert (await client.request(get())).status == 200
+        assert await client.read_to_eof() == b""
+    assert statistics == HttpStatistics(idle_closed=1)
+
+
 async def test_connection_closed_at_once_when_its_idle_client_leaves(
     serve: Serve, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -885,8 +897,9 @@ async def test_header_timeout_answers_408(
     serve11: Serve, autojump_clock: trio.testing.MockClock
 ) -> None:
     limits = HttpLimits(header_timeout_s=5, idle_timeout_s=100)
+    statistics = HttpStatistics()
     with trio.fail_after(1000):
-        client = await Client.connect(await serve11(hello_app, limits))
+        client = await Client.connect(await serve11(hello_app, limits, statistics=statistics))
         await client.send(b"GET / HTTP/1.1\r\nHost: t\r\n")  # and never the blank line
         before = trio.current_time()
         response = await client.read_response()
@@ -894,6 +907,7 @@ async def test_header_timeout_answers_408(
         assert "error" in response.json()
         assert 5 <= trio.current_time() - before <= 6
         assert await client.read_to_eof() == b""
+    assert statistics == HttpStatistics(header_timeouts=1)
 
 
 async def test_body_timeout_answers_408_to_a_trickling_body(
@@ -917,8 +931,9 @@ async def test_body_timeout_answers_408_to_a_trickling_body(
                 await client.send(b"x")
 
     limits = HttpLimits(body_timeout_s=10, idle_timeout_s=5)
+    statistics = HttpStatistics()
     with trio.fail_after(1000):
-        port = await serve11(app, limits)
+        port = await serve11(app, limits, statistics=statistics)
         client = await Client.connect(port)
         await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n")
         before = trio.current_time()
@@ -932,6 +947,7 @@ async def test_body_timeout_answers_408_to_a_trickling_body(
             assert await client.read_to_eof() == b""
             nursery.cancel_scope.cancel()
         assert told == ["http.disconnect"]
+        assert statistics.body_timeouts == 1
         # A body that arrives in time is served, however slowly it came.
         client = await Client.connect(port)
         await client.send(b"POST /slow HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\n")

@@ -15,14 +15,14 @@ import logging
 import math
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import trio
-from prometheus_client.core import CounterMetricFamily
 
 from .._context import ServerContext
 from .._limits import GrpcLimits
 from .._sockets import Accepted, Address, serve_tcp
+from ..metrics._counters import CountersCollector
 from ._h2_connection import CoreStatistics, H2Connection
 from ._h2_transport import SocketTransport, TlsTransport, Transport
 from ._methods import Method, StreamMethod, grpc_methods
@@ -141,7 +141,7 @@ async def serve_grpc_core(
     if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
         tls = tls_context(config.grpc_tls_certfile, config.grpc_tls_keyfile)
     statistics = CoreStatistics()
-    collector = _CoreCollector(statistics)
+    collector = CountersCollector("trioserve_grpc_", statistics, _COUNTERS)
     if context.registry is not None:
         context.registry.register(collector)
     try:
@@ -159,20 +159,6 @@ async def serve_grpc_core(
     finally:
         if context.registry is not None:
             context.registry.unregister(collector)
-
-
-class _CoreCollector:
-    """What clients did wrong on the gRPC port, as Prometheus counters (the core logs
-    each at DEBUG only, so a client cannot flood the log)."""
-
-    def __init__(self, statistics: CoreStatistics) -> None:
-        self._statistics = statistics
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        for name, description in _COUNTERS.items():
-            family = CounterMetricFamily(f"trioserve_grpc_{name}", description)
-            family.add_metric([], getattr(self._statistics, name))
-            yield family
 
 
 _COUNTERS = {

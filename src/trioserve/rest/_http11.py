@@ -36,6 +36,7 @@ import logging
 import math
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
@@ -64,12 +65,31 @@ _LINGER_BYTES = 1024 * 1024
 _IDLE, _HEAD, _BUSY = range(3)
 
 
-class _Server:
-    __slots__ = ("app", "connections", "date", "limits", "shutting_down")
+@dataclass
+class HttpStatistics:
+    """What the server's limits turned away (exported by ``HTTP_COUNTERS``)."""
 
-    def __init__(self, app: ASGIApp, limits: HttpLimits) -> None:
+    refused_connections: int = 0  # answered 503 on accept, over the connection limit
+    header_timeouts: int = 0  # answered 408: a request head took too long
+    body_timeouts: int = 0  # answered 408: a request body took too long
+    idle_closed: int = 0  # keep-alive connections closed for being idle
+
+
+HTTP_COUNTERS = {
+    "refused_connections": "HTTP connections answered 503 for being over the connection limit",
+    "header_timeouts": "HTTP requests answered 408 for a request head that took too long",
+    "body_timeouts": "HTTP requests answered 408 for a request body that took too long",
+    "idle_closed": "HTTP keep-alive connections closed for being idle",
+}
+
+
+class _Server:
+    __slots__ = ("app", "connections", "date", "limits", "shutting_down", "statistics")
+
+    def __init__(self, app: ASGIApp, limits: HttpLimits, statistics: HttpStatistics) -> None:
         self.app = app
         self.limits = limits
+        self.statistics = statistics
         self.connections: set[Connection] = set()
         self.shutting_down = False
         # The ``date`` line, refreshed by the sweeper (at least once a second) rather than
@@ -107,7 +127,11 @@ class _Server:
                     conn.ticks = 0
                 else:
                     conn.ticks += 1
-                    if conn.ticks >= (idle_ticks if phase == _IDLE else head_ticks):
+                    if phase == _IDLE and conn.ticks >= idle_ticks:
+                        self.statistics.idle_closed += 1
+                        conn.expire()
+                    elif phase == _HEAD and conn.ticks >= head_ticks:
+                        self.statistics.header_timeouts += 1
                         conn.expire()
 
     def accepted(
@@ -115,6 +139,7 @@ class _Server:
     ) -> Callable[[socket.socket, tuple[str, int], tuple[str, int]], None]:
         def start(sock: socket.socket, client: tuple[str, int], local: tuple[str, int]) -> None:
             if len(self.connections) >= self.limits.max_connections:
+                self.statistics.refused_connections += 1
                 _refuse(sock)
                 return
             conn = Connection(self, sock, client, local)
@@ -348,6 +373,7 @@ class Connection:
             data = await self._recv(min(stalled, deadline))
             if data is None:
                 if deadline < stalled:
+                    self.server.statistics.body_timeouts += 1
                     raise HttpError(408, "timed out reading the request body")
                 data = b""
         if not data:
@@ -426,16 +452,18 @@ async def serve_http11(
     limits: HttpLimits,
     *,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    statistics: HttpStatistics | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` over HTTP/1.1 on ``host:port`` until cancelled or shut down.
+    """Serve ``app`` over HTTP/1.1 on ``host:port`` until cancelled or shut down,
+    counting what the limits turn away in ``statistics``.
 
     ``task_status.started`` gets the bound ``(host, port)`` pairs (port 0 picks one). When
     ``shutdown_trigger`` returns, new connections are refused, idle keep-alive connections
     are closed, requests in progress finish (their connection closes afterwards), and then
     this returns; bound the drain by cancelling.
     """
-    server = _Server(app, limits)
+    server = _Server(app, limits, HttpStatistics() if statistics is None else statistics)
     await serve_tcp(
         host, port, server.accepted, server.sweep_timeouts, server.begin_shutdown,
         shutdown_trigger=shutdown_trigger, task_status=task_status,
