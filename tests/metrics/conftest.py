@@ -20,7 +20,8 @@ from trioserve.scheduler._generation import (
     GenerativeServed,
     KVCacheState,
 )
-from trioserve.scheduler._runner import ModelRunner, Ticket
+from trioserve.scheduler._runner import ModelRunner
+from trioserve.scheduler._ticket import Ticket
 
 
 class KVEngineDouble:

@@ -28,9 +28,10 @@ from ._generation_input import TEXT_INPUT, generation_request, prompt_and_parame
 from ._generative_runner import GenerativeRunner
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import Tokenizer, call_tokenizer
-from ._runner import ModelRunner, Ticket
+from ._runner import ModelRunner
 from ._runners import runner_class
 from ._sequence_runner import SequenceRunner
+from ._ticket import Ticket
 
 __all__ = [
     "MAX_LOGPROBS",

@@ -21,7 +21,8 @@ from .._stats import ExecutionTimes, FailureReason
 from .._types import InferenceRequest, InferenceResponse
 from ._clock import now_ns
 from ._decoupled import DecoupledResponses
-from ._runner import ModelRunner, Ticket, _model_error, _shutting_down
+from ._runner import ModelRunner
+from ._ticket import Ticket, model_error, shutting_down
 
 
 class DecoupledRunner(ModelRunner):
@@ -41,7 +42,7 @@ class DecoupledRunner(ModelRunner):
             input_ready_ns = now_ns()
             await self._call_model([p.request for p in batch])
         except Exception as exc:
-            error = _model_error(self.name, exc)
+            error = model_error(self.name, exc)
             for ticket in batch:
                 self._finish(ticket, error=error, reason=FailureReason.BACKEND)
         else:
@@ -56,7 +57,7 @@ class DecoupledRunner(ModelRunner):
         finally:
             for ticket in batch:
                 if ticket.execution is None and not ticket.finished:  # execution cancelled
-                    self._finish(ticket, error=_shutting_down())
+                    self._finish(ticket, error=shutting_down())
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         if self._execute_is_async:
@@ -72,7 +73,7 @@ class DecoupledRunner(ModelRunner):
         assert ticket.responses is not None
         answer: InferenceResponse | InferenceServerError | None = None
         if isinstance(outputs, Exception):
-            answer = _model_error(self.name, outputs)
+            answer = model_error(self.name, outputs)
         elif outputs is not None:
             try:
                 answer = self._response(ticket.request, outputs)

@@ -24,7 +24,6 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, cast
 
 import numpy as np
@@ -38,7 +37,6 @@ from .._errors import (
 )
 from .._load_facts import LoadFacts, QueueState
 from .._model import MODEL_INSTANCE, Model, Outputs, ResponseOutputs, Result
-from .._repository import Answer
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -47,10 +45,18 @@ from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
-from ._decoupled import DecoupledResponses
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook
+from ._ticket import (
+    WAKE,
+    Ticket,
+    Withdraw,
+    model_error,
+    queue_full,
+    shutting_down,
+    tickets_leaving,
+)
 
 logger = logging.getLogger("trioserve.scheduler")
 
@@ -78,82 +84,6 @@ def policy_for(model: Model) -> BatchingPolicy:
     )
 
 
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """A submitted request: ``finished`` once its one outcome is known.
-
-    ``wait`` can be cancelled without consequence; the caller decides whether to
-    ``withdraw`` the request. One task waits on a ticket (the front end that submitted
-    it), so it is rescheduled directly rather than through a ``trio.Event``, which would
-    cost a parking lot per request.
-    """
-
-    request: InferenceRequest
-    item: QueuedItem
-    runner: ModelRunner
-    finished: bool = False
-    response: InferenceResponse | None = None
-    error: InferenceServerError | None = None
-    execution: ExecutionTimes | None = None  # the batch that answered it
-    cache_key: bytes | None = None  # set on a cache miss: store the response under it
-    cache_ns: int = 0  # time spent looking it up in the response cache
-    responses: DecoupledResponses | None = None  # a decoupled model's answers
-    _waiter: trio.lowlevel.Task | None = None
-
-    async def wait(self) -> None:
-        """Return once the outcome is known."""
-        if self.finished:
-            await trio.lowlevel.checkpoint()
-            return
-        if self._waiter is not None:
-            raise RuntimeError("another task already waits on this ticket")
-        self._waiter = trio.lowlevel.current_task()
-        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
-
-    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
-        self._waiter = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    def _resolve(
-        self, response: InferenceResponse | None, error: InferenceServerError | None
-    ) -> None:
-        self.response = response
-        self.error = error
-        self.finished = True
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(waiter)
-
-    def withdraw(self) -> None:
-        """The client gave up: fail this request as cancelled and take it out of the queue."""
-        self.runner.withdraw(self)
-
-    @property
-    def withdrawn(self) -> bool:
-        return isinstance(self.error, CancelledError)
-
-    def answers(self) -> trio.MemoryReceiveChannel[tuple[Answer, bool]] | None:
-        return None if self.responses is None else self.responses.receive
-
-    def outcome(self) -> InferenceResponse:
-        """The response, or the error raised; only once ``finished``."""
-        if self.error is not None:
-            raise self.error
-        assert self.response is not None
-        return self.response
-
-
-@dataclass(frozen=True, slots=True)
-class _Withdraw:
-    """A waiting request was cancelled by its client: take it out of the queue."""
-
-    ticket: Ticket
-
-
-_WAKE = None  # an instance came free while requests wait: decide again
-
-
 class ModelRunner:
     """One model version's task tree and the front ends' way into it."""
 
@@ -175,7 +105,7 @@ class ModelRunner:
         self._cache = cache  # None: this version does not use the response cache
         self.policy = policy_for(model)
         self.ready = False
-        self._inbox = Inbox[Ticket | _Withdraw | None]()
+        self._inbox = Inbox[Ticket | Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
         self._batches = Handoff[tuple[list[Ticket], int]]()
         self._execute_is_async = False  # settled once the model is loaded
@@ -225,7 +155,7 @@ class ModelRunner:
             now = now_ns()
             self.stats.failed(now, now, FailureReason.REJECTED)
             self._notify()
-            raise _queue_full()
+            raise queue_full()
 
     def submit(self, request: InferenceRequest) -> Ticket:
         """Validate and queue ``request``; its outcome arrives on the returned ticket."""
@@ -266,7 +196,7 @@ class ModelRunner:
         """The client gave up: fail the ticket as cancelled and take it out of the queue."""
         cancelled = CancelledError("request cancelled")
         if self._finish(ticket, error=cancelled, reason=FailureReason.CANCELED):
-            self._inbox.put(_Withdraw(ticket))
+            self._inbox.put(Withdraw(ticket))
             execution = self._executions.get(ticket)
             if execution is not None:  # the model stops working on it
                 execution.cancel()
@@ -296,7 +226,7 @@ class ModelRunner:
         finally:
             self.ready = False
             for ticket in self._take_waiting():
-                self._finish(ticket, error=_shutting_down())
+                self._finish(ticket, error=shutting_down())
             with trio.CancelScope(shield=True):
                 await call_hook(self.model.unload)
 
@@ -306,7 +236,7 @@ class ModelRunner:
 
     def _take_waiting(self) -> list[Ticket]:
         """Every waiting request, out of the queue (the server stops)."""
-        waiting = _tickets(self._queue.pop_front(len(self._queue)))
+        waiting = tickets_leaving(self._queue.pop_front(len(self._queue)))
         while self._prefetched:
             waiting += self._prefetched.popleft()
         return waiting
@@ -324,7 +254,7 @@ class ModelRunner:
     def _dispatch(self, now: int) -> Dispatch | Wait:
         """Fail the requests whose queue timeout expired, then decide; a batch decided goes
         to an idle instance's task."""
-        for ticket in _tickets(self._queue.pop_expired(now)):
+        for ticket in tickets_leaving(self._queue.pop_expired(now)):
             self._finish(
                 ticket,
                 error=UnavailableError("Request timeout expired"),
@@ -333,7 +263,7 @@ class ModelRunner:
         decision = decide(self._queue, now, self._idle, self.policy)
         if isinstance(decision, Dispatch):
             batch = self._pop_batch(decision.count)
-            if batch:  # else all withdrawn; their _Withdraw messages find nothing
+            if batch:  # else all withdrawn; their Withdraw messages find nothing
                 self._idle -= 1
                 self._batches.put((batch, now))  # now: dequeued into a batch
                 self._notify()
@@ -358,22 +288,22 @@ class ModelRunner:
                 self._notify()
 
     def _pop_batch(self, count: int) -> list[Ticket]:
-        return [p for p in _tickets(self._queue.pop_front(count)) if not p.finished]
+        return [p for p in tickets_leaving(self._queue.pop_front(count)) if not p.finished]
 
-    def _handle_all(self, messages: list[Ticket | _Withdraw | None]) -> None:
+    def _handle_all(self, messages: list[Ticket | Withdraw | None]) -> None:
         for message in messages:
             self._handle(message)
 
-    def _handle(self, message: Ticket | _Withdraw | None) -> None:
+    def _handle(self, message: Ticket | Withdraw | None) -> None:
         if isinstance(message, Ticket):
             if message.finished:
                 message.item.payload = None  # cancelled before the batcher saw it
                 return
             if self.policy.max_queue_size and len(self._queue) >= self.policy.max_queue_size:
-                self._finish(message, error=_queue_full(), reason=FailureReason.REJECTED)
+                self._finish(message, error=queue_full(), reason=FailureReason.REJECTED)
             else:
                 self._queue.push(message.item)
-        elif isinstance(message, _Withdraw):
+        elif isinstance(message, Withdraw):
             item = message.ticket.item
             if self._queue.remove(item):
                 item.payload = None
@@ -401,7 +331,7 @@ class ModelRunner:
                 # connection's task, and the model would idle for two of those turns.
                 self._dispatch(now_ns())
                 if self._waiting():  # for the other instances, or a batch still forming
-                    self._inbox.put(_WAKE)
+                    self._inbox.put(WAKE)
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
         if self.model.withdraw_cancels_execution:
@@ -435,12 +365,12 @@ class ModelRunner:
                     results = await self._call_model([p.request for p in batch])
                     executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now_ns)
                 except Exception as exc:
-                    executed = _Executed(batch, error=_model_error(self.name, exc))
+                    executed = _Executed(batch, error=model_error(self.name, exc))
             self._complete(executed)
         finally:
             for ticket in batch:
                 if not ticket.finished:  # the execution itself was cancelled
-                    self._finish(ticket, error=_shutting_down())
+                    self._finish(ticket, error=shutting_down())
 
     def _execute_chain(
         self,
@@ -464,7 +394,7 @@ class ModelRunner:
                 _check_count(results, batch)
                 executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now)
             except Exception as exc:
-                executed = _Executed(batch, error=_model_error(self.name, exc))
+                executed = _Executed(batch, error=model_error(self.name, exc))
             try:
                 batch = self._prefetched.popleft()
             except IndexError:
@@ -534,7 +464,7 @@ class ModelRunner:
         try:
             return self._response(request, result)
         except Exception as exc:
-            return _model_error(self.name, exc)
+            return model_error(self.name, exc)
 
     def _response(self, request: InferenceRequest, outputs: Outputs) -> InferenceResponse:
         declared = self.model.output_specs
@@ -626,30 +556,3 @@ def _thread_clock() -> Callable[[], int]:
     """``now_ns`` for a worker thread, which cannot ask trio: the run's clock itself."""
     clock = trio.lowlevel.current_clock()
     return lambda: round(clock.current_time() * 1e9)
-
-
-def _queue_full() -> UnavailableError:
-    return UnavailableError("Exceeds maximum queue size")
-
-
-def _shutting_down() -> UnavailableError:
-    return UnavailableError("server is shutting down")
-
-
-def _tickets(items: list[QueuedItem]) -> list[Ticket]:
-    """The tickets of items leaving the queue. A ticket and its item refer to each other;
-    dropping the item's side here leaves no cycle for the garbage collector to find."""
-    tickets = []
-    for item in items:
-        ticket = item.payload
-        assert isinstance(ticket, Ticket)
-        item.payload = None
-        tickets.append(ticket)
-    return tickets
-
-
-def _model_error(name: str, exc: Exception) -> InferenceServerError:
-    if isinstance(exc, InferenceServerError):
-        return exc
-    logger.warning("model %r failed: %r", name, exc)
-    return InternalError(f"model '{name}' failed: {exc}")

@@ -31,7 +31,7 @@ from .._types import InferenceRequest, InputTensor
 from .._validation import validate_request
 from ._batching import QueuedItem, Wait
 from ._clock import now_ns, ns_to_seconds
-from ._runner import _WAKE, ModelRunner, Ticket, _tickets, _Withdraw
+from ._runner import ModelRunner
 from ._sequences import (
     CorrelationId,
     DispatchSequences,
@@ -41,6 +41,7 @@ from ._sequences import (
     SequenceTable,
     decide,
 )
+from ._ticket import WAKE, Ticket, Withdraw, tickets_leaving
 
 logger = logging.getLogger("trioserve.scheduler")
 
@@ -132,7 +133,7 @@ class SequenceRunner(ModelRunner):
         item.payload = ticket
         sequence.pending.append(item)
         self._joined[ticket] = (sequence, start, end)
-        self._inbox.put(_WAKE)
+        self._inbox.put(WAKE)
         return ticket
 
     def _check_correlation_type(self, correlation_id: CorrelationId) -> None:
@@ -153,7 +154,7 @@ class SequenceRunner(ModelRunner):
         items = []
         for sequence, _, _ in list(self._joined.values()):
             items += self._table.cancel(sequence)
-        return _tickets(items)
+        return tickets_leaving(items)
 
     async def _batch_loop(self) -> None:
         now = now_ns()
@@ -167,7 +168,7 @@ class SequenceRunner(ModelRunner):
             ready = self._table.ready()
             decision = decide(ready, now, self._free_instances, self._table.policy)
             if isinstance(decision, DispatchSequences):
-                batch = [self._prepare(t) for t in _tickets(self._table.take(decision))]
+                batch = [self._prepare(t) for t in tickets_leaving(self._table.take(decision))]
                 batch = [t for t in batch if not self._skip_withdrawn(t)]
                 if batch:
                     self._idle -= 1
@@ -180,8 +181,8 @@ class SequenceRunner(ModelRunner):
             self._handle_all(await self._inbox.take(until))
             now = now_ns()
 
-    def _handle(self, message: Ticket | _Withdraw | None) -> None:
-        if isinstance(message, _Withdraw):
+    def _handle(self, message: Ticket | Withdraw | None) -> None:
+        if isinstance(message, Withdraw):
             ticket = message.ticket
             joined = self._joined.pop(ticket, None)
             if joined is not None:
@@ -202,7 +203,7 @@ class SequenceRunner(ModelRunner):
         return True
 
     def _end_cancelled(self, sequence: LiveSequence) -> None:
-        for ticket in _tickets(self._table.cancel(sequence)):
+        for ticket in tickets_leaving(self._table.cancel(sequence)):
             self._joined.pop(ticket, None)
             self._finish(
                 ticket,
@@ -240,7 +241,7 @@ class SequenceRunner(ModelRunner):
             self._free_instances.add(instance)
             for ticket in batch:
                 self._table.executed(self._executing.pop(ticket))
-            self._inbox.put(_WAKE)  # a sequence's next request, or a slot, is free
+            self._inbox.put(WAKE)  # a sequence's next request, or a slot, is free
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         results = await super()._call_model(requests)

@@ -1,0 +1,126 @@
+"""A request's way through a runner: its ticket, the messages the batcher gets about it,
+and the errors it may end with."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from .._errors import CancelledError, InferenceServerError, InternalError, UnavailableError
+from .._repository import Answer
+from .._stats import ExecutionTimes
+from .._types import InferenceRequest, InferenceResponse
+from ._batching import QueuedItem
+from ._decoupled import DecoupledResponses
+
+logger = logging.getLogger("trioserve.scheduler")
+
+
+class _Withdraws(Protocol):
+    def withdraw(self, ticket: Ticket) -> None: ...
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """A submitted request: ``finished`` once its one outcome is known.
+
+    ``wait`` can be cancelled without consequence; the caller decides whether to
+    ``withdraw`` the request. One task waits on a ticket (the front end that submitted
+    it), so it is rescheduled directly rather than through a ``trio.Event``, which would
+    cost a parking lot per request.
+    """
+
+    request: InferenceRequest
+    item: QueuedItem
+    runner: _Withdraws
+    finished: bool = False
+    response: InferenceResponse | None = None
+    error: InferenceServerError | None = None
+    execution: ExecutionTimes | None = None  # the batch that answered it
+    cache_key: bytes | None = None  # set on a cache miss: store the response under it
+    cache_ns: int = 0  # time spent looking it up in the response cache
+    responses: DecoupledResponses | None = None  # a decoupled model's answers
+    _waiter: trio.lowlevel.Task | None = None
+
+    async def wait(self) -> None:
+        """Return once the outcome is known."""
+        if self.finished:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._waiter is not None:
+            raise RuntimeError("another task already waits on this ticket")
+        self._waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort_wait)
+
+    def _abort_wait(self, _: object) -> trio.lowlevel.Abort:
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _resolve(
+        self, response: InferenceResponse | None, error: InferenceServerError | None
+    ) -> None:
+        self.response = response
+        self.error = error
+        self.finished = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    def withdraw(self) -> None:
+        """The client gave up: fail this request as cancelled and take it out of the queue."""
+        self.runner.withdraw(self)
+
+    @property
+    def withdrawn(self) -> bool:
+        return isinstance(self.error, CancelledError)
+
+    def answers(self) -> trio.MemoryReceiveChannel[tuple[Answer, bool]] | None:
+        return None if self.responses is None else self.responses.receive
+
+    def outcome(self) -> InferenceResponse:
+        """The response, or the error raised; only once ``finished``."""
+        if self.error is not None:
+            raise self.error
+        assert self.response is not None
+        return self.response
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    """A waiting request was cancelled by its client: take it out of the queue."""
+
+    ticket: Ticket
+
+
+WAKE = None  # an instance came free while requests wait: decide again
+
+
+def tickets_leaving(items: list[QueuedItem]) -> list[Ticket]:
+    """The tickets of items leaving the queue. A ticket and its item refer to each other;
+    dropping the item's side here leaves no cycle for the garbage collector to find."""
+    tickets = []
+    for item in items:
+        ticket = item.payload
+        assert isinstance(ticket, Ticket)
+        item.payload = None
+        tickets.append(ticket)
+    return tickets
+
+
+def queue_full() -> UnavailableError:
+    return UnavailableError("Exceeds maximum queue size")
+
+
+def shutting_down() -> UnavailableError:
+    return UnavailableError("server is shutting down")
+
+
+def model_error(name: str, exc: Exception) -> InferenceServerError:
+    if isinstance(exc, InferenceServerError):
+        return exc
+    logger.warning("model %r failed: %r", name, exc)
+    return InternalError(f"model '{name}' failed: {exc}")
