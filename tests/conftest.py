@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -214,3 +215,33 @@ def http(server: Server) -> Iterator[Any]:
 
     with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}") as client:
         yield client
+
+
+# A python-backend model that tells (on stderr) that it runs, then blocks its worker
+# thread far longer than a test waits: a request in flight that only leaving ends.
+_BLOCKING_MODEL = """
+import sys
+import time
+
+class TritonPythonModel:
+    def execute(self, requests):
+        print("model is executing", file=sys.stderr, flush=True)
+        time.sleep(600)
+"""
+
+_BLOCKING_CONFIG = """
+name: "blocking"
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
+@pytest.fixture
+def blocking_repository(tmp_path: Path) -> Path:
+    """A model repository holding ``blocking`` (see ``_BLOCKING_MODEL``), for tests of
+    ``trioserve run`` in a subprocess with a request in flight."""
+    (tmp_path / "blocking" / "1").mkdir(parents=True)
+    (tmp_path / "blocking" / "config.pbtxt").write_text(_BLOCKING_CONFIG)
+    (tmp_path / "blocking" / "1" / "model.py").write_text(_BLOCKING_MODEL)
+    return tmp_path

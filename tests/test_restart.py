@@ -8,7 +8,6 @@ import contextlib
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -18,22 +17,6 @@ import httpx
 import pytest
 import tritonclient.grpc as grpcclient
 
-# Tells (on stderr) that it runs, then blocks its worker thread: a request in flight.
-BLOCKING_MODEL = """
-import sys
-import time
-
-class TritonPythonModel:
-    def execute(self, requests):
-        print("model is executing", file=sys.stderr, flush=True)
-        time.sleep(600)
-"""
-CONFIG = """
-name: "blocking"
-backend: "python"
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
-"""
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 RESTART_LIMIT_S = 20.0  # a fresh interpreter's imports included, on a busy machine
 
@@ -110,12 +93,11 @@ def serves(ports: list[int]) -> None:
 @pytest.mark.parametrize(
     "servers", [[], ["--http-server", "hypercorn", "--grpc-server", "grpclib"]]
 )
-def test_sigkill_then_restart_on_the_same_ports(tmp_path: Path, servers: list[str]) -> None:
-    (tmp_path / "blocking" / "1").mkdir(parents=True)
-    (tmp_path / "blocking" / "config.pbtxt").write_text(CONFIG)
-    (tmp_path / "blocking" / "1" / "model.py").write_text(textwrap.dedent(BLOCKING_MODEL))
+def test_sigkill_then_restart_on_the_same_ports(
+    blocking_repository: Path, servers: list[str]
+) -> None:
     ports = free_ports(3)
-    with running(tmp_path, ports, servers) as first:
+    with running(blocking_repository, ports, servers) as first:
         serves(ports)
         connections = open_connections(ports)
         url = f"http://127.0.0.1:{ports[0]}/v2/models/blocking/infer"
@@ -125,7 +107,7 @@ def test_sigkill_then_restart_on_the_same_ports(tmp_path: Path, servers: list[st
         first.kill()
         first.wait(10)
     started = time.monotonic()
-    with running(tmp_path, ports, servers):
+    with running(blocking_repository, ports, servers):
         serves(ports)
         assert time.monotonic() - started < RESTART_LIMIT_S
     in_flight.join(20)

@@ -8,40 +8,17 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-# A model that tells (on stderr) that it runs, then blocks its worker thread far longer
-# than the test waits: only leaving the process ends it.
-BLOCKING_MODEL = """
-import sys
-import time
-
-class TritonPythonModel:
-    def execute(self, requests):
-        print("model is executing", file=sys.stderr, flush=True)
-        time.sleep(600)
-"""
-
-CONFIG = """
-name: "blocking"
-backend: "python"
-input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
-"""
-
 
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
-def test_a_second_signal_stops_the_drain(tmp_path: Path, second: signal.Signals) -> None:
-    (tmp_path / "blocking" / "1").mkdir(parents=True)
-    (tmp_path / "blocking" / "config.pbtxt").write_text(CONFIG)
-    (tmp_path / "blocking" / "1" / "model.py").write_text(textwrap.dedent(BLOCKING_MODEL))
+def test_a_second_signal_stops_the_drain(blocking_repository: Path, second: signal.Signals) -> None:
     command = [
-        sys.executable, "-m", "trioserve", "run", "--model-repository", str(tmp_path),
+        sys.executable, "-m", "trioserve", "run", "--model-repository", str(blocking_repository),
         "--host", "127.0.0.1", "--http-port", "0", "--allow-grpc", "false",
         "--allow-metrics", "false", "--exit-timeout-secs", "300",
     ]  # fmt: skip
