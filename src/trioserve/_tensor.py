@@ -276,16 +276,19 @@ def array_from_json(
         raise InvalidArgumentError(f"{what}: value out of range for {dt.name}") from None
 
 
-# Elements converted per numpy call for long JSON data: one call holds the GIL, and
-# large bodies are decoded in a worker thread while the event loop waits for the GIL.
-_SLICE = 32768
+JSON_SLICE = 32768
+"""Elements converted per call between JSON and numpy for long data (both ways): one
+call holds the GIL, and large messages are handled in a worker thread while the event
+loop waits for the GIL."""
 
 
 def _array_in_slices(data: list[Any]) -> np.ndarray[Any, Any]:
     """``np.array(data)``, in slices of the outer list when it is long."""
-    if len(data) <= _SLICE:
+    if len(data) <= JSON_SLICE:
         return np.array(data)
-    return np.concatenate([np.array(data[i : i + _SLICE]) for i in range(0, len(data), _SLICE)])
+    return np.concatenate(
+        [np.array(data[i : i + JSON_SLICE]) for i in range(0, len(data), JSON_SLICE)]
+    )
 
 
 def _float_overflow_raises(dt: Datatype) -> contextlib.AbstractContextManager[object]:

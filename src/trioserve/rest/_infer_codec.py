@@ -15,6 +15,7 @@ from typing import Any
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._model import Model
 from .._tensor import (
+    JSON_SLICE,
     Datatype,
     array_from_json,
     array_from_raw,
@@ -286,18 +287,15 @@ def encode_response(
 def _json_data(tensor: OutputTensor) -> str:
     what = f"output '{tensor.name}'"
     flat = tensor.data.reshape(-1)
-    if flat.size <= _SLICE:
+    if flat.size <= JSON_SLICE:
         return _json_list(array_to_json(flat, tensor.datatype, what), tensor.datatype)
     # Large outputs are encoded in a worker thread; one encoder call per slice lets the
     # event loop have the GIL between them.
     slices = (
-        _json_list(array_to_json(flat[i : i + _SLICE], tensor.datatype, what), tensor.datatype)
-        for i in range(0, flat.size, _SLICE)
+        _json_list(array_to_json(flat[i : i + JSON_SLICE], tensor.datatype, what), tensor.datatype)
+        for i in range(0, flat.size, JSON_SLICE)
     )
     return "[" + ",".join(text[1:-1] for text in slices) + "]"
-
-
-_SLICE = 32768  # elements
 
 
 def _json_list(data: list[Any], dt: Datatype) -> str:
