@@ -52,8 +52,10 @@ def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path)
     servers = [_start(src, python, args.server_cpus) for src, python in sides]
     try:
         before = [_cpu_seconds(process.pid) for process, _ in servers]
-        wrk = ["taskset", "-c", args.client_cpus, "wrk", "-t1", f"-c{args.connections}"]
-        wrk.append(f"-d{args.duration}s")
+        wrk = [
+            "taskset", "-c", args.client_cpus,
+            "wrk", "-t1", f"-c{args.connections}", f"-d{args.duration}s",
+        ]  # fmt: skip
         loads = [
             subprocess.Popen(
                 [*wrk, "-s", str(script), f"http://127.0.0.1:{port}/v2/models/simple/infer"],
