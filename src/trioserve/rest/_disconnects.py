@@ -45,8 +45,13 @@ class _Entry:
     ticket: Ticket
     receive: Receive
     hint: MutableMapping[str, Any] | None  # the connection's HANGUP_FD extension, if any
-    polled: bool = False  # its socket reports the hangup to this watch
     watcher: trio.CancelScope | None = None
+
+    @property
+    def polled(self) -> bool:
+        """Its socket reports the hangup to the watch."""
+        sock = None if self.hint is None else self.hint.get(_SOCKET_KEY)
+        return sock is not None and sock.polled is self
 
 
 @dataclass(eq=False, slots=True)
@@ -80,7 +85,6 @@ class DisconnectWatch:
         if self._waiting.pop(ticket, None) is not None:
             return
         if entry.polled:
-            entry.polled = False
             assert entry.hint is not None
             entry.hint[_SOCKET_KEY].polled = None
         elif entry.watcher is not None:
@@ -89,7 +93,7 @@ class DisconnectWatch:
     async def run(self) -> None:
         """The sweeper: every ``grace_s`` while requests wait, watch those that waited that
         long (a fixed tick, so its wakeups do not grow with the request rate)."""
-        if _HANGUP_EVENTS & getattr(select, "EPOLLRDHUP", 0):
+        if hasattr(select, "epoll"):  # Linux
             self._hangups = select.epoll()
         try:
             async with trio.open_nursery() as watchers:
@@ -106,8 +110,7 @@ class DisconnectWatch:
                 self._hangups.close()
                 self._hangups = None
             for sock in self._sockets.values():
-                if sock.polled is not None:
-                    sock.polled.polled = False
+                sock.polled = None
             self._sockets.clear()
 
     def _watch_waited(self, watchers: trio.Nursery, now: float) -> None:
@@ -121,7 +124,6 @@ class DisconnectWatch:
             sock = None if entry.hint is None else self._socket(entry.hint)
             if sock is not None and not sock.hung_up:
                 sock.polled = entry
-                entry.polled = True
             else:
                 self._start_watcher(watchers, entry)
 
@@ -156,7 +158,6 @@ class DisconnectWatch:
                 sock.hung_up = True
                 entry, sock.polled = sock.polled, None
                 if entry is not None:
-                    entry.polled = False
                     self._start_watcher(watchers, entry)
 
 
