@@ -13,8 +13,10 @@ model's next good request are served as before.
 
 from __future__ import annotations
 
+import sys
 import textwrap
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,16 +67,16 @@ class TritonPythonModel:
             answers.append(pb_utils.InferenceResponse(outputs))
         return answers
 """
-# Blocks its worker thread until the test releases it (by creating the file).
-HANGS = """
-import os
-import time
+# Blocks its worker thread until the test sets the event that the module RELEASE carries
+# (the python backend runs the model in this process).
+RELEASE = "trioserve_test_model_faults_release"
+HANGS = f"""
+import importlib
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        while not os.path.exists({release!r}):
-            time.sleep(0.01)
+        importlib.import_module({RELEASE!r}).released.wait(60)
         return [
             pb_utils.InferenceResponse(
                 [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
@@ -94,18 +96,22 @@ def write_model(root: Path, name: str, model: str, batch: int = 0, batching: str
 
 
 @pytest.fixture
-def release(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "release"
-    yield path
-    path.touch()  # whatever happened, the hung thread may end
+def release() -> Iterator[threading.Event]:
+    released = threading.Event()
+    module = types.ModuleType(RELEASE)
+    module.released = released  # type: ignore[attr-defined]
+    sys.modules[RELEASE] = module
+    yield released
+    released.set()  # whatever happened, the hung thread may end
+    del sys.modules[RELEASE]
 
 
 @pytest.fixture
-def server(tmp_path: Path, release: Path) -> Iterator[Server]:
+def server(tmp_path: Path, release: threading.Event) -> Iterator[Server]:
     root = tmp_path / "models"
     write_model(root, "faulty", FAULTY)
     write_model(root, "faulty_batched", FAULTY, batch=4, batching=BATCHING)
-    write_model(root, "hangs", HANGS.format(release=str(release)))
+    write_model(root, "hangs", HANGS)
     config = ServerConfig(
         models=[m for m in reference_zoo() if m.name == "simple"],
         model_repositories=[root],
@@ -183,7 +189,7 @@ def test_a_bad_response_in_a_batch_fails_its_own_request(server: Server) -> None
 
 
 def test_a_hung_model_frees_its_clients_and_holds_up_no_one_else(
-    server: Server, release: Path
+    server: Server, release: threading.Event
 ) -> None:
     http = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
@@ -205,7 +211,7 @@ def test_a_hung_model_frees_its_clients_and_holds_up_no_one_else(
         target=lambda: answered.append(httpx.post(url, json=body, timeout=30).json())
     )
     waiting.start()
-    release.touch()
+    release.set()
     waiting.join(30)
     assert answered == [
         {
