@@ -17,6 +17,7 @@ from pathlib import Path
 import trio
 
 from . import _gc
+from ._alternatives import check_alternatives
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError
@@ -75,13 +76,15 @@ def _parser() -> argparse.ArgumentParser:
         "--http-server",
         choices=("stdlib", "hypercorn"),
         default="stdlib",
-        help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS",
+        help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS "
+        "(the extra trioserve[hypercorn])",
     )
     run.add_argument(
         "--grpc-server",
         choices=("trio", "grpclib"),
         default="trio",
-        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio",
+        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio "
+        "(the extra trioserve[grpclib])",
     )
     run.add_argument("--tls-certfile", help="with --http-server hypercorn: serve HTTPS")
     run.add_argument("--tls-keyfile")
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         config = config_from_args(args)
+        check_alternatives(config)
     except (RepositoryError, ValueError) as exc:
         sys.exit(f"trioserve: {exc}")
     trio.run(run_until_signalled, config)
