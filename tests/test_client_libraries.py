@@ -4,7 +4,9 @@ litellm's Triton provider (the bodies it sends, as its source builds them), and 
 
 from __future__ import annotations
 
-import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,7 +14,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
 
 from trioserve import Server, ServerConfig
 from trioserve.models import TinyLM, reference_zoo
@@ -28,56 +29,80 @@ def server() -> Iterator[Server]:
         yield running
 
 
-def _simple_request(model_name: str = "simple") -> tuple[InferRequest, np.ndarray]:
-    x = np.arange(16, dtype=np.int32).reshape(1, 16)
+# The KServe SDK registers its own copy of the protocol's messages ("inference.*") in
+# protobuf's default pool, as tritonclient does: one process cannot import both, so the
+# SDK's sessions run in an interpreter of their own (as a KServe user's program would),
+# print what they found, and fail loudly on any error.
+_KSERVE_SESSION = """
+import asyncio, json, sys
+import numpy as np
+from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+http, grpc = sys.argv[1:]
+x = np.arange(16, dtype=np.int32).reshape(1, 16)
+
+
+def request():
     inputs = []
     for name in ("INPUT0", "INPUT1"):
         tensor = InferInput(name=name, shape=[1, 16], datatype="INT32")
         tensor.set_data_from_numpy(x, binary_data=False)
         inputs.append(tensor)
-    return InferRequest(model_name=model_name, infer_inputs=inputs), x
+    return InferRequest(model_name="simple", infer_inputs=inputs)
 
 
-def test_kserve_rest_client(server: Server) -> None:
-    base = f"http://127.0.0.1:{server.http_port}"
-
-    async def session() -> tuple[Any, ...]:
-        client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30))
-        try:
-            request, x = _simple_request()
-            response = await client.infer(base, request, model_name="simple")
-            outputs = {o.name: o.as_numpy() for o in response.outputs}
-            np.testing.assert_array_equal(outputs["OUTPUT0"], x + x)
-            np.testing.assert_array_equal(outputs["OUTPUT1"], x - x)
-            return (
-                await client.is_server_live(base),
-                await client.is_server_ready(base),
-                await client.is_model_ready(base, "simple"),
-                await client.is_model_ready(base, "no_such_model"),
-            )
-        finally:
-            await client.close()
-
-    assert asyncio.run(session()) == (True, True, True, False)
+def sums(response):
+    return {o.name: o.as_numpy().reshape(1, 16).tolist() for o in response.outputs}
 
 
-def test_kserve_grpc_client(server: Server) -> None:
-    async def session() -> tuple[Any, ...]:
-        client = InferenceGRPCClient(f"127.0.0.1:{server.grpc_port}", timeout=30)
-        try:
-            request, x = _simple_request()
-            response = await client.infer(request)
-            outputs = {o.name: o.as_numpy() for o in response.outputs}
-            np.testing.assert_array_equal(outputs["OUTPUT0"].reshape(1, 16), x + x)
-            return (
-                await client.is_server_live(),
-                await client.is_server_ready(),
-                await client.is_model_ready("simple"),
-            )
-        finally:
-            await client.close()
+async def rest():
+    client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=30))
+    try:
+        return {
+            "outputs": sums(await client.infer(http, request(), model_name="simple")),
+            "live": await client.is_server_live(http),
+            "ready": await client.is_server_ready(http),
+            "model_ready": await client.is_model_ready(http, "simple"),
+            "missing_ready": await client.is_model_ready(http, "no_such_model"),
+        }
+    finally:
+        await client.close()
 
-    assert asyncio.run(session()) == (True, True, True)
+
+async def grpc_session():
+    client = InferenceGRPCClient(grpc, timeout=30)
+    try:
+        return {
+            "outputs": sums(await client.infer(request())),
+            "live": await client.is_server_live(),
+            "ready": await client.is_server_ready(),
+            "model_ready": await client.is_model_ready("simple"),
+        }
+    finally:
+        await client.close()
+
+
+print(json.dumps({"rest": asyncio.run(rest()), "grpc": asyncio.run(grpc_session())}))
+"""
+
+
+def test_kserve_clients(server: Server) -> None:
+    http, grpc = f"http://127.0.0.1:{server.http_port}", f"127.0.0.1:{server.grpc_port}"
+    done = subprocess.run(
+        [sys.executable, "-c", _KSERVE_SESSION, http, grpc],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    x = np.arange(16).reshape(1, 16)
+    expected = {"OUTPUT0": (x + x).tolist(), "OUTPUT1": (x - x).tolist()}
+    assert found["rest"] == {
+        "outputs": expected, "live": True, "ready": True, "model_ready": True,
+        "missing_ready": False,
+    }  # fmt: skip
+    assert found["grpc"] == {"outputs": expected, "live": True, "ready": True, "model_ready": True}
 
 
 def test_infer_body_names_must_match_the_url(server: Server) -> None:
