@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import trio
 
@@ -66,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=PATH",
         help="also serve a Hugging Face Llama-family checkpoint folder as generative model NAME "
         "(repeatable; without --model-repository, only the checkpoints are served)",
+    )
+    run.add_argument(
+        "--checkpoint-device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where the --checkpoint models run: gpu on a CUDA device through cupy (the extra "
+        "trioserve[gpu]; without cupy or a device, the CPU serves them)",
     )
     run.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     run.add_argument("--http-port", type=int, default=8000)
@@ -196,7 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
         models = builtin_models()
         repositories = [TRITON_EXAMPLES]
-    models += _checkpoint_models(args.checkpoint)
+    models += _checkpoint_models(args.checkpoint, args.checkpoint_device)
     return ServerConfig(
         models=models,
         model_repositories=repositories,
@@ -240,7 +248,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def _checkpoint_models(flags: list[str]) -> list[Model]:
+def _checkpoint_models(flags: list[str], device: Literal["cpu", "gpu"]) -> list[Model]:
     from .models import load_checkpoint_model
 
     models: list[Model] = []
@@ -248,7 +256,7 @@ def _checkpoint_models(flags: list[str]) -> list[Model]:
         name, equals, path = flag.partition("=")
         if not (name and equals and path):
             raise ValueError(f"--checkpoint takes NAME=PATH, got {flag!r}")
-        models.append(load_checkpoint_model(path, name))
+        models.append(load_checkpoint_model(path, name, device=device))
     return models
 
 
