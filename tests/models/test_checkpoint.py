@@ -385,15 +385,8 @@ def test_matches_transformers(tmp_path: Path, variant: str) -> None:
         str(tmp_path), torch_dtype=torch.float64, attn_implementation="eager"
     )
     for prompt in PROMPTS:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=STEPS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out[0, len(prompt) :].tolist() == reference_greedy(tensors, config, prompt, STEPS)
+        expected = reference_greedy(tensors, config, prompt, STEPS)
+        assert transformers_greedy(hf, prompt) == expected
 
 
 @pytest.mark.parametrize("rope", ["rope-parameters-llama3", "rope-yarn"])
@@ -420,15 +413,22 @@ async def test_a_checkpoint_saved_by_transformers_serves_its_tokens(
     write_tokenizer(tmp_path)
     served = await served_words(tmp_path, nursery)
     for i, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=STEPS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert served[i] == words_of(out[0, len(prompt) :].tolist()), f"prompt {i}"
+        assert served[i] == words_of(transformers_greedy(hf, prompt)), f"prompt {i}"
+
+
+def transformers_greedy(hf: Any, prompt: list[int]) -> list[int]:
+    """STEPS tokens after ``prompt``, greedily, by a transformers model."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=STEPS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
 # --- a checkpoint in a Triton model repository -------------------------------------------
