@@ -175,6 +175,26 @@ def test_import_direction(path):
             assert str(relative).startswith(owner), f"only {owner} may import {library}"
 
 
+# The pure policies: decisions without I/O or time of their own, testable without an event
+# loop. They import the standard library and each other, nothing else.
+PURE = ["scheduler/_batching.py", "scheduler/_llm_policy.py", "scheduler/_kv_blocks.py"]
+_STDLIB_ALLOWED = {"__future__", "bisect", "collections", "dataclasses", "enum", "typing"}
+
+
+@pytest.mark.parametrize("relative", PURE)
+def test_pure_policies_import_no_event_loop_or_io(relative):
+    imported = _imports(SRC / relative)
+    outside = {
+        m
+        for m in imported
+        if not m.startswith("trioserve.") and m.split(".")[0] not in _STDLIB_ALLOWED
+    }
+    assert not outside, f"{relative} imports {sorted(outside)}"
+    pure_modules = {f"trioserve.{p.removesuffix('.py').replace('/', '.')}" for p in PURE}
+    ours = {m for m in imported if m.startswith("trioserve.")}
+    assert all(any(m.startswith(p) for p in pure_modules) for m in ours), sorted(ours)
+
+
 # Packages with a public face: their __init__ names what the rest of trioserve may use,
 # and no module outside them imports their private modules.
 SEALED = {"scheduler"}
