@@ -9,6 +9,7 @@ replacement. ``control`` is what answers the repository API, when the server has
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -40,6 +41,10 @@ def version_number(version: str) -> int:
             f"invalid model version specified '{version}' , version should be an integral value > 0"
         )
     return number
+
+
+class LoadTimeout(Exception):
+    """A model took longer to load than its deadline allowed."""
 
 
 class ServedModel(Protocol):
@@ -222,16 +227,22 @@ class ModelRepository:
             finally:
                 del self._scopes[id(runner)]
 
-    async def install(self, name: str, runners: Sequence[ServedModel]) -> None:
+    async def install(
+        self, name: str, runners: Sequence[ServedModel], deadline: float = math.inf
+    ) -> None:
         """Load ``runners`` (the versions of ``name``), then serve them in place of the
-        versions served so far. A version that fails to load leaves the old ones serving."""
+        versions served so far. A version that fails to load, or loads past ``deadline``
+        (``LoadTimeout``), leaves the old ones serving."""
         assert self._nursery is not None, "the repository is not running"
         assert runners, "a model serves at least one version"
         started: list[ServedModel] = []
         try:
-            for runner in runners:
-                await self._start(self._nursery, runner)
-                started.append(runner)
+            with trio.CancelScope(deadline=deadline) as loading:
+                for runner in runners:
+                    await self._start(self._nursery, runner)
+                    started.append(runner)
+            if loading.cancelled_caught:
+                raise LoadTimeout(name)
         except BaseException:
             await self._stop(started)
             raise
