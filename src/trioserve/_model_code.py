@@ -53,11 +53,12 @@ def raise_failure(exc: BaseException, model: str, where: str) -> NoReturn:
 
 
 def raised(exc: BaseException) -> str:
-    """``exc`` in words: "called sys.exit(5)", "raised KeyboardInterrupt"."""
+    """``exc`` in words: "called sys.exit(5)", "raised KeyboardInterrupt",
+    "raised GeneratorExit (its message)"."""
     if isinstance(exc, SystemExit):
         return f"called sys.exit({'' if exc.code is None else repr(exc.code)})"
     message = str(exc)
-    return f"raised {type(exc).__name__}" + (f": {message}" if message else "")
+    return f"raised {type(exc).__name__}" + (f" ({message})" if message else "")
 
 
 def failure_text(exc: Exception) -> str:
