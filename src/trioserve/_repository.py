@@ -244,7 +244,8 @@ class ModelRepository:
             if loading.cancelled_caught:
                 raise LoadTimeout(name)
         except BaseException:
-            await self._stop(started)
+            with trio.CancelScope(shield=True):  # even when the load itself was cancelled
+                await self._stop(started)
             raise
         old = self._models.get(name, {})
         self._models[name] = {runner.version: runner for runner in runners}
