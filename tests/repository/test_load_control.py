@@ -253,7 +253,7 @@ async def test_a_failed_upload_leaves_no_files(
     assert len(list(uploads.iterdir())) == 1  # the served model's files
     bad = {"1/model.py": b"import sys\nsys.exit(3)\n", "1/data.bin": b"y" * 1000}
     for _ in range(3):
-        with pytest.raises(InvalidArgumentError, match="called sys.exit\\(3\\) at import"):
+        with pytest.raises(InvalidArgumentError, match=r"called sys.exit\(3\) at import"):
             await manager(server).load("uploaded", UPLOAD_CONFIG, bad)
     # Only the files of the version that still serves are left.
     (kept,) = uploads.iterdir()
