@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Protocol
 
 import trio
@@ -99,12 +100,21 @@ class Ticket(Protocol):
 Answer = InferenceResponse | InferenceServerError | None
 
 
+class UploadedFile(Protocol):
+    """A load request's file whose contents are written as it is decoded (a REST
+    upload's base64 text), so that a large upload is never held decoded as well."""
+
+    def write_to(self, path: Path) -> None: ...
+
+
 class RepositoryControl(Protocol):
     """The model repository extension: index, load and unload."""
 
     def index(self, ready_only: bool) -> list[dict[str, str]]: ...
 
-    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None: ...
+    async def load(
+        self, name: str, config: str | None, files: Mapping[str, bytes | UploadedFile]
+    ) -> None: ...
 
     async def unload(self, name: str, unload_dependents: bool) -> None: ...
 

@@ -5,7 +5,8 @@
   frees its turn, while its thread is left behind (the test releases it at the end);
 - a failed reload (invalid config override, an initialize that exits) leaves the version
   served before it serving, as Triton does;
-- a failed upload's files are removed at once.
+- a failed upload's files are removed at once; a large REST upload is parsed off the
+  event loop and decoded into its files a slice at a time.
 
 The hanging model waits on an event the test sets (the python backend imports it in
 this process); the timeouts run on trio's MockClock, moved by hand, so every expectation
@@ -14,6 +15,7 @@ is exact.
 
 from __future__ import annotations
 
+import base64
 import sys
 import tempfile
 import textwrap
@@ -23,16 +25,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import trio
 import trio.testing
+import tritonclient.http as httpclient
 
 from trioserve import Server, ServerConfig, serve
 from trioserve._errors import InvalidArgumentError
 from trioserve._tensor import datatype
 from trioserve._types import InferenceRequest, InputTensor, RequestedOutput
 from trioserve.repository import RepositoryManager
+from trioserve.testing import server_in_thread
 
 CONFIG = """
 name: "{name}"
@@ -262,3 +267,49 @@ async def test_a_failed_upload_leaves_no_files(
     await manager(server).unload("uploaded", False)
     assert list(uploads.iterdir()) == []
     nursery.cancel_scope.cancel()
+
+
+def test_a_large_rest_upload_is_decoded_into_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over HTTP: a body past OFF_LOOP_BYTES is parsed in a worker thread, and each file
+    decoded a slice at a time as it is written; bad base64 fails that load alone."""
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(uploads))
+    (tmp_path / "repository").mkdir()
+    config = ServerConfig(
+        model_repositories=[tmp_path / "repository"],
+        model_control_mode="explicit",
+        http_port=0,
+        grpc_port=None,
+    )
+    data = np.random.default_rng(0).bytes(9 * 1024 * 1024 + 1)  # slices, and a last one
+    model = SCALED.format(scale=2).encode()
+    url = "http://127.0.0.1:{}/v2/repository/models/uploaded/load"
+    with server_in_thread(config) as running:
+        files = {"file:1/model.py": model, "file:1/data.bin": data}
+        body = {
+            "parameters": {
+                "config": UPLOAD_CONFIG,
+                **{key: base64.b64encode(value).decode() for key, value in files.items()},
+            }
+        }
+        loaded = httpx.post(url.format(running.http_port), json=body, timeout=60)
+        assert loaded.status_code == 200
+        (folder,) = uploads.iterdir()
+        assert (folder / "uploaded" / "1" / "data.bin").read_bytes() == data
+        for bad in ("QUJD=A==", "QUJ", "QUJD\n", "QUJDé"):
+            body["parameters"]["file:1/data.bin"] = bad
+            refused = httpx.post(url.format(running.http_port), json=body, timeout=60)
+            assert refused.status_code == 400
+            assert refused.json() == {
+                "error": "failed to load 'uploaded', parameter 'file:1/data.bin' is not valid "
+                "base64"
+            }
+        assert list(uploads.iterdir()) == [folder]  # the failed ones left nothing
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
+        x = httpclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([21], np.int32))
+        assert http.infer("uploaded", [x]).as_numpy("Y").tolist() == [42]
+        http.close()

@@ -20,7 +20,7 @@ load fails, or once another load or an unload replaces the model they made.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import contextlib
 import copy
 import json
@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
 from .._model_code import failure_text, model_failure
-from .._repository import LoadTimeout, ModelRepository, ServedModel
+from .._repository import LoadTimeout, ModelRepository, ServedModel, UploadedFile
 from ._checkpoint_backend import CheckpointLoader
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
@@ -171,7 +171,9 @@ class RepositoryManager:
                 entries.append({"name": name, "version": "", "state": state, "reason": reason})
         return entries
 
-    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+    async def load(
+        self, name: str, config: str | None, files: Mapping[str, bytes | UploadedFile]
+    ) -> None:
         """The API's load: only in explicit mode."""
         self._check_explicit()
         _check_model_name(name)
@@ -212,7 +214,9 @@ class RepositoryManager:
                 self._locks[name] = (lock, users - 1)
 
     @trio.lowlevel.enable_ki_protection  # model code runs below: see _model_code
-    async def _load_model(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+    async def _load_model(
+        self, name: str, config: str | None, files: Mapping[str, bytes | UploadedFile]
+    ) -> None:
         """Load (or reload) ``name``; an error says ``failed to load``, as Triton's does."""
         async with self._exclusive(name), self._load_slots:
             try:
@@ -239,7 +243,9 @@ class RepositoryManager:
                 "(--model-load-timeout-secs); its import or initialize still runs "
                 "in a thread that cannot be stopped, and is ignored"
             )
-        return str(failure) if isinstance(failure, ConfigError) else failure_text(failure)
+        if isinstance(failure, ConfigError | InvalidArgumentError):  # says it all itself
+            return str(failure)
+        return failure_text(failure)
 
     def _replace_upload(self, name: str) -> None:
         """``name`` now serves what its last load made: the files of the model it
@@ -262,7 +268,11 @@ class RepositoryManager:
         return reason
 
     async def _load(
-        self, name: str, config: str | None, files: Mapping[str, bytes], deadline: float
+        self,
+        name: str,
+        config: str | None,
+        files: Mapping[str, bytes | UploadedFile],
+        deadline: float,
     ) -> None:
         if files:
             if config is None:
@@ -301,7 +311,7 @@ class RepositoryManager:
         runners = self._make_runners(models)
         await self._repository.install(name, runners, deadline)
 
-    async def _upload(self, name: str, files: Mapping[str, bytes]) -> Path:
+    async def _upload(self, name: str, files: Mapping[str, bytes | UploadedFile]) -> Path:
         """Write the load request's files into a fresh folder that stands for the model
         (in a worker thread: they may be large)."""
         for path in files:
@@ -385,10 +395,13 @@ def _overridden(model: Model, config: str | None) -> Model:
     return changed
 
 
-def _write_files(folder: Path, files: Mapping[str, bytes]) -> None:
+def _write_files(folder: Path, files: Mapping[str, bytes | UploadedFile]) -> None:
     for path, content in files.items():
         (folder / path).parent.mkdir(parents=True, exist_ok=True)
-        (folder / path).write_bytes(content)
+        if isinstance(content, bytes):
+            (folder / path).write_bytes(content)
+        else:
+            content.write_to(folder / path)
 
 
 def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
@@ -400,15 +413,37 @@ def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
     )
 
 
-def decode_file_parameters(parameters: Mapping[str, object]) -> dict[str, bytes]:
-    """The ``file:<path>`` parameters of a REST load request (base64 strings)."""
-    files = {}
+def decode_file_parameters(parameters: Mapping[str, object]) -> dict[str, bytes | UploadedFile]:
+    """The ``file:<path>`` parameters of a REST load request (base64 strings), each
+    decoded as it is written to disk."""
+    files: dict[str, bytes | UploadedFile] = {}
     for key, value in parameters.items():
         if key.startswith("file:"):
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"parameter '{key}' must be a base64 string")
-            try:
-                files[key.removeprefix("file:")] = base64.b64decode(value, validate=True)
-            except ValueError:
-                raise InvalidArgumentError(f"parameter '{key}' is not valid base64") from None
+            files[key.removeprefix("file:")] = Base64File(key, value)
     return files
+
+
+class Base64File:
+    """An uploaded file in base64, decoded a slice at a time straight into its file:
+    never held as a whole in bytes, neither encoded nor decoded."""
+
+    _SLICE = 4 * 1024 * 1024  # characters per slice: a multiple of 4 (whole quanta)
+
+    def __init__(self, parameter: str, text: str) -> None:
+        self._parameter = parameter
+        self._text = text
+
+    def write_to(self, path: Path) -> None:
+        text = self._text
+        with path.open("wb") as out:
+            for start in range(0, len(text), self._SLICE):
+                piece = text[start : start + self._SLICE]
+                try:
+                    # strict: only the alphabet, and padding only at the very end
+                    out.write(binascii.a2b_base64(piece.encode("ascii"), strict_mode=True))
+                except (ValueError, UnicodeEncodeError):
+                    raise InvalidArgumentError(
+                        f"parameter '{self._parameter}' is not valid base64"
+                    ) from None
