@@ -65,3 +65,9 @@ def failure_text(exc: Exception) -> str:
     """A failure as a load error tells it: the type and message of an ``Exception``, the
     words of a ``ModelCodeExit``."""
     return str(exc) if isinstance(exc, ModelCodeExit) else f"{type(exc).__name__}: {exc}"
+
+
+def failure_message(model: str, exc: Exception) -> str:
+    """What a request that model code failed is answered: "model 'x' failed: <exc>", or
+    the words of a ``ModelCodeExit``, which name the model already."""
+    return str(exc) if isinstance(exc, ModelCodeExit) else f"model '{model}' failed: {exc}"

@@ -33,7 +33,7 @@ import trio
 from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel, StepSequence
 from .._load_facts import KVCacheState
-from .._model_code import model_failure, raise_failure
+from .._model_code import failure_message, model_failure, raise_failure
 from .._stats import FailureReason
 from ._generation import (
     FinishReason,
@@ -262,7 +262,7 @@ class LLMEngine:
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The model failed: its batch's requests fail, the engine goes on."""
         logger.warning("model %r step failed: %r", self.model.name, exc)
-        error = InternalError(f"model '{self.model.name}' failed: {exc}")
+        error = InternalError(failure_message(self.model.name, exc))
         for record in {seq.owner for seq, _ in plan.chunks}:
             self._drop(record, error, FailureReason.BACKEND)
 
@@ -348,7 +348,7 @@ class LLMEngine:
             except BaseException as exc:  # the model's tokenizer failed: this request fails
                 exc = model_failure(exc, self.model.name, "in its tokenizer")
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
-                error = InternalError(f"model '{self.model.name}' failed: {exc}")
+                error = InternalError(failure_message(self.model.name, exc))
                 self._drop(record, error, FailureReason.BACKEND)
 
     def _sample(
