@@ -357,3 +357,52 @@ def _wait_for(lines: Any, pattern: str) -> str:
         if found:
             return found.group(1)
     raise AssertionError(f"the server ended without logging {pattern!r}")
+
+
+CTRL_C_SCRIPT = """
+import numpy as np
+import trio
+from trioserve import Model, ServerConfig, TensorSpec, serve
+
+class Spins(Model):
+    async def execute(self, requests):
+        print("executing", flush=True)
+        while True:  # Python work, with a checkpoint now and then: Ctrl-C lands in here
+            for _ in range(100_000):
+                pass
+            await trio.sleep(0)
+
+async def main():
+    spec = dict(inputs=[TensorSpec("X", "INT32", [1])], outputs=[TensorSpec("Y", "INT32", [1])])
+    config = ServerConfig(models=[Spins(name="spins", **spec)], http_port=None, grpc_port=None)
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, config)
+        try:
+            await server.infer("spins", {"X": np.array([1], np.int32)})
+        except Exception as exc:  # the Ctrl-C taken for the model's own
+            print("answered:", exc, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+def test_a_real_ctrl_c_is_not_taken_for_the_models(tmp_path: Path) -> None:
+    """trio's own KeyboardInterrupt delivery (a program embedding the server): a Ctrl-C
+    while the model's code runs on the event loop stops the program, as it would
+    without a model, rather than failing the model's request."""
+    script = tmp_path / "embedding.py"
+    script.write_text(CTRL_C_SCRIPT)
+    with subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            assert process.stdout is not None
+            assert process.stdout.readline() == "executing\n"
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 1
+            assert process.stderr is not None
+            assert re.search(r"^[ |]*KeyboardInterrupt$", process.stderr.read(), re.MULTILINE)
+            assert process.stdout.read() == ""
+        finally:
+            process.kill()
