@@ -75,7 +75,12 @@ INITIALIZE_EXITS = """class TritonPythonModel:
     def initialize(self, args):
         raise SystemExit
 """
-AT_IMPORT = {
+AUTO_COMPLETE_EXITS = """class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        raise SystemExit("no config")
+"""
+AT_LOAD = {
     "exit_at_import": ("import sys\nsys.exit(3)\n", "called sys.exit(3) at import"),
     "interrupt_at_import": ("raise KeyboardInterrupt\n", "raised KeyboardInterrupt at import"),
     # Outside ``trioserve run`` the process's argv is the test runner's: argparse exits 2.
@@ -86,6 +91,10 @@ AT_IMPORT = {
     "exit_in_initialize": (
         ECHO.replace("class TritonPythonModel:", INITIALIZE_EXITS),
         "called sys.exit() in initialize",
+    ),
+    "exit_in_auto_complete": (
+        ECHO.replace("class TritonPythonModel:", AUTO_COMPLETE_EXITS),
+        "called sys.exit('no config') in auto_complete_config",
     ),
 }
 FINALIZE_EXITS = (
@@ -160,7 +169,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     write_model(root, "echo", ECHO)
     write_model(root, "exits_sync", EXITS.format(prefix=""))
     write_model(root, "exits_async", EXITS.format(prefix="async "))
-    for name, (code, _) in AT_IMPORT.items():
+    for name, (code, _) in AT_LOAD.items():
         write_model(root, name, code)
     write_model(root, "exit_in_finalize", FINALIZE_EXITS)
     write_model(root, "decoupled_exits", DECOUPLED, "model_transaction_policy { decoupled: true }")
@@ -228,14 +237,14 @@ def test_an_exit_in_execute_fails_its_request_only(
     assert after["success"]["count"] - before["success"]["count"] == 3
 
 
-@pytest.mark.parametrize("model", sorted(AT_IMPORT))
+@pytest.mark.parametrize("model", sorted(AT_LOAD))
 def test_an_exit_while_loading_fails_the_load_only(
     http: httpclient.InferenceServerClient, model: str
 ) -> None:
     with pytest.raises(InferenceServerException) as failed:
         http.load_model(model)
     assert failed.value.status() == "400"
-    words = AT_IMPORT[model][1]
+    words = AT_LOAD[model][1]
     assert f"failed to load '{model}'" in failed.value.message()
     assert f"model '{model}' {words}" in failed.value.message()
     (entry,) = [e for e in http.get_model_repository_index() if e["name"] == model]
@@ -321,7 +330,7 @@ def test_trioserve_run_survives_an_exit_at_startup(tmp_path: Path) -> None:
     server starts and serves the others. A model.py that parses its arguments at import
     reads no server flags (it sees the argv of a script started without arguments)."""
     write_model(tmp_path, "echo", ECHO)
-    write_model(tmp_path, "exit_at_import", AT_IMPORT["exit_at_import"][0])
+    write_model(tmp_path, "exit_at_import", AT_LOAD["exit_at_import"][0])
     write_model(tmp_path, "parses_its_arguments", ARGPARSE_MODEL)
     command = [
         sys.executable, "-m", "trioserve", "run", "--model-repository", str(tmp_path),
