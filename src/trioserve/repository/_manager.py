@@ -240,8 +240,8 @@ class RepositoryManager:
         if isinstance(failure, LoadTimeout):
             return (
                 f"loading took longer than {self._load_timeout_s:g} s "
-                "(--model-load-timeout-secs); its import or initialize still runs "
-                "in a thread that cannot be stopped, and is ignored"
+                "(--model-load-timeout-secs); an import or initialize still running is "
+                "left behind in its thread, and what it does is ignored"
             )
         if isinstance(failure, ConfigError | InvalidArgumentError):  # says it all itself
             return str(failure)
