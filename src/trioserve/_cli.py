@@ -54,6 +54,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--repository-poll-secs", type=float, default=15.0)
     run.add_argument(
+        "--model-load-thread-count",
+        type=int,
+        default=4,
+        metavar="N",
+        help="models that load at once (default 4, as Triton)",
+    )
+    run.add_argument(
+        "--model-load-timeout-secs",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a load whose import or initialize runs longer fails (default 600; 0: no "
+        "limit); its thread cannot be stopped and is left to finish",
+    )
+    run.add_argument(
         "--strict-model-config",
         type=_boolean,
         default=False,
@@ -212,6 +227,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         load_models=args.load_model,
         repository_poll_secs=args.repository_poll_secs,
         strict_model_config=args.strict_model_config,
+        model_load_thread_count=args.model_load_thread_count,
+        model_load_timeout_s=args.model_load_timeout_secs,
         host=args.host,
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,
@@ -314,4 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         check_alternatives(config)
     except (RepositoryError, ValueError) as exc:
         sys.exit(f"trioserve: {exc}")
+    # Model code sees the command line of a script started without arguments, as it
+    # would run on its own: a model.py that parses its arguments at import (argparse)
+    # must not read, and exit on, the server's flags.
+    del sys.argv[1:]
     trio.run(run_until_signalled, config)

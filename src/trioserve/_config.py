@@ -45,6 +45,10 @@ class ServerConfig:
     load_models: Sequence[str] = ()  # explicit mode: loaded at startup ("*": all)
     repository_poll_secs: float = 15.0
     strict_model_config: bool = False  # no auto-complete: config.pbtxt says everything
+    model_load_thread_count: int = 4  # models loading at once (Triton's default)
+    # A load whose import or initialize takes longer fails (its thread is left behind);
+    # 0: no limit.
+    model_load_timeout_s: float = 600.0
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
 
     def __post_init__(self) -> None:
@@ -79,3 +83,7 @@ class ServerConfig:
             raise ValueError("model_control_mode must be 'none', 'poll' or 'explicit'")
         if self.repository_poll_secs <= 0:
             raise ValueError("repository_poll_secs must be > 0")
+        if self.model_load_thread_count < 1:
+            raise ValueError("model_load_thread_count must be >= 1")
+        if self.model_load_timeout_s < 0:
+            raise ValueError("model_load_timeout_s must be >= 0 (0: no limit)")

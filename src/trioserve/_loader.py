@@ -15,6 +15,7 @@ import importlib.util
 from pathlib import Path
 
 from ._model import Model
+from ._model_code import model_failure
 
 
 class RepositoryError(Exception):
@@ -58,8 +59,9 @@ def _load(path: Path, name: str, version: str | None) -> Model:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
-        raise RepositoryError(f"{path}: failed to import: {exc!r}") from exc
+    except BaseException as exc:  # sys.exit or argparse at import fails this load only
+        failure = model_failure(exc, name, "at import")
+        raise RepositoryError(f"{path}: failed to import: {failure!r}") from None
     loaded = getattr(module, "model", None)
     if not isinstance(loaded, Model):
         raise RepositoryError(f"{path}: defines no module-level 'model' that is a trioserve.Model")

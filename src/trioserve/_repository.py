@@ -9,9 +9,11 @@ replacement. ``control`` is what answers the repository API, when the server has
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Protocol
 
 import trio
@@ -40,6 +42,10 @@ def version_number(version: str) -> int:
             f"invalid model version specified '{version}' , version should be an integral value > 0"
         )
     return number
+
+
+class LoadTimeout(Exception):
+    """A model took longer to load than its deadline allowed."""
 
 
 class ServedModel(Protocol):
@@ -94,12 +100,21 @@ class Ticket(Protocol):
 Answer = InferenceResponse | InferenceServerError | None
 
 
+class UploadedFile(Protocol):
+    """A load request's file whose contents are written as it is decoded (a REST
+    upload's base64 text), so that a large upload is never held decoded as well."""
+
+    def write_to(self, path: Path) -> None: ...
+
+
 class RepositoryControl(Protocol):
     """The model repository extension: index, load and unload."""
 
     def index(self, ready_only: bool) -> list[dict[str, str]]: ...
 
-    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None: ...
+    async def load(
+        self, name: str, config: str | None, files: Mapping[str, bytes | UploadedFile]
+    ) -> None: ...
 
     async def unload(self, name: str, unload_dependents: bool) -> None: ...
 
@@ -222,18 +237,25 @@ class ModelRepository:
             finally:
                 del self._scopes[id(runner)]
 
-    async def install(self, name: str, runners: Sequence[ServedModel]) -> None:
+    async def install(
+        self, name: str, runners: Sequence[ServedModel], deadline: float = math.inf
+    ) -> None:
         """Load ``runners`` (the versions of ``name``), then serve them in place of the
-        versions served so far. A version that fails to load leaves the old ones serving."""
+        versions served so far. A version that fails to load, or loads past ``deadline``
+        (``LoadTimeout``), leaves the old ones serving."""
         assert self._nursery is not None, "the repository is not running"
         assert runners, "a model serves at least one version"
         started: list[ServedModel] = []
         try:
-            for runner in runners:
-                await self._start(self._nursery, runner)
-                started.append(runner)
+            with trio.CancelScope(deadline=deadline) as loading:
+                for runner in runners:
+                    await self._start(self._nursery, runner)
+                    started.append(runner)
+            if loading.cancelled_caught:
+                raise LoadTimeout(name)
         except BaseException:
-            await self._stop(started)
+            with trio.CancelScope(shield=True):  # even when the load itself was cancelled
+                await self._stop(started)
             raise
         old = self._models.get(name, {})
         self._models[name] = {runner.version: runner for runner in runners}

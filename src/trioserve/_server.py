@@ -182,6 +182,8 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             strict=config.strict_model_config,
             registry=context.registry,
             checkpoint_loader=load_checkpoint_model,
+            load_threads=config.model_load_thread_count,
+            load_timeout_s=config.model_load_timeout_s,
         )
         await services.start(manager.run)
         http: list[Address] = []

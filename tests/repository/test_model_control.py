@@ -91,7 +91,15 @@ def states(server: Server) -> dict[str, list[tuple[str, str]]]:
 
 
 async def start(nursery: trio.Nursery, root: Path, **settings: Any) -> Server:
-    config = ServerConfig(model_repositories=[root], http_port=None, grpc_port=None, **settings)
+    # No load timeout: while a model's import runs in its worker thread, autojump_clock
+    # would jump straight to the load's deadline.
+    config = ServerConfig(
+        model_repositories=[root],
+        http_port=None,
+        grpc_port=None,
+        model_load_timeout_s=0,
+        **settings,
+    )
     server: Server = await nursery.start(serve, config)
     return server
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -127,6 +128,27 @@ def test_interleaved_sequences_on_one_stream(grpc_url: str, dyna: bool) -> None:
         assert received[str(correlation_id)] == expected(dyna, correlation_id, inputs)
 
 
+@pytest.mark.parametrize("bad", [2**64 + 501, -501, 2**65])
+def test_rest_refuses_correlation_ids_beyond_uint64(server: Server, bad: int) -> None:
+    """A JSON number is not bounded as gRPC's uint64 is: 2**64 + 501 must not continue
+    sequence 501."""
+    url = f"http://127.0.0.1:{server.http_port}/v2/models/simple_sequence/infer"
+
+    def infer(sequence_id: int, start: bool = False, end: bool = False) -> httpx.Response:
+        parameters = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+        data = {"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}
+        return httpx.post(url, json={"inputs": [data], "parameters": parameters}, timeout=20)
+
+    assert infer(501, start=True).status_code == 200
+    refused = infer(bad)
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "error": f"request parameter 'sequence_id' must be an unsigned 64-bit integer, not {bad}"
+    }
+    assert infer(501, end=True).status_code == 200  # sequence 501 went on untouched
+    assert infer(2**64 - 1, start=True, end=True).status_code == 200  # the largest id
+
+
 def test_triton_sequence_errors(server: Server) -> None:
     client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
 
@@ -176,6 +198,7 @@ def test_triton_sequence_errors(server: Server) -> None:
 
 
 INSTANCE_STATE_MODEL = """
+import httpx
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -248,6 +271,7 @@ def test_a_sequence_stays_on_its_model_instance(tmp_path: Path, strategy: str) -
 
 
 BLS_SEQUENCE_MODEL = """
+import httpx
 import numpy as np
 import triton_python_backend_utils as pb_utils
 

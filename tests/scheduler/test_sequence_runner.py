@@ -21,7 +21,7 @@ from trioserve import (
     model,
 )
 from trioserve._tensor import datatype
-from trioserve.scheduler._sequence_runner import SequenceRunner
+from trioserve.scheduler._sequence_runner import SequenceRunner, sequence_flags
 
 COMPUTE_S = 0.010
 
@@ -155,6 +155,44 @@ async def test_idle_sequences_are_released(autojump_clock: Any) -> None:
         "on the first request of the sequence",
     )
     assert results[3] == (0.19, 5)
+
+
+async def test_a_start_queued_longer_than_the_idle_time_keeps_its_sequence(
+    autojump_clock: Any,
+) -> None:
+    acc = Accumulator(max_batch_size=0, max_sequence_idle_microseconds=100_000)  # one slot
+    results = await play(
+        acc.runner,
+        [
+            (0.000, request(1, 1, start=True, batched=False)),
+            (0.001, request(2, 2, start=True, batched=False)),  # in the backlog until 100 ms
+            (0.090, request(3, 1, end=True, batched=False)),
+            (0.150, request(4, 2, batched=False)),  # idle from its START's end at 110 ms
+            (0.270, request(5, 2, batched=False)),  # idle since 160 ms: released at 260 ms
+        ],
+    )
+    assert acc.executions == [
+        (0.0, [(1, 1, 1)]),
+        (0.09, [(1, 0, 3)]),
+        (0.1, [(2, 1, 2)]),
+        (0.15, [(2, 0, 4)]),
+    ]
+    assert results[:4] == [(0.01, 1), (0.11, 2), (0.1, 1 + 3 + 1), (0.16, 2 + 4)]
+    assert results[4] == (
+        0.27,
+        "inference request for sequence 2 to model 'accumulator' must specify the START flag "
+        "on the first request of the sequence",
+    )
+
+
+@pytest.mark.parametrize("corrid", [-(2**63) - 1, 2**64, 2**64 + 2])
+def test_a_correlation_id_beyond_uint64_is_refused(corrid: int) -> None:
+    with pytest.raises(InvalidArgumentError, match="must be a 64-bit unsigned integer"):
+        sequence_flags(request(1, corrid, start=True))
+
+
+def test_a_negative_int64_correlation_id_is_its_uint64() -> None:
+    assert sequence_flags(request(1, -1, start=True))[0] == 2**64 - 1  # as gRPC's int64_param
 
 
 async def test_sequences_beyond_the_slots_wait_for_one(autojump_clock: Any) -> None:

@@ -54,7 +54,7 @@ def test_end_forgets_the_id_and_frees_the_slot_once_executed():
     assert fresh is not ending and fresh.slot == 1
     table.take(DispatchSequences([ending], 0))
     assert table.ready() == [fresh]
-    table.executed(ending)
+    table.executed(ending, 0)
     assert ending.slot is None
     assert join(table, 2, 2, start=True).slot == 0  # the lowest free slot
 
@@ -69,8 +69,8 @@ def test_sequences_beyond_the_slots_wait_in_order_of_their_start():
     taken = table.take(DispatchSequences([first, second, third], 0))
     assert [i.arrival_ns for i in taken] == [1 * MS, 2 * MS, 3 * MS]
     assert table.ready() == []  # one request per sequence executes at a time
-    table.executed(second)  # sequence 2 goes on: its slot stays
-    table.executed(first)  # sequence 1 ended: its slot goes to 4, first in the backlog
+    table.executed(second, 10 * MS)  # sequence 2 goes on: its slot stays
+    table.executed(first, 10 * MS)  # sequence 1 ended: its slot goes to 4, first in the backlog
     fourth, fifth = table.get(4), table.get(5)
     assert fourth is not None and fifth is not None
     assert (fourth.slot, fifth.slot) == (0, None)
@@ -84,7 +84,7 @@ def test_idle_sequences_are_released_at_their_time():
     waiting = join(table, 2, 10, start=True)  # in the backlog
     assert table.next_idle_ns() is None  # both have requests waiting
     table.take(DispatchSequences([idle], 0))
-    table.executed(idle)
+    table.executed(idle, 0)
     assert table.next_idle_ns() == 100 * MS
     assert table.release_idle(100 * MS - 1) == []
     assert table.release_idle(100 * MS) == [idle]
@@ -156,3 +156,19 @@ def test_oldest_keeps_a_sequence_on_its_instance():
 
 def decision_for(sequence: LiveSequence, instance: int) -> DispatchSequences:
     return DispatchSequences([sequence], instance)
+
+
+def test_the_idle_time_counts_from_the_last_execution_not_from_a_queued_start():
+    policy = SequencePolicy(oldest=True, slots=1, idle_ns=100 * MS)
+    table = SequenceTable(policy)
+    holder = join(table, 1, 0, start=True, end=True)
+    backlogged = join(table, 2, 1, start=True)  # waits for the one slot
+    table.take(DispatchSequences([holder], 0))
+    table.executed(holder, 500 * MS)  # the slot frees at 500 ms, long past the idle time
+    assert backlogged.slot == 0
+    table.take(DispatchSequences([backlogged], 0))
+    table.executed(backlogged, 510 * MS)  # its START ran 509 ms after it arrived
+    assert table.next_idle_ns() == 610 * MS
+    assert table.release_idle(610 * MS - 1) == []
+    again, _ = table.admit(2, False, False, 600 * MS)  # still live: no START needed
+    assert again is backlogged

@@ -7,20 +7,28 @@
               and unloads
 
 Folders are read and model.py files imported in a worker thread, and each version loads
-in its own runner, so loading never holds up requests to other models. A model that
-fails to load stays listed in the index as UNAVAILABLE with the reason.
+in its own runner, so loading never holds up requests to other models. Loads of
+different models run at once, up to ``load_threads`` of them (Triton's
+``--model-load-thread-count``); the loads and unloads of one model take turns. A load
+that takes longer than ``load_timeout_s`` fails, and frees its turn: its thread, stuck
+in the model's import or ``initialize``, cannot be stopped, and is left to finish on
+its own (whatever it does then is dropped). A model that fails to load stays listed in
+the index as UNAVAILABLE with the reason; a failed reload leaves the version served
+before it serving, as in Triton. A load's uploaded files are removed as soon as that
+load fails, or once another load or an unload replaces the model they made.
 """
 
 from __future__ import annotations
 
-import base64
+import binascii
 import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +37,8 @@ from prometheus_client import CollectorRegistry
 
 from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
-from .._repository import ModelRepository, ServedModel
+from .._model_code import failure_text, model_failure
+from .._repository import LoadTimeout, ModelRepository, ServedModel, UploadedFile
 from ._checkpoint_backend import CheckpointLoader
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
@@ -60,6 +69,8 @@ class RepositoryManager:
         strict: bool = False,
         registry: CollectorRegistry | None = None,
         checkpoint_loader: CheckpointLoader | None = None,
+        load_threads: int = 4,
+        load_timeout_s: float = 600.0,
     ) -> None:
         self._repository = repository
         self._make_runners = make_runners
@@ -74,8 +85,15 @@ class RepositoryManager:
         self._unloaded: set[str] = set()
         self._found: set[str] = set()  # model folders seen in the repositories
         self._signatures: dict[str, tuple[tuple[str, int, int], ...]] = {}  # poll: what changed
+        # The uploaded files of the model served under each name, and of each load in
+        # progress (removed if it fails).
         self._uploads: dict[str, tempfile.TemporaryDirectory[str]] = {}
-        self._lock = trio.Lock()  # one load or unload at a time
+        self._uploading: dict[str, tempfile.TemporaryDirectory[str]] = {}
+        # name -> (its lock, how many hold or wait for it): one load or unload of a
+        # model at a time; the entry goes when nobody needs it.
+        self._locks: dict[str, tuple[trio.Lock, int]] = {}
+        self._load_slots = trio.Semaphore(load_threads)  # loads running at once
+        self._load_timeout_s = load_timeout_s or math.inf  # 0: no limit
         self._polled = trio.lowlevel.ParkingLot()  # who waits for the next poll to end
         self._metrics = CustomMetrics()  # what Python-backend models make with pb_utils
         if registry is not None:
@@ -87,11 +105,11 @@ class RepositoryManager:
         names = await self._scan()
         if self._mode == "explicit":
             wanted = set(names) | set(self._builtin) if "*" in self._startup else self._startup
-            for name in sorted(wanted):
-                await self._load_reporting(name)
         else:
-            for name in sorted(names):
-                await self._load_reporting(name)
+            wanted = set(names)
+        async with trio.open_nursery() as startup:  # at once, up to load_threads
+            for name in sorted(wanted):
+                startup.start_soon(self._load_reporting, name)
         task_status.started()
         try:
             while self._mode == "poll":
@@ -100,7 +118,7 @@ class RepositoryManager:
                 self._polled.unpark_all()
             await trio.sleep_forever()
         finally:
-            for upload in self._uploads.values():
+            for upload in [*self._uploads.values(), *self._uploading.values()]:
                 upload.cleanup()
 
     async def next_poll(self) -> None:
@@ -153,7 +171,9 @@ class RepositoryManager:
                 entries.append({"name": name, "version": "", "state": state, "reason": reason})
         return entries
 
-    async def load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+    async def load(
+        self, name: str, config: str | None, files: Mapping[str, bytes | UploadedFile]
+    ) -> None:
         """The API's load: only in explicit mode."""
         self._check_explicit()
         _check_model_name(name)
@@ -178,40 +198,88 @@ class RepositoryManager:
                 "model control mode is 'none'"
             )
 
-    async def _load_model(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, name: str) -> AsyncIterator[None]:
+        """Hold ``name``'s lock: its loads and unloads one at a time."""
+        lock, users = self._locks.get(name, (trio.Lock(), 0))
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
+
+    @trio.lowlevel.enable_ki_protection  # model code runs below: see _model_code
+    async def _load_model(
+        self, name: str, config: str | None, files: Mapping[str, bytes | UploadedFile]
+    ) -> None:
         """Load (or reload) ``name``; an error says ``failed to load``, as Triton's does."""
-        async with self._lock:
+        async with self._exclusive(name), self._load_slots:
             try:
                 with self._repository.loading_model(name):
-                    await self._load(name, config, files)
-            except Exception as exc:  # a bad config or model file, or initialize failed
-                reason = (
-                    str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-                )
+                    deadline = trio.current_time() + self._load_timeout_s
+                    await self._load(name, config, files, deadline)
+            except BaseException as exc:  # a bad config or model file, initialize failed
+                reason = self._failure_reason(model_failure(exc, name, "while it loaded"))
                 logger.error("failed to load '%s', %s", name, reason)
                 self._failures[name] = reason = self._without_server_paths(reason)
+                failed_upload = self._uploading.pop(name, None)
+                if failed_upload is not None:
+                    failed_upload.cleanup()
                 raise InvalidArgumentError(f"failed to load '{name}', {reason}") from None
             self._failures.pop(name, None)
             self._unloaded.discard(name)
+            self._replace_upload(name)
             logger.info("loaded model '%s'", name)
+
+    def _failure_reason(self, failure: Exception) -> str:
+        if isinstance(failure, LoadTimeout):
+            return (
+                f"loading took longer than {self._load_timeout_s:g} s "
+                "(--model-load-timeout-secs); an import or initialize still running is "
+                "left behind in its thread, and what it does is ignored"
+            )
+        if isinstance(failure, ConfigError | InvalidArgumentError):  # says it all itself
+            return str(failure)
+        return failure_text(failure)
+
+    def _replace_upload(self, name: str) -> None:
+        """``name`` now serves what its last load made: the files of the model it
+        replaced go, and its own upload (if any) stays while it serves."""
+        old = self._uploads.pop(name, None)
+        if old is not None:
+            old.cleanup()
+        new = self._uploading.pop(name, None)
+        if new is not None:
+            self._uploads[name] = new
 
     def _without_server_paths(self, reason: str) -> str:
         """A load failure as clients see it (the log has it whole): files named from
         their repository folder, never by where the server keeps them."""
         roots = {str(root) for root in self._folders}
         roots |= {str(root.resolve()) for root in self._folders}
-        roots |= {upload.name for upload in self._uploads.values()}
+        roots |= {upload.name for upload in [*self._uploads.values(), *self._uploading.values()]}
         for root in sorted(roots, key=len, reverse=True):
             reason = reason.replace(root.rstrip(os.sep) + os.sep, "")
         return reason
 
-    async def _load(self, name: str, config: str | None, files: Mapping[str, bytes]) -> None:
+    async def _load(
+        self,
+        name: str,
+        config: str | None,
+        files: Mapping[str, bytes | UploadedFile],
+        deadline: float,
+    ) -> None:
         if files:
             if config is None:
                 raise ConfigError("file: parameters need a 'config' parameter beside them")
-            folder = self._upload(name, files)
+            folder = await self._upload(name, files)
         elif name in self._builtin:
-            await self._install(name, [_overridden(self._builtin[name], config)])
+            await self._install(name, [_overridden(self._builtin[name], config)], deadline)
             return
         else:
             found = (await self._scan()).get(name)
@@ -219,45 +287,48 @@ class RepositoryManager:
                 raise ConfigError("failed to poll from model repository")
             folder = found
             self._signatures[name] = await trio.to_thread.run_sync(_signature, folder)
-        models = await trio.to_thread.run_sync(
-            lambda: read_model(
-                folder,
-                self._repository,
-                override=config,
-                strict=self._strict,
-                metrics=self._metrics,
-                checkpoint_loader=self._checkpoint_loader,
+        with trio.CancelScope(deadline=deadline) as reading:
+            # The model's import runs here: past the deadline, the thread is left behind
+            # (a limiter of its own, so that it holds none of the threads others need).
+            models = await trio.to_thread.run_sync(
+                lambda: read_model(
+                    folder,
+                    self._repository,
+                    override=config,
+                    strict=self._strict,
+                    metrics=self._metrics,
+                    checkpoint_loader=self._checkpoint_loader,
+                ),
+                abandon_on_cancel=True,
+                limiter=trio.CapacityLimiter(1),
             )
-        )
-        await self._install(name, models)
+        if reading.cancelled_caught:
+            raise LoadTimeout(name)
+        await self._install(name, models, deadline)
 
-    async def _install(self, name: str, models: Sequence[Model]) -> None:
+    async def _install(self, name: str, models: Sequence[Model], deadline: float) -> None:
         """Serve ``models`` as ``name``."""
         runners = self._make_runners(models)
-        await self._repository.install(name, runners)
+        await self._repository.install(name, runners, deadline)
 
-    def _upload(self, name: str, files: Mapping[str, bytes]) -> Path:
-        """Write the load request's files into a fresh folder that stands for the model."""
+    async def _upload(self, name: str, files: Mapping[str, bytes | UploadedFile]) -> Path:
+        """Write the load request's files into a fresh folder that stands for the model
+        (in a worker thread: they may be large)."""
         for path in files:
             parts = Path(path).parts
             if Path(path).is_absolute() or ".." in parts or not parts:
                 raise InvalidArgumentError(f"Invalid file path '{path}': must stay in the model")
             if any(len(part) > _NAME_MAX for part in parts):
                 raise InvalidArgumentError(f"Invalid file path '{path[:64]}...': name too long")
-        old = self._uploads.pop(name, None)
-        if old is not None:
-            old.cleanup()
         upload = tempfile.TemporaryDirectory(prefix="trioserve-model-")
-        self._uploads[name] = upload
+        self._uploading[name] = upload
         folder = Path(upload.name) / name
-        for path, content in files.items():
-            (folder / path).parent.mkdir(parents=True, exist_ok=True)
-            (folder / path).write_bytes(content)
+        await trio.to_thread.run_sync(_write_files, folder, files)
         return folder
 
     async def _unload_model(self, name: str) -> None:
         """Stop serving ``name`` once its requests in flight finish."""
-        async with self._lock:
+        async with self._exclusive(name):
             if not self._repository.has(name):
                 if name not in self._builtin and name not in self._signatures:
                     raise NotFoundError(f"failed to unload '{name}', no such model")
@@ -324,6 +395,15 @@ def _overridden(model: Model, config: str | None) -> Model:
     return changed
 
 
+def _write_files(folder: Path, files: Mapping[str, bytes | UploadedFile]) -> None:
+    for path, content in files.items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, bytes):
+            (folder / path).write_bytes(content)
+        else:
+            content.write_to(folder / path)
+
+
 def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
     """What poll mode compares to tell that a model changed: its files' sizes and times."""
     return tuple(
@@ -333,15 +413,37 @@ def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
     )
 
 
-def decode_file_parameters(parameters: Mapping[str, object]) -> dict[str, bytes]:
-    """The ``file:<path>`` parameters of a REST load request (base64 strings)."""
-    files = {}
+def decode_file_parameters(parameters: Mapping[str, object]) -> dict[str, bytes | UploadedFile]:
+    """The ``file:<path>`` parameters of a REST load request (base64 strings), each
+    decoded as it is written to disk."""
+    files: dict[str, bytes | UploadedFile] = {}
     for key, value in parameters.items():
         if key.startswith("file:"):
             if not isinstance(value, str):
                 raise InvalidArgumentError(f"parameter '{key}' must be a base64 string")
-            try:
-                files[key.removeprefix("file:")] = base64.b64decode(value, validate=True)
-            except ValueError:
-                raise InvalidArgumentError(f"parameter '{key}' is not valid base64") from None
+            files[key.removeprefix("file:")] = Base64File(key, value)
     return files
+
+
+class Base64File:
+    """An uploaded file in base64, decoded a slice at a time straight into its file:
+    never held as a whole in bytes, neither encoded nor decoded."""
+
+    _SLICE = 4 * 1024 * 1024  # characters per slice: a multiple of 4 (whole quanta)
+
+    def __init__(self, parameter: str, text: str) -> None:
+        self._parameter = parameter
+        self._text = text
+
+    def write_to(self, path: Path) -> None:
+        text = self._text
+        with path.open("wb") as out:
+            for start in range(0, len(text), self._SLICE):
+                piece = text[start : start + self._SLICE]
+                try:
+                    # strict: only the alphabet, and padding only at the very end
+                    out.write(binascii.a2b_base64(piece.encode("ascii"), strict_mode=True))
+                except (ValueError, UnicodeEncodeError):
+                    raise InvalidArgumentError(
+                        f"parameter '{self._parameter}' is not valid base64"
+                    ) from None

@@ -24,6 +24,7 @@ from typing import Any
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
+from .._model_code import failure_text, model_failure, raise_failure
 from .._repository import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
@@ -46,8 +47,9 @@ def import_model_file(path: Path, model_name: str, version: int) -> type:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ConfigError(f"{path}: failed to import: {type(exc).__name__}: {exc}") from None
+    except BaseException as exc:  # sys.exit or argparse at import fails this load only
+        failure = model_failure(exc, model_name, "at import")
+        raise ConfigError(f"{path}: failed to import: {failure_text(failure)}") from None
     return _model_class(module, path)
 
 
@@ -68,8 +70,9 @@ def auto_complete(model_class: type, config: ModelConfig, path: Path) -> None:
         return
     try:
         returned = hook(pb_utils.ModelConfig(config))
-    except Exception as exc:
-        raise ConfigError(f"{path}: auto_complete_config failed: {exc}") from None
+    except BaseException as exc:
+        failure = model_failure(exc, config.name or path.parent.name, "in auto_complete_config")
+        raise ConfigError(f"{path}: auto_complete_config failed: {failure}") from None
     if not isinstance(returned, pb_utils.ModelConfig):
         raise ConfigError(f"{path}: auto_complete_config must return the config it received")
 
@@ -131,10 +134,13 @@ class PythonBackendModel(Model):
             for group in self._config.instance_group:
                 gpu = group.kind == ModelInstanceGroup.KIND_GPU
                 for index in range(group.count):
-                    instance = self._class()
-                    initialize = getattr(instance, "initialize", None)
-                    if initialize is not None:
-                        initialize(self._args(group, index, gpu))
+                    try:
+                        instance = self._class()
+                        initialize = getattr(instance, "initialize", None)
+                        if initialize is not None:
+                            initialize(self._args(group, index, gpu))
+                    except BaseException as exc:
+                        raise_failure(exc, self.name, "in initialize")
                     self._instances.append(instance)
 
     def _args(self, group: Any, index: int, gpu: bool) -> dict[str, str]:
@@ -150,13 +156,18 @@ class PythonBackendModel(Model):
 
     def unload(self) -> None:
         instances, self._instances = self._instances, []
-        with self._serving():
-            for instance in instances:
-                finalize = getattr(instance, "finalize", None)
-                if finalize is not None:
-                    finalize()
-        if self._metrics is not None:
-            self._metrics.release(self)
+        try:
+            with self._serving():
+                for instance in instances:
+                    finalize = getattr(instance, "finalize", None)
+                    if finalize is not None:
+                        try:
+                            finalize()
+                        except BaseException as exc:
+                            raise_failure(exc, self.name, "in finalize")
+        finally:
+            if self._metrics is not None:
+                self._metrics.release(self)
 
     def _execute_sync(self, requests: Sequence[InferenceRequest]) -> list[Result]:
         instance = self._instances[MODEL_INSTANCE.get()]  # running one batch at a time

@@ -79,6 +79,7 @@ def decode_request(
     shared_memory_outputs(regions, outputs)
     parameters = _parameters(document.get("parameters"), "request")
     _check_flag(parameters, "binary_data_output", "request")
+    _check_sequence_id(parameters.get("sequence_id"))
     return InferenceRequest(
         model_name=model_name,
         model_version=model_version,
@@ -138,6 +139,15 @@ def _check_flag(parameters: dict[str, Any], key: str, where: str) -> None:
     """A flag parameter is true or false: the string "false" is no way to say false."""
     if type(parameters.get(key, False)) is not bool:
         raise InvalidArgumentError(f"{where} parameter '{key}' must be a boolean")
+
+
+def _check_sequence_id(value: Any) -> None:
+    """A numeric correlation id is a uint64, as on gRPC: JSON numbers beyond it would
+    otherwise wrap around onto another sequence (2**64 + 5 continuing sequence 5)."""
+    if type(value) is int and not 0 <= value < 1 << 64:
+        raise InvalidArgumentError(
+            f"request parameter 'sequence_id' must be an unsigned 64-bit integer, not {value}"
+        )
 
 
 def _decode_inputs(

@@ -150,7 +150,7 @@ class OpenAIEndpoints:
         else:
             assert prompt.text is not None
             text = prompt.text
-            ids = await _tokenized(model.encode, text)
+            ids = await _tokenized(model.encode, text, model.name)
         echo = text if options.echo else ""
         logprobs = requested_logprobs(document, chat=False)
         return self._call(
@@ -170,7 +170,7 @@ class OpenAIEndpoints:
             model.special_tokens,
             add_generation_prompt=add_generation_prompt,
         )
-        ids = await _tokenized(model.encode_chat, text)
+        ids = await _tokenized(model.encode_chat, text, model.name)
         parameters = options.parameters
         if "max_tokens" not in parameters:  # as many as the model's length leaves room for
             parameters = {**parameters, "max_tokens": max(1, model.max_model_len - len(ids))}
@@ -358,9 +358,9 @@ def _generative(served: Any) -> tuple[GenerativeServed, GenerativeModel] | None:
     return None
 
 
-async def _tokenized(encode: Tokenizer, text: str) -> list[int]:
+async def _tokenized(encode: Tokenizer, text: str, model: str) -> list[int]:
     try:
-        return await call_tokenizer(encode, text)
+        return await call_tokenizer(encode, text, model)
     except Exception as exc:
         raise InvalidArgumentError(f"cannot tokenize the prompt: {exc}") from exc
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import trio
+
 from .._errors import InvalidArgumentError, UnsupportedError
-from .._repository import ModelRepository, RepositoryControl
+from .._limits import OFF_LOOP_BYTES
+from .._repository import ModelRepository, RepositoryControl, UploadedFile
 from .._restricted import Restriction
 from ..repository import decode_file_parameters
 from ._app import Endpoint, Request, Response
@@ -33,37 +36,45 @@ class _RepositoryEndpoints:
         return self.repository.control
 
     async def index(self, request: Request) -> Response:
-        ready = _body(request).get("ready", False)
+        ready = _body(request.body).get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgumentError("'ready' must be a boolean")
         return Response(200, COMPACT.encode(self._control().index(ready)).encode())
 
     async def load(self, request: Request) -> Response:
-        parameters = _parameters(request)
-        config = parameters.get("config")
-        if config is not None and not isinstance(config, str):
-            raise InvalidArgumentError("parameter 'config' must be a JSON string")
-        files = decode_file_parameters(parameters)
+        if len(request.body) >= OFF_LOOP_BYTES:  # an upload: parse and decode off the loop
+            config, files = await trio.to_thread.run_sync(_load_parameters, request.body)
+        else:
+            config, files = _load_parameters(request.body)
         await self._control().load(request.params["model"], config, files)
         return _DONE
 
     async def unload(self, request: Request) -> Response:
-        dependents = _parameters(request).get("unload_dependents", False)
+        dependents = _parameters(request.body).get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise InvalidArgumentError("parameter 'unload_dependents' must be a boolean")
         await self._control().unload(request.params["model"], dependents)
         return _DONE
 
 
-def _body(request: Request) -> dict[str, Any]:
-    return json_object(request.body) if request.body.strip() else {}
+def _body(body: bytes) -> dict[str, Any]:
+    return json_object(body) if body.strip() else {}
 
 
-def _parameters(request: Request) -> dict[str, Any]:
-    parameters = _body(request).get("parameters", {})
+def _parameters(body: bytes) -> dict[str, Any]:
+    parameters = _body(body).get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgumentError("'parameters' must be a JSON object")
     return parameters
+
+
+def _load_parameters(body: bytes) -> tuple[str | None, dict[str, bytes | UploadedFile]]:
+    """A load request's config override and uploaded files."""
+    parameters = _parameters(body)
+    config = parameters.get("config")
+    if config is not None and not isinstance(config, str):
+        raise InvalidArgumentError("parameter 'config' must be a JSON string")
+    return config, decode_file_parameters(parameters)
 
 
 def add_repository_routes(

@@ -13,10 +13,9 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
-import trio
-
 from .._errors import InferenceServerError
 from .._model import Result
+from .._model_code import model_failure
 from .._stats import ExecutionTimes, FailureReason
 from .._types import InferenceRequest, InferenceResponse
 from ._clock import now_ns
@@ -60,10 +59,7 @@ class DecoupledRunner(ModelRunner):
                     self._finish(ticket, error=shutting_down())
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
-        if self._execute_is_async:
-            await self.model.execute(requests)  # type: ignore[misc]
-        else:
-            await trio.to_thread.run_sync(self.model.execute, requests)
+        await self._execute_model(requests)
         return ()  # it answers through the requests' senders
 
     def _deliver(
@@ -77,8 +73,9 @@ class DecoupledRunner(ModelRunner):
         elif outputs is not None:
             try:
                 answer = self._response(ticket.request, outputs)
-            except InferenceServerError as exc:
-                answer = exc
+            except BaseException as exc:  # what the model sent cannot be answered
+                failure = model_failure(exc, self.name, "in what it sent")
+                answer = model_error(self.name, failure)
         ticket.responses.put(answer, final)
         if final and ticket.execution is not None:
             self._finish(ticket, response=self._empty(ticket.request))

@@ -33,6 +33,7 @@ import trio
 from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel, StepSequence
 from .._load_facts import KVCacheState
+from .._model_code import failure_message, model_failure, raise_failure
 from .._stats import FailureReason
 from ._generation import (
     FinishReason,
@@ -157,7 +158,7 @@ class LLMEngine:
         tokenizer is a BACKEND failure; a cancelled ``add`` is recorded by its caller,
         which knows who cancelled it (the requester, or a stopping runner)."""
         try:
-            return await call_tokenizer(self.model.encode, request.prompt)
+            return await call_tokenizer(self.model.encode, request.prompt, self.model.name)
         except Exception as exc:
             if self._outcomes is not None:
                 now = trio.current_time()
@@ -261,7 +262,7 @@ class LLMEngine:
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The model failed: its batch's requests fail, the engine goes on."""
         logger.warning("model %r step failed: %r", self.model.name, exc)
-        error = InternalError(f"model '{self.model.name}' failed: {exc}")
+        error = InternalError(failure_message(self.model.name, exc))
         for record in {seq.owner for seq, _ in plan.chunks}:
             self._drop(record, error, FailureReason.BACKEND)
 
@@ -281,11 +282,15 @@ class LLMEngine:
         self._requests.discard(record)
         self._logprob_requests -= record.request.sampling.logprobs is not None
 
+    @trio.lowlevel.enable_ki_protection  # see _model_code: a Ctrl-C is not the model's
     async def _step(self, batch: list[StepSequence]) -> np.ndarray[Any, Any]:
-        if self.model.steps_async:
-            logits = await self.model.step(batch)  # type: ignore[misc]
-        else:
-            logits = await trio.to_thread.run_sync(self.model.step, batch)
+        try:
+            if self.model.steps_async:
+                logits = await self.model.step(batch)  # type: ignore[misc]
+            else:
+                logits = await trio.to_thread.run_sync(self.model.step, batch)
+        except BaseException as exc:
+            raise_failure(exc, self.model.name, "in step")
         logits = np.asarray(logits)
         if logits.ndim != 2 or logits.shape[0] != len(batch):
             raise RuntimeError(
@@ -294,6 +299,7 @@ class LLMEngine:
             )
         return logits
 
+    @trio.lowlevel.enable_ki_protection  # it decodes with the model's tokenizer
     def _apply(
         self, plan: StepPlan, logits: np.ndarray[Any, Any], now: float, tally: _StepTally
     ) -> None:
@@ -339,9 +345,10 @@ class LLMEngine:
             self._new_tokens(record, now, tally)
             try:
                 self._accept(record, s, token, logprob, tally, now)
-            except Exception as exc:  # the model's tokenizer failed: this request fails
+            except BaseException as exc:  # the model's tokenizer failed: this request fails
+                exc = model_failure(exc, self.model.name, "in its tokenizer")
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
-                error = InternalError(f"model '{self.model.name}' failed: {exc}")
+                error = InternalError(failure_message(self.model.name, exc))
                 self._drop(record, error, FailureReason.BACKEND)
 
     def _sample(

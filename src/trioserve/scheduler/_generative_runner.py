@@ -42,7 +42,7 @@ from ._engine import EngineRequest, LLMEngine
 from ._generation import GenerationChunk, GenerationRequest
 from ._generation_input import generation_request, prompt_and_parameters
 from ._llm_stats import FinishedRequest, IterationStats
-from ._model_calls import call_hook
+from ._model_calls import call_hook, unload
 
 _BYTES = datatype("BYTES")
 
@@ -183,7 +183,7 @@ class GenerativeRunner:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, run the engine until cancelled, then fail what is left and unload."""
-        await call_hook(self.model.load)
+        await call_hook(self.model.load, self.model.name, "in load", abandon_on_cancel=True)
         try:
             async with trio.open_nursery() as nursery:
                 if self._telemetry is not None:
@@ -197,7 +197,7 @@ class GenerativeRunner:
             self._admissions = None
             self.engine.fail_all(UnavailableError("server is shutting down"))
             with trio.CancelScope(shield=True):
-                await call_hook(self.model.unload)
+                await unload(self.model, self.version)
 
     async def drain(self) -> None:
         """Take no more requests; what is generating ends when the runner stops."""

@@ -37,6 +37,7 @@ from .._errors import (
 )
 from .._load_facts import LoadFacts, QueueState
 from .._model import MODEL_INSTANCE, Model, Outputs, ResponseOutputs, Result
+from .._model_code import model_failure, raise_failure
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype_of
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -47,7 +48,7 @@ from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
 from ._handoff import Handoff
 from ._inbox import Inbox
-from ._model_calls import call_hook
+from ._model_calls import call_hook, unload
 from ._ticket import (
     WAKE,
     Ticket,
@@ -213,7 +214,7 @@ class ModelRunner:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load the model, serve until cancelled, then fail what waits and unload."""
-        await call_hook(self.model.load)
+        await call_hook(self.model.load, self.name, "in load", abandon_on_cancel=True)
         self._execute_is_async = self.model.is_async
         self.stats.memory_usage = tuple(self.model.memory_usage())
         self.ready = True
@@ -228,7 +229,7 @@ class ModelRunner:
             for ticket in self._take_waiting():
                 self._finish(ticket, error=shutting_down())
             with trio.CancelScope(shield=True):
-                await call_hook(self.model.unload)
+                await unload(self.model, self.version)
 
     def _waiting(self) -> int:
         """Requests waiting to execute."""
@@ -393,8 +394,9 @@ class ModelRunner:
                 results = cast(Sequence[Result], self.model.execute([p.request for p in batch]))
                 _check_count(results, batch)
                 executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now)
-            except Exception as exc:
-                executed = _Executed(batch, error=model_error(self.name, exc))
+            except BaseException as exc:  # in a worker thread: always the model's
+                failure = model_failure(exc, self.name, "in execute")
+                executed = _Executed(batch, error=model_error(self.name, failure))
             try:
                 batch = self._prefetched.popleft()
             except IndexError:
@@ -447,12 +449,20 @@ class ModelRunner:
                 self._finish(ticket, response=response, sent_ns=times.output_ready_ns)
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
-        if self._execute_is_async:
-            results = await self.model.execute(requests)  # type: ignore[misc]
-        else:
-            results = await trio.to_thread.run_sync(self.model.execute, requests)
+        results = cast(Sequence[Result], await self._execute_model(requests))
         _check_count(results, requests)
-        return results  # type: ignore[no-any-return]
+        return results
+
+    @trio.lowlevel.enable_ki_protection  # see _model_code: a Ctrl-C is not the model's
+    async def _execute_model(self, requests: list[InferenceRequest]) -> object:
+        """The model's ``execute`` (in trio when async, else in a worker thread); what it
+        raises comes out as an ``Exception``, the server's cancellation excepted."""
+        try:
+            if self._execute_is_async:
+                return await self.model.execute(requests)  # type: ignore[misc]
+            return await trio.to_thread.run_sync(self.model.execute, requests)
+        except BaseException as exc:
+            raise_failure(exc, self.name, "in execute")
 
     def _response_or_error(
         self, request: InferenceRequest, result: Result

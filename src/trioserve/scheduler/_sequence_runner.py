@@ -46,6 +46,7 @@ from ._ticket import WAKE, Ticket, Withdraw, tickets_leaving
 logger = logging.getLogger("trioserve.scheduler")
 
 _UINT64 = 1 << 64
+_INT64_HALF = 1 << 63
 
 
 def sequence_policy(model: Model) -> SequencePolicy:
@@ -69,7 +70,11 @@ def sequence_flags(request: InferenceRequest) -> tuple[CorrelationId, bool, bool
     parameters = request.parameters
     correlation_id = parameters.get("sequence_id", 0)
     if type(correlation_id) is int:
-        correlation_id %= _UINT64  # a uint64 id may travel as a negative int64
+        if not -_INT64_HALF <= correlation_id < _UINT64:
+            raise InvalidArgumentError(
+                f"parameter 'sequence_id' must be a 64-bit unsigned integer, not {correlation_id}"
+            )
+        correlation_id %= _UINT64  # a uint64 id may travel as a negative int64 (gRPC)
     elif type(correlation_id) is not str:
         raise InvalidArgumentError("parameter 'sequence_id' must be an integer or a string")
     flags = []
@@ -199,7 +204,7 @@ class SequenceRunner(ModelRunner):
         """A request withdrawn before the batcher heard of it does not execute."""
         if not ticket.finished:
             return False
-        self._table.executed(self._executing.pop(ticket))
+        self._table.executed(self._executing.pop(ticket), now_ns())
         return True
 
     def _end_cancelled(self, sequence: LiveSequence) -> None:
@@ -239,8 +244,9 @@ class SequenceRunner(ModelRunner):
         finally:
             MODEL_INSTANCE.reset(token)
             self._free_instances.add(instance)
+            executed_ns = now_ns()
             for ticket in batch:
-                self._table.executed(self._executing.pop(ticket))
+                self._table.executed(self._executing.pop(ticket), executed_ns)
             self._inbox.put(WAKE)  # a sequence's next request, or a slot, is free
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:

@@ -18,7 +18,8 @@ Triton's semantics, which this reproduces:
   batch), up to ``max_batch_size``.
 - A batch goes at once when it is full or has no delay to wait; otherwise when its
   oldest request has waited ``max_queue_delay`` or a prefix reaches a preferred size.
-- A live sequence with nothing waiting or executing for ``idle`` is released.
+- A live sequence with nothing waiting or executing for ``idle`` (since its last
+  request arrived or finished executing, whichever is later) is released.
 """
 
 from __future__ import annotations
@@ -109,9 +110,12 @@ class SequenceTable:
             del self._by_id[correlation_id]
         return sequence, conflict
 
-    def executed(self, sequence: LiveSequence) -> None:
-        """One request of ``sequence`` finished executing."""
+    def executed(self, sequence: LiveSequence, now_ns: int) -> None:
+        """One request of ``sequence`` finished executing: its idle time counts from now,
+        not from the request's arrival (a START may wait in the backlog for longer than
+        the idle time)."""
         sequence.executing = False
+        sequence.last_seen_ns = max(sequence.last_seen_ns, now_ns)
         self._release_if_done(sequence)
 
     def cancel(self, sequence: LiveSequence) -> list[QueuedItem]:

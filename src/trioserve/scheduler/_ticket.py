@@ -10,6 +10,7 @@ from typing import Protocol
 import trio
 
 from .._errors import CancelledError, InferenceServerError, InternalError, UnavailableError
+from .._model_code import failure_message
 from .._repository import Answer
 from .._stats import ExecutionTimes
 from .._types import InferenceRequest, InferenceResponse
@@ -123,4 +124,4 @@ def model_error(name: str, exc: Exception) -> InferenceServerError:
     if isinstance(exc, InferenceServerError):
         return exc
     logger.warning("model %r failed: %r", name, exc)
-    return InternalError(f"model '{name}' failed: {exc}")
+    return InternalError(failure_message(name, exc))
