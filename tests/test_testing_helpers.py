@@ -4,6 +4,7 @@ fake, all exact under the mock clock."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,36 @@ async def test_test_server_settings_reach_the_config(autojump_clock: Any) -> Non
     async with open_test_server([zoo("simple")], response_cache_bytes=1 << 16) as server:
         assert server.config.response_cache_bytes == 1 << 16
         assert server.config.http_port is None and server.config.grpc_port is None
+
+
+_SLOW_INITIALIZE = """
+import time
+
+class TritonPythonModel:
+    def initialize(self, args):
+        time.sleep(0.05)  # real work in the load's worker thread
+
+    def execute(self, requests):
+        raise NotImplementedError
+"""
+
+
+async def test_repository_loads_under_the_jumping_clock(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    """A load takes real time in its worker thread while the mock clock jumps: a load
+    time limit on that clock would run out at once, so the test server sets none."""
+    folder = tmp_path / "slow" / "1"
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text(_SLOW_INITIALIZE)
+    (tmp_path / "slow" / "config.pbtxt").write_text(
+        'backend: "python"\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+    )
+    async with open_test_server([], model_repositories=[tmp_path]) as server:
+        assert server.config.model_load_timeout_s == 0
+        assert server.repository.model_ready("slow", "")
 
 
 async def test_engine_sizes_reach_the_fake(autojump_clock: Any) -> None:

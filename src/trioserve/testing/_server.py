@@ -26,7 +26,12 @@ async def open_test_server(models: Sequence[Model], **settings: Any) -> AsyncIte
     ``settings`` are other ``ServerConfig`` fields. Talk to the server through
     ``Server.infer``, ``Server.generate`` and ``Server.rest_app``; leaving the block
     stops it.
+
+    Model loads have no time limit here unless ``model_load_timeout_s`` is given: the
+    limit counts on trio's clock, and a repository model imports and initializes in a
+    worker thread, which a jumping mock clock does not wait for.
     """
+    settings.setdefault("model_load_timeout_s", 0)
     config = ServerConfig(models=models, http_port=None, grpc_port=None, **settings)
     async with open_server(config) as server:
         yield server
