@@ -34,7 +34,7 @@ from trioserve._server import open_server
 from trioserve._tensor import datatype
 from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
-from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
+from trioserve.scheduler import GenerationRequest, SamplingParams, generative
 from trioserve.scheduler._generative_runner import GenerativeRunner
 from trioserve.scheduler._runner import ModelRunner
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trioserve.scheduler._generation import SamplingParams
+from trioserve.scheduler import SamplingParams
 from trioserve.scheduler._sampling import is_greedy, sample_generator, sample_rows
 
 LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))  # probabilities at temperature 1

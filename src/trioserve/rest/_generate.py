@@ -4,8 +4,9 @@ Request (both endpoints)::
 
     {"id"?: str, "text_input": str, "parameters"?: {...}, <sampling key>?: value, ...}
 
-Sampling keys (vLLM's names: max_tokens, temperature, top_p, top_k, seed, stop,
-ignore_eos, n, and priority) are read from ``parameters``; as in Triton, where extra
+Sampling keys (vLLM's names, as the sampling-parameter table lists them for the
+``vllm`` dialect: max_tokens, temperature, top_p, top_k, seed, stop, ..., and priority)
+are read from ``parameters`` and checked by that table; as in Triton, where extra
 top-level keys feed the model's inputs, they may also stand at the top level. Other keys
 in ``parameters`` are ignored (clients send e.g. ``stream``); other top-level keys are an
 error.
@@ -45,6 +46,8 @@ from ..scheduler import (
     GenerativeServed,
     TokenLogprob,
     generative,
+    read_parameters,
+    wire_names,
 )
 from ._app import Request, Response
 from ._asgi import Receive
@@ -57,9 +60,7 @@ _EVENT_STREAM = b"text/event-stream; charset=utf-8"
 SSE_HEADERS = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
 # Keys a generate request may carry at the top level besides the sampling parameters.
 _REQUEST_KEYS = frozenset({"id", TEXT_INPUT, "parameters"})
-_SAMPLING_KEYS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "priority"}
-)
+_SAMPLING_KEYS = wire_names("vllm")
 
 T = TypeVar("T")
 
@@ -138,7 +139,9 @@ class GenerateEndpoints:
             self.repository.get(request.params["model"], request.params.get("version", ""))
         )
         document = _parse(request.body)
-        parameters = _parameters(document)
+        parameters = read_parameters(
+            _parameters(document), "vllm", max_num_seqs=served.max_num_seqs
+        )
         generation = self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters)
         head: dict[str, Any] = {}
         if "id" in document:

@@ -34,19 +34,13 @@ from .._errors import InternalError, InvalidArgumentError, UnavailableError
 from .._generative import GenerativeModel, StepSequence
 from .._load_facts import KVCacheState
 from .._stats import FailureReason
-from ._generation import (
-    FinishReason,
-    GenerationChunk,
-    GenerationRequest,
-    SamplingParams,
-    TokenLogprob,
-)
+from ._generation import FinishReason, GenerationChunk, GenerationRequest, TokenLogprob
 from ._kv_blocks import KVBlockManager
 from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
 from ._model_calls import call_tokenizer
-from ._sampling import draws_logprobs, is_greedy, sample_generator, sample_rows
+from ._sampling import choose_tokens, draws_logprobs, sample_generator
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -315,7 +309,7 @@ class LLMEngine:
         draws = [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads] + [
             (row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks
         ]
-        tokens = self._sample(logits, draws)
+        tokens = choose_tokens(logits, draws)
         logprobs: list[TokenLogprob | None] = [None] * len(draws)
         if self._logprob_requests:
             logprobs = draws_logprobs(logits, draws, tokens)
@@ -343,25 +337,6 @@ class LLMEngine:
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
                 error = InternalError(f"model '{self.model.name}' failed: {exc}")
                 self._drop(record, error, FailureReason.BACKEND)
-
-    def _sample(
-        self,
-        logits: np.ndarray[Any, Any],
-        draws: list[tuple[int, SamplingParams, np.random.Generator]],
-    ) -> list[int]:
-        """The next token of each draw: argmax for greedy ones, the rest in one pass."""
-        greedy = logits.argmax(axis=1).tolist()
-        tokens = [greedy[row] for row, _, _ in draws]
-        random = [i for i, (_, params, _) in enumerate(draws) if not is_greedy(params)]
-        if random:
-            chosen = sample_rows(
-                logits[[draws[i][0] for i in random]],
-                [draws[i][1] for i in random],
-                np.array([draws[i][2].random() for i in random]),
-            )
-            for i, token in zip(random, chosen, strict=True):
-                tokens[i] = token
-        return tokens
 
     def _output(self, record: EngineRequest) -> SampleOutput:
         return SampleOutput(self.model.decode, record.prompt_len, record.request.sampling.stop)

@@ -43,6 +43,7 @@ from ._generation import GenerationChunk, GenerationRequest
 from ._generation_input import generation_request, prompt_and_parameters
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import call_hook
+from ._sampling_params import read_parameters
 
 _BYTES = datatype("BYTES")
 
@@ -177,6 +178,10 @@ class GenerativeRunner:
     def load_facts(self) -> LoadFacts:
         return self._load_facts
 
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.model.max_num_seqs
+
     def num_running(self) -> int:
         """Sequences the engine is running now (vLLM's ``num_requests_running``)."""
         return len(self.engine.policy.running)
@@ -275,7 +280,8 @@ class GenerativeRunner:
         return ticket.outcome()
 
     def _generation_request(self, request: InferenceRequest) -> GenerationRequest:
-        prompt, parameters = prompt_and_parameters(request.inputs, request.parameters)
+        prompt, given = prompt_and_parameters(request.inputs, request.parameters)
+        parameters = read_parameters(given, "vllm", max_num_seqs=self.max_num_seqs)
         return generation_request(
             request.id or f"infer-{next(self._ids)}", prompt, parameters, trio.current_time()
         )

@@ -1,10 +1,12 @@
-"""Next-token choice from logits: greedy, temperature, top-k, top-p, seeded.
+"""Next-token choice from logits: greedy, temperature, min-p, top-k, top-p, seeded.
 
 Each sample owns a ``numpy.random.Generator``: seeded requests get one from
 ``(seed, sample index)``, so a seeded request gives the same text whatever else runs
 beside it; unseeded ones draw their seed from the engine's own generator. A step's
 random draws are made together: one uniform number per sample from its own
-generator, then one vectorized pass over all their logits rows.
+generator, then one vectorized pass over all their logits rows. Greedy samples (a
+temperature below ``GREEDY_BELOW``, as vLLM counts it, or ``top_k == 1``) take the
+argmax and draw nothing.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from ._generation import SamplingParams, TokenLogprob
+from ._generation import TokenLogprob
+from ._sampling_params import SamplingParams
 
 Array = np.ndarray[Any, Any]
+GREEDY_BELOW = 1e-5  # vLLM's bound; logits divided by less could overflow float32
+# What a sample draws from: (its row of the step's logits, its parameters, its generator).
+Draw = tuple[int, SamplingParams, np.random.Generator]
 
 
 def sample_generator(
@@ -28,15 +34,32 @@ def sample_generator(
 
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature == 0 or params.top_k == 1
+    return params.temperature < GREEDY_BELOW or params.top_k == 1
+
+
+def choose_tokens(logits: Array, draws: Sequence[Draw]) -> list[int]:
+    """The next token of each draw: argmax for greedy ones, the rest in one pass."""
+    greedy = logits.argmax(axis=1).tolist()
+    tokens = [greedy[row] for row, _, _ in draws]
+    random = [i for i, (_, params, _) in enumerate(draws) if not is_greedy(params)]
+    if random:
+        chosen = sample_rows(
+            logits[[draws[i][0] for i in random]],
+            [draws[i][1] for i in random],
+            np.array([draws[i][2].random() for i in random]),
+        )
+        for i, token in zip(random, chosen, strict=True):
+            tokens[i] = token
+    return tokens
 
 
 def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array) -> list[int]:
     """One token id per row of ``logits``, each under its own parameters.
 
-    top-k keeps the k highest logits, top-p the shortest run of most likely tokens whose
-    probability reaches p (always at least one token); each row's uniform number picks
-    from what is kept by inverse CDF. Rows with top-p are ranked by a full sort; the
+    min-p drops the tokens less likely than min_p times the likeliest, then top-k keeps
+    the k highest logits, top-p the shortest run of most likely tokens whose probability
+    reaches p (always at least one token); each row's uniform number picks from what is
+    kept by inverse CDF. Rows with top-p are ranked by a full sort; the
     others skip it (a sort over the vocabulary is most of the cost), so whether a row
     is sorted depends only on its own parameters, and a seeded request stays repeatable.
     """
@@ -45,6 +68,12 @@ def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array
     temperature = np.array([p.temperature for p in params], dtype=np.float32)[:, None]
     scaled = logits.astype(np.float32) / temperature
     top_k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    if min_p.any():
+        # p / p_max < min_p is logit < max + log(min_p); log(0) = -inf keeps every token.
+        with np.errstate(divide="ignore"):
+            cut = scaled.max(axis=1) + np.log(min_p)
+        scaled = np.where(scaled < cut[:, None], -np.inf, scaled)
     nucleus = np.array([p.top_p < 1 for p in params])
     tokens = np.empty(rows, dtype=np.int64)
     if nucleus.any():
@@ -61,7 +90,7 @@ def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array
 
 
 def draws_logprobs(
-    logits: Array, draws: Sequence[tuple[int, SamplingParams, Any]], tokens: Sequence[int]
+    logits: Array, draws: Sequence[Draw], tokens: Sequence[int]
 ) -> list[TokenLogprob | None]:
     """The logprobs of each draw's token (logits row, parameters, generator), for the
     draws that asked; most ask nothing, which costs one pass over the draws."""
