@@ -40,7 +40,7 @@ from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
 from ._model_calls import call_tokenizer
-from ._sampling import choose_tokens, draws_logprobs, sample_generator
+from ._sampling import Draw, choose_tokens, draws_logprobs, sample_generator
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -306,8 +306,12 @@ class LLMEngine:
             params = record.request.sampling
             for index in range(params.n - seq.pending_forks, params.n):
                 forks.append((row, seq, index, sample_generator(params, index, self._rng)))
-        draws = [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads] + [
-            (row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks
+        draws = [
+            Draw(row, s.seq.owner.request.sampling, s.rng, s.seq.token_ids, s.seq.prompt_len)
+            for row, s in heads
+        ] + [
+            Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
+            for row, parent, _, rng in forks
         ]
         tokens = choose_tokens(logits, draws)
         logprobs: list[TokenLogprob | None] = [None] * len(draws)

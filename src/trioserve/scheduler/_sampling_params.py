@@ -119,10 +119,9 @@ PARAMETERS: tuple[Parameter, ...] = (
     # Only the OpenAI endpoints answer logprobs; chat asks through ``top_logprobs`` with
     # ``logprobs: true`` (the endpoint checks that flag).
     Parameter("logprobs", "int", 0, MAX_LOGPROBS, names={"vllm": (), "chat": ("top_logprobs",)}),
-    # Penalties this engine does not apply yet: only their neutral value.
-    Parameter("presence_penalty", "number", 0, 0),
-    Parameter("frequency_penalty", "number", 0, 0),
-    Parameter("repetition_penalty", "number", 1, 1),
+    Parameter("presence_penalty", "number", -2, 2),
+    Parameter("frequency_penalty", "number", -2, 2),
+    Parameter("repetition_penalty", "number", 0, low_open=True),
     # Not sampling: the request's scheduling priority (lower first, vLLM's convention).
     Parameter("priority", "int", -INT64_MAX - 1, INT64_MAX),
 )
@@ -146,6 +145,8 @@ class SamplingParams:
     # Each output token's log-probability and this many of the most likely ones beside
     # it (None: none; the OpenAI front end sets it).
     logprobs: int | None = None
+    # vLLM's penalties (the sampler applies them): presence and frequency on the output's
+    # tokens, repetition on the prompt's and the output's.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
