@@ -12,7 +12,7 @@ import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import trio
 
@@ -78,7 +78,12 @@ class Ticket(Protocol):
 
     async def wait(self) -> None: ...
 
-    def outcome(self) -> InferenceResponse: ...
+    def outcome(self) -> InferenceResponse:
+        """The response, or the error raised, only once: the ticket hands the error over
+        and keeps no reference to it. The error's traceback holds the frames that hold
+        the ticket, and that cycle would keep what those frames hold (a refused request's
+        data) until a full collection."""
+        ...
 
     def withdraw(self) -> None: ...
 
@@ -92,6 +97,14 @@ class Ticket(Protocol):
 
 
 Answer = InferenceResponse | InferenceServerError | None
+
+
+def raise_handed_over(error: Exception) -> NoReturn:
+    """Raise a ticket's error, taken from the ticket; this frame lets go of it too."""
+    try:
+        raise error
+    finally:
+        del error
 
 
 class RepositoryControl(Protocol):

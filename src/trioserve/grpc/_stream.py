@@ -106,7 +106,10 @@ class StreamInfer:
                 else:
                     requests.start_soon(self._answer_one, message, replies, in_flight)
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                failure = None  # no cycle through this frame, which the traceback holds
         if replies.served is not None:
             add_load_report(call, self._load, replies.served)
 

@@ -260,5 +260,11 @@ async def unless_client_leaves(
             failure = exc
         nursery.cancel_scope.cancel()
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:
+            # The traceback holds this frame: were ``failure`` still in it, the cycle
+            # would keep the request's data (a refused prompt's tokens) until a full
+            # collection.
+            failure = None
     return not left, result

@@ -34,6 +34,7 @@ from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
 from .._load_facts import KVCacheState, LoadFacts
 from .._model import Model
+from .._repository import raise_handed_over
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -138,10 +139,16 @@ class _CollectedTicket:
             self.admission.cancel()
 
     def outcome(self) -> InferenceResponse:
+        """The response, or the error raised (handed over: see ``Ticket.outcome``)."""
         if self._error is not None:
-            raise self._error
+            raise_handed_over(self._take_error())
         assert self._response is not None
         return self._response
+
+    def _take_error(self) -> Exception:
+        error, self._error = self._error, None
+        assert error is not None
+        return error
 
 
 class GenerativeRunner:
