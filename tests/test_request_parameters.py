@@ -203,3 +203,23 @@ def test_a_refused_long_prompt_is_freed_at_once(
         tracemalloc.stop()
         gc.enable()
     assert _held_by_trioserve(before, after) < 2_000_000
+
+
+def simple_body(parameters: dict[str, Any]) -> dict[str, Any]:
+    data = list(range(16))
+    tensors = [
+        {"name": name, "datatype": "INT32", "shape": [1, 16], "data": data}
+        for name in ("INPUT0", "INPUT1")
+    ]
+    return {"inputs": tensors, "parameters": parameters}
+
+
+@pytest.mark.parametrize("key", ["timeout", "priority"])
+def test_tensor_scheduling_parameters_stay_in_uint64(http: httpx.Client, key: str) -> None:
+    """A queue deadline past what a float holds stopped the batcher that waited on it."""
+    ok = http.post("/v2/models/simple/infer", json=simple_body({key: 2**64 - 1}))
+    assert ok.status_code == 200, ok.text
+    for bad in (2**64, 10**400, -1, True, 1.0, "1"):
+        content = json.dumps(simple_body({key: bad}))
+        refusal_names(http.post("/v2/models/simple/infer", content=content), key)
+    still_answers(http)

@@ -74,11 +74,8 @@ class DecoupledRunner(ModelRunner):
         answer: InferenceResponse | InferenceServerError | None = None
         if isinstance(outputs, Exception):
             answer = model_error(self.name, outputs)
-        elif outputs is not None:
-            try:
-                answer = self._response(ticket.request, outputs)
-            except InferenceServerError as exc:
-                answer = exc
+        elif outputs is not None:  # outputs that do not fit fail this answer only
+            answer = self._response_or_error(ticket.request, outputs)
         ticket.responses.put(answer, final)
         if final and ticket.execution is not None:
             self._finish(ticket, response=self._empty(ticket.request))

@@ -30,7 +30,12 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
-from .._errors import InternalError, InvalidArgumentError, UnavailableError
+from .._errors import (
+    InferenceServerError,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from .._generative import GenerativeModel, StepSequence
 from .._load_facts import KVCacheState
 from .._stats import FailureReason
@@ -144,7 +149,18 @@ class LLMEngine:
             prompt = list(request.prompt_token_ids)
         else:
             prompt = await self._encode(request)
-        return self._queue(request, prompt, sink)
+        try:
+            return self._queue(request, prompt, sink)
+        except InferenceServerError:
+            raise  # refused: the requester hears why
+        except Exception as exc:  # a fault of the engine's: this request fails, alone
+            logger.exception(
+                "model %r could not queue request %s", self.model.name, request.request_id
+            )
+            if self._outcomes is not None:
+                now = trio.current_time()
+                self._outcomes.failed(request.arrival_time, now, FailureReason.OTHER)
+            raise InternalError(f"model '{self.model.name}' could not queue the request") from exc
 
     async def _encode(self, request: GenerationRequest) -> list[int]:
         """The prompt's tokens, off the event loop (``call_tokenizer``). A failing
@@ -171,6 +187,7 @@ class LLMEngine:
             raise InvalidArgumentError(
                 f"n={params.n} exceeds max_num_seqs={self.model.max_num_seqs}"
             )
+        rng = sample_generator(params, 0, self._rng)  # before the engine holds anything of it
         now = trio.current_time()
         record = EngineRequest(
             request,
@@ -189,7 +206,6 @@ class LLMEngine:
             next(self._arrivals),
             pending_forks=params.n - 1,
         )
-        rng = sample_generator(params, 0, self._rng)
         record.samples.append(_Sample(seq, rng, self._output(record)))
         record.live = params.n
         self._requests.add(record)
@@ -249,7 +265,13 @@ class LLMEngine:
         self._step_no += 1
         tally = _StepTally()
         prefilling = sum(1 for seq, _ in plan.chunks if seq.num_computed < seq.prompt_len)
-        self._apply(plan, logits, now, tally)
+        try:
+            self._apply(plan, logits, now, tally)
+        except Exception as exc:  # a fault of the engine's: the step's requests fail, alone
+            logger.exception("model %r: applying a step failed", self.model.name)
+            error = InternalError(f"model '{self.model.name}' failed to apply a step: {exc}")
+            for record in {seq.owner for seq, _ in plan.chunks}:
+                self._drop(record, error, FailureReason.OTHER)
         self._send_stats(now, tally, plan, prefilling)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
@@ -313,12 +335,12 @@ class LLMEngine:
             Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
             for row, parent, _, rng in forks
         ]
-        tokens = choose_tokens(logits, draws)
-        logprobs: list[TokenLogprob | None] = [None] * len(draws)
-        if self._logprob_requests:
-            logprobs = draws_logprobs(logits, draws, tokens)
+        owners = [s.seq.owner for _, s in heads] + [parent.owner for _, parent, _, _ in forks]
+        tokens, logprobs = self._choose(logits, draws, owners)
         accepted = []
         for (_, s), token, logprob in zip(heads, tokens, logprobs, strict=False):
+            if token is None:
+                continue  # its request failed in sampling
             s.seq.token_ids.append(token)
             accepted.append((s, token, logprob))
         # Fork before accepting: a first sample that finishes frees the prompt's blocks.
@@ -326,6 +348,8 @@ class LLMEngine:
             forks, tokens[len(heads) :], logprobs[len(heads) :], strict=True
         ):
             record = parent.owner
+            if token is None or record.finished:
+                continue
             child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
             record.samples.append(child)
             accepted.append((child, token, logprob))
@@ -341,6 +365,38 @@ class LLMEngine:
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
                 error = InternalError(f"model '{self.model.name}' failed: {exc}")
                 self._drop(record, error, FailureReason.BACKEND)
+
+    def _choose(
+        self, logits: np.ndarray[Any, Any], draws: list[Draw], owners: list[EngineRequest]
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """Each draw's token and logprobs, all in one pass. Should that pass fail, each
+        draw is tried alone and the requests whose draws fail fail (token None); the
+        others go on (their seeded draws are then no longer repeatable)."""
+        try:
+            return self._choose_all(logits, draws)
+        except Exception:
+            logger.exception("model %r: sampling a step failed; sampling alone", self.model.name)
+        tokens: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        for draw, record in zip(draws, owners, strict=True):
+            try:
+                (token,), (logprob,) = self._choose_all(logits, [draw])
+            except Exception as exc:
+                error = InternalError(f"model '{self.model.name}' failed to sample: {exc}")
+                self._drop(record, error, FailureReason.OTHER)
+                token, logprob = None, None
+            tokens.append(token)
+            logprobs.append(logprob)
+        return tokens, logprobs
+
+    def _choose_all(
+        self, logits: np.ndarray[Any, Any], draws: list[Draw]
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        tokens = choose_tokens(logits, draws)
+        logprobs: list[TokenLogprob | None] = [None] * len(draws)
+        if self._logprob_requests:
+            logprobs = draws_logprobs(logits, draws, tokens)
+        return [*tokens], logprobs
 
     def _output(self, record: EngineRequest) -> SampleOutput:
         return SampleOutput(self.model.decode, record.prompt_len, record.request.sampling.stop)
@@ -395,6 +451,10 @@ class LLMEngine:
     def _finish_request(
         self, record: EngineRequest, reason: FinishReason, now: float, tally: _StepTally
     ) -> None:
+        if reason != "abort":  # an aborted request's requester left: nobody reads its sink
+            # First: should the sink fail (a collected response it cannot build), the
+            # request fails, not yet counted as answered (see _apply).
+            record.sink.close()
         record.finish_reason = reason
         self._forget(record)
         params = record.request.sampling
@@ -410,9 +470,6 @@ class LLMEngine:
         tally.finished.append(finished)
         if self._outcomes is not None:
             self._outcomes.finished(finished)
-        if reason == "abort":
-            return  # the requester left: nobody reads its sink
-        record.sink.close()
 
     def _send_stats(
         self, now: float, tally: _StepTally, plan: StepPlan | None = None, prefilling: int = 0
