@@ -96,6 +96,27 @@ def test_a_negative_seed_is_refused_over_rest(http: httpx.Client, endpoint: str)
     still_answers(http)
 
 
+ODD_VALUES = [
+    ("temperature", 10**400),  # an integer past any float
+    ("repetition_penalty", 10**400),
+    ("top_p", float("nan")),
+    ("presence_penalty", float("inf")),
+    ("max_tokens", True),  # a boolean is no integer
+    ("top_k", 1.0),
+    ("stop", [""]),
+    ("n", 0),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), ODD_VALUES)
+@pytest.mark.parametrize("endpoint", REST_ENDPOINTS)
+def test_odd_values_are_refused_naming_the_parameter(
+    http: httpx.Client, endpoint: str, key: str, value: Any
+) -> None:
+    path, body = rest_request(endpoint, "hello", {key: value})
+    refusal_names(http.post(path, content=json.dumps(body)), key)
+
+
 def grpc_prompt(text: str) -> grpcclient.InferInput:
     prompt = grpcclient.InferInput("text_input", [1], "BYTES")
     prompt.set_data_from_numpy(np.array([text.encode()], dtype=object))

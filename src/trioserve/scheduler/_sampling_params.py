@@ -69,7 +69,10 @@ class Parameter:
         elif kind == "int" and type(value) is int and self._in_range(value):
             return value
         elif kind == "number" and type(value) in (int, float) and self._in_range(value):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                pass  # an integer past any float
         raise ParameterError(wire, f"parameter '{wire}' must be {self.expected()}")
 
     def expected(self) -> str:
@@ -85,8 +88,8 @@ class Parameter:
         return f"{what} in {opening}{_figure(self.low)}, {_figure(self.high)}]"
 
     def _in_range(self, value: float) -> bool:
-        if not math.isfinite(value):
-            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False  # (an int is finite, and may be too large to make a float of)
         low, high = self.low, self.high
         above = low is None or (value > low if self.low_open else value >= low)
         return above and (high is None or value <= high)
