@@ -8,7 +8,8 @@ the stats channel and goes again; with nothing to do it sleeps until a request c
 
 Every request's end goes to ``Outcomes`` at once, whatever ended it: its output done,
 an abort, the model failing (its step, or its tokenizer on the prompt or the output),
-or the engine stopping. That is the one place the model's statistics learn of it, so
+a fault of the engine's own work on that request (queueing it, sampling it, building
+its answer: it fails alone, and the engine goes on), or the engine stopping. That is the one place the model's statistics learn of it, so
 nothing ends uncounted, shutdown included (the stats channel's reader is gone by then).
 An ``add`` cancelled while it tokenizes is the one exception: the request never entered
 the engine, and its caller (the runner) records it.
@@ -359,9 +360,11 @@ class LLMEngine:
             if record.finished:
                 continue  # another of its samples failed below
             self._new_tokens(record, now, tally)
+            # The model's tokenizer may fail, or give text that cannot be answered (a
+            # lone surrogate in a collected response): then this request fails.
             try:
                 self._accept(record, s, token, logprob, tally, now)
-            except Exception as exc:  # the model's tokenizer failed: this request fails
+            except Exception as exc:
                 logger.warning("model %r decode failed: %r", self.model.name, exc)
                 error = InternalError(f"model '{self.model.name}' failed: {exc}")
                 self._drop(record, error, FailureReason.BACKEND)
