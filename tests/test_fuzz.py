@@ -752,9 +752,25 @@ def test_live_oip_llm_parameters(llm_server: Server, error_records: ErrorRecords
         prompt = message.inputs.add(name="text_input", datatype="BYTES", shape=[1])
         prompt.contents.bytes_contents.append(b"hi")
         typed_parameters(data.draw, message.parameters, llm_parameters)
-        check_grpc(llm_server, message.SerializeToString(), error_records)
+        if data.draw(st.booleans(), label="streamed"):
+            check_grpc_stream(llm_server, message.SerializeToString(), error_records)
+        else:
+            check_grpc(llm_server, message.SerializeToString(), error_records)
 
     grpc_prop()
+
+
+def check_grpc_stream(server: Server, payload: bytes, error_records: ErrorRecords) -> None:
+    """One ModelStreamInfer message: its replies end, none is a server fault."""
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        call: Callable[..., Any] = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer"
+        )
+        replies = [pb.ModelStreamInferResponse.FromString(r) for r in call(iter([payload]), timeout=10)]  # fmt: skip
+    assert replies, "no answer"
+    for reply in replies:
+        assert "unexpectedly" not in reply.error_message, reply.error_message
+    assert error_records.take() == []
 
 
 def typed_parameters(draw: Any, target: Any, drawn: st.SearchStrategy[dict[str, Any]]) -> None:
