@@ -132,9 +132,9 @@ PARAMETERS: tuple[Parameter, ...] = (
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample (vLLM's names and defaults). ``temperature`` below ``GREEDY_BELOW``
-    or ``top_k == 1`` is greedy. Built unchecked; requests' values come through the
-    table."""
+    """How to sample (vLLM's names and defaults). A temperature below 1e-5 (the
+    sampler's ``GREEDY_BELOW``) or ``top_k == 1`` is greedy. Built unchecked: requests'
+    values come through the table."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -173,7 +173,9 @@ def read_parameters(
                 break
     n = values.get("n", 1)
     if n > max_num_seqs:
-        raise ParameterError("n", f"n={n} exceeds the model's max_num_seqs={max_num_seqs}")
+        raise ParameterError(
+            "n", f"parameter 'n' must be at most the model's max_num_seqs={max_num_seqs}, not {n}"
+        )
     priority = values.pop("priority", 0)
     return RequestParameters(SamplingParams(**values), priority)
 
