@@ -104,6 +104,7 @@ class ScriptedLM:
         )
         self.version = "1"
         self.ready = True
+        self.max_num_seqs = 16
         self.requests: list[Any] = []
         self.ended: dict[str, str] = {}
         self.hold_after: int | None = None

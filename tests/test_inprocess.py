@@ -168,7 +168,7 @@ async def _drain(pieces: AsyncIterator[str]) -> list[str]:
         ("nope", {}, NotFoundError, "unknown model"),
         ("tiny_lm", {"n": 2}, InvalidArgumentError, "n must be 1"),
         ("tiny_lm", {"max_tokens": 0}, InvalidArgumentError, "max_tokens"),
-        ("tiny_lm", {"top_p": "high"}, InvalidArgumentError, "'top_p' must be a number"),
+        ("tiny_lm", {"top_p": "high"}, InvalidArgumentError, "'top_p' must be a finite number"),
     ],
 )
 async def test_generate_errors(

@@ -12,7 +12,7 @@ from tritonclient.utils import InferenceServerException
 from trioserve import ServerConfig, open_server
 from trioserve._loader import load_repository
 from trioserve.models import TinyLM, reference_zoo
-from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
+from trioserve.scheduler import GenerationRequest, SamplingParams, generative
 from trioserve.testing import server_in_thread
 
 
@@ -40,7 +40,7 @@ def test_http_infer_generates_text(server):
         assert 1 <= len(texts[0].decode()) <= 12
         again = client.infer("tiny_lm", [_prompt(httpclient, "Hello")], parameters=parameters)
         assert again.as_numpy("text_output").tolist() == texts.tolist()
-        with pytest.raises(InferenceServerException, match="temperature must be"):
+        with pytest.raises(InferenceServerException, match="'temperature' must be"):
             client.infer("tiny_lm", [_prompt(httpclient, "x")], parameters={"temperature": -1})
         config = client.get_model_config("tiny_lm")
         assert config["model_transaction_policy"] == {"decoupled": True}

@@ -20,7 +20,7 @@ from ._errors import InvalidArgumentError
 from ._pipeline import refuse_decoupled
 from ._tensor import datatype_of
 from ._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
-from .scheduler import generative
+from .scheduler import generative, read_parameters
 from .shm import RequestRegions
 
 
@@ -67,7 +67,8 @@ class InProcessFrontEnd:
         served = generative(context.repository.get(model, "" if version is None else str(version)))
         if sampling.get("n", 1) != 1:
             raise InvalidArgumentError("generate streams one sample: n must be 1")
-        request = context.pipeline.generation_request("inprocess", prompt, sampling)
+        parameters = read_parameters(sampling, "vllm", max_num_seqs=served.max_num_seqs)
+        request = context.pipeline.generation_request("inprocess", prompt, parameters)
         with context.load.counting(served):
             async with served.generate(request) as chunks:
                 async for chunk in chunks:

@@ -33,7 +33,7 @@ the arrival time stamped in one place.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import trio
@@ -42,7 +42,7 @@ from ._errors import InferenceServerError, UnsupportedError
 from ._repository import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
 from .metrics._orca import LoadReporter
-from .scheduler import GenerationRequest, generation_request
+from .scheduler import GenerationRequest, RequestParameters, generation_request
 from .shm import RequestRegions, SharedMemoryRegistry
 
 Decode = Callable[[RequestRegions], InferenceRequest]
@@ -71,7 +71,7 @@ class InferencePipeline:
         self._ids = itertools.count(1)
 
     def generation_request(
-        self, origin: str, prompt: object, parameters: Mapping[str, Any]
+        self, origin: str, prompt: object, parameters: RequestParameters
     ) -> GenerationRequest:
         """The engine's request for ``prompt``, arriving now, with the server's next
         request id (``origin`` names the front end, for logs; clients' ids may repeat)."""

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import trio
 
@@ -84,7 +84,12 @@ class Ticket(Protocol):
 
     async def wait(self) -> None: ...
 
-    def outcome(self) -> InferenceResponse: ...
+    def outcome(self) -> InferenceResponse:
+        """The response, or the error raised, only once: the ticket hands the error over
+        and keeps no reference to it. The error's traceback holds the frames that hold
+        the ticket, and that cycle would keep what those frames hold (a refused request's
+        data) until a full collection."""
+        ...
 
     def withdraw(self) -> None: ...
 
@@ -105,6 +110,14 @@ class UploadedFile(Protocol):
     upload's base64 text), so that a large upload is never held decoded as well."""
 
     def write_to(self, path: Path) -> None: ...
+
+
+def raise_handed_over(error: Exception) -> NoReturn:
+    """Raise a ticket's error, taken from the ticket; this frame lets go of it too."""
+    try:
+        raise error
+    finally:
+        del error
 
 
 class RepositoryControl(Protocol):

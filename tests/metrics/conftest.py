@@ -45,6 +45,7 @@ class KVEngineDouble:
         self.model = echo
         self.version = "1"
         self.kv = kv
+        self.max_num_seqs = 1
 
     @property
     def ready(self) -> bool:

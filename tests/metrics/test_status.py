@@ -27,7 +27,7 @@ from trioserve._repository import ModelRepository
 from trioserve._tensor import datatype
 from trioserve.metrics._status import StatusReport, histogram_percentile
 from trioserve.models import TinyLM
-from trioserve.scheduler._generation import GenerationRequest, SamplingParams
+from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
 from trioserve.scheduler._runner import ModelRunner
 

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from trioserve import StepSequence
 from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import TinyLM
-from trioserve.scheduler._generation import GenerationRequest, SamplingParams
+from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
 
 

@@ -143,11 +143,11 @@ BAD_REQUESTS = [
     (b'{"text_input": "x", "stream": 0, "parameters": {"stream": 1}}', "['stream'] given both"),
     (b'{"text_input": "x", "n": 2, "parameters": {"n": 2}}', "['n'] given both at the top"),
     (b'{"text_input": "x", "parameters": {"max_tokens": "9"}}', "'max_tokens' must be an integer"),
-    (b'{"text_input": "x", "parameters": {"max_tokens": 0}}', "max_tokens must be at least 1"),
-    (b'{"text_input": "x", "parameters": {"temperature": -1}}', "temperature must be a finite"),
-    (b'{"text_input": "x", "parameters": {"top_p": 0}}', "top_p must be in (0, 1]"),
-    (b'{"text_input": "x", "parameters": {"n": 0}}', "n must be at least 1"),
-    (b'{"text_input": "x", "parameters": {"stop": [""]}}', "stop strings must not be empty"),
+    (b'{"text_input": "x", "parameters": {"max_tokens": 0}}', "'max_tokens' must be an integer in"),
+    (b'{"text_input": "x", "parameters": {"temperature": -1}}', "'temperature' must be a finite"),
+    (b'{"text_input": "x", "parameters": {"top_p": 0}}', "'top_p' must be a finite number in (0"),
+    (b'{"text_input": "x", "parameters": {"n": 0}}', "'n' must be an integer in [1, 2**63 - 1]"),
+    (b'{"text_input": "x", "parameters": {"stop": [""]}}', "'stop' must be a non-empty string"),
     (b'{"text_input": "x", "parameters": {"priority": 1.5}}', "'priority' must be an integer"),
 ]
 
@@ -437,7 +437,7 @@ async def test_tiny_lm_errors(tiny_http: httpx.AsyncClient) -> None:
             "/v2/models/simple/generate", json={"text_input": "x"}
         )
     assert bad.status_code == 400
-    assert bad.json() == {"error": "temperature must be a finite number >= 0"}
+    assert bad.json() == {"error": "parameter 'temperature' must be a finite number >= 0"}
     # The engine refuses it before the first token: an ordinary JSON error, not an event.
     assert too_long.status_code == 400
     assert too_long.headers["content-type"] == "application/json"

@@ -263,7 +263,7 @@ def test_render_chat_default_and_template_errors() -> None:
         ("completions", {"model": "tiny_lm", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
         ("completions", {"model": "tiny_lm", "prompt": [1, 999]}, 400, "prompt"),
         ("completions", {"model": "tiny_lm", "prompt": ["a", "b"]}, 400, "prompt"),
-        ("completions", {"model": "tiny_lm", "prompt": "x", "temperature": -1}, 400, None),
+        ("completions", {"model": "tiny_lm", "prompt": "x", "temperature": -1}, 400, "temperature"),
         (
             "completions",
             {

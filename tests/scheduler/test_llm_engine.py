@@ -34,7 +34,7 @@ from trioserve._server import open_server
 from trioserve._tensor import datatype
 from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
-from trioserve.scheduler._generation import GenerationRequest, SamplingParams, generative
+from trioserve.scheduler import GenerationRequest, SamplingParams, generative
 from trioserve.scheduler._generative_runner import GenerativeRunner
 from trioserve.scheduler._runner import ModelRunner
 
@@ -488,3 +488,121 @@ async def test_generative_models_get_the_servers_histograms_and_failures(autojum
     }
     assert buckets == {"0.02": 0, "0.05": 1, "+Inf": 1}
     assert samples[(f"{request}_sum", labels)] == pytest.approx(2 * STEP)
+
+
+# --- per-request faults of the engine's own work: the request fails, alone --------------
+
+
+def _faulty_on_seed(function, seed=13):
+    """``function`` (the sampler's or the policy's), failing whenever it would touch a
+    request seeded ``seed``: a stand-in for a fault that one request's data triggers."""
+
+    def faulty(*args, **kwargs):
+        if any(
+            getattr(getattr(d, "params", None), "seed", None) == seed
+            for arg in args
+            if isinstance(arg, list)
+            for d in arg
+        ):
+            raise ValueError("a fault of this request's")
+        return function(*args, **kwargs)
+
+    return faulty
+
+
+async def _generate(runner: GenerativeRunner, prompt: str, **sampling) -> str:
+    request = GenerationRequest(
+        f"r{prompt}", prompt, SamplingParams(**sampling), trio.current_time()
+    )
+    async with runner.generate(request) as stream:
+        return "".join([c.text async for c in stream])
+
+
+async def test_a_sampling_fault_fails_its_request_and_the_batch_goes_on(
+    nursery, autojump_clock, monkeypatch
+):
+    from trioserve.scheduler import _engine
+
+    monkeypatch.setattr(_engine, "choose_tokens", _faulty_on_seed(_engine.choose_tokens))
+    runner = GenerativeRunner(CountingLM(), "1")
+    await nursery.start(runner.run)
+    texts: dict[str, object] = {}
+
+    async def run(name: str, **sampling) -> None:
+        try:
+            texts[name] = await _generate(runner, "a", max_tokens=4, **sampling)
+        except InternalError as exc:
+            texts[name] = exc
+
+    async with trio.open_nursery() as both:  # in the same steps
+        both.start_soon(partial(run, "faulty", seed=13))
+        both.start_soon(partial(run, "good", temperature=0))
+    assert texts["good"] == "bcde"
+    assert isinstance(texts["faulty"], InternalError)
+    assert "failed to sample" in texts["faulty"].message
+    assert await _generate(runner, "k", max_tokens=2, temperature=0) == "lm"
+    assert _failures(runner)[0] == {"OTHER": 1}
+    assert runner.inference_statistics().success.count == 2
+    assert runner.kv_cache_state().used_blocks == 0
+
+
+async def test_a_fault_applying_a_step_fails_its_requests_not_the_engine(
+    nursery, autojump_clock, monkeypatch
+):
+    runner = GenerativeRunner(CountingLM(), "1")
+    await nursery.start(runner.run)
+    policy = runner.engine.policy
+    computed = policy.computed
+
+    def faulty(seq, count):
+        if seq.owner.request.prompt == "!":
+            raise ValueError("a fault of this request's")
+        computed(seq, count)
+
+    monkeypatch.setattr(policy, "computed", faulty)
+    with pytest.raises(InternalError, match="failed to apply a step"):
+        await _generate(runner, "!", max_tokens=3)
+    assert await _generate(runner, "a", max_tokens=2, temperature=0) == "bc"
+    assert _failures(runner)[0] == {"OTHER": 1}
+    assert runner.kv_cache_state().used_blocks == 0
+
+
+async def test_a_fault_queueing_an_oip_request_fails_it_not_the_runner(
+    nursery, autojump_clock, monkeypatch
+):
+    """The runner admits OIP requests in a task of its own: a fault there once stopped
+    the runner's nursery, and the server with it."""
+    from trioserve.scheduler import _engine
+
+    def faulty(params, index, engine_rng):
+        if params.seed == 13:
+            raise ValueError("a fault of this request's")
+        return np.random.default_rng(0)
+
+    monkeypatch.setattr(_engine, "sample_generator", faulty)
+    runner = GenerativeRunner(CountingLM(), "1")
+    await nursery.start(runner.run)
+    with pytest.raises(InternalError, match="could not queue"):
+        await runner.infer(_oip_request(b"a", max_tokens=2, seed=13))
+    response = await runner.infer(_oip_request(b"a", max_tokens=2, temperature=0))
+    assert response.outputs[0].data.tolist() == [b"bc"]
+    assert _failures(runner)[0] == {"OTHER": 1}
+
+
+class SurrogateLM(CountingLM):
+    """Decodes "c" to a lone surrogate: text no UTF-8 response can carry."""
+
+    def decode(self, token_ids):
+        return super().decode(token_ids).replace("c", "\ud800")
+
+
+async def test_a_response_that_cannot_be_built_fails_its_request(nursery, autojump_clock):
+    runner = GenerativeRunner(SurrogateLM(), "1")
+    await nursery.start(runner.run)
+    with trio.fail_after(10):  # it once waited for ever: the engine thought it answered
+        with pytest.raises(InternalError, match="surrogate"):
+            await runner.infer(_oip_request(b"a", max_tokens=3, temperature=0))
+    response = await runner.infer(_oip_request(b"m", max_tokens=2, temperature=0))
+    assert response.outputs[0].data.tolist() == [b"no"]
+    assert _failures(runner)[0] == {"BACKEND": 1}
+    assert runner.inference_statistics().success.count == 1

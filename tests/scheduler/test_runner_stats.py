@@ -262,3 +262,27 @@ async def test_pending_is_the_queue_depth(autojump_clock):
         await runner.wait_until(lambda load: load.queued == 0)
         assert runner.inference_statistics().pending == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_response_that_cannot_be_cached_is_answered_uncached(
+    autojump_clock, monkeypatch, caplog
+):
+    """Caching copies the outputs (a device array cannot be copied so): a failing copy
+    once ended the instance's task, and the server with it."""
+    from trioserve.scheduler import _cache
+
+    def faulty(array):
+        raise TypeError("cannot copy this array")
+
+    monkeypatch.setattr(_cache, "_frozen_copy", faulty)
+    model = Timed(max_batch_size=1)
+    runner = ModelRunner(model, "1", cache=ResponseCache(1 << 20))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        assert (await runner.infer(request(5))).outputs[0].data.tolist() == [[50]]
+        assert (await runner.infer(request(5))).outputs[0].data.tolist() == [[50]]
+        nursery.cancel_scope.cancel()
+    assert model.executions == [[5], [5]]  # nothing cached: both executed
+    s = runner.inference_statistics()
+    assert (s.success.count, s.cache_hit.count, s.fail.count) == (2, 0, 0)
+    assert "could not be cached" in caplog.text

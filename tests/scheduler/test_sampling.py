@@ -1,10 +1,18 @@
-"""Sampling: greedy, temperature, top-k, top-p, and repeatability of seeded draws."""
+"""Sampling: penalties, greedy, temperature, min-p, top-k, top-p, and repeatability of
+seeded draws."""
 
 import numpy as np
 import pytest
 
-from trioserve.scheduler._generation import SamplingParams
-from trioserve.scheduler._sampling import is_greedy, sample_generator, sample_rows
+from trioserve.scheduler import SamplingParams
+from trioserve.scheduler._sampling import (
+    Draw,
+    _penalised,
+    choose_tokens,
+    is_greedy,
+    sample_generator,
+    sample_rows,
+)
 
 LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))  # probabilities at temperature 1
 
@@ -17,7 +25,64 @@ def _draws(params: SamplingParams, count=4000, seed=0):
 
 def test_greedy_settings():
     assert is_greedy(SamplingParams(temperature=0)) and is_greedy(SamplingParams(top_k=1))
+    assert is_greedy(SamplingParams(temperature=1e-6))  # below vLLM's epsilon
     assert not is_greedy(SamplingParams(temperature=0.5))
+
+
+# Prompt [1], output [0, 0, 2]: token 0 is twice in the output, 2 once, 1 in the prompt.
+PENALTY_LOGITS = [2.0, 1.0, -1.0, 0.5]
+HISTORY = [1, 0, 0, 2]
+
+
+@pytest.mark.parametrize(
+    ("params", "penalised"),
+    [
+        # Repetition: seen tokens' positive logits divided, negative ones multiplied.
+        (SamplingParams(repetition_penalty=4), [0.5, 0.25, -4.0, 0.5]),
+        (SamplingParams(repetition_penalty=0.5), [4.0, 2.0, -0.5, 0.5]),
+        # Frequency: once per occurrence in the output (the prompt's tokens are not counted).
+        (SamplingParams(frequency_penalty=1.0), [0.0, 1.0, -2.0, 0.5]),
+        # Presence: once for a token that is in the output at all.
+        (SamplingParams(presence_penalty=1.75), [0.25, 1.0, -2.75, 0.5]),
+        (SamplingParams(presence_penalty=-2.0), [4.0, 1.0, 1.0, 0.5]),  # negative: favoured
+        (
+            SamplingParams(repetition_penalty=2, frequency_penalty=0.5, presence_penalty=0.25),
+            [1.0 - 1.0 - 0.25, 0.5, -2.0 - 0.5 - 0.25, 0.5],
+        ),
+    ],
+)
+def test_penalties_as_vllm_applies_them(params, penalised):
+    draw = Draw(0, params, np.random.default_rng(0), HISTORY, 1)
+    rows = _penalised(np.array([PENALTY_LOGITS]), [draw])
+    np.testing.assert_allclose(rows, [penalised])
+
+
+def test_token_ids_beyond_the_logits_are_not_penalised():
+    draw = Draw(0, SamplingParams(repetition_penalty=2), np.random.default_rng(0), [9, -1, 9], 1)
+    np.testing.assert_allclose(_penalised(np.array([PENALTY_LOGITS]), [draw]), [PENALTY_LOGITS])
+
+
+def test_penalties_leave_the_models_logits_alone():
+    logits = np.array([PENALTY_LOGITS])
+    params = SamplingParams(frequency_penalty=2.0, temperature=0)
+    draws = [Draw(0, params, np.random.default_rng(0), HISTORY, 1)]
+    assert choose_tokens(logits, draws) == [1]  # 2.0 - 2 * 2 < 1.0
+    assert logits.tolist() == [PENALTY_LOGITS]  # logprobs read these, unpenalised
+
+
+def test_penalties_share_a_row_with_an_unpenalised_draw():
+    """Two samples of one step read the same row (a request's forks); each gets its own."""
+    logits = np.array([PENALTY_LOGITS])
+    plain = Draw(0, SamplingParams(temperature=0), np.random.default_rng(0), [0, 0], 1)
+    penalised = plain._replace(params=SamplingParams(temperature=0, frequency_penalty=2.0))
+    assert choose_tokens(logits, [plain, penalised]) == [0, 1]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    # Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps those >= 0.25, renormalised.
+    frequencies = _draws(SamplingParams(min_p=0.5))
+    assert frequencies[2:].sum() == 0
+    np.testing.assert_allclose(frequencies[:2], [0.625, 0.375], atol=0.03)
 
 
 def test_temperature_one_follows_the_softmax():

@@ -279,3 +279,70 @@ def test_what_a_sequence_model_cannot_use(settings: dict[str, Any]) -> None:
     spec = [TensorSpec("X", "INT32", [1])]
     with pytest.raises(ValueError, match="the sequence batcher excludes"):
         Model(name="m", inputs=spec, outputs=[], sequence_batching=SequenceBatching(), **settings)
+
+
+def corrid_echo(corrid_datatype: str) -> SequenceRunner:
+    """Y = the CORRID control the batcher gave (a ``corrid_datatype`` control)."""
+    batching = SequenceBatching(controls=[SequenceControl("CORRID", "CORRID", corrid_datatype)])
+
+    @model(
+        name="accumulator",
+        inputs=[TensorSpec("X", "INT32", [1])],
+        outputs=[TensorSpec("Y", "INT64", [1])],
+        max_batch_size=2,
+        sequence_batching=batching,
+    )
+    async def echo(X, CORRID):
+        return {"Y": CORRID.astype(np.int64)}
+
+    return SequenceRunner(echo, "1")
+
+
+async def test_correlation_ids_must_fit_the_corrid_control(autojump_clock: Any) -> None:
+    """An id the control cannot hold is refused on arrival: it once stopped the batcher
+    (and the server) when the batcher wrote it into the control."""
+    results = await play(
+        corrid_echo("INT32"),
+        [
+            (0, request(1, 2**40, start=True, end=True)),
+            (0, request(1, -5, start=True, end=True)),  # a negative int64 id: the same id
+            (0, request(1, 2**31 - 1, start=True, end=True)),
+        ],
+    )
+    assert results[0] == (
+        0,
+        "parameter 'sequence_id' 1099511627776 does not fit the INT32 control 'CORRID'",
+    )
+    assert results[1:] == [(0.0, -5), (0.0, 2**31 - 1)]
+
+
+async def test_a_string_id_must_be_valid_unicode(autojump_clock: Any) -> None:
+    results = await play(corrid_echo("BYTES"), [(0, request(1, "\ud800", start=True))])  # type: ignore[arg-type]
+    assert results == [(0, "parameter 'sequence_id' is not valid Unicode text")]
+
+
+async def test_a_fault_preparing_a_request_fails_it_not_the_batcher(
+    autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trioserve.scheduler import _sequence_runner
+
+    tensor = _sequence_runner._tensor
+
+    def faulty(name: str, wire: Any, dims: Any, value: Any, batched: bool) -> Any:
+        if name == "CORRID" and value == 13:
+            raise ValueError("a fault of this request's")
+        return tensor(name, wire, dims, value, batched)
+
+    monkeypatch.setattr(_sequence_runner, "_tensor", faulty)
+    runner = corrid_echo("UINT64")
+    results = await play(
+        runner,
+        [(0, request(1, 13, start=True, end=True)), (0.1, request(1, 14, start=True, end=True))],
+    )
+    assert results[0] == (
+        0.0,
+        "model 'accumulator' could not prepare the request: a fault of this request's",
+    )
+    assert results[1] == (0.1, 14)
+    failures = runner.inference_statistics().failures
+    assert {reason.value: n for reason, n in failures.items() if n} == {"OTHER": 1}

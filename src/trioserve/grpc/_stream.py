@@ -43,7 +43,12 @@ from .._repository import Answer, ModelRepository, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..metrics._orca import LoadReporter
-from ..scheduler import GenerationChunk, GenerativeServed, prompt_and_parameters
+from ..scheduler import (
+    GenerationChunk,
+    GenerativeServed,
+    prompt_and_parameters,
+    read_parameters,
+)
 from ._codec import decode_request, encode_response
 from ._errors import ClientGone
 from ._generated import grpc_service_pb2 as pb
@@ -101,7 +106,10 @@ class StreamInfer:
                 else:
                     requests.start_soon(self._answer_one, message, replies, in_flight)
         if failure is not None:
-            raise failure
+            try:
+                raise failure
+            finally:
+                failure = None  # no cycle through this frame, which the traceback holds
         if replies.served is not None:
             add_load_report(call, self._load, replies.served)
 
@@ -159,9 +167,10 @@ class StreamInfer:
     async def _generate(
         self, served: GenerativeServed, request: InferenceRequest, replies: _Replies
     ) -> None:
-        prompt, parameters = prompt_and_parameters(request.inputs, request.parameters)
+        prompt, given = prompt_and_parameters(request.inputs, request.parameters)
+        parameters = read_parameters(given, "vllm", max_num_seqs=served.max_num_seqs)
         generation = self._pipeline.generation_request("grpc", prompt, parameters)
-        empty_final = parameters.get(EMPTY_FINAL) is True
+        empty_final = given.get(EMPTY_FINAL) is True
         n = generation.sampling.n
         unfinished = n
         async with served.generate(generation) as chunks:

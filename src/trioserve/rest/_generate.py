@@ -4,13 +4,14 @@ Request (both endpoints)::
 
     {"id"?: str, "text_input": str, "parameters"?: {...}, <sampling key>?: value, ...}
 
-Sampling keys (vLLM's names: max_tokens, temperature, top_p, top_k, seed, stop,
-ignore_eos, n, and priority) are read from ``parameters``. As in Triton, where any other
+Sampling keys (vLLM's names, as the sampling-parameter table lists them for the
+``vllm`` dialect: max_tokens, temperature, top_p, top_k, seed, stop, ..., and priority)
+are read from ``parameters`` and checked by that table. As in Triton, where any other
 top-level key is passed to the model as a parameter (or an input of that name), the
-top-level keys besides ``id``, ``text_input`` and ``parameters`` join ``parameters``
-(a key given in both places is an error). Keys the sampler does not know are ignored:
-clients send e.g. ``stream`` (litellm, at the top level), ``bad_words`` and
-``stop_words`` (TensorRT-LLM's inputs); which endpoint was called decides streaming.
+top-level keys besides ``id``, ``text_input`` and ``parameters`` join ``parameters`` (a
+key given in both places is an error). Keys the table does not know are ignored: clients
+send e.g. ``stream`` (litellm, at the top level), ``bad_words`` and ``stop_words``
+(TensorRT-LLM's inputs); which endpoint was called decides streaming.
 
 ``generate`` answers ``{"id"?, "model_name", "model_version", "text_output",
 "finish_reason"}``. With ``n > 1`` both are arrays in sample order, the shape Triton's
@@ -47,6 +48,7 @@ from ..scheduler import (
     GenerativeServed,
     TokenLogprob,
     generative,
+    read_parameters,
 )
 from ._app import Request, Response
 from ._asgi import Receive
@@ -137,7 +139,9 @@ class GenerateEndpoints:
             self.repository.get(request.params["model"], request.params.get("version", ""))
         )
         document = _parse(request.body)
-        parameters = _parameters(document)
+        parameters = read_parameters(
+            _parameters(document), "vllm", max_num_seqs=served.max_num_seqs
+        )
         generation = self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters)
         head: dict[str, Any] = {}
         if "id" in document:
@@ -250,5 +254,11 @@ async def unless_client_leaves(
             failure = exc
         nursery.cancel_scope.cancel()
     if failure is not None:
-        raise failure
+        try:
+            raise failure
+        finally:
+            # The traceback holds this frame: were ``failure`` still in it, the cycle
+            # would keep the request's data (a refused prompt's tokens) until a full
+            # collection.
+            failure = None
     return not left, result

@@ -45,6 +45,7 @@ from ..scheduler import (
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
+    RequestParameters,
     Tokenizer,
     TokenLogprob,
     call_tokenizer,
@@ -62,12 +63,12 @@ from ._openai_request import (
     completion_prompt,
     prompt_ids_in_vocabulary,
     read_request,
+    requested_model,
 )
 
 logger = logging.getLogger("trioserve.rest")
 
 _DONE = b"data: [DONE]\n\n"
-_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for completions; chat's is the model's room
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +140,21 @@ class OpenAIEndpoints:
             status, error = error_object(exc)
             return Response(status, COMPACT.encode({"error": error}).encode())
 
+    def _read(
+        self, document: dict[str, Any], *, chat: bool
+    ) -> tuple[GenerativeServed, GenerativeModel, OpenAIRequest]:
+        """The model asked for, and the request read with its limits; logprobs settled."""
+        served, model = self._model(requested_model(document))
+        options = read_request(document, chat=chat, max_num_seqs=model.max_num_seqs)
+        sampling = options.parameters.sampling
+        logprobs = requested_logprobs(document, sampling.logprobs, chat=chat)
+        if logprobs != sampling.logprobs:
+            parameters = options.parameters._replace(sampling=replace(sampling, logprobs=logprobs))
+            options = replace(options, parameters=parameters)
+        return served, model, options
+
     async def _completion_call(self, document: dict[str, Any]) -> _Call:
-        options = read_request(document, default_max_tokens=_COMPLETION_MAX_TOKENS)
-        served, model = self._model(options.model)
+        served, model, options = self._read(document, chat=False)
         prompt = completion_prompt(document)
         if prompt.token_ids is not None:
             prompt_ids_in_vocabulary(prompt.token_ids, model.vocab_size)
@@ -152,14 +165,10 @@ class OpenAIEndpoints:
             text = prompt.text
             ids = await _tokenized(model.encode, text, model.name)
         echo = text if options.echo else ""
-        logprobs = requested_logprobs(document, chat=False)
-        return self._call(
-            served, options, options.parameters, text, ids, chat=False, echo=echo, logprobs=logprobs
-        )
+        return self._call(served, options, options.parameters, text, ids, chat=False, echo=echo)
 
     async def _chat_call(self, document: dict[str, Any]) -> _Call:
-        options = read_request(document, default_max_tokens=None)
-        served, model = self._model(options.model)
+        served, model, options = self._read(document, chat=True)
         messages = chat_messages(document)
         add_generation_prompt = document.get("add_generation_prompt", True)
         if type(add_generation_prompt) is not bool:
@@ -172,26 +181,23 @@ class OpenAIEndpoints:
         )
         ids = await _tokenized(model.encode_chat, text, model.name)
         parameters = options.parameters
-        if "max_tokens" not in parameters:  # as many as the model's length leaves room for
-            parameters = {**parameters, "max_tokens": max(1, model.max_model_len - len(ids))}
+        if not options.max_tokens_given:  # as many as the model's length leaves room for
+            room = max(1, model.max_model_len - len(ids))
+            parameters = parameters._replace(sampling=replace(parameters.sampling, max_tokens=room))
         last = messages[-1]
         echo = last["content"] if options.echo and last["role"] == "assistant" else ""
-        logprobs = requested_logprobs(document, chat=True)
-        return self._call(
-            served, options, parameters, text, ids, chat=True, echo=echo, logprobs=logprobs
-        )
+        return self._call(served, options, parameters, text, ids, chat=True, echo=echo)
 
     def _call(
         self,
         served: GenerativeServed,
         options: OpenAIRequest,
-        parameters: dict[str, Any],
+        parameters: RequestParameters,
         text: str,
         ids: list[int],
         *,
         chat: bool,
         echo: str,
-        logprobs: int | None,
     ) -> _Call:
         generation = self.pipeline.generation_request("openai", text, parameters)
         head = {
@@ -200,8 +206,7 @@ class OpenAIEndpoints:
             "created": int(time.time()),
             "model": options.model,
         }
-        sampling = replace(generation.sampling, logprobs=logprobs)
-        generation = replace(generation, prompt_token_ids=tuple(ids), sampling=sampling)
+        generation = replace(generation, prompt_token_ids=tuple(ids))
         model = served.model
         assert isinstance(model, GenerativeModel)
         return _Call(served, generation, options, chat, echo, head, len(ids), model.decode)

@@ -15,33 +15,23 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..scheduler import MAX_LOGPROBS, TokenLogprob
-from ._openai_request import ParameterError
+from ..scheduler import ParameterError, TokenLogprob
 
 
-def requested_logprobs(document: Mapping[str, Any], *, chat: bool) -> int | None:
-    """How many alternatives per token the request asks for; None: no logprobs."""
-    logprobs = document.get("logprobs")
+def requested_logprobs(document: Mapping[str, Any], top: int | None, *, chat: bool) -> int | None:
+    """How many alternatives per token the request asks for (None: no logprobs), given
+    the count the parameter table read (completions' ``logprobs``, chat's
+    ``top_logprobs``)."""
     if not chat:
-        if logprobs is None:
-            return None
-        _check_count("logprobs", logprobs)
-        if document.get("echo"):
+        if top is not None and document.get("echo"):
             raise ParameterError("logprobs", "'logprobs' with 'echo' is not supported")
-        return int(logprobs)
-    top = document.get("top_logprobs")
-    if logprobs is not None and type(logprobs) is not bool:
+        return top
+    asked = document.get("logprobs")
+    if asked is not None and type(asked) is not bool:
         raise ParameterError("logprobs", "'logprobs' must be a boolean")
-    if top is not None:
-        _check_count("top_logprobs", top)
-        if not logprobs:
-            raise ParameterError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    return int(top or 0) if logprobs else None
-
-
-def _check_count(key: str, value: object) -> None:
-    if type(value) is not int or not 0 <= value <= MAX_LOGPROBS:
-        raise ParameterError(key, f"'{key}' must be an integer from 0 to {MAX_LOGPROBS}")
+    if top is not None and not asked:
+        raise ParameterError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if asked else None
 
 
 class ChoiceLogprobs:

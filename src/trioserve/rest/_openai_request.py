@@ -1,17 +1,19 @@
 """OpenAI completions and chat-completions request bodies, read into what the engine takes.
 
-Both read ``model``, ``n``, ``temperature``, ``top_p``, ``seed``, ``stop``, ``stream``,
-``stream_options.include_usage`` and ``user`` (OpenAI's names), plus vLLM's extensions
-``top_k``, ``ignore_eos`` and ``priority``. Completions take ``prompt`` (a string, a
-list of token ids, or a list holding one of those), ``max_tokens`` (default 16) and
-``echo``; chat takes ``messages``, ``max_completion_tokens`` or ``max_tokens`` (default:
-as many as the model's length allows), ``echo`` (vLLM's: the answer starts with the last
-message's content when that message is the assistant's) and ``add_generation_prompt``.
+Both read ``model``, ``stream``, ``stream_options.include_usage`` and ``user``, and the
+sampling parameters of the table (``scheduler``'s ``read_parameters``, dialects
+``completions`` and ``chat``): OpenAI's names (``n``, ``temperature``, ``top_p``,
+``seed``, ``stop``, the penalties...) and vLLM's extensions (``top_k``, ``min_p``,
+``ignore_eos``, ``priority``...). Completions take ``prompt`` (a string, a list of token
+ids, or a list holding one of those), ``max_tokens`` (default 16) and ``echo``; chat
+takes ``messages``, ``max_completion_tokens`` or ``max_tokens`` (default: as many as the
+model's length allows), ``echo`` (vLLM's: the answer starts with the last message's
+content when that message is the assistant's) and ``add_generation_prompt``.
 
 ``null`` reads as absent, as it does for OpenAI. Unknown keys are ignored, as vLLM does;
-settings this server cannot honour (penalties, ``logit_bias``, ``suffix``, tools, a
-non-text ``response_format``, ``best_of`` other than ``n``) are refused with
-a 400 naming the parameter, rather than silently sampling otherwise than asked.
+settings this server cannot honour (``logit_bias``, ``suffix``, tools, a non-text
+``response_format``, ``best_of`` other than ``n``) are refused with a 400 naming the
+parameter, rather than silently sampling otherwise than asked.
 """
 
 from __future__ import annotations
@@ -20,15 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import InvalidArgumentError
+from ..scheduler import PARAMETERS, ParameterError, RequestParameters, read_parameters
 
-# Sampling keys passed to the engine's parameters under the same name.
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "priority")
+# The names chat reads the output limit under: none given, the model's room is the limit.
+_CHAT_MAX_TOKENS = next(p for p in PARAMETERS if p.name == "max_tokens").wire_names("chat")
 # Settings whose only value we honour is their neutral one.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -36,20 +35,13 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 
 
-class ParameterError(InvalidArgumentError):
-    """A bad request parameter; OpenAI's error object names it in ``param``."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 @dataclass(frozen=True, slots=True)
 class OpenAIRequest:
     """What a completions or chat request asks for, in the engine's terms."""
 
     model: str
-    parameters: dict[str, Any]  # the engine's sampling parameters (vLLM's names)
+    parameters: RequestParameters
+    max_tokens_given: bool  # chat's default limit depends on its prompt
     stream: bool
     include_usage: bool  # a last streamed chunk with the usage
     echo: bool
@@ -61,12 +53,16 @@ class CompletionPrompt:
     token_ids: tuple[int, ...] | None  # exactly one of the two is set
 
 
-def read_request(document: Mapping[str, Any], *, default_max_tokens: int | None) -> OpenAIRequest:
-    """The settings common to both endpoints (``default_max_tokens`` None: no limit asked)."""
-    given = {key: value for key, value in document.items() if value is not None}
-    model = given.get("model")
+def requested_model(document: Mapping[str, Any]) -> str:
+    model = document.get("model")
     if not isinstance(model, str):
         raise ParameterError("model", "'model' is required and must be a string")
+    return model
+
+
+def read_request(document: Mapping[str, Any], *, chat: bool, max_num_seqs: int) -> OpenAIRequest:
+    """The settings common to both endpoints, for a model running ``max_num_seqs``."""
+    given = {key: value for key, value in document.items() if value is not None}
     for key, neutral in _NEUTRAL.items():
         if key in given and not any(_same(given[key], value) for value in neutral):
             raise ParameterError(key, f"'{key}' is not supported by this server")
@@ -75,10 +71,9 @@ def read_request(document: Mapping[str, Any], *, default_max_tokens: int | None)
     response_format = given.get("response_format", {"type": "text"})
     if not (isinstance(response_format, dict) and response_format.get("type") == "text"):
         raise ParameterError("response_format", "only the 'text' response format is supported")
-    parameters = {key: given[key] for key in _SAMPLING_KEYS if key in given}
-    max_tokens = given.get("max_completion_tokens", given.get("max_tokens", default_max_tokens))
-    if max_tokens is not None:
-        parameters["max_tokens"] = max_tokens
+    parameters = read_parameters(
+        given, "chat" if chat else "completions", max_num_seqs=max_num_seqs
+    )
     stream = _flag(given, "stream")
     options = given.get("stream_options", {})
     if not isinstance(options, dict):
@@ -88,7 +83,14 @@ def read_request(document: Mapping[str, Any], *, default_max_tokens: int | None)
     include_usage = _flag(options, "include_usage")
     if "user" in given and not isinstance(given["user"], str):
         raise ParameterError("user", "'user' must be a string")
-    return OpenAIRequest(model, parameters, stream, include_usage, _flag(given, "echo"))
+    return OpenAIRequest(
+        requested_model(document),
+        parameters,
+        max_tokens_given=not chat or any(key in given for key in _CHAT_MAX_TOKENS),
+        stream=stream,
+        include_usage=include_usage,
+        echo=_flag(given, "echo"),
+    )
 
 
 def completion_prompt(document: Mapping[str, Any]) -> CompletionPrompt:

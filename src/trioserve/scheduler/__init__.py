@@ -8,7 +8,8 @@ Two halves, one public face (everything else here is private, and
   ``runner_class``; ``ResponseCache``, the response cache they share;
 - the LLM half: ``GenerativeRunner`` and its ``LLMEngine`` (continuous batching), the
   request and chunk types front ends speak (``GenerationRequest``, ``GenerationChunk``,
-  ``TokenLogprob``...), ``IterationStats`` for the metrics, ``call_tokenizer`` to
+  ``TokenLogprob``...), the sampling-parameter table every front end reads requests'
+  parameters with (``read_parameters``), ``IterationStats`` for the metrics, ``call_tokenizer`` to
   tokenize off the event loop.
 """
 
@@ -16,11 +17,9 @@ from ._cache import ResponseCache, cache_size_from_flags
 from ._decoupled_runner import DecoupledRunner
 from ._engine import LLMEngine
 from ._generation import (
-    MAX_LOGPROBS,
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
-    SamplingParams,
     TokenLogprob,
     generative,
 )
@@ -30,13 +29,25 @@ from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import Tokenizer, call_tokenizer
 from ._runner import ModelRunner
 from ._runners import runner_class
+from ._sampling_params import (
+    MAX_LOGPROBS,
+    PARAMETERS,
+    Dialect,
+    ParameterError,
+    RequestParameters,
+    SamplingParams,
+    read_parameters,
+    wire_names,
+)
 from ._sequence_runner import SequenceRunner
 from ._ticket import Ticket
 
 __all__ = [
     "MAX_LOGPROBS",
+    "PARAMETERS",
     "TEXT_INPUT",
     "DecoupledRunner",
+    "Dialect",
     "FinishedRequest",
     "GenerationChunk",
     "GenerationRequest",
@@ -45,6 +56,8 @@ __all__ = [
     "IterationStats",
     "LLMEngine",
     "ModelRunner",
+    "ParameterError",
+    "RequestParameters",
     "ResponseCache",
     "SamplingParams",
     "SequenceRunner",
@@ -56,5 +69,7 @@ __all__ = [
     "generation_request",
     "generative",
     "prompt_and_parameters",
+    "read_parameters",
     "runner_class",
+    "wire_names",
 ]

@@ -8,7 +8,8 @@ the stats channel and goes again; with nothing to do it sleeps until a request c
 
 Every request's end goes to ``Outcomes`` at once, whatever ended it: its output done,
 an abort, the model failing (its step, or its tokenizer on the prompt or the output),
-or the engine stopping. That is the one place the model's statistics learn of it, so
+a fault of the engine's own work on that request (queueing it, sampling it, building
+its answer: it fails alone, and the engine goes on), or the engine stopping. That is the one place the model's statistics learn of it, so
 nothing ends uncounted, shutdown included (the stats channel's reader is gone by then).
 An ``add`` cancelled while it tokenizes is the one exception: the request never entered
 the engine, and its caller (the runner) records it.
@@ -30,24 +31,23 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
-from .._errors import InternalError, InvalidArgumentError, UnavailableError
+from .._errors import (
+    InferenceServerError,
+    InternalError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from .._generative import GenerativeModel, StepSequence
 from .._load_facts import KVCacheState
 from .._model_code import failure_message, model_failure, raise_failure
 from .._stats import FailureReason
-from ._generation import (
-    FinishReason,
-    GenerationChunk,
-    GenerationRequest,
-    SamplingParams,
-    TokenLogprob,
-)
+from ._generation import FinishReason, GenerationChunk, GenerationRequest, TokenLogprob
 from ._kv_blocks import KVBlockManager
 from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
 from ._model_calls import call_tokenizer
-from ._sampling import draws_logprobs, is_greedy, sample_generator, sample_rows
+from ._sampling import Draw, choose_tokens, draws_logprobs, sample_generator
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -151,7 +151,18 @@ class LLMEngine:
             prompt = list(request.prompt_token_ids)
         else:
             prompt = await self._encode(request)
-        return self._queue(request, prompt, sink)
+        try:
+            return self._queue(request, prompt, sink)
+        except InferenceServerError:
+            raise  # refused: the requester hears why
+        except Exception as exc:  # a fault of the engine's: this request fails, alone
+            logger.exception(
+                "model %r could not queue request %s", self.model.name, request.request_id
+            )
+            if self._outcomes is not None:
+                now = trio.current_time()
+                self._outcomes.failed(request.arrival_time, now, FailureReason.OTHER)
+            raise InternalError(f"model '{self.model.name}' could not queue the request") from exc
 
     async def _encode(self, request: GenerationRequest) -> list[int]:
         """The prompt's tokens, off the event loop (``call_tokenizer``). A failing
@@ -178,6 +189,7 @@ class LLMEngine:
             raise InvalidArgumentError(
                 f"n={params.n} exceeds max_num_seqs={self.model.max_num_seqs}"
             )
+        rng = sample_generator(params, 0, self._rng)  # before the engine holds anything of it
         now = trio.current_time()
         record = EngineRequest(
             request,
@@ -196,7 +208,6 @@ class LLMEngine:
             next(self._arrivals),
             pending_forks=params.n - 1,
         )
-        rng = sample_generator(params, 0, self._rng)
         record.samples.append(_Sample(seq, rng, self._output(record)))
         record.live = params.n
         self._requests.add(record)
@@ -256,7 +267,13 @@ class LLMEngine:
         self._step_no += 1
         tally = _StepTally()
         prefilling = sum(1 for seq, _ in plan.chunks if seq.num_computed < seq.prompt_len)
-        self._apply(plan, logits, now, tally)
+        try:
+            self._apply(plan, logits, now, tally)
+        except Exception as exc:  # a fault of the engine's: the step's requests fail, alone
+            logger.exception("model %r: applying a step failed", self.model.name)
+            error = InternalError(f"model '{self.model.name}' failed to apply a step: {exc}")
+            for record in {seq.owner for seq, _ in plan.chunks}:
+                self._drop(record, error, FailureReason.OTHER)
         self._send_stats(now, tally, plan, prefilling)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
@@ -318,15 +335,19 @@ class LLMEngine:
             params = record.request.sampling
             for index in range(params.n - seq.pending_forks, params.n):
                 forks.append((row, seq, index, sample_generator(params, index, self._rng)))
-        draws = [(row, s.seq.owner.request.sampling, s.rng) for row, s in heads] + [
-            (row, parent.owner.request.sampling, rng) for row, parent, _, rng in forks
+        draws = [
+            Draw(row, s.seq.owner.request.sampling, s.rng, s.seq.token_ids, s.seq.prompt_len)
+            for row, s in heads
+        ] + [
+            Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
+            for row, parent, _, rng in forks
         ]
-        tokens = self._sample(logits, draws)
-        logprobs: list[TokenLogprob | None] = [None] * len(draws)
-        if self._logprob_requests:
-            logprobs = draws_logprobs(logits, draws, tokens)
+        owners = [s.seq.owner for _, s in heads] + [parent.owner for _, parent, _, _ in forks]
+        tokens, logprobs = self._choose(logits, draws, owners)
         accepted = []
         for (_, s), token, logprob in zip(heads, tokens, logprobs, strict=False):
+            if token is None:
+                continue  # its request failed in sampling
             s.seq.token_ids.append(token)
             accepted.append((s, token, logprob))
         # Fork before accepting: a first sample that finishes frees the prompt's blocks.
@@ -334,6 +355,8 @@ class LLMEngine:
             forks, tokens[len(heads) :], logprobs[len(heads) :], strict=True
         ):
             record = parent.owner
+            if token is None or record.finished:
+                continue
             child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
             record.samples.append(child)
             accepted.append((child, token, logprob))
@@ -343,6 +366,8 @@ class LLMEngine:
             if record.finished:
                 continue  # another of its samples failed below
             self._new_tokens(record, now, tally)
+            # The model's tokenizer may fail, or give text that cannot be answered (a
+            # lone surrogate in a collected response): then this request fails.
             try:
                 self._accept(record, s, token, logprob, tally, now)
             except BaseException as exc:  # the model's tokenizer failed: this request fails
@@ -351,24 +376,37 @@ class LLMEngine:
                 error = InternalError(failure_message(self.model.name, exc))
                 self._drop(record, error, FailureReason.BACKEND)
 
-    def _sample(
-        self,
-        logits: np.ndarray[Any, Any],
-        draws: list[tuple[int, SamplingParams, np.random.Generator]],
-    ) -> list[int]:
-        """The next token of each draw: argmax for greedy ones, the rest in one pass."""
-        greedy = logits.argmax(axis=1).tolist()
-        tokens = [greedy[row] for row, _, _ in draws]
-        random = [i for i, (_, params, _) in enumerate(draws) if not is_greedy(params)]
-        if random:
-            chosen = sample_rows(
-                logits[[draws[i][0] for i in random]],
-                [draws[i][1] for i in random],
-                np.array([draws[i][2].random() for i in random]),
-            )
-            for i, token in zip(random, chosen, strict=True):
-                tokens[i] = token
-        return tokens
+    def _choose(
+        self, logits: np.ndarray[Any, Any], draws: list[Draw], owners: list[EngineRequest]
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """Each draw's token and logprobs, all in one pass. Should that pass fail, each
+        draw is tried alone and the requests whose draws fail fail (token None); the
+        others go on (their seeded draws are then no longer repeatable)."""
+        try:
+            return self._choose_all(logits, draws)
+        except Exception:
+            logger.exception("model %r: sampling a step failed; sampling alone", self.model.name)
+        tokens: list[int | None] = []
+        logprobs: list[TokenLogprob | None] = []
+        for draw, record in zip(draws, owners, strict=True):
+            try:
+                (token,), (logprob,) = self._choose_all(logits, [draw])
+            except Exception as exc:
+                error = InternalError(f"model '{self.model.name}' failed to sample: {exc}")
+                self._drop(record, error, FailureReason.OTHER)
+                token, logprob = None, None
+            tokens.append(token)
+            logprobs.append(logprob)
+        return tokens, logprobs
+
+    def _choose_all(
+        self, logits: np.ndarray[Any, Any], draws: list[Draw]
+    ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        tokens = choose_tokens(logits, draws)
+        logprobs: list[TokenLogprob | None] = [None] * len(draws)
+        if self._logprob_requests:
+            logprobs = draws_logprobs(logits, draws, tokens)
+        return [*tokens], logprobs
 
     def _output(self, record: EngineRequest) -> SampleOutput:
         return SampleOutput(self.model.decode, record.prompt_len, record.request.sampling.stop)
@@ -423,6 +461,10 @@ class LLMEngine:
     def _finish_request(
         self, record: EngineRequest, reason: FinishReason, now: float, tally: _StepTally
     ) -> None:
+        if reason != "abort":  # an aborted request's requester left: nobody reads its sink
+            # First: should the sink fail (a collected response it cannot build), the
+            # request fails, not yet counted as answered (see _apply).
+            record.sink.close()
         record.finish_reason = reason
         self._forget(record)
         params = record.request.sampling
@@ -438,9 +480,6 @@ class LLMEngine:
         tally.finished.append(finished)
         if self._outcomes is not None:
             self._outcomes.finished(finished)
-        if reason == "abort":
-            return  # the requester left: nobody reads its sink
-        record.sink.close()
 
     def _send_stats(
         self, now: float, tally: _StepTally, plan: StepPlan | None = None, prefilling: int = 0

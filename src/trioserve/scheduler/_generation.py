@@ -16,93 +16,17 @@ as finished with reason ``abort``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
-from .._errors import InvalidArgumentError, UnsupportedError
+from .._errors import UnsupportedError
 from .._load_facts import KVCacheState
 from .._repository import ServedModel
+from ._sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
-MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's limit)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to sample (vLLM's names and defaults). ``temperature == 0`` is greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: all tokens
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    n: int = 1
-    # Each output token's log-probability and this many of the most likely ones beside
-    # it (None: none; the OpenAI front end sets it).
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidArgumentError("max_tokens must be at least 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise InvalidArgumentError("temperature must be a finite number >= 0")
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError("top_p must be in (0, 1]")
-        if self.top_k < -1:
-            raise InvalidArgumentError("top_k must be -1 (all tokens) or >= 0")
-        if self.n < 1:
-            raise InvalidArgumentError("n must be at least 1")
-        if any(not s for s in self.stop):
-            raise InvalidArgumentError("stop strings must not be empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgumentError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
-
-    @classmethod
-    def from_parameters(cls, parameters: Mapping[str, Any]) -> SamplingParams:
-        """Read the sampling keys of a request's ``parameters``; other keys are ignored."""
-        settings: dict[str, Any] = {}
-        for key, kind in _PARAMETER_KINDS.items():
-            if key not in parameters:
-                continue
-            value = parameters[key]
-            if key == "stop" and isinstance(value, str):
-                value = [value]
-            if key == "seed" and value is None:
-                continue
-            settings[key] = _checked(key, value, kind)
-        return cls(**settings)
-
-
-_PARAMETER_KINDS: dict[str, str] = {
-    "max_tokens": "int",
-    "temperature": "float",
-    "top_p": "float",
-    "top_k": "int",
-    "seed": "int",
-    "stop": "strings",
-    "ignore_eos": "bool",
-    "n": "int",
-}
-
-
-def _checked(key: str, value: Any, kind: str) -> Any:
-    if kind == "int" and type(value) is int:
-        return value
-    if kind == "float" and type(value) in (int, float):
-        return float(value)
-    if kind == "bool" and type(value) is bool:
-        return value
-    if kind == "strings" and isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    expected = {"int": "an integer", "float": "a number", "bool": "a boolean"}.get(
-        kind, "a string or a list of strings"
-    )
-    raise InvalidArgumentError(f"parameter '{key}' must be {expected}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +72,11 @@ class GenerativeServed(ServedModel, Protocol):
     ) -> AbstractAsyncContextManager[AsyncIterator[GenerationChunk]]: ...
 
     def kv_cache_state(self) -> KVCacheState: ...
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most sequences the engine runs at once: a request's ``n`` at most."""
+        ...
 
 
 def generative(served: ServedModel) -> GenerativeServed:

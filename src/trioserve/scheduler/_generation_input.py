@@ -2,8 +2,8 @@
 
 REST's generate endpoints read a prompt and a parameter object from JSON; gRPC's
 ModelStreamInfer reads them from tensors and typed parameters. Both end here, so a bad
-prompt or priority gets the same answer on either transport. Sampling parameters are
-``SamplingParams.from_parameters``' business; this adds what it does not read.
+prompt or parameter gets the same answer on either transport; the parameters are the
+table's business (``_sampling_params``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 from .._errors import InvalidArgumentError
 from .._types import InputTensor
-from ._generation import GenerationRequest, SamplingParams
+from ._generation import GenerationRequest
+from ._sampling_params import RequestParameters
 
 TEXT_INPUT = "text_input"
 # Inputs the vLLM backend of Triton takes besides the prompt: a JSON object of sampling
@@ -24,20 +25,17 @@ STREAM_INPUT = "stream"
 
 
 def generation_request(
-    request_id: str, prompt: object, parameters: Mapping[str, Any], arrival_time: float
+    request_id: str, prompt: object, parameters: RequestParameters, arrival_time: float
 ) -> GenerationRequest:
-    """The request for ``prompt`` sampled as ``parameters`` say (vLLM's names)."""
+    """The request for ``prompt`` with its checked ``parameters``."""
     if not isinstance(prompt, str):
         raise InvalidArgumentError(f"'{TEXT_INPUT}' must be a string")
-    priority = parameters.get("priority", 0)
-    if type(priority) is not int:
-        raise InvalidArgumentError("parameter 'priority' must be an integer")
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt,
-        sampling=SamplingParams.from_parameters(parameters),
+        sampling=parameters.sampling,
         arrival_time=arrival_time,
-        priority=priority,
+        priority=parameters.priority,
     )
 
 

@@ -34,6 +34,7 @@ from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
 from .._load_facts import KVCacheState, LoadFacts
 from .._model import Model
+from .._repository import raise_handed_over
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
@@ -43,6 +44,7 @@ from ._generation import GenerationChunk, GenerationRequest
 from ._generation_input import generation_request, prompt_and_parameters
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import call_hook, unload
+from ._sampling_params import read_parameters
 
 _BYTES = datatype("BYTES")
 
@@ -137,10 +139,16 @@ class _CollectedTicket:
             self.admission.cancel()
 
     def outcome(self) -> InferenceResponse:
+        """The response, or the error raised (handed over: see ``Ticket.outcome``)."""
         if self._error is not None:
-            raise self._error
+            raise_handed_over(self._take_error())
         assert self._response is not None
         return self._response
+
+    def _take_error(self) -> Exception:
+        error, self._error = self._error, None
+        assert error is not None
+        return error
 
 
 class GenerativeRunner:
@@ -176,6 +184,10 @@ class GenerativeRunner:
 
     def load_facts(self) -> LoadFacts:
         return self._load_facts
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.model.max_num_seqs
 
     def num_running(self) -> int:
         """Sequences the engine is running now (vLLM's ``num_requests_running``)."""
@@ -275,7 +287,8 @@ class GenerativeRunner:
         return ticket.outcome()
 
     def _generation_request(self, request: InferenceRequest) -> GenerationRequest:
-        prompt, parameters = prompt_and_parameters(request.inputs, request.parameters)
+        prompt, given = prompt_and_parameters(request.inputs, request.parameters)
+        parameters = read_parameters(given, "vllm", max_num_seqs=self.max_num_seqs)
         return generation_request(
             request.id or f"infer-{next(self._ids)}", prompt, parameters, trio.current_time()
         )

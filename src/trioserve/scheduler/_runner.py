@@ -506,7 +506,10 @@ class ModelRunner:
     def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
         assert self._cache is not None
         start = now_ns()
-        self._cache.insert(key, response)
+        try:
+            self._cache.insert(key, response)
+        except Exception:  # outputs it cannot copy (a device array): answered, not cached
+            logger.exception("model %r: a response could not be cached", self.name)
         self.stats.cache_miss(lookup_ns + now_ns() - start)
 
     def _notify(self) -> None:

@@ -1,22 +1,43 @@
-"""Next-token choice from logits: greedy, temperature, top-k, top-p, seeded.
+"""Next-token choice from logits: penalties, greedy, temperature, min-p, top-k, top-p, seeded.
 
 Each sample owns a ``numpy.random.Generator``: seeded requests get one from
 ``(seed, sample index)``, so a seeded request gives the same text whatever else runs
 beside it; unseeded ones draw their seed from the engine's own generator. A step's
 random draws are made together: one uniform number per sample from its own
-generator, then one vectorized pass over all their logits rows.
+generator, then one vectorized pass over all their logits rows. Greedy samples (a
+temperature below ``GREEDY_BELOW``, as vLLM counts it, or ``top_k == 1``) take the
+argmax and draw nothing.
+
+Penalties are vLLM's, applied to a copy of a sample's logits before anything else (so
+to greedy samples too): ``repetition_penalty`` divides the positive logits of every
+token seen in the prompt or the output and multiplies the negative ones;
+``frequency_penalty`` subtracts itself once per time a token is in the output,
+``presence_penalty`` once if it is there at all. Logprobs stay those of the logits as
+the model gave them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._generation import SamplingParams, TokenLogprob
+from ._generation import TokenLogprob
+from ._sampling_params import SamplingParams
 
 Array = np.ndarray[Any, Any]
+GREEDY_BELOW = 1e-5  # vLLM's bound; logits divided by less could overflow float32
+
+
+class Draw(NamedTuple):
+    """What one sample's next token is drawn from."""
+
+    row: int  # its row of the step's logits
+    params: SamplingParams
+    rng: np.random.Generator
+    token_ids: Sequence[int]  # its tokens so far, prompt then output (for penalties)
+    prompt_len: int
 
 
 def sample_generator(
@@ -28,15 +49,77 @@ def sample_generator(
 
 
 def is_greedy(params: SamplingParams) -> bool:
-    return params.temperature == 0 or params.top_k == 1
+    return params.temperature < GREEDY_BELOW or params.top_k == 1
+
+
+def is_penalised(params: SamplingParams) -> bool:
+    return bool(
+        params.repetition_penalty != 1 or params.frequency_penalty or params.presence_penalty
+    )
+
+
+def choose_tokens(logits: Array, draws: Sequence[Draw]) -> list[int]:
+    """The next token of each draw: argmax for greedy ones, the rest in one pass.
+
+    Extreme values in range (a temperature of 1e300, a repetition penalty of 1e-300)
+    overflow float32 into inf or nan: the draw still picks a token, so numpy is not to
+    warn of it.
+    """
+    with np.errstate(all="ignore"):
+        return _choose_tokens(logits, draws)
+
+
+def _choose_tokens(logits: Array, draws: Sequence[Draw]) -> list[int]:
+    if any(is_penalised(d.params) for d in draws):
+        logits = _penalised(logits, draws)  # one row per draw
+        draws = [d._replace(row=i) for i, d in enumerate(draws)]
+    greedy = logits.argmax(axis=1).tolist()
+    tokens = [greedy[d.row] for d in draws]
+    random = [i for i, d in enumerate(draws) if not is_greedy(d.params)]
+    if random:
+        chosen = sample_rows(
+            logits[[draws[i].row for i in random]],
+            [draws[i].params for i in random],
+            np.array([draws[i].rng.random() for i in random]),
+        )
+        for i, token in zip(random, chosen, strict=True):
+            tokens[i] = token
+    return tokens
+
+
+def _penalised(logits: Array, draws: Sequence[Draw]) -> Array:
+    """Each draw's logits row, penalised as its parameters ask (a copy)."""
+    rows = logits[[d.row for d in draws]].astype(np.float32)
+    vocab = rows.shape[1]
+    for row, draw in zip(rows, draws, strict=True):
+        params = draw.params
+        if not is_penalised(params):
+            continue
+        ids = np.asarray(draw.token_ids, dtype=np.int64)
+        prompt, output = (_in_vocabulary(part, vocab) for part in np.split(ids, [draw.prompt_len]))
+        counts = np.bincount(output, minlength=vocab)
+        if params.repetition_penalty != 1:
+            seen = counts > 0
+            seen[prompt] = True
+            penalty = params.repetition_penalty
+            row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return rows
+
+
+def _in_vocabulary(ids: Array, vocab: int) -> Array:
+    # A model's logits may be narrower than its tokenizer's ids: ignore those beyond.
+    in_range: Array = ids[(ids >= 0) & (ids < vocab)]
+    return in_range
 
 
 def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array) -> list[int]:
     """One token id per row of ``logits``, each under its own parameters.
 
-    top-k keeps the k highest logits, top-p the shortest run of most likely tokens whose
-    probability reaches p (always at least one token); each row's uniform number picks
-    from what is kept by inverse CDF. Rows with top-p are ranked by a full sort; the
+    min-p drops the tokens less likely than min_p times the likeliest, then top-k keeps
+    the k highest logits, top-p the shortest run of most likely tokens whose probability
+    reaches p (always at least one token); each row's uniform number picks from what is
+    kept by inverse CDF. Rows with top-p are ranked by a full sort; the
     others skip it (a sort over the vocabulary is most of the cost), so whether a row
     is sorted depends only on its own parameters, and a seeded request stays repeatable.
     """
@@ -45,6 +128,12 @@ def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array
     temperature = np.array([p.temperature for p in params], dtype=np.float32)[:, None]
     scaled = logits.astype(np.float32) / temperature
     top_k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    min_p = np.array([p.min_p for p in params], dtype=np.float32)
+    if min_p.any():
+        # p / p_max < min_p is logit < max + log(min_p); log(0) = -inf keeps every token.
+        with np.errstate(divide="ignore"):
+            cut = scaled.max(axis=1) + np.log(min_p)
+        scaled = np.where(scaled < cut[:, None], -np.inf, scaled)
     nucleus = np.array([p.top_p < 1 for p in params])
     tokens = np.empty(rows, dtype=np.int64)
     if nucleus.any():
@@ -61,17 +150,17 @@ def sample_rows(logits: Array, params: Sequence[SamplingParams], uniforms: Array
 
 
 def draws_logprobs(
-    logits: Array, draws: Sequence[tuple[int, SamplingParams, Any]], tokens: Sequence[int]
+    logits: Array, draws: Sequence[Draw], tokens: Sequence[int]
 ) -> list[TokenLogprob | None]:
     """The logprobs of each draw's token (logits row, parameters, generator), for the
     draws that asked; most ask nothing, which costs one pass over the draws."""
-    asked = [i for i, (_, params, _) in enumerate(draws) if params.logprobs is not None]
+    asked = [i for i, d in enumerate(draws) if d.params.logprobs is not None]
     found: list[TokenLogprob | None] = [None] * len(draws)
     if asked:
         computed = token_logprobs(
-            logits[[draws[i][0] for i in asked]],
+            logits[[draws[i].row for i in asked]],
             [tokens[i] for i in asked],
-            [draws[i][1].logprobs or 0 for i in asked],
+            [draws[i].params.logprobs or 0 for i in asked],
         )
         for i, entry in zip(asked, computed, strict=True):
             found[i] = entry

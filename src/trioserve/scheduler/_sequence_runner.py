@@ -143,14 +143,15 @@ class SequenceRunner(ModelRunner):
 
     def _check_correlation_type(self, correlation_id: CorrelationId) -> None:
         for control in self._batching.controls:
-            if control.kind == "CORRID" and (control.datatype == "BYTES") != isinstance(
-                correlation_id, str
-            ):
+            if control.kind != "CORRID":
+                continue
+            if (control.datatype == "BYTES") != isinstance(correlation_id, str):
                 kind = "a string" if control.datatype == "BYTES" else "an integer"
                 raise InvalidArgumentError(
                     f"sequence batching control '{control.name}' of model '{self.name}' "
                     f"expects {kind} correlation ID"
                 )
+            _correlation_value(control, correlation_id)  # refused now, not in the batcher
 
     def _waiting(self) -> int:
         return self._table.waiting()
@@ -220,7 +221,17 @@ class SequenceRunner(ModelRunner):
         """Add the control inputs and the implicit state to a request about to execute."""
         sequence, start, end = self._joined.pop(ticket)
         self._executing[ticket] = sequence
-        request = ticket.request
+        try:
+            ticket.request.inputs = self._with_controls(ticket.request, sequence, start, end)
+        except Exception as exc:  # this request's data: it fails alone, not the batcher
+            logger.exception("model %r: preparing a sequence request failed", self.name)
+            error = InternalError(f"model '{self.name}' could not prepare the request: {exc}")
+            self._finish(ticket, error=error)  # finished: _skip_withdrawn lets it go
+        return ticket
+
+    def _with_controls(
+        self, request: InferenceRequest, sequence: LiveSequence, start: bool, end: bool
+    ) -> dict[str, InputTensor]:
         batched = self.model.batches
         inputs = dict(request.inputs)
         for control in self._batching.controls:
@@ -232,8 +243,7 @@ class SequenceRunner(ModelRunner):
             inputs[state.input_name] = _tensor(
                 state.input_name, state.wire_datatype, tuple(state.dims), value, batched
             )
-        request.inputs = inputs
-        return ticket
+        return inputs
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
         instance = self._executing[batch[0]].instance
@@ -278,9 +288,33 @@ def _control_value(
     control: SequenceControl, start: bool, end: bool, correlation_id: CorrelationId
 ) -> Any:
     if control.kind == "CORRID":
-        return correlation_id.encode() if isinstance(correlation_id, str) else correlation_id
+        return _correlation_value(control, correlation_id)
     flag = {"START": start, "END": end, "READY": True}[control.kind]
     return control.false_true[1] if flag else control.false_true[0]
+
+
+def _correlation_value(control: SequenceControl, correlation_id: CorrelationId) -> bytes | int:
+    """The CORRID control's value: a string id in UTF-8, an integer id (a uint64) as the
+    control's type holds it (a signed type reads it in two's complement)."""
+    if isinstance(correlation_id, str):
+        try:
+            return correlation_id.encode()
+        except UnicodeEncodeError:  # a lone surrogate: JSON can escape one, UTF-8 cannot
+            raise InvalidArgumentError(
+                "parameter 'sequence_id' is not valid Unicode text"
+            ) from None
+    limits = np.iinfo(control.wire_datatype.dtype)
+    value = (
+        correlation_id - _UINT64
+        if limits.min < 0 and correlation_id > np.iinfo(np.int64).max
+        else correlation_id
+    )
+    if not limits.min <= value <= limits.max:
+        raise InvalidArgumentError(
+            f"parameter 'sequence_id' {correlation_id} does not fit the {control.datatype} "
+            f"control '{control.name}'"
+        )
+    return value
 
 
 def _tensor(

@@ -11,7 +11,7 @@ import trio
 
 from .._errors import CancelledError, InferenceServerError, InternalError, UnavailableError
 from .._model_code import failure_message
-from .._repository import Answer
+from .._repository import Answer, raise_handed_over
 from .._stats import ExecutionTimes
 from .._types import InferenceRequest, InferenceResponse
 from ._batching import QueuedItem
@@ -83,11 +83,16 @@ class Ticket:
         return None if self.responses is None else self.responses.receive
 
     def outcome(self) -> InferenceResponse:
-        """The response, or the error raised; only once ``finished``."""
+        """The response, or the error raised (handed over: see ``Ticket.outcome``)."""
         if self.error is not None:
-            raise self.error
+            raise_handed_over(self._take_error())
         assert self.response is not None
         return self.response
+
+    def _take_error(self) -> InferenceServerError:
+        error, self.error = self.error, None
+        assert error is not None
+        return error
 
 
 @dataclass(frozen=True, slots=True)
