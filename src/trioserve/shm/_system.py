@@ -12,8 +12,7 @@ mapping that then lies past the end of its file faults on access: SIGBUS, which 
 server (Python cannot recover from it). No check of the size before an access closes
 that: the truncation may come between the check and the access, or while a model reads
 its input. So the server never maps a system region. It keeps the object's descriptor
-(one per region) and copies through it, with calls that report a short count where a
-mapping would fault:
+(one per region) and copies through it with calls that cannot fault:
 
 - An input is read with ``preadv`` straight into the tensor's own new buffer. A read
   that meets the end of the file returns fewer bytes: the request is refused with
@@ -26,9 +25,10 @@ mapping would fault:
 - A shrunk object is no state of the region: each access is judged by the bytes it
   finds, so once the client grows the object back, the region serves again.
 
-Inputs cost a copy for that (about as much as writing the output: 1.5-2 ms for 16 MiB
-here). Zero-copy would need an object that provably cannot shrink while it is read, and
-a POSIX shared-memory object never is: seals (``F_SEAL_SHRINK``) exist only for memfd
+Inputs cost a copy for that, about as much CPU as writing the output: a 16 MiB round
+trip takes about twice the CPU it took with inputs read in place from a mapping.
+Zero-copy would need an object that provably cannot shrink while it is read, and a
+POSIX shared-memory object never is: seals (``F_SEAL_SHRINK``) exist only for memfd
 objects (tmpfs refuses ``F_ADD_SEALS`` on an ``shm_open`` file with EPERM), a lease
 cannot be taken on a file another process holds open for writing (as the client does),
 and a truncation discards even the private copies of a ``MAP_PRIVATE`` mapping.
