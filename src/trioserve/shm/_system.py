@@ -80,19 +80,14 @@ class SystemRegion(Region):
         if os.fstat(self._fd).st_size < self.offset + offset + byte_size:
             raise self._shrunk(offset, byte_size, what)
 
-    def write(self, offset: int, raw: np.ndarray[Any, Any], what: str) -> None:
+    def write(self, offset: int, raw: np.ndarray[Any, Any]) -> None:
         """Write the uint8 array ``raw`` at ``offset`` (checked by the caller with
         ``check_span`` and ``check_holds``) with pwrite, which cannot fault."""
         data = np.ascontiguousarray(raw).data.cast("B")
         position = self.offset + offset
-        try:
-            while data:  # pwrite may write less than asked, as any write
-                written = os.pwrite(self._fd, data, position)
-                data, position = data[written:], position + written
-        except OSError as exc:  # ENOSPC: a full /dev/shm refuses to grow a shrunk object
-            raise InvalidArgumentError(
-                f"{what}: writing to shared memory region '{self.name}' failed: {exc.strerror}"
-            ) from None
+        while data:  # pwrite may write less than asked, as any write
+            written = os.pwrite(self._fd, data, position)
+            data, position = data[written:], position + written
 
     def _shrunk(self, offset: int, byte_size: int, what: str) -> InvalidArgumentError:
         return InvalidArgumentError(

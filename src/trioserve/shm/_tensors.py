@@ -185,12 +185,11 @@ class RequestRegions:
                     f"'{tensor.name}' ({span.byte_size} bytes) should be at least {size} "
                     "bytes to hold the results"
                 )
-            what = f"output '{tensor.name}'"
             if isinstance(span.region, SystemRegion):  # refused before anything is written
-                span.region.check_holds(span.offset, size, what)
-            writes.append((tensor, span, raw, size, what))
-        for tensor, span, raw, size, what in writes:
-            _write(span, raw, size, what)
+                span.region.check_holds(span.offset, size, f"output '{tensor.name}'")
+            writes.append((tensor, span, raw, size))
+        for tensor, span, raw, size in writes:
+            _write(span, raw, size)
             tensor.parameters = _reported(span, size)
 
     async def write_device_outputs(self, response: InferenceResponse) -> None:
@@ -305,10 +304,10 @@ def _raw_output(data: Any, dt: Datatype, region: Region) -> Any:
     return np.frombuffer(array_to_raw(data, dt), dtype=np.uint8)
 
 
-def _write(span: _Span, raw: Any, size: int, what: str) -> None:
+def _write(span: _Span, raw: Any, size: int) -> None:
     region = span.region
     if isinstance(region, SystemRegion):
-        region.write(span.offset, raw, what)
+        region.write(span.offset, raw)
     else:
         assert isinstance(region, CudaRegion)
         region.write(span.offset, raw, size)
