@@ -7,9 +7,10 @@ the object, ``offset`` and ``byte_size`` the window. On Linux the objects live i
 we, which also keeps a key from naming a file anywhere else. A registration is checked
 against the object's size (``fstat``), so a window past its end is refused at once.
 
-Any process that can open the object can also truncate it at any time, and a page of a
+Any process that can write the object can also truncate it at any time, and a page of a
 mapping that then lies past the end of its file faults on access: SIGBUS, which kills the
-server (Python cannot recover from it). No check of the size before an access closes
+server (Python cannot recover from it). (Unlinking or replacing the object does no harm:
+the region's descriptor keeps the object it registered.) No check of the size before an access closes
 that: the truncation may come between the check and the access, or while a model reads
 its input. So the server never maps a system region. It keeps the object's descriptor
 (one per region) and copies through it with calls that cannot fault:
