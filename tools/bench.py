@@ -142,9 +142,10 @@ def big_regions(url: str) -> Iterator[None]:
     handles = []
     try:
         for name in BIG_REGIONS:
-            handle = shm.create_shared_memory_region(name, f"/{name}_{os.getpid()}", BIG_BYTES)
+            key = f"/{name}_{os.getpid()}_{url.rsplit(':', 1)[-1]}"  # one pair per server
+            handle = shm.create_shared_memory_region(name, key, BIG_BYTES)
             handles.append(handle)
-            body = {"key": f"/{name}_{os.getpid()}", "offset": 0, "byte_size": BIG_BYTES}
+            body = {"key": key, "offset": 0, "byte_size": BIG_BYTES}
             _post(url, f"/v2/systemsharedmemory/region/{name}/register", body)
         shm.set_shared_memory_region(handles[0], [big_tensor()])
         yield

@@ -2,6 +2,7 @@
 
     python tools/paired_bench.py /path/to/old/src src --duration 10 --rounds 3
     python tools/paired_bench.py src src --old-python A/bin/python --new-python B/bin/python
+    python tools/paired_bench.py /path/to/old/src src --mode big-shm --connections 1
 
 The second form compares two interpreters serving the same source (each needs
 trioserve's dependencies installed).
@@ -10,7 +11,8 @@ The machine's speed drifts (a shared virtual machine: by a third from minute to 
 so throughput measured in turns compares the moments as much as the builds. Here both
 servers run at once, pinned to the same core, each under its own wrk (HTTP JSON,
 ``simple``, 8 connections unless ``--connections`` says otherwise) on another core: they share the core and its slow and fast
-moments alike. Each server's CPU time (user + system, from ``/proc/PID/stat``) divided by
+moments alike. ``--mode big-shm`` sends ``bench.py``'s 16 MiB ``identity_fp32`` round
+trip through system shared memory instead, each server with regions of its own. Each server's CPU time (user + system, from ``/proc/PID/stat``) divided by
 the requests it answered is its cost per request; the ratio of the two costs is the
 figure to read. Two copies of one build give a ratio within about 2% of 1.
 
@@ -26,9 +28,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
-from bench import _LUA, _free_port, _wait_ready, http_body
+from bench import _LUA, _free_port, _wait_ready, big_regions, http_body, model_of
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -46,11 +49,24 @@ def _start(src: str, python: str, cpus: str) -> tuple[subprocess.Popen[bytes], i
     return process, port
 
 
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    process.terminate()
+    process.wait(timeout=60)
+
+
 def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path) -> list[float]:
     """One round: both servers (src folder, interpreter) under load at once; their µs of
     CPU per request."""
-    servers = [_start(src, python, args.server_cpus) for src, python in sides]
-    try:
+    model = model_of(args.mode)
+    with ExitStack() as stack:  # on the way out: regions unregistered, then servers stopped
+        servers = []
+        for src, python in sides:
+            process, port = _start(src, python, args.server_cpus)
+            stack.callback(_stop, process)
+            servers.append((process, port))
+        if args.mode == "big-shm":
+            for _, port in servers:
+                stack.enter_context(big_regions(f"127.0.0.1:{port}"))
         before = [_cpu_seconds(process.pid) for process, _ in servers]
         wrk = [
             "taskset", "-c", args.client_cpus,
@@ -58,7 +74,7 @@ def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path)
         ]  # fmt: skip
         loads = [
             subprocess.Popen(
-                [*wrk, "-s", str(script), f"http://127.0.0.1:{port}/v2/models/simple/infer"],
+                [*wrk, "-s", str(script), f"http://127.0.0.1:{port}/v2/models/{model}/infer"],
                 stdout=subprocess.PIPE,
                 text=True,
             )
@@ -66,10 +82,6 @@ def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path)
         ]
         outputs = [load.communicate()[0] for load in loads]
         after = [_cpu_seconds(process.pid) for process, _ in servers]
-    finally:
-        for process, _ in servers:
-            process.terminate()
-            process.wait(timeout=60)
     costs = []
     for output, start, end in zip(outputs, before, after, strict=True):
         if "Non-2xx" in output:
@@ -88,13 +100,14 @@ def main() -> None:
     parser.add_argument("--duration", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", type=int, default=8, help="wrk's, per server")
+    parser.add_argument("--mode", default="http-json", choices=("http-json", "big-shm"))
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--client-cpus", default="1")
     parser.add_argument("--old-python", default=sys.executable, help="the old side's interpreter")
     parser.add_argument("--new-python", default=sys.executable, help="the new side's interpreter")
     args = parser.parse_args()
     old, new = (args.old, args.old_python), (args.new, args.new_python)
-    body, headers = http_body("http-json")
+    body, headers = http_body(args.mode)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "body").write_bytes(body)
         script = Path(tmp) / "post.lua"

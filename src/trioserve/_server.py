@@ -220,7 +220,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             yield server
         finally:
             root.cancel_scope.cancel()
-            # Requests still in flight keep their regions mapped until they end.
+            # Requests still in flight keep their regions open until they end.
             context.shared_memory.close()
 
 

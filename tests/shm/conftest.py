@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
+import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -24,12 +26,19 @@ class Regions:
     def __init__(self) -> None:
         self.handles: list[object] = []
         self.prefix = uuid.uuid4().hex[:12]
+        self._own: dict[str, int] = {}  # the client's own descriptors of each object
 
     def create(self, name: str, byte_size: int) -> tuple[object, str]:
         key = f"/trioserve_test_{self.prefix}_{name}"
         handle = shm.create_shared_memory_region(name, key, byte_size)
         self.handles.append(handle)
+        self._own[key] = _descriptors(key)
         return handle, key
+
+    def held(self, key: str) -> int:
+        """How many descriptors of object ``key`` the server (in this process too) holds:
+        those of this process beyond the client's own, counted when the object was made."""
+        return _descriptors(key) - self._own[key]
 
     def destroy(self) -> None:
         for handle in self.handles:
@@ -38,10 +47,22 @@ class Regions:
     @staticmethod
     def mappings(key: str) -> int:
         """How many times this process maps object ``key``: once for the client's own
-        handle, once more for each region the server (in this process too) has mapped."""
-        path = f"/dev/shm/{key.lstrip('/')}"
+        handle (the server, in this process too, maps no system region)."""
         with Path("/proc/self/maps").open() as maps:
-            return sum(line.rstrip().endswith(path) for line in maps)
+            return sum(line.rstrip().endswith(_path(key)) for line in maps)
+
+
+def _path(key: str) -> str:
+    return f"/dev/shm/{key.lstrip('/')}"
+
+
+def _descriptors(key: str) -> int:
+    """How many descriptors of this process are open on object ``key``."""
+    count = 0
+    for entry in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # a descriptor closed while they were listed
+            count += os.readlink(entry) == _path(key)
+    return count
 
 
 @pytest.fixture

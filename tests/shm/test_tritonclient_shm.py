@@ -1,7 +1,7 @@
 """System shared memory end to end: tritonclient's own utilities and clients, HTTP and gRPC.
 
 Regions are real POSIX shared-memory objects made by ``tritonclient.utils.shared_memory``;
-the server maps them in this process, so a test can also see its mappings.
+the server opens them in this process, so a test can also see its descriptors.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_triton_example_flow(client, regions):
     shm.set_shared_memory_region(input_handle, [input0])
     shm.set_shared_memory_region(input_handle, [input1], offset=64)
     c.register_system_shared_memory("input_data", input_key, 128)
-    assert regions.mappings(input_key) == 2  # the client's and the server's
+    assert regions.held(input_key) == 1 and regions.mappings(input_key) == 1  # no mapping
 
     inputs = [client.input("INPUT0", [1, 16], "INT32"), client.input("INPUT1", [1, 16], "INT32")]
     inputs[0].set_shared_memory("input_data", 64)
@@ -152,7 +152,7 @@ def test_triton_example_flow(client, regions):
     assert list(client.status()) == ["output_data"]
     c.unregister_system_shared_memory()
     assert client.status() == {}
-    assert regions.mappings(input_key) == regions.mappings(output_key) == 1  # the client's
+    assert regions.held(input_key) == regions.held(output_key) == 0
 
 
 def test_big_tensor_at_unaligned_offsets_in_several_regions(client, regions):

@@ -123,7 +123,7 @@ class CudaRegion(Region):
             else:
                 target.set(np.ascontiguousarray(data))
 
-    def _unmap(self) -> None:
+    def _release(self) -> None:
         self._memory = None  # the handle closes once no array uses it any more
 
 

@@ -2,9 +2,10 @@
 
 A region is *leased* by each request that reads an input from it or writes an output
 into it, from the moment the request is decoded until its response is encoded.
-Unregistering only *retires* a region: its name is free again at once, but its memory
-stays mapped until the last lease is returned. That is what keeps a request in flight
-from touching memory that was unmapped under it.
+Unregistering only *retires* a region: its name is free again at once, but what it holds
+open (a system region's descriptor, a CUDA region's memory handle) stays open until the
+last lease is returned. That is what keeps a request in flight from reading or writing
+through a descriptor that was closed (and perhaps reused for another file) under it.
 """
 
 from __future__ import annotations
@@ -30,23 +31,24 @@ class Region(ABC):
         self._released = False
 
     @property
-    def mapped(self) -> bool:
-        return not self._released
+    def released(self) -> bool:
+        """Whether the region let go of what it held open (retired, and no lease left)."""
+        return self._released
 
     def acquire(self) -> None:
-        """Take a lease: the mapping stays valid until the matching ``release``."""
+        """Take a lease: the region stays open until the matching ``release``."""
         self._leases += 1
 
     def release(self) -> None:
         self._leases -= 1
         if self._retired and self._leases == 0:
-            self._unmap_once()
+            self._release_once()
 
     def retire(self) -> None:
-        """Unregistered: unmap now if nobody holds a lease, else when the last one ends."""
+        """Unregistered: let go now if nobody holds a lease, else when the last one ends."""
         self._retired = True
         if self._leases == 0:
-            self._unmap_once()
+            self._release_once()
 
     def check_span(self, offset: int, byte_size: int, what: str) -> None:
         """INVALID_ARG unless ``[offset, offset + byte_size)`` lies inside the region."""
@@ -61,9 +63,10 @@ class Region(ABC):
         """The region's entry in the status answer of its kind."""
 
     @abstractmethod
-    def _unmap(self) -> None: ...
+    def _release(self) -> None:
+        """Close what the region holds open; called once, with no lease left."""
 
-    def _unmap_once(self) -> None:
+    def _release_once(self) -> None:
         if not self._released:
             self._released = True
-            self._unmap()
+            self._release()

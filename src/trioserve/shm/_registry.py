@@ -27,9 +27,9 @@ class SharedMemoryRegistry:
     """Register, look up, lease and unregister regions; ``close`` unregisters them all.
 
     At most ``max_regions`` are registered at once (those being opened count): each holds
-    file descriptors (a system region two: its own and its mapping's) or device handles,
-    so without a bound one client could register until the process has no descriptor
-    left for anything else.
+    a file descriptor (a system region) or a device handle (a CUDA region), so without a
+    bound one client could register until the process has no descriptor left for
+    anything else.
     """
 
     def __init__(self, max_regions: int = MAX_SHARED_MEMORY_REGIONS) -> None:
@@ -107,7 +107,7 @@ class SharedMemoryRegistry:
         """Unregister ``name``, or every region of ``kind`` when ``name`` is empty.
 
         As in Triton, a name that is not registered (or names the other kind) is not an
-        error. Regions still leased by requests in flight stay mapped until those end.
+        error. Regions still leased by requests in flight stay open until those end.
         """
         names = [n for n, r in self._regions.items() if r.kind == kind and name in ("", n)]
         for found in names:

@@ -1,39 +1,42 @@
-"""System (POSIX) shared-memory regions: open the object, check its size, map it.
+"""System (POSIX) shared-memory regions: open the object, check its size, copy through it.
 
 A client creates a POSIX shared-memory object (``shm_open``, as
 ``tritonclient.utils.shared_memory`` does) and registers a window of it: ``key`` names
 the object, ``offset`` and ``byte_size`` the window. On Linux the objects live in
 ``/dev/shm``; ``shm_open`` skips leading slashes and refuses any other slash, and so do
-we, which also keeps a key from naming a file anywhere else.
+we, which also keeps a key from naming a file anywhere else. A registration is checked
+against the object's size (``fstat``), so a window past its end is refused at once.
 
-The window is checked against ``fstat`` before it is mapped: a window that runs past the
-end of its object would map without complaint and then fault (SIGBUS) on first access.
+Any process that can write the object can also truncate it at any time, and a page of a
+mapping that then lies past the end of its file faults on access: SIGBUS, which kills the
+server (Python cannot recover from it). (Unlinking or replacing the object does no harm:
+the region's descriptor keeps the object it registered.) No check of the size before an access closes
+that: the truncation may come between the check and the access, or while a model reads
+its input. So the server never maps a system region. It keeps the object's descriptor
+(one per region) and copies through it with calls that cannot fault:
 
-Any process that can write the object can also truncate it *after* registration, and a
-page of a mapping that now lies past the end of its file faults on access: SIGBUS, which
-kills the server (Python cannot recover from it). Unlinking or replacing the object is
-harmless (our descriptor keeps the old one alive); only shrinking it is dangerous. So:
+- An input is read with ``preadv`` straight into the tensor's own new buffer. A read
+  that meets the end of the file returns fewer bytes: the request is refused with
+  INVALID_ARG naming the region. The model gets the copy, which nothing can take away.
+- An output is written with ``pwrite`` straight from the tensor's buffer, once
+  ``fstat`` shows that the object still holds its window (else INVALID_ARG, before any
+  output is written). A write cannot fault: past the end of a file it extends it, so
+  an object shrunk between the check and the write grows back to at most the end of
+  the window. (The client's mapping sees the bytes: both are the same pages.)
+- A shrunk object is no state of the region: each access is judged by the bytes it
+  finds, so once the client grows the object back, the region serves again.
 
-- Before every access the region keeps its descriptor and ``fstat``s it (a syscall of
-  about a microsecond): a file now shorter than the span refuses the request with
-  INVALID_ARG and marks the region bad, and every later request that names it is
-  refused the same way until it is unregistered. Sound regions keep zero-copy inputs.
-- Outputs are written with ``pwrite`` on that descriptor, not through the mapping:
-  writing past the end of a file extends it rather than faulting, so an output write
-  cannot fault whatever happens meanwhile. (The client's shared mapping sees the bytes,
-  both being the same pages.)
-- What remains: an input is a view of the mapping that the model reads after the check.
-  A truncation between the check and the model's reads (a window of one request's run)
-  still faults. Closing it would cost a copy of every input, which is what zero-copy
-  shared memory is there to avoid; the process able to do it is one the operator gave
-  write access to the server's shared-memory objects.
+Inputs cost a copy for that, about as much CPU as writing the output: a 16 MiB round
+trip takes about twice the CPU it took with inputs read in place from a mapping.
+Zero-copy would need an object that provably cannot shrink while it is read, and a
+POSIX shared-memory object never is: seals (``F_SEAL_SHRINK``) exist only for memfd
+objects (tmpfs refuses ``F_ADD_SEALS`` on an ``shm_open`` file with EPERM), a lease
+cannot be taken on a file another process holds open for writing (as the client does),
+and a truncation discards even the private copies of a ``MAP_PRIVATE`` mapping.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import mmap
 import os
 import stat
 from typing import Any
@@ -54,63 +57,52 @@ class SystemRegion(Region):
         super().__init__(name, byte_size)
         self.key = key
         self.offset = offset
-        self._fd, self._mmap, start = _map_window(name, key, offset, byte_size)
-        self._fault: str | None = None  # why the region is bad, once its file shrank
-        # Every view handed out is a slice of this one. mmap refuses to close while
-        # views of it exist (BufferError), so an input array a model still holds can
-        # never point into unmapped memory: see ``_unmap``.
-        self._view = memoryview(self._mmap)[start : start + byte_size]
+        self._fd = _open_window(name, key, offset, byte_size)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
                 "byte_size": self.byte_size}  # fmt: skip
 
-    def read_view(self, offset: int, byte_size: int, what: str) -> memoryview:
-        """A read-only view of ``byte_size`` bytes at ``offset`` (checked by the caller)."""
-        self.check_backed(offset + byte_size, what)
-        return self._view[offset : offset + byte_size].toreadonly()
+    def read_into(self, offset: int, buffer: np.ndarray[Any, Any], what: str) -> None:
+        """Fill the uint8 array ``buffer`` with the region's bytes at ``offset`` (checked by
+        the caller with ``check_span``); INVALID_ARG if the object no longer holds them."""
+        view = buffer.data.cast("B")
+        position = self.offset + offset
+        done = 0
+        while done < len(view):  # a read may return less than asked, as any read
+            count = os.preadv(self._fd, [view[done:]], position + done)
+            if count == 0:  # the end of the file, inside the window
+                raise self._shrunk(offset, len(view), what)
+            done += count
+
+    def check_holds(self, offset: int, byte_size: int, what: str) -> None:
+        """INVALID_ARG unless the object still holds the region's ``byte_size`` bytes at
+        ``offset``: an output is refused before anything is written."""
+        if os.fstat(self._fd).st_size < self.offset + offset + byte_size:
+            raise self._shrunk(offset, byte_size, what)
 
     def write(self, offset: int, raw: np.ndarray[Any, Any]) -> None:
         """Write the uint8 array ``raw`` at ``offset`` (checked by the caller with
-        ``check_span`` and ``check_backed``) with pwrite, which cannot fault."""
+        ``check_span`` and ``check_holds``) with pwrite, which cannot fault."""
         data = np.ascontiguousarray(raw).data.cast("B")
         position = self.offset + offset
         while data:  # pwrite may write less than asked, as any write
             written = os.pwrite(self._fd, data, position)
             data, position = data[written:], position + written
 
-    def check_backed(self, end: int, what: str) -> None:
-        """INVALID_ARG, and the region marked bad, unless the file still holds the
-        region's bytes up to ``end``: a mapped page past the end of the file faults."""
-        if self._fault is None:
-            size = os.fstat(self._fd).st_size
-            if size < self.offset + end:
-                self._fault = (
-                    f"shared memory region '{self.name}' is no longer usable: its object "
-                    f"'{self.key}' shrank to {size} bytes after registration"
-                )
-        if self._fault is not None:
-            raise InvalidArgumentError(f"{what}: {self._fault}")
+    def _shrunk(self, offset: int, byte_size: int, what: str) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{what}: shared memory region '{self.name}' no longer holds its bytes "
+            f"{offset} to {offset + byte_size}: its object '{self.key}' was shrunk after "
+            "registration"
+        )
 
-    def _unmap(self) -> None:
-        self._view.release()
+    def _release(self) -> None:
         os.close(self._fd)
-        try:
-            self._mmap.close()
-        except BufferError:
-            # Arrays over the region are still alive. They may only be waiting in garbage
-            # that a reference cycle keeps (a failed request's traceback): collect it.
-            # Unregistering is rare enough to afford that.
-            gc.collect()
-            # Otherwise a model kept an array: the mapping goes when the last such array
-            # does, never before.
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
 
 
-def _map_window(name: str, key: str, offset: int, byte_size: int) -> tuple[int, mmap.mmap, int]:
-    """Map ``[offset, offset + byte_size)`` of object ``key``: the open descriptor (which the
-    region keeps, to check and write through), the map, the window's start in the map."""
+def _open_window(name: str, key: str, offset: int, byte_size: int) -> int:
+    """A descriptor of object ``key``, which holds ``[offset, offset + byte_size)`` now."""
     path = os.path.join(SHM_DIRECTORY, _object_name(key))
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -132,16 +124,7 @@ def _map_window(name: str, key: str, offset: int, byte_size: int) -> tuple[int, 
                 f"byte_size {byte_size} exceeds the {info.st_size} bytes of shared memory "
                 f"object '{key}'"
             )
-        # mmap offsets must be multiples of the allocation granularity: map from the
-        # boundary below ``offset`` and start the window inside the map.
-        start = offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
-        except OSError as exc:
-            raise InvalidArgumentError(
-                f"failed to register shared memory region '{name}': {exc.strerror}"
-            ) from None
-        return fd, mapping, start
+        return fd
     except BaseException:
         os.close(fd)
         raise

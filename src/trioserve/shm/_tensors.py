@@ -6,10 +6,11 @@ An input or requested output is in shared memory when its parameters name a regi
 plain values and call the functions here, so both read and write tensors identically.
 
 ``RequestRegions`` is what one request holds: a lease on every region it names, taken
-while the request is decoded and returned once its response is encoded. Inputs become
-read-only numpy views of the mapping (no copy); outputs are copied in after the model
-ran, each checked to fit before any is written, so a failed request leaves every
-region as it was.
+while the request is decoded and returned once its response is encoded. An input in a
+system region is read into a read-only numpy array of its own while the request is
+decoded (through the region's descriptor, which cannot fault whatever the client does
+to its object: see ``_system``); outputs are copied in after the model ran, each checked
+to fit before any is written, so a failed request leaves every region as it was.
 
 Work on a GPU waits on the device, so it runs in a worker thread, as models do. Decoding
 stays synchronous: an input in a CUDA region becomes a cupy view for a GPU model (no
@@ -118,8 +119,7 @@ class RequestRegions:
     ) -> np.ndarray[Any, Any]:
         region = span.region
         if isinstance(region, SystemRegion):
-            view = region.read_view(span.offset, span.byte_size, what)
-            return array_from_raw(dt, shape, view, what)
+            return _read_input(region, span, dt, shape, what)
         assert isinstance(region, CudaRegion)
         if self._device == "gpu" and not dt.is_bytes:
             check_raw_size(dt, shape, span.byte_size, what)
@@ -186,7 +186,7 @@ class RequestRegions:
                     "bytes to hold the results"
                 )
             if isinstance(span.region, SystemRegion):  # refused before anything is written
-                span.region.check_backed(span.offset + size, f"output '{tensor.name}'")
+                span.region.check_holds(span.offset, size, f"output '{tensor.name}'")
             writes.append((tensor, span, raw, size))
         for tensor, span, raw, size in writes:
             _write(span, raw, size)
@@ -270,6 +270,18 @@ def _placement(parameters: Mapping[str, Any], what: str) -> tuple[str, int, int]
                 f"{what}: '{key}' must be a non-negative integer, got {value!r}"
             )
     return name, offset, byte_size
+
+
+def _read_input(
+    region: SystemRegion, span: _Span, dt: Datatype, shape: tuple[int, ...], what: str
+) -> np.ndarray[Any, Any]:
+    """The input's copy, read from its system region into a buffer of its own."""
+    if not dt.is_bytes:  # refused before the bytes are copied for nothing
+        check_raw_size(dt, shape, span.byte_size, what)
+    raw = np.empty(span.byte_size, dtype=np.uint8)
+    region.read_into(span.offset, raw, what)
+    raw.flags.writeable = False  # read-only, as inputs from a message body are
+    return array_from_raw(dt, shape, raw.data, what)
 
 
 def _copy_to_host(copies: tuple[_HostCopy, ...]) -> None:
