@@ -6,12 +6,14 @@ change to shared memory, device copies or load counting is made once:
 1. lease the shared-memory regions the request names, while the front end's ``decode``
    turns its wire message into an ``InferenceRequest`` (wire formats differ, the rest
    does not);
-2. read inputs waiting on a device (CUDA regions), in a worker thread;
+2. read inputs waiting on a device (CUDA regions) or in a large system window, in a
+   worker thread;
 3. count the request toward the server's load from here, its arrival at the model: it
    counts once its outcome is known (an error too; a cancellation not);
 4. submit it and wait for its ticket: a cancelled wait withdraws the request from the
    model's queue;
-5. write its outputs placed in shared memory, or copy a device's outputs to the host;
+5. write its outputs placed in shared memory (in a worker thread for a device or a large
+   window), or copy a device's outputs to the host;
 6. release the regions.
 
 The front end then encodes the response and adds its load report (REST's header,
@@ -121,8 +123,8 @@ class InferencePipeline:
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
             request = await _decode_in_thread(decode, regions) if large else decode(regions)
-            if regions.device_inputs:
-                await regions.read_device_inputs()
+            if regions.inputs_off_loop:
+                await regions.read_inputs_off_loop()
             with self._load.counting(served):
                 ticket = served.submit(request)
                 if submitted is not None:
@@ -139,8 +141,8 @@ class InferencePipeline:
                 if watch is not None and ticket.withdrawn:
                     raise _Withdrawn
                 response = ticket.outcome()
-                if regions.device_outputs:
-                    await regions.write_device_outputs(response)
+                if regions.outputs_off_loop:
+                    await regions.write_outputs_off_loop(response)
                 else:
                     regions.write_outputs(response)
         except _Withdrawn:
@@ -162,8 +164,8 @@ class InferencePipeline:
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
             request = decode(regions)
-            if regions.device_inputs:
-                await regions.read_device_inputs()
+            if regions.inputs_off_loop:
+                await regions.read_inputs_off_loop()
             with self._load.counting(served):
                 ticket = served.submit(request)
                 answers = ticket.answers()
@@ -171,8 +173,8 @@ class InferencePipeline:
                 try:
                     async for answer, final in answers:
                         if isinstance(answer, InferenceResponse):
-                            if regions.device_outputs:
-                                await regions.write_device_outputs(answer)
+                            if regions.outputs_off_loop:
+                                await regions.write_outputs_off_loop(answer)
                             else:
                                 regions.write_outputs(answer)
                         await deliver(answer, final)

@@ -3,9 +3,10 @@
 ``SharedMemoryRegistry`` holds the registered regions; ``RequestRegions`` is one
 request's use of them (leases, inputs read, outputs written). The front ends call
 ``shared_memory_input`` / ``shared_memory_outputs`` while decoding a request, then
-``RequestRegions.read_device_inputs`` when it has ``device_inputs``, and
-``RequestRegions.write_outputs`` (``write_device_outputs`` when it has
-``device_outputs``) before encoding its response. Device work runs in worker threads.
+``RequestRegions.read_inputs_off_loop`` when it has ``inputs_off_loop``, and
+``RequestRegions.write_outputs`` (``write_outputs_off_loop`` when it has
+``outputs_off_loop``) before encoding its response. Device work and large copies run in
+worker threads.
 """
 
 from ._cuda import is_device_array

@@ -12,12 +12,15 @@ decoded (through the region's descriptor, which cannot fault whatever the client
 to its object: see ``_system``); outputs are copied in after the model ran, each checked
 to fit before any is written, so a failed request leaves every region as it was.
 
-Work on a GPU waits on the device, so it runs in a worker thread, as models do. Decoding
-stays synchronous: an input in a CUDA region becomes a cupy view for a GPU model (no
-copy), and for a model on the CPU an array over a host buffer that
-``read_device_inputs`` fills before the request runs. ``write_device_outputs`` writes
-the outputs of a request that involves a device. Requests that use system shared memory
-only take neither step, and never leave the event loop.
+Work on a GPU waits on the device, and a copy from ``OFF_LOOP_BYTES`` (256 KiB) takes
+milliseconds, so both run in a worker thread, as models do. Decoding stays synchronous:
+an input in a CUDA region becomes a cupy view for a GPU model (no copy); for a model on
+the CPU, and for a large input in a system region, it becomes an array over a buffer
+that ``read_inputs_off_loop`` fills before the request runs. ``write_outputs_off_loop``
+writes the outputs of a request that involves a device or a large system window (the
+copies release the GIL, so on a machine of several cores they run beside the event
+loop). Requests that place only small tensors in system shared memory take neither
+step, and never leave the event loop.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import trio
 
 from .._errors import InvalidArgumentError, UnsupportedError
+from .._limits import OFF_LOOP_BYTES
 from .._tensor import Datatype, array_from_raw, array_to_raw, check_raw_size
 from .._types import InferenceResponse, OutputTensor, RequestedOutput
 from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
@@ -52,7 +56,8 @@ class _Span:
 
 @dataclass(frozen=True, slots=True)
 class _HostCopy:
-    """An input in a CUDA region that the model gets a host copy of, in ``raw``."""
+    """An input the model gets a host copy of, in ``raw``, made off the event loop: from
+    a CUDA region, or from a large window of a system region."""
 
     span: _Span
     raw: np.ndarray[Any, Any]  # span.byte_size host bytes
@@ -65,15 +70,16 @@ class _HostCopy:
 class RequestRegions:
     """The regions one request uses, leased until ``close`` (or the end of a ``with``).
 
-    ``device_inputs``: inputs wait in CUDA regions; ``await read_device_inputs()`` before
-    the request runs. ``device_outputs``: writing the outputs involves a device (a CUDA
-    region, or a GPU model's arrays); ``await write_device_outputs(response)`` instead
-    of ``write_outputs(response)``.
+    ``inputs_off_loop``: inputs wait to be copied (from CUDA regions, or large system
+    windows); ``await read_inputs_off_loop()`` before the request runs.
+    ``outputs_off_loop``: writing the outputs involves a device (a CUDA region, or a GPU
+    model's arrays) or a large system window; ``await write_outputs_off_loop(response)``
+    instead of ``write_outputs(response)``.
     """
 
     __slots__ = (  # one per request
-        "_device", "_host_copies", "_leases", "_outputs", "_registry", "device_inputs",
-        "device_outputs", "leasing_from_thread",
+        "_device", "_host_copies", "_leases", "_outputs", "_registry", "inputs_off_loop",
+        "leasing_from_thread", "outputs_off_loop",
     )  # fmt: skip
 
     def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
@@ -82,8 +88,8 @@ class RequestRegions:
         self._leases: list[Region] = []
         self._outputs: dict[str, _Span] = {}
         self._host_copies: tuple[_HostCopy, ...] = ()  # rare: no list for every request
-        self.device_inputs = False
-        self.device_outputs = device == "gpu"  # a GPU model's outputs are on the device
+        self.inputs_off_loop = False
+        self.outputs_off_loop = device == "gpu"  # a GPU model's outputs are on the device
         # Set while a worker thread decodes: leases are then taken on the event loop.
         self.leasing_from_thread = False
 
@@ -118,17 +124,17 @@ class RequestRegions:
         self, span: _Span, dt: Datatype, shape: tuple[int, ...], what: str
     ) -> np.ndarray[Any, Any]:
         region = span.region
-        if isinstance(region, SystemRegion):
+        if isinstance(region, SystemRegion) and span.byte_size < OFF_LOOP_BYTES:
             return _read_input(region, span, dt, shape, what)
-        assert isinstance(region, CudaRegion)
-        if self._device == "gpu" and not dt.is_bytes:
+        if isinstance(region, CudaRegion) and self._device == "gpu" and not dt.is_bytes:
             check_raw_size(dt, shape, span.byte_size, what)
             array: np.ndarray[Any, Any] = region.device_array(
                 dt, shape, span.offset, span.byte_size
             )
             return array
-        # A host copy, which ``read_device_inputs`` makes: for a model on the CPU, and for
-        # BYTES, parsed on the host whatever runs the model.
+        # A host copy, which ``read_inputs_off_loop`` makes: of a large system window; of
+        # a CUDA region for a model on the CPU, and for BYTES, parsed on the host whatever
+        # runs the model.
         raw = np.empty(span.byte_size, dtype=np.uint8)
         if dt.is_bytes:
             array = np.empty(shape, dtype=object)
@@ -137,17 +143,17 @@ class RequestRegions:
             array = raw.view(dt.dtype).reshape(shape)
             array.flags.writeable = False  # as inputs are in system regions
         self._host_copies += (_HostCopy(span, raw, dt, shape, what, array),)
-        self.device_inputs = True
+        self.inputs_off_loop = True
         return array
 
-    async def read_device_inputs(self) -> None:
-        """Copy the inputs waiting in CUDA regions to the host, in a worker thread.
+    async def read_inputs_off_loop(self) -> None:
+        """Copy the inputs waiting in regions to the host, in a worker thread.
 
         INVALID_ARG for data the copy shows to be malformed (BYTES, BOOL), as for any
         input. Not abandoned on cancellation: the leases must outlive the copy.
         """
         copies, self._host_copies = self._host_copies, ()
-        self.device_inputs = False
+        self.inputs_off_loop = False
         await trio.to_thread.run_sync(_copy_to_host, copies)
 
     def request_outputs(self, outputs: Iterable[RequestedOutput]) -> None:
@@ -157,8 +163,8 @@ class RequestRegions:
                 span = self.span(output.parameters, f"output '{output.name}'")
                 if span is not None:
                     self._outputs[output.name] = span
-                    if isinstance(span.region, CudaRegion):
-                        self.device_outputs = True
+                    if isinstance(span.region, CudaRegion) or span.byte_size >= OFF_LOOP_BYTES:
+                        self.outputs_off_loop = True
 
     def write_outputs(self, response: InferenceResponse) -> None:
         """Copy the outputs placed in shared memory into their regions.
@@ -166,8 +172,9 @@ class RequestRegions:
         Each written output's parameters become what the response reports for it (the
         region, the bytes written, the offset), and the codecs then send no data for it.
         Every output is checked to fit before the first is written. A GPU model's other
-        outputs are copied to the host here, for the codecs. With ``device_outputs`` this
-        waits on the device: use ``write_device_outputs`` then.
+        outputs are copied to the host here, for the codecs. With ``outputs_off_loop`` this
+        waits on the device or copies a large window: use ``write_outputs_off_loop``
+        then.
         """
         if not self._outputs and self._device != "gpu":
             return
@@ -192,8 +199,8 @@ class RequestRegions:
             _write(span, raw, size)
             tensor.parameters = _reported(span, size)
 
-    async def write_device_outputs(self, response: InferenceResponse) -> None:
-        """``write_outputs`` in a worker thread, for a request with ``device_outputs``.
+    async def write_outputs_off_loop(self, response: InferenceResponse) -> None:
+        """``write_outputs`` in a worker thread, for a request with ``outputs_off_loop``.
         Not abandoned on cancellation: the leases must outlive the copies."""
         await trio.to_thread.run_sync(self.write_outputs, response)
 
@@ -287,8 +294,11 @@ def _read_input(
 def _copy_to_host(copies: tuple[_HostCopy, ...]) -> None:
     for copy in copies:
         region = copy.span.region
-        assert isinstance(region, CudaRegion)
-        region.read_into(copy.span.offset, copy.raw)
+        if isinstance(region, SystemRegion):
+            region.read_into(copy.span.offset, copy.raw, copy.what)
+        else:
+            assert isinstance(region, CudaRegion)
+            region.read_into(copy.span.offset, copy.raw)
         # The checks of any raw input: BYTES parsed, BOOL bytes 0 or 1. Fixed-size data
         # is already in place, ``array`` being a view of ``raw``.
         checked = array_from_raw(copy.dt, copy.shape, copy.raw.data, copy.what)
