@@ -133,6 +133,7 @@ OWNERS = {
     "grpclib": "grpc/_grpclib.py",
     "trio_asyncio": "grpc/_grpclib.py",
     "asyncio": "grpc/_grpclib.py",
+    "opentelemetry": "tracing/_otel.py",  # the extra trioserve[tracing]
 }
 
 

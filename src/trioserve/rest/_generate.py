@@ -138,7 +138,11 @@ class GenerateEndpoints:
         )
         document = _parse(request.body)
         parameters = _parameters(document)
-        generation = self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters)
+        generation = self.pipeline.trace_generation(
+            self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters),
+            served,
+            request.headers,
+        )
         head: dict[str, Any] = {}
         if "id" in document:
             if not isinstance(document["id"], str):

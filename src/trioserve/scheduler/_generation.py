@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._load_facts import KVCacheState
 from .._repository import ServedModel
+from ..tracing import Trace
 
 FinishReason = Literal["stop", "length", "abort"]
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's limit)
@@ -115,6 +116,7 @@ class GenerationRequest:
     # The prompt already tokenized (a front end that counts or takes token ids): the
     # engine then uses these instead of encoding ``prompt``.
     prompt_token_ids: tuple[int, ...] | None = None
+    trace: Trace | None = field(default=None, repr=False, compare=False)  # ended by the engine
 
 
 @dataclass(frozen=True, slots=True)
