@@ -67,7 +67,10 @@ class InProcessFrontEnd:
         served = generative(context.repository.get(model, "" if version is None else str(version)))
         if sampling.get("n", 1) != 1:
             raise InvalidArgumentError("generate streams one sample: n must be 1")
-        request = context.pipeline.generation_request("inprocess", prompt, sampling)
+        pipeline = context.pipeline
+        request = pipeline.trace_generation(
+            pipeline.generation_request("inprocess", prompt, sampling), served, {}
+        )
         with context.load.counting(served):
             async with served.generate(request) as chunks:
                 async for chunk in chunks:
