@@ -31,6 +31,8 @@ SPEC = [TensorSpec("X", "INT32", [1])]
 
 def x(value: int) -> dict[str, Any]:
     return {"X": np.array([[value]], np.int32)}
+
+
 OUT = [TensorSpec("Y", "INT32", [1])]
 
 
@@ -191,7 +193,7 @@ async def test_log_frequency_rotates_the_file(autojump_clock: Any, tmp_path: Pat
     async with serving([slow_model("double", 2)], config) as front:
         for index in range(10):  # one in two traced: five traces
             await front.infer("double", x(index), request_id=str(index))
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in tmp_path.iterdir())  # noqa: ASYNC240 - the server is gone
     assert files == ["trace.json.0", "trace.json.1", "trace.json.2"]
     requests = [sorted(traces(tmp_path / name)) for name in files]
     assert requests == [["double:1", "double:3"], ["double:5", "double:7"], ["double:9"]]

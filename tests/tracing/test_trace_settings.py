@@ -82,7 +82,9 @@ def client(request: pytest.FixtureRequest, server: Server) -> Iterator[_Http | _
     made = _Http(server) if request.param == "http" else _Grpc(server)
     yield made
     # Back to the startup settings, as Triton's tests leave the server.
-    clear = dict.fromkeys(["trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency"])
+    clear = dict.fromkeys(
+        ["trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency"]
+    )
     made.update(clear, "simple")
     made.update(clear)
     made.client.close()

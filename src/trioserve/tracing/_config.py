@@ -16,6 +16,7 @@ The defaults are Triton's, but for the resource's ``service.name`` (``trioserve`
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -55,6 +56,23 @@ class TraceConfig:
             raise ValueError("bsp_max_export_batch_size must be <= bsp_max_queue_size")
         if self.bsp_schedule_delay_ms < 0:
             raise ValueError("bsp_schedule_delay must be >= 0")
+        if self.mode == "opentelemetry" and not _exporter_installed():
+            raise ValueError(
+                "--trace-config mode=opentelemetry needs the extra trioserve[tracing] "
+                "(opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
+            )
+
+
+def _exporter_installed() -> bool:
+    """Whether the OpenTelemetry SDK and its OTLP/HTTP exporter can be imported (found,
+    not imported: they load only when a server starts in opentelemetry mode)."""
+    try:
+        return all(
+            importlib.util.find_spec(name) is not None
+            for name in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
+        )
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def check_level(level: Iterable[str]) -> tuple[str, ...]:

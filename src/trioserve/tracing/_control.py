@@ -18,6 +18,7 @@ stops, writes what is left and flushes the OpenTelemetry exporter.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -211,10 +212,9 @@ class TraceControl:
         return sink
 
     def _write(self, path: str, records: list[Any]) -> None:
-        try:
+        # A request that ends after the server stopped writing: its trace is dropped.
+        with contextlib.suppress(trio.ClosedResourceError):
             self._writes.send_nowait((path, records))
-        except trio.ClosedResourceError:
-            pass  # a request that ended after the server stopped writing: dropped
 
     # --- the hot path ----------------------------------------------------------------
 
