@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import queue
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -143,11 +144,30 @@ def spans(receiver: Receiver) -> list[Any]:
         headers = {"traceparent": traceparent(GENERATE_PARENT), "tracestate": "vendor=1"}
         body = {"text_input": "hello", "parameters": {"max_tokens": 4, "temperature": 0.5}}
         post(f"{base}/v2/models/tiny_lm/generate", body, headers)
+        stream_generate(grpc)
         completion = {"model": "tiny_lm", "prompt": "hi", "max_tokens": 3, "top_p": 0.9}
         post(f"{base}/v1/completions", completion, headers)
         http.close()
         grpc.close()
     return receiver.spans()
+
+
+def stream_generate(grpc: grpcclient.InferenceServerClient) -> None:
+    """A generation over ModelStreamInfer, the client's context in the call's metadata."""
+    replies: queue.Queue[Any] = queue.Queue()
+    grpc.start_stream(
+        callback=lambda result, error: replies.put(error or result),
+        headers={"traceparent": traceparent(GENERATE_PARENT)},
+    )
+    prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"hey"], dtype=object))
+    grpc.async_stream_infer("tiny_lm", [prompt], parameters={"max_tokens": 2})
+    while True:
+        reply = replies.get(timeout=30)
+        assert not isinstance(reply, Exception), reply
+        if reply.get_response().parameters["triton_final_response"].bool_param:
+            break
+    grpc.stop_stream()
 
 
 def post(url: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
@@ -198,8 +218,10 @@ def test_the_rate_picks_requests_without_a_context(spans: list[Any]) -> None:
 
 def test_generations_are_vllms_llm_request_spans(spans: list[Any]) -> None:
     trace_id, span_id = (bytes.fromhex(p) for p in GENERATE_PARENT)
-    generated, completed = named(spans, "llm_request")
-    for span in (generated, completed):
+    generated, streamed, completed = sorted(
+        named(spans, "llm_request"), key=lambda span: span.start_time_unix_nano
+    )
+    for span in (generated, streamed, completed):
         assert span.trace_id == trace_id
         assert span.parent_span_id == span_id
         assert span.kind == span.SPAN_KIND_SERVER
@@ -216,6 +238,9 @@ def test_generations_are_vllms_llm_request_spans(spans: list[Any]) -> None:
     assert 0 < generate["gen_ai.latency.time_to_first_token"] <= e2e
     duration = generated.end_time_unix_nano - generated.start_time_unix_nano
     assert abs(duration - e2e * 1e9) <= 1  # the same interval, rounded to ns once more
+    stream = attributes(streamed.attributes)
+    assert stream["gen_ai.request.id"].startswith("grpc-")
+    assert stream["gen_ai.usage.prompt_tokens"] == len("hey")
     completion = attributes(completed.attributes)
     assert completion["gen_ai.request.id"].startswith("openai-")
     assert completion["gen_ai.request.top_p"] == 0.9
