@@ -122,24 +122,16 @@ def spans(receiver: Receiver) -> list[Any]:
             bsp_schedule_delay_ms=60_000,  # exported when the server stops
         ),
     )
-    data = np.arange(16, dtype=np.int32).reshape(1, 16)
     with server_in_thread(config) as server:
         http = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
-        inputs = []
-        for name in ("INPUT0", "INPUT1"):
-            tensor = httpclient.InferInput(name, [1, 16], "INT32")
-            tensor.set_data_from_numpy(data)
-            inputs.append(tensor)
+        inputs = simple_inputs(httpclient)
         http.infer("simple", inputs, headers={"traceparent": traceparent(HTTP_PARENT)})
         http.infer("simple", inputs, request_id="first-by-rate")  # 1st since: not traced
         http.infer("simple", inputs, request_id="second-by-rate")  # 2nd: traced
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-        grpc_inputs = []
-        for name in ("INPUT0", "INPUT1"):
-            tensor = grpcclient.InferInput(name, [1, 16], "INT32")
-            tensor.set_data_from_numpy(data)
-            grpc_inputs.append(tensor)
-        grpc.infer("simple", grpc_inputs, headers={"traceparent": traceparent(GRPC_PARENT)})
+        grpc.infer(
+            "simple", simple_inputs(grpcclient), headers={"traceparent": traceparent(GRPC_PARENT)}
+        )
         base = f"http://127.0.0.1:{server.http_port}"
         headers = {"traceparent": traceparent(GENERATE_PARENT), "tracestate": "vendor=1"}
         body = {"text_input": "hello", "parameters": {"max_tokens": 4, "temperature": 0.5}}
@@ -150,6 +142,17 @@ def spans(receiver: Receiver) -> list[Any]:
         http.close()
         grpc.close()
     return receiver.spans()
+
+
+def simple_inputs(client: Any) -> list[Any]:
+    """The ``simple`` model's inputs, in ``client``'s module (HTTP or gRPC)."""
+    data = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = client.InferInput(name, [1, 16], "INT32")
+        tensor.set_data_from_numpy(data)
+        inputs.append(tensor)
+    return inputs
 
 
 def stream_generate(grpc: grpcclient.InferenceServerClient) -> None:

@@ -27,7 +27,7 @@ import trio
 
 from .._errors import InvalidArgumentError
 from ._config import LEVELS, TraceConfig, check_level, traces_timestamps
-from ._file import TraceFile, write_records
+from ._file import TraceFile, write_traces
 from ._trace import Trace, TraceSink, trace_ids
 
 Value = tuple[str, ...] | int | str
@@ -57,7 +57,9 @@ class Exporter(TraceSink, Protocol):
 class _Setting:
     """The resolved settings of the server or of one model that overrides some."""
 
-    __slots__ = ("count", "file", "level", "log_frequency", "rate", "sampled", "sink", "tensors")
+    __slots__ = (
+        "count", "file", "level", "log_frequency", "on", "rate", "sampled", "sink", "tensors",
+    )  # fmt: skip
 
     def __init__(self, values: Mapping[str, Value]) -> None:
         self.level = cast(tuple[str, ...], values["trace_level"])
@@ -68,10 +70,7 @@ class _Setting:
         self.tensors = "TENSORS" in self.level
         self.sink: TraceSink | None = None  # set by TraceControl
         self.sampled = 0  # requests seen since the rate last took one
-
-    @property
-    def on(self) -> bool:
-        return traces_timestamps(self.level) and self.count != 0
+        self.on = traces_timestamps(self.level)  # the count is the rate's to check
 
     def take(self) -> bool:
         """Whether the request seen now is traced (rate and count)."""
@@ -94,7 +93,7 @@ class TraceControl:
         self._server: dict[str, Value] = {}  # the server's settings updated since startup
         self._models: dict[str, dict[str, Value]] = {}  # each model's overrides
         self._ids = trace_ids()
-        self._writes, self._to_write = trio.open_memory_channel[tuple[str, list[Any]]](math.inf)
+        self._writes, self._to_write = trio.open_memory_channel[tuple[str, list[Trace]]](math.inf)
         self._files: dict[tuple[str, int], TraceFile] = {}
         self._exporter: Exporter | None = None
         if config.mode == "opentelemetry":
@@ -211,10 +210,10 @@ class TraceControl:
             sink = self._files[key] = TraceFile(*key, self._write)
         return sink
 
-    def _write(self, path: str, records: list[Any]) -> None:
+    def _write(self, path: str, traces: list[Trace]) -> None:
         # A request that ends after the server stopped writing: its trace is dropped.
         with contextlib.suppress(trio.ClosedResourceError):
-            self._writes.send_nowait((path, records))
+            self._writes.send_nowait((path, traces))
 
     # --- the hot path ----------------------------------------------------------------
 
@@ -242,8 +241,8 @@ class TraceControl:
         exporter (in worker threads: neither blocks the event loop)."""
         task_status.started()
         try:
-            async for path, records in self._to_write:
-                await trio.to_thread.run_sync(write_records, path, records)
+            async for path, traces in self._to_write:
+                await trio.to_thread.run_sync(write_traces, path, traces)
         finally:
             with trio.CancelScope(shield=True):
                 await self.close()
@@ -252,7 +251,7 @@ class TraceControl:
         for sink in self._files.values():
             sink.flush()
         self._writes.close()
-        async for path, records in self._to_write:
-            await trio.to_thread.run_sync(write_records, path, records)
+        async for path, traces in self._to_write:
+            await trio.to_thread.run_sync(write_traces, path, traces)
         if self._exporter is not None:
             await trio.to_thread.run_sync(self._exporter.shutdown)
