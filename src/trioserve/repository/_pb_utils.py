@@ -209,7 +209,7 @@ class InferenceRequest:
         self._timeout = timeout
         self._sender: ResponseSender | None = None  # a served request to a decoupled model
         # A BLS request given ``trace=request.trace()`` is traced under that request.
-        self._trace = trace if isinstance(trace, InferenceTrace) else InferenceTrace(None)
+        self._trace: Trace | None = trace.parent if isinstance(trace, InferenceTrace) else None
 
     @classmethod
     def _served(cls, request: CoreRequest) -> InferenceRequest:
@@ -233,7 +233,7 @@ class InferenceRequest:
             parameters=dict(parameters),
         )
         served._sender = request.response_sender
-        served._trace = InferenceTrace(request.trace)
+        served._trace = request.trace
         return served
 
     def inputs(self) -> list[Tensor]:
@@ -265,7 +265,7 @@ class InferenceRequest:
 
     def trace(self) -> InferenceTrace:
         """This request's trace, to pass to the BLS requests it makes."""
-        return self._trace
+        return InferenceTrace(self._trace)
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
@@ -355,11 +355,11 @@ def _no_decoupled(decoupled: bool) -> None:
 
 
 async def _infer(
-    repository: ModelRepository, request: CoreRequest, trace: InferenceTrace
+    repository: ModelRepository, request: CoreRequest, trace: Trace | None
 ) -> InferenceResponse:
     try:
         runner = repository.get(request.model_name, request.model_version)
-        response = await infer_child(runner, request, trace.parent)
+        response = await infer_child(runner, request, trace)
     except InferenceServerError as exc:
         return InferenceResponse(error=triton_error(exc))
     outputs = [Tensor(t.name, t.data, triton_dtype=t.datatype.name) for t in response.outputs]

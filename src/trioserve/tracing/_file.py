@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from json.encoder import encode_basestring as _quoted  # a JSON string, quoted
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +60,17 @@ def write_traces(path: str, traces: list[Trace]) -> None:
     """Write one file of traces and their children (in a worker thread: the JSON is
     built here, off the event loop)."""
     records = ",".join(trace_json(each) for root in traces for each in root.walk())
-    Path(path).write_text(f"[{records}]")
+    Path(path).write_text(f"[{records}]", encoding="utf-8")
 
 
 def trace_json(trace: Trace) -> str:
     """One trace's records, as Triton writes them (formatted by hand: three times quicker
     than ``json.dumps`` of the same dicts)."""
     version = int(trace.model_version) if trace.model_version.isdigit() else -1
-    stamps = ",".join(f'{{"name":"{name}","ns":{ns}}}' for name, ns in trace.timestamps)
+    stamps = ",".join([f'{{"name":"{name}","ns":{ns}}}' for name, ns in trace.timestamps])
     records = [
-        f'{{"id":{trace.id},"model_name":{json.dumps(trace.model_name)},'
-        f'"model_version":{version},"request_id":{json.dumps(trace.request_id)},'
+        f'{{"id":{trace.id},"model_name":{_quoted(trace.model_name)},'
+        f'"model_version":{version},"request_id":{_quoted(trace.request_id)},'
         f'"parent_id":{trace.parent_id}}}',
         f'{{"id":{trace.id},"timestamps":[{stamps}]}}',
     ]
