@@ -152,10 +152,13 @@ def test_an_unknown_model_is_not_found(client: _Http | _Grpc) -> None:
         client.update({"trace_rate": "3"}, "nope")
 
 
-def test_an_http_post_naming_a_model_and_no_setting_clears_its_overrides(server: Server) -> None:
+def test_a_post_with_no_setting_only_asks(server: Server) -> None:
+    """What Triton's server answers, though its protocol document speaks of clearing."""
     http = _Http(server)
-    http.update({"trace_rate": "7", "trace_count": "3"}, "simple")
-    assert http.update({}, "simple") == STARTUP
+    http.update({"trace_rate": "7"}, "simple")
+    assert http.update({}, "simple") == {**STARTUP, "trace_rate": "7"}
+    assert http.update({}) == STARTUP
+    http.update({"trace_rate": None}, "simple")
     http.client.close()
 
 

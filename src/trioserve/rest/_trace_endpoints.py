@@ -4,9 +4,9 @@
     GET|POST v2/models/{model}/trace/setting   a model's (its overrides over the server's)
     GET|POST v2/logging                        the log settings
 
-A POST names only the settings it changes, and answers every setting as it is now. A
-trace setting's value is a string, or a list of strings (``trace_level``); null clears
-it. Restricted API groups "trace" and "logging" answer 403 without their header.
+A POST names only the settings it changes (none: it only asks, as Triton's server
+answers it), and answers every setting as it is now. A trace setting's value is a
+string, or a list of strings (``trace_level``); null clears it. Restricted API groups "trace" and "logging" answer 403 without their header.
 """
 
 from __future__ import annotations

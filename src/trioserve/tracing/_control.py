@@ -121,12 +121,10 @@ class TraceControl:
         return document
 
     def update(self, model: str, changes: Mapping[str, Sequence[str] | None]) -> SettingsDocument:
-        """Apply a POST's settings (None clears one); a model's POST with no setting
-        clears all its overrides. InvalidArgumentError leaves everything as it was."""
+        """Apply a POST's settings (None clears one). InvalidArgumentError leaves
+        everything as it was."""
         parsed = {key: self._parse(key, values) for key, values in changes.items()}
         target = self._models.setdefault(model, {}) if model else self._server
-        if model and not changes:
-            target.clear()
         for key, value in parsed.items():
             if key == "trace_mode":
                 continue  # the mode it already has, or a clear: nothing changes

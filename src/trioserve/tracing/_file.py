@@ -1,6 +1,7 @@
 """Triton's trace file: a JSON array of records, each trace's in turn.
 
-    {"id": 1, "model_name": "simple", "model_version": 1, "request_id": "", "parent_id": 0}
+    {"id": 1, "model_name": "simple", "model_version": 1, "request_id": ""}
+    {"id": 2, "model_name": "step", "model_version": 1, "request_id": "", "parent_id": 1}
     {"id": 1, "timestamps": [{"name": "REQUEST_START", "ns": 2356425054785863}, ...]}
     {"id": 1, "activity": "TENSOR_QUEUE_INPUT",
      "tensor": {"name": "INPUT0", "data": "1,2,3", "shape": "1,3", "dtype": "INT32"}}
@@ -68,10 +69,11 @@ def trace_json(trace: Trace) -> str:
     than ``json.dumps`` of the same dicts)."""
     version = int(trace.model_version) if trace.model_version.isdigit() else -1
     stamps = ",".join([f'{{"name":"{name}","ns":{ns}}}' for name, ns in trace.timestamps])
+    # As Triton writes it: "parent_id" only for a trace that has a parent.
+    parent = f',"parent_id":{trace.parent_id}' if trace.parent_id else ""
     records = [
         f'{{"id":{trace.id},"model_name":{_quoted(trace.model_name)},'
-        f'"model_version":{version},"request_id":{_quoted(trace.request_id)},'
-        f'"parent_id":{trace.parent_id}}}',
+        f'"model_version":{version},"request_id":{_quoted(trace.request_id)}{parent}}}',
         f'{{"id":{trace.id},"timestamps":[{stamps}]}}',
     ]
     for tensor in trace.tensors:
