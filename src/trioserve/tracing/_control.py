@@ -44,6 +44,7 @@ _FIELDS = {
 }
 _TRITON_ONLY = ("trace_file", "log_frequency")  # not settings of opentelemetry mode
 _MINIMUM = {"trace_rate": 0, "trace_count": -1, "log_frequency": 0}
+EXPORT_GRACE_S = 5.0  # how long a stopping server waits for its last spans' export
 
 
 class Exporter(TraceSink, Protocol):
@@ -252,4 +253,7 @@ class TraceControl:
         async for path, traces in self._to_write:
             await trio.to_thread.run_sync(write_traces, path, traces)
         if self._exporter is not None:
-            await trio.to_thread.run_sync(self._exporter.shutdown)
+            # A collector that is down would hold the exporter in its retries: the server
+            # stops after the grace period all the same, leaving the thread behind.
+            with trio.move_on_after(EXPORT_GRACE_S):
+                await trio.to_thread.run_sync(self._exporter.shutdown, abandon_on_cancel=True)
