@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from trioserve import Server, ServerConfig
+from trioserve import LogConfig, Server, ServerConfig
 from trioserve._log_settings import TritonFormatter
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
@@ -160,3 +160,24 @@ def test_grpc_refuses_a_value_of_the_wrong_kind(grpc: grpcclient.InferenceServer
         grpc._client_stub.LogSettings(request)
     assert raised.value.code() == grpcio.StatusCode.INVALID_ARGUMENT
     assert raised.value.details() == "log setting 'log_info' takes a boolean, got 'yes'"
+
+
+def test_a_server_started_with_log_settings_logs_by_them_from_the_start(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    config = ServerConfig(
+        models=reference_zoo(),
+        http_port=0,
+        grpc_port=None,
+        log=LogConfig(file=str(log), format="ISO8601", warning=False),
+    )
+    with server_in_thread(config) as running:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
+        assert client.get_log_settings() == {
+            **DEFAULTS,
+            "log_file": str(log),
+            "log_format": "ISO8601",
+            "log_warning": False,
+        }
+        client.close()
+    loaded = [line for line in lines(log) if "loaded model 'simple' version 1" in line]
+    assert len(loaded) == 1 and re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ I ", loaded[0])
