@@ -56,12 +56,10 @@ class _Tensor(Protocol):
     def name(self) -> str: ...
 
     @property
-    def data(self) -> Any: ...
-
-
-class _Typed(_Tensor, Protocol):
-    @property
     def datatype(self) -> Any: ...  # a ``Datatype``: its ``name`` is the wire name
+
+    @property
+    def data(self) -> Any: ...
 
 
 def now_ns() -> int:
@@ -74,8 +72,11 @@ class TracedTensor:
 
     __slots__ = ("activity", "data", "datatype", "name", "shape")
 
-    def __init__(self, activity: str, tensor: _Typed) -> None:
-        array = np.asarray(tensor.data)
+    def __init__(self, activity: str, tensor: _Tensor) -> None:
+        data = tensor.data
+        if not isinstance(data, np.ndarray) and hasattr(data, "get"):
+            data = data.get()  # a device (cupy) array: its copy on the host
+        array = np.asarray(data)
         self.activity = activity
         self.name = tensor.name
         self.datatype = str(tensor.datatype.name)
@@ -150,7 +151,7 @@ class Trace:
             stamps.append((COMPUTE_OUTPUT_START, execution.executed_ns))
             stamps.append((COMPUTE_END, execution.output_ready_ns))
 
-    def inputs(self, tensors: Iterable[_Typed]) -> None:
+    def inputs(self, tensors: Iterable[_Tensor]) -> None:
         if self.trace_tensors:
             self.tensors.extend(TracedTensor(QUEUE_INPUT, t) for t in tensors)
 
@@ -171,7 +172,7 @@ class Trace:
         self.children.append(child)
         return child
 
-    def outputs(self, tensors: Iterable[_Typed]) -> None:
+    def outputs(self, tensors: Iterable[_Tensor]) -> None:
         if self.trace_tensors:
             self.tensors.extend(TracedTensor(BACKEND_OUTPUT, t) for t in tensors)
 
