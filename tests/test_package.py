@@ -36,6 +36,7 @@ def test_public_api_is_what_we_mean():
             "InputTensor",
             "InternalError",
             "InvalidArgumentError",
+            "LogConfig",
             "MemoryUsage",
             "MetricsConfig",
             "Model",
@@ -50,6 +51,7 @@ def test_public_api_is_what_we_mean():
             "ServerConfig",
             "StepSequence",
             "TensorSpec",
+            "TraceConfig",
             "UnavailableError",
             "UnsupportedError",
             "__version__",
@@ -133,6 +135,7 @@ OWNERS = {
     "grpclib": "grpc/_grpclib.py",
     "trio_asyncio": "grpc/_grpclib.py",
     "asyncio": "grpc/_grpclib.py",
+    "opentelemetry": "tracing/_otel.py",  # the extra trioserve[tracing]
 }
 
 

@@ -5,7 +5,10 @@
     python tools/paired_bench.py /path/to/old/src src --mode big-shm --connections 1
 
 The second form compares two interpreters serving the same source (each needs
-trioserve's dependencies installed).
+trioserve's dependencies installed). ``--new-flag`` adds a ``trioserve run`` flag to the
+new side only, to measure what a setting costs::
+
+    python tools/paired_bench.py src src --new-flag=--trace-config=level=TIMESTAMPS
 
 The machine's speed drifts (a shared virtual machine: by a third from minute to minute),
 so throughput measured in turns compares the moments as much as the builds. Here both
@@ -39,11 +42,15 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start(src: str, python: str, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
+Side = tuple[str, str, list[str]]  # src folder, interpreter, extra flags
+
+
+def _start(side: Side, cpus: str) -> tuple[subprocess.Popen[bytes], int]:
+    src, python, flags = side
     port = _free_port()
     command = ["taskset", "-c", cpus, python, "-m", "trioserve", "run"]
     command += ["--host", "127.0.0.1", "--http-port", str(port), "--allow-grpc", "false"]
-    command += ["--log-level", "warning"]
+    command += ["--log-level", "warning", *flags]
     process = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=src))
     _wait_ready(f"127.0.0.1:{port}")
     return process, port
@@ -54,14 +61,13 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=60)
 
 
-def _round(sides: list[tuple[str, str]], args: argparse.Namespace, script: Path) -> list[float]:
-    """One round: both servers (src folder, interpreter) under load at once; their µs of
-    CPU per request."""
+def _round(sides: list[Side], args: argparse.Namespace, script: Path) -> list[float]:
+    """One round: both servers under load at once; their µs of CPU per request."""
     model = model_of(args.mode)
     with ExitStack() as stack:  # on the way out: regions unregistered, then servers stopped
         servers = []
-        for src, python in sides:
-            process, port = _start(src, python, args.server_cpus)
+        for side in sides:
+            process, port = _start(side, args.server_cpus)
             stack.callback(_stop, process)
             servers.append((process, port))
         if args.mode == "big-shm":
@@ -101,12 +107,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", type=int, default=8, help="wrk's, per server")
     parser.add_argument("--mode", default="http-json", choices=("http-json", "big-shm"))
+    parser.add_argument(
+        "--new-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a trioserve run flag for the new side only (repeatable)",
+    )
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--client-cpus", default="1")
     parser.add_argument("--old-python", default=sys.executable, help="the old side's interpreter")
     parser.add_argument("--new-python", default=sys.executable, help="the new side's interpreter")
     args = parser.parse_args()
-    old, new = (args.old, args.old_python), (args.new, args.new_python)
+    old: Side = (args.old, args.old_python, [])
+    new: Side = (args.new, args.new_python, args.new_flag)
     body, headers = http_body(args.mode)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "body").write_bytes(body)

@@ -17,6 +17,7 @@ from ._errors import (
 )
 from ._generative import GenerativeModel, StepSequence
 from ._limits import HttpLimits
+from ._log_settings import LogConfig
 from ._metrics_config import MetricsConfig
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
 from ._restricted import Restriction
@@ -31,6 +32,7 @@ from ._types import (
     RequestedOutput,
 )
 from ._version import __version__
+from .tracing import TraceConfig
 
 __all__ = [
     "AlreadyExistsError",
@@ -46,6 +48,7 @@ __all__ = [
     "InputTensor",
     "InternalError",
     "InvalidArgumentError",
+    "LogConfig",
     "MemoryUsage",
     "MetricsConfig",
     "Model",
@@ -60,6 +63,7 @@ __all__ = [
     "ServerConfig",
     "StepSequence",
     "TensorSpec",
+    "TraceConfig",
     "UnavailableError",
     "UnsupportedError",
     "__version__",

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,12 +23,14 @@ from ._alternatives import check_alternatives
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError
+from ._log_settings import FORMATS, LogConfig
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
 from ._restricted import parse_restrictions
 from ._server import open_server
 from ._version import __version__
 from .scheduler import cache_size_from_flags
+from .tracing import trace_config_from_flags
 
 logger = logging.getLogger("trioserve")
 
@@ -165,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
             action="append",
             default=[],
             metavar="API[,API]:KEY=VALUE",
-            help="answer API (shared-memory, model-repository) only to requests with header KEY=VALUE",
+            help="answer API (shared-memory, model-repository, trace, logging) only to requests "
+            "with header KEY=VALUE",
         )
     run.add_argument(
         "--show-hidden-metrics-for-version",
@@ -198,7 +202,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="BOOL",
         help="serve the live status page at / and /status on the HTTP port (default true)",
     )
+    run.add_argument(
+        "--trace-config",
+        action="append",
+        default=[],
+        metavar="[MODE,]SETTING=VALUE",
+        help="tracing, as tritonserver's: level=TIMESTAMPS, rate=N, count=N, "
+        "mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N, "
+        "opentelemetry,url=URL, opentelemetry,resource=KEY=VALUE, "
+        "opentelemetry,bsp_max_queue_size=N (bsp_schedule_delay=MS, bsp_max_export_batch_size=N)",
+    )
     run.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    run.add_argument("--log-verbose", type=int, metavar="N", help="verbose level (0: none)")
+    run.add_argument("--log-info", type=_boolean, metavar="BOOL")
+    run.add_argument("--log-warning", type=_boolean, metavar="BOOL")
+    run.add_argument("--log-error", type=_boolean, metavar="BOOL")
+    run.add_argument("--log-file", default="", help="append the log here (default: stderr)")
+    run.add_argument("--log-format", choices=FORMATS, default="default")
     return parser
 
 
@@ -262,7 +282,28 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         response_cache_bytes=cache_size_from_flags(args.cache_config),
         status_page=args.allow_status_page,
+        trace=trace_config_from_flags(args.trace_config),
+        log=log_config_from_args(args),
     )
+
+
+def log_config_from_args(args: argparse.Namespace) -> LogConfig:
+    """The log flags: ``--log-level`` first, Triton's finer flags over it."""
+    level = args.log_level
+    config = LogConfig(
+        file=args.log_file,
+        info=level in ("debug", "info"),
+        warning=level != "error",
+        verbose_level=1 if level == "debug" else 0,
+        format=args.log_format,
+    )
+    finer = {
+        "info": args.log_info,
+        "warning": args.log_warning,
+        "error": args.log_error,
+        "verbose_level": args.log_verbose,
+    }
+    return replace(config, **{k: v for k, v in finer.items() if v is not None})
 
 
 def _checkpoint_models(flags: list[str], device: Literal["cpu", "gpu"]) -> list[Model]:

@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Literal
 
 from ._limits import MAX_SHARED_MEMORY_REGIONS, GrpcLimits, HttpLimits
+from ._log_settings import LogConfig
 from ._metrics_config import MetricsConfig
 from ._model import Model
 from ._restricted import Restriction, check_restrictions
+from .tracing import TraceConfig
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class ServerConfig:
     # 0: no limit.
     model_load_timeout_s: float = 600.0
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
+    trace: TraceConfig = field(default_factory=TraceConfig)  # the trace extension's startup
+    # The logging extension's startup settings; None leaves logger "trioserve" as the
+    # embedding application set it, until a client changes a setting.
+    log: LogConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))

@@ -16,18 +16,20 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from ._config import ServerConfig
+from ._log_settings import LogControl
 from ._pipeline import InferencePipeline
 from ._repository import ModelRepository
 from ._version import __version__
 from .metrics import server_registry
 from .metrics._orca import LoadReporter
 from .shm import SharedMemoryRegistry
+from .tracing import TraceControl
 
 # What works today, by Triton's extension names; listed in server metadata.
 EXTENSIONS = (
     "binary_tensor_data", "model_configuration", "model_repository",
     "model_repository(unload_dependents)", "parameters", "schedule_policy", "sequence",
-    "statistics", "system_shared_memory",
+    "statistics", "system_shared_memory", "trace", "logging",
 )  # fmt: skip
 
 
@@ -49,6 +51,8 @@ class ServerContext:
     registry: CollectorRegistry | None  # the server's Prometheus metrics; None: off
     pipeline: InferencePipeline  # over ``shared_memory`` and ``load``
     stop_accepting: trio.Event  # set: front ends refuse new work and drain
+    tracing: TraceControl  # the trace extension's settings; ``pipeline`` samples with it
+    logs: LogControl  # the logging extension's settings
 
 
 def server_context(
@@ -59,6 +63,7 @@ def server_context(
     shared_memory = SharedMemoryRegistry(config.max_shared_memory_regions)
     load = LoadReporter() if load is None else load
     metrics = config.metrics
+    tracing = TraceControl(config.trace)
     return ServerContext(
         config=config,
         repository=repository,
@@ -66,6 +71,8 @@ def server_context(
         load=load,
         metadata=server_metadata(shared_memory.cuda_available),
         registry=server_registry(repository, metrics) if metrics.enabled else None,
-        pipeline=InferencePipeline(shared_memory, load),
+        pipeline=InferencePipeline(shared_memory, load, tracing),
         stop_accepting=trio.Event(),
+        tracing=tracing,
+        logs=LogControl(config.log),
     )

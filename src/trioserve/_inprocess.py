@@ -68,7 +68,10 @@ class InProcessFrontEnd:
         if sampling.get("n", 1) != 1:
             raise InvalidArgumentError("generate streams one sample: n must be 1")
         parameters = read_parameters(sampling, "vllm", max_num_seqs=served.max_num_seqs)
-        request = context.pipeline.generation_request("inprocess", prompt, parameters)
+        pipeline = context.pipeline
+        request = pipeline.trace_generation(
+            pipeline.generation_request("inprocess", prompt, parameters), served, {}
+        )
         with context.load.counting(served):
             async with served.generate(request) as chunks:
                 async for chunk in chunks:

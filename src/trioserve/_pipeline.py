@@ -27,6 +27,11 @@ A front end may also pass a ``Watch``: the watch tracks the ticket while it wait
 may withdraw it (REST's ``DisconnectWatch`` does when the client disconnects), in which
 case ``infer`` returns None: there is nobody left to answer.
 
+When the server traces (``tracing``), ``infer`` asks its ``TraceControl`` whether this
+request is traced, before decoding it: a traced request carries its ``Trace``, which the
+runner stamps with its queue and compute times, and which ends here once the outputs
+are written. A server that traces nothing reads one attribute per request for it.
+
 Generations do not take this path (they stream chunks from the engine), but every front
 end builds its ``GenerationRequest`` here, with the server's one request-id counter and
 the arrival time stamped in one place.
@@ -34,8 +39,9 @@ the arrival time stamped in one place.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import trio
@@ -46,6 +52,7 @@ from ._types import InferenceRequest, InferenceResponse
 from .metrics._orca import LoadReporter
 from .scheduler import GenerationRequest, RequestParameters, generation_request
 from .shm import RequestRegions, SharedMemoryRegistry
+from .tracing import Trace, TraceControl
 
 Decode = Callable[[RequestRegions], InferenceRequest]
 """The front end's decoding of its message, leasing the regions it names."""
@@ -65,11 +72,14 @@ class Watch(Protocol, Generic[_Client, _Token]):
 class InferencePipeline:
     """A server instance's inference path; its front ends share one."""
 
-    __slots__ = ("_ids", "_load", "_shared_memory")
+    __slots__ = ("_ids", "_load", "_shared_memory", "_tracing")
 
-    def __init__(self, shared_memory: SharedMemoryRegistry, load: LoadReporter) -> None:
+    def __init__(
+        self, shared_memory: SharedMemoryRegistry, load: LoadReporter, tracing: TraceControl
+    ) -> None:
         self._shared_memory = shared_memory
         self._load = load
+        self._tracing = tracing
         self._ids = itertools.count(1)
 
     def generation_request(
@@ -80,6 +90,19 @@ class InferencePipeline:
         request_id = f"{origin}-{next(self._ids)}"
         return generation_request(request_id, prompt, parameters, trio.current_time())
 
+    def trace_generation(
+        self, generation: GenerationRequest, served: ServedModel, headers: Mapping[Any, Any]
+    ) -> GenerationRequest:
+        """``generation`` as it goes to ``served``: with its trace if it is traced
+        (``headers``: the request's, for a client's trace context); the engine ends it."""
+        if not self._tracing.active:
+            return generation
+        trace = self._sample(served, headers)
+        if trace is None:
+            return generation
+        trace.request_id = generation.request_id
+        return dataclasses.replace(generation, trace=trace)
+
     @overload
     async def infer(
         self,
@@ -88,6 +111,7 @@ class InferencePipeline:
         *,
         submitted: Callable[[], object] | None = None,
         large: bool = False,
+        headers: Mapping[Any, Any] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse]: ...
 
     @overload
@@ -99,6 +123,7 @@ class InferencePipeline:
         client: _Client,
         *,
         large: bool = False,
+        headers: Mapping[Any, Any] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse] | None: ...
 
     async def infer(
@@ -110,19 +135,24 @@ class InferencePipeline:
         *,
         submitted: Callable[[], object] | None = None,
         large: bool = False,
+        headers: Mapping[Any, Any] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse] | None:
         """The request ``decode`` gives and its response; None if ``watch`` withdrew it.
         ``submitted`` is called once the request is in its model's queue (a stream of a
         sequence model submits its requests in order). ``large``: the message is big
-        enough (``OFF_LOOP_BYTES``) to decode in a worker thread.
+        enough (``OFF_LOOP_BYTES``) to decode in a worker thread. ``headers``: the
+        request's (HTTP headers or gRPC metadata), read only if it is traced.
 
         One coroutine from the decode to the outcome: every frame between the front end
         and the ticket's wait is resumed again when the outcome arrives.
         """
         served.admit()
+        trace = self._sample(served, headers) if self._tracing.active else None
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
             request = await _decode_in_thread(decode, regions) if large else decode(regions)
+            if trace is not None:
+                _traced(request, trace)
             if regions.inputs_off_loop:
                 await regions.read_inputs_off_loop()
             with self._load.counting(served):
@@ -145,11 +175,18 @@ class InferencePipeline:
                     await regions.write_outputs_off_loop(response)
                 else:
                     regions.write_outputs(response)
+                if trace is not None:
+                    trace.outputs(response.outputs)
         except _Withdrawn:
             return None
         finally:
             regions.close()
+            if trace is not None:  # a failed request's trace too, as Triton's
+                trace.end()
         return request, response
+
+    def _sample(self, served: ServedModel, headers: Mapping[Any, Any] | None) -> Trace | None:
+        return self._tracing.sample(served.model.name, served.version, headers)
 
     async def infer_decoupled(
         self,
@@ -190,6 +227,13 @@ class InferencePipeline:
             pass
         finally:
             regions.close()
+
+
+def _traced(request: InferenceRequest, trace: Trace) -> None:
+    """A decoded request that is traced: it carries its trace to the runner."""
+    trace.request_id = request.id
+    trace.inputs(request.inputs.values())
+    request.trace = trace
 
 
 def refuse_decoupled(served: ServedModel, endpoint: str) -> None:

@@ -12,8 +12,9 @@ import hmac
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-# The groups this server can restrict; "model-repository" guards the repository API.
-RESTRICTABLE_APIS = ("shared-memory", "model-repository")
+# The groups this server can restrict; "model-repository" guards the repository API,
+# "trace" and "logging" the trace and logging extensions' settings.
+RESTRICTABLE_APIS = ("shared-memory", "model-repository", "trace", "logging")
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,6 +170,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         # The services get a nursery of their own, so that shutdown() stops them without
         # cancelling the caller's block, which runs in ``root``.
         services: trio.Nursery = await root.start(_hold_nursery)
+        await services.start(context.tracing.run)  # writes trace files; flushes at the end
         await services.start(repository.run)
         manager = RepositoryManager(
             repository,
@@ -222,6 +223,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             root.cancel_scope.cancel()
             # Requests still in flight keep their regions open until they end.
             context.shared_memory.close()
+            context.logs.close()
 
 
 def _served(

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from ._errors import InvalidArgumentError
 from ._tensor import Datatype
+
+if TYPE_CHECKING:
+    from .tracing._trace import Trace
 
 Parameters = Mapping[str, Any]
 
@@ -63,6 +66,8 @@ class InferenceRequest:
     parameters: Parameters = field(default_factory=dict)
     # A decoupled model's way to answer: set by the scheduler before ``execute``.
     response_sender: ResponseSender | None = field(default=None, repr=False, compare=False)
+    # Set when the request is traced (``tracing``): the runner stamps its queue and compute.
+    trace: Trace | None = field(default=None, repr=False, compare=False)
 
     @property
     def priority(self) -> int:

@@ -584,15 +584,14 @@ async def test_infer_errors(
     assert message
 
 
-UNIMPLEMENTED = ["TraceSetting", "LogSettings"]
-
-
-@pytest.mark.parametrize("rpc", UNIMPLEMENTED)
-async def test_unimplemented(stub: Any, rpc: str) -> None:
-    request = getattr(service_pb2, f"{rpc}Request")()
+async def test_trace_and_log_settings_answer(stub: Any) -> None:
     with trio.fail_after(TIMEOUT):
-        message = await expect_rpc_error(grpc.StatusCode.UNIMPLEMENTED, getattr(stub, rpc), request)
-    assert message == f"{rpc} is not supported by this server yet"
+        trace = await call(stub.TraceSetting, service_pb2.TraceSettingRequest())
+        logs = await call(stub.LogSettings, service_pb2.LogSettingsRequest())
+    assert list(trace.settings["trace_level"].value) == ["OFF"]
+    assert trace.settings["trace_mode"].value == ["triton"]
+    assert logs.settings["log_verbose_level"].uint32_param == 0
+    assert logs.settings["log_format"].string_param == "default"
 
 
 # --- cancellation ----------------------------------------------------------------------

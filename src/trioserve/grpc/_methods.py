@@ -22,7 +22,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from .._context import ServerContext
-from .._errors import UnsupportedError, unknown_model
+from .._errors import unknown_model
 from .._limits import OFF_LOOP_BYTES
 from .._pipeline import refuse_decoupled
 from .._repository import Ticket
@@ -41,6 +41,7 @@ from ._orca import add_load_report
 from ._repository_rpcs import REPOSITORY_RPCS
 from ._shm import SHARED_MEMORY_RPCS, check_restriction
 from ._stream import StreamInfer
+from ._trace_rpcs import log_settings, trace_setting
 
 __all__ = [
     "Call",
@@ -86,8 +87,6 @@ _SERVICE = "/inference.GRPCInferenceService/"
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 # Service names a health check may ask about that mean "the server as a whole".
 _SERVER_SERVICES = frozenset({"", "inference.GRPCInferenceService"})
-# RPCs of the protocol that this server does not offer yet.
-_UNIMPLEMENTED = ("TraceSetting", "LogSettings")
 
 
 def grpc_methods(context: ServerContext) -> dict[str, Method]:
@@ -108,8 +107,8 @@ def grpc_methods(context: ServerContext) -> dict[str, Method]:
         unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.shared_memory, rpc))
     for rpc in REPOSITORY_RPCS:
         unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.model_repository, rpc))
-    for rpc in _UNIMPLEMENTED:
-        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(_unimplemented, rpc))
+    unary["TraceSetting"] = UnaryMethod(pb.TraceSettingRequest, s.trace_setting)
+    unary["LogSettings"] = UnaryMethod(pb.LogSettingsRequest, s.log_settings)
     methods: dict[str, Method] = {_SERVICE + rpc: method for rpc, method in unary.items()}
     stream = StreamInfer(context.repository, context.pipeline, context.load)
     methods[_SERVICE + "ModelStreamInfer"] = StreamMethod(pb.ModelInferRequest, stream.serve)
@@ -128,6 +127,10 @@ class _Service:
         restrictions = context.config.grpc_restricted_apis
         self._shared_memory_restriction = restrictions.get("shared-memory")
         self._repository_restriction = restrictions.get("model-repository")
+        self._trace_restriction = restrictions.get("trace")
+        self._logging_restriction = restrictions.get("logging")
+        self._tracing = context.tracing
+        self._logs = context.logs
         self._server_metadata = server_metadata_message(context.metadata)  # never changes
         self._infer_plans = InferPlans()  # ModelInfer's request heads, decoded once
         self._reply_heads = ReplyHeads()
@@ -164,7 +167,9 @@ class _Service:
         refuse_decoupled(served, "ModelInfer RPC")
         decode = partial(plan.decode, request.raw)
         large = len(request.head) >= OFF_LOOP_BYTES  # raw inputs are views: no decoding
-        answered = await self._pipeline.infer(served, decode, _CALL_WATCH, call, large=large)
+        answered = await self._pipeline.infer(
+            served, decode, _CALL_WATCH, call, large=large, headers=call.metadata
+        )
         if answered is None:
             raise ClientGone("the client cancelled the call")
         _, response = answered
@@ -180,6 +185,14 @@ class _Service:
         check_restriction(self._repository_restriction, call.metadata)
         return await REPOSITORY_RPCS[rpc](self._repository, request)
 
+    async def trace_setting(self, request: pb.TraceSettingRequest, call: Call) -> Message:
+        check_restriction(self._trace_restriction, call.metadata)
+        return trace_setting(self._tracing, self._repository, request)
+
+    async def log_settings(self, request: pb.LogSettingsRequest, call: Call) -> Message:
+        check_restriction(self._logging_restriction, call.metadata)
+        return log_settings(self._logs, request)
+
     async def health_check(self, request: health_pb2.HealthCheckRequest, call: Call) -> Message:
         """SERVING when what was asked about is ready: "" or "inference.GRPCInferenceService"
         asks about the whole server, a model name about that model (its latest version).
@@ -193,7 +206,3 @@ class _Service:
             raise unknown_model(service)
         status = health_pb2.HealthCheckResponse
         return status(status=status.SERVING if ready else status.NOT_SERVING)
-
-
-async def _unimplemented(rpc: str, request: Any, call: Call) -> Message:
-    raise UnsupportedError(f"{rpc} is not supported by this server yet")

@@ -30,7 +30,7 @@ aborted by the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +87,7 @@ class StreamInfer:
         # so the transport's flow control holds a client that sends faster than it reads.
         in_flight = trio.Semaphore(MAX_IN_FLIGHT)
         async with trio.open_nursery() as requests:
-            replies = _Replies(io, requests.cancel_scope)
+            replies = _Replies(io, requests.cancel_scope, call.metadata)
             while True:
                 await in_flight.acquire()
                 try:
@@ -154,7 +154,9 @@ class StreamInfer:
                 )
             else:
                 decode = partial(decode_request, message)
-                _, response = await self._pipeline.infer(served, decode, submitted=submitted)
+                _, response = await self._pipeline.infer(
+                    served, decode, submitted=submitted, headers=replies.metadata
+                )
                 await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
             await replies.send(_error(message, exc.message))
@@ -169,7 +171,9 @@ class StreamInfer:
     ) -> None:
         prompt, given = prompt_and_parameters(request.inputs, request.parameters)
         parameters = read_parameters(given, "vllm", max_num_seqs=served.max_num_seqs)
-        generation = self._pipeline.generation_request("grpc", prompt, parameters)
+        generation = self._pipeline.trace_generation(
+            self._pipeline.generation_request("grpc", prompt, parameters), served, replies.metadata
+        )
         empty_final = given.get(EMPTY_FINAL) is True
         n = generation.sampling.n
         unfinished = n
@@ -212,9 +216,12 @@ class _Replies:
     """Sends of one call, one at a time (a front end's may not interleave); a send that
     finds the client gone cancels every request of the call."""
 
-    def __init__(self, io: MessageStream, requests: trio.CancelScope) -> None:
+    def __init__(
+        self, io: MessageStream, requests: trio.CancelScope, metadata: Mapping[str, str]
+    ) -> None:
         self._io = io
         self._requests = requests
+        self.metadata = metadata  # the call's: a client's trace context, if traced
         self._lock = trio.Lock()
         self.served: ServedModel | None = None  # the model the call last asked for
 

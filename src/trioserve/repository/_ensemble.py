@@ -27,6 +27,7 @@ from .._errors import InferenceServerError, InternalError
 from .._model import Model, Result
 from .._repository import ModelRepository
 from .._types import InferenceRequest, InputTensor, RequestedOutput
+from ..tracing import infer_child
 from ._config import CONFIG_FILE, ConfigError
 from ._generated.model_config_pb2 import ModelConfig
 
@@ -153,7 +154,8 @@ class EnsembleModel(Model):
             parameters=request.parameters,  # a sequence's id and flags go on, for one
         )
         served = self._repository.get(step.model_name, step.model_version)
-        response = await served.infer(step_request)
+        # A traced ensemble's steps are traced under it, as Triton's are.
+        response = await infer_child(served, step_request, request.trace)
         for output in response.outputs:
             target = step.output_map[output.name]
             tensors[target] = InputTensor(target, output.datatype, output.shape, output.data)

@@ -31,6 +31,7 @@ from .._repository import ModelRepository
 from .._tensor import datatype, datatype_from_config, datatype_of
 from .._types import InferenceRequest as CoreRequest
 from .._types import InputTensor, RequestedOutput, ResponseSender
+from ..tracing import Trace, infer_child
 from ._auto_complete import ModelConfig as ModelConfig
 from ._pb_metrics import COUNTER as COUNTER
 from ._pb_metrics import GAUGE as GAUGE
@@ -207,6 +208,8 @@ class InferenceRequest:
         self._parameters = json.loads(parameters) if isinstance(parameters, str) else parameters
         self._timeout = timeout
         self._sender: ResponseSender | None = None  # a served request to a decoupled model
+        # A BLS request given ``trace=request.trace()`` is traced under that request.
+        self._trace: Trace | None = trace.parent if isinstance(trace, InferenceTrace) else None
 
     @classmethod
     def _served(cls, request: CoreRequest) -> InferenceRequest:
@@ -230,6 +233,7 @@ class InferenceRequest:
             parameters=dict(parameters),
         )
         served._sender = request.response_sender
+        served._trace = request.trace
         return served
 
     def inputs(self) -> list[Tensor]:
@@ -259,6 +263,10 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         return self._sender is not None and self._sender.cancelled
 
+    def trace(self) -> InferenceTrace:
+        """This request's trace, to pass to the BLS requests it makes."""
+        return InferenceTrace(self._trace)
+
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
             raise TritonModelException(
@@ -271,12 +279,12 @@ class InferenceRequest:
         worker thread)."""
         _no_decoupled(decoupled)
         repository = serving_repository.get()
-        return trio.from_thread.run(_infer, repository, self._core_request())
+        return trio.from_thread.run(_infer, repository, self._core_request(), self._trace)
 
     async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
         """``exec`` for a model whose ``execute`` is ``async``."""
         _no_decoupled(decoupled)
-        return await _infer(serving_repository.get(), self._core_request())
+        return await _infer(serving_repository.get(), self._core_request(), self._trace)
 
     def _core_request(self) -> CoreRequest:
         version = "" if self._model_version < 0 else str(self._model_version)
@@ -301,6 +309,18 @@ class InferenceRequest:
             id=self._request_id,
             parameters=parameters,
         )
+
+
+class InferenceTrace:
+    """A request's trace as a model sees it (Triton's ``InferenceTrace``)."""
+
+    def __init__(self, parent: Trace | None) -> None:
+        self.parent = parent
+
+    def get_context(self) -> str | None:
+        """The client's W3C trace context (JSON), if it sent one."""
+        context = None if self.parent is None else self.parent.context
+        return None if context is None else json.dumps(dict(context))
 
 
 class InferenceResponseSender:
@@ -334,10 +354,12 @@ def _no_decoupled(decoupled: bool) -> None:
         raise TritonModelException("decoupled BLS requests are not supported yet")
 
 
-async def _infer(repository: ModelRepository, request: CoreRequest) -> InferenceResponse:
+async def _infer(
+    repository: ModelRepository, request: CoreRequest, trace: Trace | None
+) -> InferenceResponse:
     try:
         runner = repository.get(request.model_name, request.model_version)
-        response = await runner.infer(request)
+        response = await infer_child(runner, request, trace)
     except InferenceServerError as exc:
         return InferenceResponse(error=triton_error(exc))
     outputs = [Tensor(t.name, t.data, triton_dtype=t.datatype.name) for t in response.outputs]

@@ -26,6 +26,7 @@ from ._repository_endpoints import add_repository_routes
 from ._router import Router
 from ._shm_endpoints import add_shared_memory_routes
 from ._status_page import add_status_page
+from ._trace_endpoints import add_logging_routes, add_trace_routes
 
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
@@ -89,7 +90,9 @@ class _Endpoints:
             version,
         )  # fmt: skip
         large = len(request.body) >= OFF_LOOP_BYTES
-        answered = await self.pipeline.infer(served, decode, self.disconnects, request, large=large)
+        answered = await self.pipeline.infer(
+            served, decode, self.disconnects, request, large=large, headers=request.headers
+        )
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
@@ -142,6 +145,8 @@ def build_app(context: ServerContext) -> RestApp:
     restrictions = context.config.http_restricted_apis
     add_shared_memory_routes(router, context.shared_memory, restrictions.get("shared-memory"))
     add_repository_routes(router, context.repository, restrictions.get("model-repository"))
+    add_trace_routes(router, context.tracing, context.repository, restrictions.get("trace"))
+    add_logging_routes(router, context.logs, restrictions.get("logging"))
     if context.config.status_page:
         add_status_page(router, context.repository, context.metadata)
     return RestApp(router, context.config.http_limits.max_body_bytes, background=[disconnects.run])

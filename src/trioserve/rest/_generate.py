@@ -142,7 +142,11 @@ class GenerateEndpoints:
         parameters = read_parameters(
             _parameters(document), "vllm", max_num_seqs=served.max_num_seqs
         )
-        generation = self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters)
+        generation = self.pipeline.trace_generation(
+            self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters),
+            served,
+            request.headers,
+        )
         head: dict[str, Any] = {}
         if "id" in document:
             if not isinstance(document["id"], str):

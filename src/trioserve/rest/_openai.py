@@ -132,6 +132,9 @@ class OpenAIEndpoints:
     ) -> Response | None:
         try:
             call = await prepare(json_object(request.body))
+            traced = self.pipeline.trace_generation(call.generation, call.served, request.headers)
+            if traced is not call.generation:
+                call = replace(call, generation=traced)
             if call.options.stream:
                 await self._stream(request, call)
                 return None  # answered as it went, or the client went away

@@ -41,6 +41,7 @@ from .._generative import GenerativeModel, StepSequence
 from .._load_facts import KVCacheState
 from .._model_code import failure_message, model_failure, raise_failure
 from .._stats import FailureReason
+from ..tracing import GenerationRecord, Trace
 from ._generation import FinishReason, GenerationChunk, GenerationRequest, TokenLogprob
 from ._kv_blocks import KVBlockManager
 from ._llm_output import SampleOutput
@@ -480,6 +481,8 @@ class LLMEngine:
         tally.finished.append(finished)
         if self._outcomes is not None:
             self._outcomes.finished(finished)
+        if record.request.trace is not None:
+            _end_trace(record, record.request.trace, finished, now)
 
     def _send_stats(
         self, now: float, tally: _StepTally, plan: StepPlan | None = None, prefilling: int = 0
@@ -508,3 +511,23 @@ class LLMEngine:
                 finished=tuple(tally.finished),
             )
         )
+
+
+def _end_trace(record: EngineRequest, trace: Trace, finished: FinishedRequest, now: float) -> None:
+    """A traced request's end: what vLLM's ``llm_request`` span tells of it."""
+    times = record.times
+    trace.generation_finished(
+        GenerationRecord(
+            request_id=record.request.request_id,
+            arrival=times.arrival,
+            queued=times.queued,
+            scheduled=times.scheduled,
+            first_token=times.first_token,
+            last_token=times.last_token,
+            end=now,
+            prompt_tokens=finished.prompt_tokens,
+            completion_tokens=finished.generation_tokens,
+            finish_reason=finished.finish_reason,
+            sampling=record.request.sampling,
+        )
+    )

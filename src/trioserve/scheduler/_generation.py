@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from .._errors import UnsupportedError
 from .._load_facts import KVCacheState
 from .._repository import ServedModel
+from ..tracing import Trace
 from ._sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -39,6 +40,7 @@ class GenerationRequest:
     # The prompt already tokenized (a front end that counts or takes token ids): the
     # engine then uses these instead of encoding ``prompt``.
     prompt_token_ids: tuple[int, ...] | None = None
+    trace: Trace | None = field(default=None, repr=False, compare=False)  # ended by the engine
 
 
 @dataclass(frozen=True, slots=True)

@@ -535,6 +535,8 @@ class ModelRunner:
         if sent_ns is None:
             sent_ns = now_ns()
         arrival_ns = ticket.item.arrival_ns
+        if ticket.request.trace is not None:
+            ticket.request.trace.queued(arrival_ns, ticket.execution)
         if error is not None:
             self.stats.failed(arrival_ns, sent_ns, reason)
         elif ticket.execution is not None:

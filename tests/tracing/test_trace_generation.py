@@ -1,0 +1,96 @@
+"""A generation's trace under the mock clock: the engine's times (arrival, queue,
+first scheduled, last token) in Triton's trace file, one request waiting for another."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from trioserve import GenerativeModel, ServerConfig, StepSequence
+from trioserve._server import open_server
+from trioserve.tracing import TraceConfig
+
+STEP = 0.012  # seconds per model step
+EOS = 256
+MS = 1_000_000
+
+
+class NextByteLM(GenerativeModel):
+    """Answers the byte after the last one; a step takes 12 ms, one sequence at a time."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "next_byte",
+            eos_token_id=EOS,
+            max_model_len=64,
+            num_kv_blocks=64,
+            max_num_seqs=1,
+            max_num_batched_tokens=64,
+        )
+
+    async def encode(self, text: str) -> list[int]:  # in trio: exact times
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < EOS).decode(errors="replace")
+
+    async def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        await trio.sleep(STEP)
+        logits = np.zeros((len(batch), EOS + 1), np.float32)
+        for row, entry in enumerate(batch):
+            logits[row, (entry.token_ids[-1] + 1) % EOS] = 1.0
+        return logits
+
+
+async def test_two_generations_one_waiting(autojump_clock: Any, tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    config = ServerConfig(
+        models=[NextByteLM()],
+        http_port=None,
+        grpc_port=None,
+        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
+    )
+    texts: dict[str, str] = {}
+    async with open_server(config) as server:
+        start = trio.current_time()
+
+        async def generate(prompt: str) -> None:
+            pieces = server.generate("next_byte", prompt, max_tokens=3, temperature=0.0)
+            texts[prompt] = "".join([piece async for piece in pieces])
+
+        async with trio.open_nursery() as clients:
+            clients.start_soon(generate, "ab")
+            await trio.sleep(0.001)
+            clients.start_soon(generate, "xy")  # waits: one sequence at a time
+    assert texts == {"ab": "cde", "xy": "z{|"}
+    records = json.loads(path.read_text())
+    meta = {r["id"]: r for r in records if "model_name" in r}
+    stamps = {
+        meta[r["id"]]["request_id"]: [
+            (t["name"], t["ns"] / MS - start * 1e3) for t in r["timestamps"]
+        ]
+        for r in records
+        if "timestamps" in r
+    }
+    first, second = sorted(stamps, key=lambda request_id: stamps[request_id][0][1])
+    # Three steps of 12 ms each: the prompt's, which gives the first token, and two more.
+    assert [(n, round(t, 6)) for n, t in stamps[first]] == [
+        ("REQUEST_START", 0.0),
+        ("QUEUE_START", 0.0),
+        ("COMPUTE_START", 0.0),
+        ("COMPUTE_END", 36.0),
+        ("REQUEST_END", 36.0),
+    ]
+    assert [(n, round(t, 6)) for n, t in stamps[second]] == [
+        ("REQUEST_START", 1.0),
+        ("QUEUE_START", 1.0),
+        ("COMPUTE_START", 36.0),
+        ("COMPUTE_END", 72.0),
+        ("REQUEST_END", 72.0),
+    ]
+    assert {m["model_name"] for m in meta.values()} == {"next_byte"}
