@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ._backend_config import onnxruntime_settings
 from ._limits import MAX_SHARED_MEMORY_REGIONS, GrpcLimits, HttpLimits
 from ._metrics_config import MetricsConfig
 from ._model import Model
@@ -45,6 +46,8 @@ class ServerConfig:
     load_models: Sequence[str] = ()  # explicit mode: loaded at startup ("*": all)
     repository_poll_secs: float = 15.0
     strict_model_config: bool = False  # no auto-complete: config.pbtxt says everything
+    # --backend-config: backend -> its settings (``_backend_config``; only onnxruntime's)
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
 
     def __post_init__(self) -> None:
@@ -74,6 +77,7 @@ class ServerConfig:
         check_restrictions(self.grpc_restricted_apis)
         if self.response_cache_bytes < 0:
             raise ValueError("response_cache_bytes must be >= 0")
+        onnxruntime_settings(self.backend_config)  # raises for an unknown or bad setting
         object.__setattr__(self, "model_repositories", tuple(map(Path, self.model_repositories)))
         if self.model_control_mode not in ("none", "poll", "explicit"):
             raise ValueError("model_control_mode must be 'none', 'poll' or 'explicit'")

@@ -16,24 +16,21 @@ pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
 
 
-def write_add_model(path: Path, batch: str | int) -> None:
+def write_add_model(write_onnx, path: Path, batch: str | int) -> None:
     """Z = X + Y over FP32 [batch, 3]."""
     shape = [batch, 3]
-    graph = helper.make_graph(
+    float_tensor = (TensorProto.FLOAT, shape)
+    write_onnx(
+        path,
         [helper.make_node("Add", ["X", "Y"], ["Z"])],
-        "add",
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape) for n in ("X", "Y")],
-        [helper.make_tensor_value_info("Z", TensorProto.FLOAT, shape)],
+        [("X", *float_tensor), ("Y", *float_tensor)],
+        [("Z", *float_tensor)],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path))
 
 
 @pytest.mark.parametrize(("batch", "max_batch_size", "dims"), [("N", 4, [3]), (2, 0, [2, 3])])
-def test_onnx_model_without_config(tmp_path: Path, batch, max_batch_size, dims) -> None:
-    write_add_model(tmp_path / "add" / "1" / "model.onnx", batch)
+def test_onnx_model_without_config(write_onnx, tmp_path: Path, batch, max_batch_size, dims) -> None:
+    write_add_model(write_onnx, tmp_path / "add" / "1" / "model.onnx", batch)
     config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
     with server_in_thread(config) as server:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")

@@ -2,12 +2,18 @@
 
 Needs the ``onnx`` extra (``pip install 'trioserve[onnx]'``). A version's ``model.onnx``
 (a file, or a folder holding ``model.onnx`` and its external data) runs in an
-``InferenceSession``, in a worker thread. Auto-complete reads the graph as Triton does:
-inputs and outputs with their types and dims; when every input and output has a
-variable first dimension, the model batches (``max_batch_size`` 4, that dimension
-dropped from the dims) and gets the dynamic batcher. The config's parameters
-``intra_op_thread_count`` and ``inter_op_thread_count`` size the session's thread pools;
-the CUDA execution provider serves KIND_GPU instances when ONNX Runtime has it.
+``InferenceSession``, in a worker thread; a model's instances share it (ONNX Runtime
+runs one session from several threads at once). Auto-complete reads the graph as
+Triton does: inputs and outputs with their types and dims; when every input and output
+has a variable first dimension, the model batches (``max_batch_size`` 4 or
+``--backend-config onnxruntime,default-max-batch-size``, that dimension
+dropped from the dims) and gets the dynamic batcher. A tensor left without dims gets
+``dims: [1]``, and in a batching model ``reshape: { shape: [] }`` too.
+
+Shapes between the protocol and the graph (``reshape``, rank 0, batches split back):
+``_onnx_tensors``. Session options, providers and the shared thread pools:
+``_onnx_options``. Sessions are created in worker threads, several at once when models
+load in parallel: nothing here is shared between them but the global pools' lock.
 """
 
 from __future__ import annotations
@@ -16,12 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .._model import Model, Outputs, batch_size
+from .._model import Model, Result
 from .._types import InferenceRequest
-from ._config import ConfigError, config_document
+from ._config import CONFIG_FILE, ConfigError, config_document
 from ._generated.model_config_pb2 import DataType, ModelConfig
+from ._onnx_options import SessionPlan, base_options, default_max_batch_size, runtime, session_plan
+from ._onnx_tensors import Batch, Layout, check_reshape, string_output_error
 
 # ONNX Runtime's type strings -> Triton's config types
 _TYPES = {
@@ -31,27 +37,15 @@ _TYPES = {
     "tensor(float16)": "TYPE_FP16", "tensor(float)": "TYPE_FP32", "tensor(double)": "TYPE_FP64",
     "tensor(string)": "TYPE_STRING",
 }  # fmt: skip
-_DEFAULT_MAX_BATCH_SIZE = 4  # what Triton's auto-complete picks for a batching model
-
-
-def _runtime() -> Any:
-    try:
-        import onnxruntime
-    except ImportError:
-        raise ConfigError(
-            "the onnxruntime backend needs ONNX Runtime: pip install 'trioserve[onnx]'"
-        ) from None
-    return onnxruntime
 
 
 def _model_path(path: Path) -> Path:
     return path / "model.onnx" if path.is_dir() else path
 
 
-def _session(path: Path, options: Any = None, providers: Sequence[str] = ()) -> Any:
-    runtime = _runtime()
+def _session(path: Path, options: Any, providers: Sequence[Any] = ()) -> Any:
     try:
-        return runtime.InferenceSession(
+        return runtime().InferenceSession(
             str(_model_path(path)), sess_options=options, providers=list(providers) or None
         )
     except Exception as exc:
@@ -60,14 +54,17 @@ def _session(path: Path, options: Any = None, providers: Sequence[str] = ()) -> 
 
 def auto_complete_onnx(config: ModelConfig, path: Path) -> None:
     """Fill in the inputs, outputs and batching the config leaves out, from the graph."""
-    session = _session(path)
+    # Only the graph's signature is read: no optimization, no threads of its own.
+    options = base_options({"intra_op_thread_count": 1, "inter_op_thread_count": 1})
+    options.graph_optimization_level = runtime().GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = _session(path, options, ["CPUExecutionProvider"])
     graph_inputs, graph_outputs = session.get_inputs(), session.get_outputs()
     batching = all(
         len(t.shape) > 0 and not isinstance(t.shape[0], int)
         for t in (*graph_inputs, *graph_outputs)
     )
     if config.max_batch_size == 0 and batching and not config.input and not config.output:
-        config.max_batch_size = _DEFAULT_MAX_BATCH_SIZE
+        config.max_batch_size = default_max_batch_size()
         if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
             config.dynamic_batching.SetInParent()
     skip = 1 if config.max_batch_size > 0 else 0
@@ -82,8 +79,19 @@ def auto_complete_onnx(config: ModelConfig, path: Path) -> None:
             added.name = tensor.name
             added.data_type = DataType.Value(_TYPES[tensor.type])
             added.dims.extend(d if isinstance(d, int) else -1 for d in tensor.shape[skip:])
-            if not added.dims:  # a scalar per batch element
+            if not added.dims:  # Triton's dims cannot be empty: [1], reshaped to the graph's
                 added.dims.append(1)
+                if skip:  # a scalar per batch element: each request's [B, 1] runs as [B]
+                    added.reshape.SetInParent()
+
+
+def check_reshapes(config: ModelConfig, folder: Path) -> None:
+    """Refuse a ``reshape`` that cannot stand for its tensor's ``dims``."""
+    for tensor in (*config.input, *config.output):
+        if tensor.HasField("reshape"):
+            problem = check_reshape(tensor.name, tensor.dims, tensor.reshape.shape)
+            if problem:
+                raise ConfigError(f"{folder / CONFIG_FILE}: field 'reshape' of {problem}")
 
 
 class OnnxModel(Model):
@@ -92,50 +100,44 @@ class OnnxModel(Model):
     def __init__(self, path: Path, config: ModelConfig, version: int, **settings: Any) -> None:
         super().__init__(versions=(str(version),), **settings)
         self._path = path
+        self._config = config
         self._document = config_document(config)
         self._session: Any = None
+        # Read now, so that a setting ONNX Runtime cannot honour fails the model's load.
+        self._plan: SessionPlan = session_plan(config, str(path))
+        self._run_options = self._plan.run_options()
+        self._inputs: list[Layout] = []
+        self._outputs: list[Layout] = []
 
     def described_config(self) -> dict[str, Any]:
         return self._document
 
     def load(self) -> None:
-        runtime = _runtime()
-        options = runtime.SessionOptions()
-        threads = {"intra_op_thread_count": "intra_op", "inter_op_thread_count": "inter_op"}
-        for key, name in threads.items():
-            if key in self.parameters:
-                setattr(options, f"{name}_num_threads", int(self.parameters[key]))
-        providers = ["CPUExecutionProvider"]
-        if self.device == "gpu" and "CUDAExecutionProvider" in runtime.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
-        self._session = _session(self._path, options, providers)
+        self._session = _session(self._path, self._plan.options, self._plan.providers)
+        ranks = {t.name: len(t.shape) for t in self._session.get_inputs()}
+        ranks.update({t.name: len(t.shape) for t in self._session.get_outputs()})
+        self._inputs = [_layout(t, ranks) for t in self._config.input]
+        self._outputs = [_layout(t, ranks) for t in self._config.output]
 
     def unload(self) -> None:
         self._session = None
 
-    def execute(self, requests: Sequence[InferenceRequest]) -> list[Outputs]:
+    def execute(self, requests: Sequence[InferenceRequest]) -> list[Result]:
         """One session run for the whole batch (the batcher only groups requests whose
         inputs agree in shape), split back into each request's outputs."""
-        names = [spec.name for spec in self.outputs]
-        first = requests[0].inputs
-        feeds = {
-            name: _feed(np.concatenate([r.inputs[name].data for r in requests]))
-            if len(requests) > 1
-            else _feed(first[name].data)
-            for name in first
-        }
-        arrays = self._session.run(names, feeds)
-        results: list[Outputs] = []
-        start = 0
-        for request in requests:
-            stop = start + batch_size(request) if len(requests) > 1 else None
-            results.append({n: a[start:stop] for n, a in zip(names, arrays, strict=True)})
-            start = stop or 0
-        return results
+        batch = Batch(requests, self._inputs, self.batches)
+        if not batch.runs:
+            return batch.results([], [], self.name)
+        names = [layout.name for layout in self._outputs]
+        try:
+            arrays = self._session.run(names, batch.feeds, self._run_options)
+        except UnicodeDecodeError as exc:
+            error = string_output_error(self.name, exc)
+            return [error for _ in requests]
+        return batch.results(self._outputs, arrays, self.name)
 
 
-def _feed(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """BYTES inputs go to ONNX Runtime as strings."""
-    if array.dtype == np.object_:
-        return np.array([x.decode() for x in array.reshape(-1)], dtype=object).reshape(array.shape)
-    return array
+def _layout(tensor: Any, ranks: dict[str, int]) -> Layout:
+    reshape = tuple(tensor.reshape.shape) if tensor.HasField("reshape") else None
+    scalar = reshape is None and ranks.get(tensor.name) == 0
+    return Layout(tensor.name, tuple(tensor.dims), reshape, scalar)
