@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -52,3 +54,147 @@ def test_onnx_model_without_config(write_onnx, tmp_path: Path, batch, max_batch_
             inputs.append(tensor)
         assert client.infer("add", inputs).as_numpy("Z").tolist() == [[3.5] * 3] * 2
         client.close()
+
+
+def test_default_max_batch_size_comes_from_the_backend_config(write_onnx, tmp_path: Path) -> None:
+    write_add_model(write_onnx, tmp_path / "add" / "1" / "model.onnx", "N")
+    config = ServerConfig(
+        model_repositories=[tmp_path],
+        http_port=0,
+        grpc_port=None,
+        backend_config={"onnxruntime": {"default-max-batch-size": "16"}},
+    )
+    with server_in_thread(config) as server:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        assert client.get_model_config("add")["max_batch_size"] == 16
+        client.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"tensorrt": {"x": "1"}}, "backend 'tensorrt'"),
+        ({"onnxruntime": {"enable-global-threadpool": "yes"}}, "must be 0 or 1"),
+        ({"onnxruntime": {"intra_op_thread_count": "-1"}}, "intra_op_thread_count"),
+        ({"onnxruntime": {"no-such-key": "1"}}, "no setting 'no-such-key'"),
+    ],
+)
+def test_a_bad_backend_config_is_refused(setting, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(backend_config=setting)
+
+
+# (config.pbtxt lines beside a Z = X + Y model, what the load error names)
+REFUSED = {
+    "bad_mode": ('parameters { key: "execution_mode" value: { string_value: "7" } }', "execution_mode"),
+    "bad_threads": ('parameters { key: "intra_op_thread_count" value: { string_value: "many" } }', "intra_op_thread_count"),
+    "bad_arena": ('parameters { key: "enable_mem_arena" value: { string_value: "perhaps" } }', "enable_mem_arena"),
+    "bad_level": ("optimization { graph { level: 5 } }", "optimization.graph.level"),
+    "openvino": ('optimization { execution_accelerators { cpu_execution_accelerator: [{ name: "openvino" }] } }', "'openvino' needs ONNX Runtime's OpenVINOExecutionProvider"),
+    "unknown_cpu": ('optimization { execution_accelerators { cpu_execution_accelerator: [{ name: "dnnl" }] } }', "unknown CPU execution accelerator 'dnnl'"),
+    "tensorrt": ('instance_group { kind: KIND_GPU }\noptimization { execution_accelerators { gpu_execution_accelerator: [{ name: "tensorrt" }] } }', "'tensorrt' needs ONNX Runtime's TensorrtExecutionProvider"),
+    "gpu": ("instance_group { kind: KIND_GPU }", "KIND_GPU needs ONNX Runtime's CUDAExecutionProvider"),
+}  # fmt: skip
+HONOURED = "\n".join(
+    [
+        'parameters { key: "execution_mode" value: { string_value: "1" } }',
+        'parameters { key: "inter_op_thread_count" value: { string_value: "1" } }',
+        'parameters { key: "intra_op_thread_count" value: { string_value: "1" } }',
+        'parameters { key: "enable_mem_arena" value: { string_value: "1" } }',
+        'parameters { key: "enable_mem_pattern" value: { string_value: "false" } }',
+        'parameters { key: "memory.enable_memory_arena_shrinkage" value: { string_value: "cpu:0" } }',
+        'parameters { key: "session.use_device_allocator_for_initializers" value: { string_value: "1" } }',
+        'parameters { key: "share_session_between_instances" value: { string_value: "true" } }',
+        "optimization { graph { level: 2 } }",
+    ]
+)
+
+
+def test_onnx_parameters_are_honoured_or_refused_by_name(write_onnx, tmp_path: Path) -> None:
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    refused = {
+        name: case
+        for name, case in REFUSED.items()
+        if name not in ("gpu", "tensorrt") or "CUDAExecutionProvider" not in available
+    }
+    for name, (lines, _) in {**refused, "tuned": (HONOURED, "")}.items():
+        write_add_model(write_onnx, tmp_path / name / "1" / "model.onnx", "N")
+        (tmp_path / name / "config.pbtxt").write_text(lines + "\n")
+    config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
+    with server_in_thread(config) as server:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        index = {entry["name"]: entry for entry in client.get_model_repository_index()}
+        for name, (_, message) in refused.items():
+            assert index[name]["state"] == "UNAVAILABLE", name
+            assert message in index[name]["reason"], (name, index[name]["reason"])
+        assert index["tuned"]["state"] == "READY"
+        x = httpclient.InferInput("X", [1, 3], "FP32")
+        x.set_data_from_numpy(np.ones((1, 3), np.float32))
+        y = httpclient.InferInput("Y", [1, 3], "FP32")
+        y.set_data_from_numpy(np.full((1, 3), 2, np.float32))
+        assert client.infer("tuned", [x, y]).as_numpy("Z").tolist() == [[3.0] * 3]
+        client.close()
+
+
+# Reads, loads and runs each model folder named on the command line in a pool of 8
+# threads, the ONNX Runtime backend configured by argv[1] (global thread pools or not).
+CONCURRENT_LOADS = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from trioserve._backend_config import OnnxRuntimeSettings
+from trioserve._repository import ModelRepository
+from trioserve._types import InferenceRequest, InputTensor
+from trioserve.repository import configure_onnxruntime
+from trioserve.repository._reading import read_model
+
+configure_onnxruntime(OnnxRuntimeSettings(global_thread_pools=sys.argv[1] == "1"))
+
+def serve(folder):
+    [model] = read_model(Path(folder), ModelRepository([]))
+    model.load()
+    data = np.arange(3, dtype=np.float32).reshape(1, 3)
+    tensors = {s.name: InputTensor(s.name, s.wire_datatype, (1, 3), data) for s in model.inputs}
+    [outputs] = model.execute([InferenceRequest(Path(folder).name, "1", tensors)])
+    return outputs["Z"].reshape(-1).tolist()
+
+with ThreadPoolExecutor(max_workers=8) as pool:
+    print(list(pool.map(serve, sys.argv[2:])))
+"""
+
+
+@pytest.mark.parametrize("global_pools", ["0", "1"])
+def test_sessions_are_created_in_many_worker_threads_at_once(
+    write_onnx, tmp_path: Path, global_pools: str
+) -> None:
+    """What loading models in parallel does, in a process of its own (ONNX Runtime's
+    global thread pools last as long as the process)."""
+    folders = [tmp_path / f"add_{index}" for index in range(16)]
+    for folder in folders:
+        write_add_model(write_onnx, folder / "1" / "model.onnx", "N")
+    done = subprocess.run(
+        [sys.executable, "-c", CONCURRENT_LOADS, global_pools, *map(str, folders)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([[0.0, 2.0, 4.0]] * len(folders))
+
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "onnx_startup.py"
+
+
+def test_many_models_share_onnx_runtime_thread_pools(tmp_path: Path) -> None:
+    """60 models on the global pools: a handful of threads, not one pool per session."""
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--models", "60", "--max-threads", "20",
+         "--backend-config", "onnxruntime,enable-global-threadpool=1",
+         "--backend-config", "onnxruntime,intra_op_thread_count=2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.rstrip().endswith("onnx_startup: PASS")

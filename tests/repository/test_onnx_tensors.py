@@ -95,7 +95,7 @@ def _build(root: Path, write_onnx) -> None:
         [axes1, axes2, two],
     )
     (root / "merged" / "config.pbtxt").write_text(
-        "max_batch_size: 8\n"
+        "max_batch_size: 8\ninstance_group { count: 2 }\n"
         "dynamic_batching { preferred_batch_size: [6] "
         f"max_queue_delay_microseconds: {MERGE_DELAY_US} }}\n"
     )
