@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from soak import stop_server
 
 _LISTENING = re.compile(rb"HTTP service listening on [\d.]+:(\d+)")
 
@@ -98,12 +99,7 @@ def measure(root: Path, names: list[str], backend_config: list[str]) -> dict[str
             isinstance(a, dict) and a["outputs"][0]["data"] == [2, 4, 6] for a in answers
         )
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     return {
         "models": len(names),
         "ready": ready,

@@ -80,6 +80,9 @@ def _build(root: Path, write_onnx) -> None:
     # no inputs: the output comes from the graph alone
     value = numpy_helper.from_array(np.array([1.5, -2.0], np.float32), "value")
     write("constant", [helper.make_node("Constant", [], ["C"], value=value)], [], [("C", F32, [2])])
+    # a string output that is not UTF-8
+    text = helper.make_tensor("text", STR, [2], [b"ok", b"\xff\xfe"])
+    write("latin", [helper.make_node("Constant", [], ["L"], value=text)], [], [("L", STR, [2])])
     # outputs of rank 1 (reshaped), 2 and 3, merged by the dynamic batcher
     axes1 = numpy_helper.from_array(np.array([1], np.int64), "axes1")
     axes2 = numpy_helper.from_array(np.array([2], np.int64), "axes2")
@@ -248,6 +251,12 @@ def test_a_string_that_is_not_utf8_fails_its_request_alone(client: Client) -> No
     assert failed.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
     good = np.array([[b"still served"]], dtype=object)
     assert client.infer("strings", {"S": good}, ["T"])["T"].tolist() == [[b"still served"]]
+
+
+def test_a_string_output_that_is_not_utf8_is_refused_clearly(client: Client) -> None:
+    with pytest.raises(InferenceServerException, match="string output is not UTF-8") as failed:
+        client.infer("latin", {}, ["L"])
+    assert failed.value.status() in ("501", "StatusCode.UNIMPLEMENTED")
 
 
 def test_a_model_without_inputs_is_served_alike(client: Client, repository: Path) -> None:
