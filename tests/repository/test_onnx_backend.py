@@ -94,6 +94,10 @@ REFUSED = {
     "unknown_cpu": ('optimization { execution_accelerators { cpu_execution_accelerator: [{ name: "dnnl" }] } }', "unknown CPU execution accelerator 'dnnl'"),
     "tensorrt": ('instance_group { kind: KIND_GPU }\noptimization { execution_accelerators { gpu_execution_accelerator: [{ name: "tensorrt" }] } }', "'tensorrt' needs ONNX Runtime's TensorrtExecutionProvider"),
     "gpu": ("instance_group { kind: KIND_GPU }", "KIND_GPU needs ONNX Runtime's CUDAExecutionProvider"),
+    "wrong_dims": ('max_batch_size: 4\ninput { name: "X" data_type: TYPE_FP32 dims: [4] }', "input 'X': the model's shape is [3] (batch dimension left out), the config's [4]"),
+    "wrong_type": ('max_batch_size: 4\noutput { name: "Z" data_type: TYPE_INT32 dims: [3] }', "output 'Z': the config says TYPE_INT32, the model has tensor(float)"),
+    "not_batching": ('max_batch_size: 4\noutput { name: "Z" data_type: TYPE_FP32 dims: [3] }', "input 'X': the model's first dimension is 2"),
+    "no_such_input": ('input { name: "W" data_type: TYPE_FP32 dims: [3] }', "input 'W': the model has no such input"),
 }  # fmt: skip
 HONOURED = "\n".join(
     [
@@ -120,7 +124,9 @@ def test_onnx_parameters_are_honoured_or_refused_by_name(write_onnx, tmp_path: P
         if name not in ("gpu", "tensorrt") or "CUDAExecutionProvider" not in available
     }
     for name, (lines, _) in {**refused, "tuned": (HONOURED, "")}.items():
-        write_add_model(write_onnx, tmp_path / name / "1" / "model.onnx", "N")
+        write_add_model(
+            write_onnx, tmp_path / name / "1" / "model.onnx", 2 if name == "not_batching" else "N"
+        )
         (tmp_path / name / "config.pbtxt").write_text(lines + "\n")
     config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
     with server_in_thread(config) as server:

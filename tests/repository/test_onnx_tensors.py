@@ -213,7 +213,13 @@ def test_hand_written_reshapes_apply_both_ways(client: Client, repository: Path)
     assert got["W"].tolist() == w.reshape(2, 5, 2, 2).tolist() == v.tolist()
 
 
-def test_a_reshape_that_cannot_hold_the_dims_fails_the_load(tmp_path: Path, write_onnx) -> None:
+@pytest.mark.parametrize(
+    ("dims", "reshape", "reason"),
+    [("[2, 3]", "[5]", "does not hold the elements"), ("[-1, 3]", "[6]", "variable sizes")],
+)
+def test_a_reshape_that_cannot_hold_the_dims_fails_the_load(
+    tmp_path: Path, write_onnx, dims: str, reshape: str, reason: str
+) -> None:
     write_onnx(
         tmp_path / "bad" / "1" / "model.onnx",
         [helper.make_node("Neg", ["X"], ["Y"])],
@@ -222,7 +228,7 @@ def test_a_reshape_that_cannot_hold_the_dims_fails_the_load(tmp_path: Path, writ
     )
     (tmp_path / "bad" / "config.pbtxt").write_text(
         "max_batch_size: 4\n"
-        'input { name: "X" data_type: TYPE_FP32 dims: [2, 3] reshape { shape: [5] } }\n'
+        f'input {{ name: "X" data_type: TYPE_FP32 dims: {dims} reshape {{ shape: {reshape} }} }}\n'
         'output { name: "Y" data_type: TYPE_FP32 dims: [6] }\n'
     )
     config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
@@ -232,6 +238,7 @@ def test_a_reshape_that_cannot_hold_the_dims_fails_the_load(tmp_path: Path, writ
         http.close()
     assert entry["state"] == "UNAVAILABLE"
     assert "field 'reshape' of 'X'" in entry["reason"]
+    assert reason in entry["reason"]
 
 
 def test_strings_reach_the_graph_as_the_client_sent_them(client: Client, repository: Path) -> None:

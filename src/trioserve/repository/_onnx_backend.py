@@ -113,11 +113,16 @@ class OnnxModel(Model):
         return self._document
 
     def load(self) -> None:
-        self._session = _session(self._path, self._plan.options, self._plan.providers)
-        ranks = {t.name: len(t.shape) for t in self._session.get_inputs()}
-        ranks.update({t.name: len(t.shape) for t in self._session.get_outputs()})
+        session = _session(self._path, self._plan.options, self._plan.providers)
+        graph = {t.name: t for t in (*session.get_inputs(), *session.get_outputs())}
+        graph.update({t.name: t for t in session.get_overridable_initializers()})
+        ranks = {name: len(t.shape) for name, t in graph.items()}
+        for kind, tensors in (("input", self._config.input), ("output", self._config.output)):
+            for tensor in tensors:
+                _check_against_graph(kind, tensor, graph.get(tensor.name), self._path, self.batches)
         self._inputs = [_layout(t, ranks) for t in self._config.input]
         self._outputs = [_layout(t, ranks) for t in self._config.output]
+        self._session = session
 
     def unload(self) -> None:
         self._session = None
@@ -135,6 +140,40 @@ class OnnxModel(Model):
             error = string_output_error(self.name, exc)
             return [error for _ in requests]
         return batch.results(self._outputs, arrays, self.name)
+
+
+def _check_against_graph(kind: str, tensor: Any, node: Any, path: Path, batching: bool) -> None:
+    """Triton's load-time checks of a config tensor against the graph's: it exists, has
+    the type, and its shape (the reshape if any, after the batch dimension) agrees."""
+    where = f"{path}: {kind} '{tensor.name}'"
+    if node is None:
+        raise ConfigError(f"{where}: the model has no such {kind}")
+    declared = DataType.Name(tensor.data_type)
+    if _TYPES.get(node.type) != declared:
+        raise ConfigError(f"{where}: the config says {declared}, the model has {node.type}")
+    config_dims = list(tensor.reshape.shape if tensor.HasField("reshape") else tensor.dims)
+    graph_dims = [d if isinstance(d, int) else -1 for d in node.shape]
+    if not graph_dims:  # a scalar: the config's dims can only be ones
+        if batching or any(d != 1 for d in config_dims):
+            raise ConfigError(
+                f"{where}: the model's tensor is a scalar; the config says {config_dims}"
+            )
+        return
+    if batching:
+        if graph_dims[0] != -1:
+            raise ConfigError(
+                f"{where}: the model's first dimension is {graph_dims[0]}, not a variable "
+                "batch dimension (max_batch_size > 0)"
+            )
+        graph_dims = graph_dims[1:]
+    agrees = len(graph_dims) == len(config_dims) and all(
+        -1 in (g, c) or g == c for g, c in zip(graph_dims, config_dims, strict=True)
+    )
+    if not agrees:
+        raise ConfigError(
+            f"{where}: the model's shape is {graph_dims} (batch dimension left out), the "
+            f"config's {config_dims}"
+        )
 
 
 def _layout(tensor: Any, ranks: dict[str, int]) -> Layout:
