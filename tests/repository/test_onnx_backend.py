@@ -204,3 +204,26 @@ def test_many_models_share_onnx_runtime_thread_pools(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.rstrip().endswith("onnx_startup: PASS")
+
+
+def test_startup_scans_the_repository_once(
+    write_onnx, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each model's load reuses the startup scan: a scan per model would read n folders
+    n times, which a repository of thousands of models notices."""
+    from trioserve.repository import _manager
+
+    scans = []
+
+    def counted(folders):
+        scans.append(folders)
+        return model_folders(folders)
+
+    model_folders = _manager.model_folders
+    monkeypatch.setattr(_manager, "model_folders", counted)
+    for index in range(5):
+        write_add_model(write_onnx, tmp_path / f"add_{index}" / "1" / "model.onnx", "N")
+    config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
+    with server_in_thread(config) as server:
+        assert sorted(server.repository.names()) == [f"add_{index}" for index in range(5)]
+    assert len(scans) == 1
