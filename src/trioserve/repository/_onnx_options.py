@@ -96,8 +96,6 @@ def base_options(thread_counts: Mapping[str, int]) -> Any:
         shared = _global_pools_ready
     if shared:
         options.use_per_session_threads = False
-        if any(thread_counts.values()):
-            logger.info("global thread pools are on: the model's thread counts are ignored")
         return options
     for key, count in thread_counts.items():
         setattr(options, _THREADS[key], count)
@@ -126,6 +124,8 @@ def session_plan(config: ModelConfig, where: str) -> SessionPlan:
     parameters = {k: v.string_value for k, v in config.parameters.items()}
     own_threads = {k: _count(parameters[k], k, where) for k in _THREADS if k in parameters}
     plan = SessionPlan(base_options(own_threads))
+    if any(own_threads.values()) and not plan.options.use_per_session_threads:
+        logger.info("%s: the global thread pools are on: its thread counts are ignored", where)
     _session_parameters(plan, parameters, where)
     options = plan.options
     options.graph_optimization_level = _graph_level(config, where)
