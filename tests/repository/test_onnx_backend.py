@@ -84,6 +84,19 @@ def test_a_bad_backend_config_is_refused(setting, message) -> None:
         ServerConfig(backend_config=setting)
 
 
+def test_backend_config_flags_are_read_as_triton_writes_them() -> None:
+    from trioserve._cli import _parser, config_from_args
+
+    flags = ["--backend-config", "onnxruntime,enable-global-threadpool=1",
+             "--backend-config", "onnxruntime,intra_op_thread_count=2"]  # fmt: skip
+    config = config_from_args(_parser().parse_args(["run", *flags]))
+    assert config.backend_config == {
+        "onnxruntime": {"enable-global-threadpool": "1", "intra_op_thread_count": "2"}
+    }
+    with pytest.raises(ValueError, match="expected BACKEND,KEY=VALUE"):
+        config_from_args(_parser().parse_args(["run", "--backend-config", "onnxruntime"]))
+
+
 # (config.pbtxt lines beside a Z = X + Y model, what the load error names)
 REFUSED = {
     "bad_mode": ('parameters { key: "execution_mode" value: { string_value: "7" } }', "execution_mode"),
