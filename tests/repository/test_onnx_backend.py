@@ -56,6 +56,36 @@ def test_onnx_model_without_config(write_onnx, tmp_path: Path, batch, max_batch_
         client.close()
 
 
+def test_auto_complete_fills_only_what_the_config_leaves_empty(write_onnx, tmp_path: Path) -> None:
+    """Triton's rules: a batching model keeps the config's max_batch_size and gets the
+    dynamic batcher above 1; a list of inputs or outputs the config gives stays as given."""
+    configs = {
+        "eight": "max_batch_size: 8",
+        "one": "max_batch_size: 1",
+        "outputs_given": 'output { name: "Z" data_type: TYPE_FP32 dims: [3] }',
+    }
+    for name, text in configs.items():
+        write_add_model(write_onnx, tmp_path / name / "1" / "model.onnx", "N")
+        (tmp_path / name / "config.pbtxt").write_text(text + "\n")
+    config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
+    with server_in_thread(config) as server:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{server.http_port}")
+        described = {name: client.get_model_config(name) for name in configs}
+        client.close()
+    assert (described["eight"]["max_batch_size"], "dynamic_batching" in described["eight"]) == (
+        8,
+        True,
+    )
+    assert (described["one"]["max_batch_size"], "dynamic_batching" in described["one"]) == (
+        1,
+        False,
+    )
+    given = described["outputs_given"]
+    assert given["max_batch_size"] == 4
+    assert [(t["name"], t["dims"]) for t in given["input"]] == [("X", [3]), ("Y", [3])]
+    assert [(t["name"], t["dims"]) for t in given["output"]] == [("Z", [3])]
+
+
 def test_default_max_batch_size_comes_from_the_backend_config(write_onnx, tmp_path: Path) -> None:
     write_add_model(write_onnx, tmp_path / "add" / "1" / "model.onnx", "N")
     config = ServerConfig(
@@ -109,7 +139,9 @@ REFUSED = {
     "gpu": ("instance_group { kind: KIND_GPU }", "KIND_GPU needs ONNX Runtime's CUDAExecutionProvider"),
     "wrong_dims": ('max_batch_size: 4\ninput { name: "X" data_type: TYPE_FP32 dims: [4] }', "input 'X': the model's shape is [3] (batch dimension left out), the config's [4]"),
     "wrong_type": ('max_batch_size: 4\noutput { name: "Z" data_type: TYPE_INT32 dims: [3] }', "output 'Z': the config says TYPE_INT32, the model has tensor(float)"),
-    "not_batching": ('max_batch_size: 4\noutput { name: "Z" data_type: TYPE_FP32 dims: [3] }', "input 'X': the model's first dimension is 2"),
+    "cannot_batch": ("max_batch_size: 4", "the model cannot batch (not every input and output has a variable first dimension), yet max_batch_size is 4"),
+    "not_batching": ('max_batch_size: 4\ninput { name: "X" data_type: TYPE_FP32 dims: [3] }\ninput { name: "Y" data_type: TYPE_FP32 dims: [3] }\noutput { name: "Z" data_type: TYPE_FP32 dims: [3] }', "input 'X': the model's first dimension is 2"),
+    "input_left_out": ('input { name: "X" data_type: TYPE_FP32 dims: [-1, 3] }\noutput { name: "Z" data_type: TYPE_FP32 dims: [-1, 3] }', "the model's input 'Y' is not in the config"),
     "no_such_input": ('input { name: "W" data_type: TYPE_FP32 dims: [3] }', "input 'W': the model has no such input"),
 }  # fmt: skip
 HONOURED = "\n".join(
@@ -138,7 +170,7 @@ def test_onnx_parameters_are_honoured_or_refused_by_name(write_onnx, tmp_path: P
     }
     for name, (lines, _) in {**refused, "tuned": (HONOURED, "")}.items():
         write_add_model(
-            write_onnx, tmp_path / name / "1" / "model.onnx", 2 if name == "not_batching" else "N"
+            write_onnx, tmp_path / name / "1" / "model.onnx", 2 if "batch" in name else "N"
         )
         (tmp_path / name / "config.pbtxt").write_text(lines + "\n")
     config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)

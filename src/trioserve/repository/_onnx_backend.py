@@ -53,7 +53,10 @@ def _session(path: Path, options: Any, providers: Sequence[Any] = ()) -> Any:
 
 
 def auto_complete_onnx(config: ModelConfig, path: Path) -> None:
-    """Fill in the inputs, outputs and batching the config leaves out, from the graph."""
+    """Triton's auto-complete: with inputs and outputs both declared, nothing; otherwise
+    the batching, and the list of inputs or outputs left empty, from the graph."""
+    if config.input and config.output:
+        return
     # Only the graph's signature is read: no optimization, no threads of its own.
     options = base_options({"intra_op_thread_count": 1, "inter_op_thread_count": 1})
     options.graph_optimization_level = runtime().GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -63,16 +66,22 @@ def auto_complete_onnx(config: ModelConfig, path: Path) -> None:
         len(t.shape) > 0 and not isinstance(t.shape[0], int)
         for t in (*graph_inputs, *graph_outputs)
     )
-    if config.max_batch_size == 0 and batching and not config.input and not config.output:
-        config.max_batch_size = default_max_batch_size()
-        if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
+    if batching:
+        if config.max_batch_size == 0:
+            config.max_batch_size = default_max_batch_size()
+        scheduled = config.HasField("dynamic_batching") or config.HasField("sequence_batching")
+        if config.max_batch_size > 1 and not scheduled:
             config.dynamic_batching.SetInParent()
+    elif config.max_batch_size:
+        raise ConfigError(
+            f"{path}: the model cannot batch (not every input and output has a variable "
+            f"first dimension), yet max_batch_size is {config.max_batch_size}"
+        )
     skip = 1 if config.max_batch_size > 0 else 0
     for declared, tensors in ((config.input, graph_inputs), (config.output, graph_outputs)):
-        names = {t.name for t in declared}
+        if declared:  # a list the config gives is left as it is
+            continue
         for tensor in tensors:
-            if tensor.name in names:
-                continue
             if tensor.type not in _TYPES:
                 raise ConfigError(f"{path}: tensor '{tensor.name}' has unsupported {tensor.type}")
             added = declared.add()
@@ -120,6 +129,12 @@ class OnnxModel(Model):
         for kind, tensors in (("input", self._config.input), ("output", self._config.output)):
             for tensor in tensors:
                 _check_against_graph(kind, tensor, graph.get(tensor.name), self._path, self.batches)
+        declared = {t.name for t in self._config.input}
+        for node in session.get_inputs():
+            if node.name not in declared:  # ONNX Runtime would refuse every request
+                raise ConfigError(
+                    f"{self._path}: the model's input '{node.name}' is not in the config"
+                )
         self._inputs = [_layout(t, ranks) for t in self._config.input]
         self._outputs = [_layout(t, ranks) for t in self._config.output]
         self._session = session
