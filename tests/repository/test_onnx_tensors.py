@@ -83,6 +83,19 @@ def _build(root: Path, write_onnx) -> None:
     # a string output that is not UTF-8
     text = helper.make_tensor("text", STR, [2], [b"ok", b"\xff\xfe"])
     write("latin", [helper.make_node("Constant", [], ["L"], value=text)], [], [("L", STR, [2])])
+    # a sequence model: the sequence batcher feeds its START control
+    write(
+        "sequence",
+        [helper.make_node("Add", ["INPUT", "START"], ["OUT"])],
+        [("INPUT", TensorProto.INT32, [1]), ("START", TensorProto.INT32, [1])],
+        [("OUT", TensorProto.INT32, [1])],
+    )
+    (root / "sequence" / "config.pbtxt").write_text(
+        'sequence_batching { control_input [{ name: "START" control [{ kind: '
+        "CONTROL_SEQUENCE_START int32_false_true: [0, 1] }] }] }\n"
+        'input { name: "INPUT" data_type: TYPE_INT32 dims: [1] }\n'
+        'output { name: "OUT" data_type: TYPE_INT32 dims: [1] }\n'
+    )
     # outputs of rank 1 (reshaped), 2 and 3, merged by the dynamic batcher
     axes1 = numpy_helper.from_array(np.array([1], np.int64), "axes1")
     axes2 = numpy_helper.from_array(np.array([2], np.int64), "axes2")
@@ -264,6 +277,20 @@ def test_a_string_output_that_is_not_utf8_is_refused_clearly(client: Client) -> 
     with pytest.raises(InferenceServerException, match="string output is not UTF-8") as failed:
         client.infer("latin", {}, ["L"])
     assert failed.value.status() in ("501", "StatusCode.UNIMPLEMENTED")
+
+
+def test_sequence_controls_reach_the_graph(server: Any) -> None:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    tensor = grpcclient.InferInput("INPUT", [1], "INT32")
+    tensor.set_data_from_numpy(np.array([10], np.int32))
+    answers = [
+        client.infer("sequence", [tensor], sequence_id=7, sequence_start=start, sequence_end=end)
+        .as_numpy("OUT")
+        .tolist()
+        for start, end in ((True, False), (False, True))
+    ]
+    client.close()
+    assert answers == [[11], [10]]
 
 
 def test_a_model_without_inputs_is_served_alike(client: Client, repository: Path) -> None:

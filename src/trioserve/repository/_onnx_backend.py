@@ -115,7 +115,7 @@ class OnnxModel(Model):
         # Read now, so that a setting ONNX Runtime cannot honour fails the model's load.
         self._plan: SessionPlan = session_plan(config, str(path))
         self._run_options = self._plan.run_options()
-        self._inputs: list[Layout] = []
+        self._inputs: dict[str, Layout] = {}
         self._outputs: list[Layout] = []
 
     def described_config(self) -> dict[str, Any]:
@@ -130,12 +130,15 @@ class OnnxModel(Model):
             for tensor in tensors:
                 _check_against_graph(kind, tensor, graph.get(tensor.name), self._path, self.batches)
         declared = {t.name for t in self._config.input}
+        sequences = self._config.sequence_batching  # inputs the sequence batcher sets
+        declared |= {c.name for c in sequences.control_input}
+        declared |= {state.input_name for state in sequences.state}
         for node in session.get_inputs():
             if node.name not in declared:  # ONNX Runtime would refuse every request
                 raise ConfigError(
                     f"{self._path}: the model's input '{node.name}' is not in the config"
                 )
-        self._inputs = [_layout(t, ranks) for t in self._config.input]
+        self._inputs = {t.name: _layout(t, ranks) for t in self._config.input}
         self._outputs = [_layout(t, ranks) for t in self._config.output]
         self._session = session
 

@@ -20,7 +20,7 @@ fails its own request with a clear error.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +96,7 @@ class Batch:
     A request whose inputs cannot be fed fails alone; the others still run."""
 
     def __init__(
-        self, requests: Sequence[InferenceRequest], inputs: Sequence[Layout], batching: bool
+        self, requests: Sequence[InferenceRequest], inputs: Mapping[str, Layout], batching: bool
     ) -> None:
         self._batching = batching
         self._results: list[Result | None] = [None] * len(requests)
@@ -154,19 +154,18 @@ class Batch:
 
 
 def _request_feeds(
-    request: InferenceRequest, layouts: Sequence[Layout], batching: bool
+    request: InferenceRequest, layouts: Mapping[str, Layout], batching: bool
 ) -> dict[str, Array]:
     feeds: dict[str, Array] = {}
-    for layout in layouts:
-        tensor = request.inputs.get(layout.name)
-        if tensor is None:  # an optional input left out
-            continue
+    for name, tensor in request.inputs.items():
         data = tensor.data
-        if batching:
-            shape = (data.shape[0], *layout.to_model(data.shape[1:]))
-        else:
-            shape = layout.to_model(data.shape)
-        feeds[layout.name] = _text_in(layout.name, data.reshape(shape))
+        layout = layouts.get(name)  # None: a sequence control or state, fed as it is
+        if layout is not None:
+            if batching:
+                data = data.reshape((data.shape[0], *layout.to_model(data.shape[1:])))
+            else:
+                data = data.reshape(layout.to_model(data.shape))
+        feeds[name] = _text_in(name, data)
     return feeds
 
 
