@@ -83,16 +83,23 @@ def _build(root: Path, write_onnx) -> None:
     # a string output that is not UTF-8
     text = helper.make_tensor("text", STR, [2], [b"ok", b"\xff\xfe"])
     write("latin", [helper.make_node("Constant", [], ["L"], value=text)], [], [("L", STR, [2])])
-    # a sequence model: the sequence batcher feeds its START control
+    # a sequence model: the sequence batcher feeds its START control and its state
+    int32 = (TensorProto.INT32, [1])
     write(
         "sequence",
-        [helper.make_node("Add", ["INPUT", "START"], ["OUT"])],
-        [("INPUT", TensorProto.INT32, [1]), ("START", TensorProto.INT32, [1])],
-        [("OUT", TensorProto.INT32, [1])],
+        [
+            helper.make_node("Add", ["INPUT", "START"], ["STARTED"]),
+            helper.make_node("Add", ["STARTED", "STATE_IN"], ["OUT"]),
+            helper.make_node("Identity", ["OUT"], ["STATE_OUT"]),
+        ],
+        [("INPUT", *int32), ("START", *int32), ("STATE_IN", *int32)],
+        [("OUT", *int32), ("STATE_OUT", *int32)],
     )
     (root / "sequence" / "config.pbtxt").write_text(
         'sequence_batching { control_input [{ name: "START" control [{ kind: '
-        "CONTROL_SEQUENCE_START int32_false_true: [0, 1] }] }] }\n"
+        "CONTROL_SEQUENCE_START int32_false_true: [0, 1] }] }]\n"
+        'state [{ input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 '
+        "dims: [1] }] }\n"
         'input { name: "INPUT" data_type: TYPE_INT32 dims: [1] }\n'
         'output { name: "OUT" data_type: TYPE_INT32 dims: [1] }\n'
     )
@@ -279,7 +286,7 @@ def test_a_string_output_that_is_not_utf8_is_refused_clearly(client: Client) -> 
     assert failed.value.status() in ("501", "StatusCode.UNIMPLEMENTED")
 
 
-def test_sequence_controls_reach_the_graph(server: Any) -> None:
+def test_sequence_controls_and_states_reach_the_graph(server: Any) -> None:
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     tensor = grpcclient.InferInput("INPUT", [1], "INT32")
     tensor.set_data_from_numpy(np.array([10], np.int32))
@@ -290,7 +297,7 @@ def test_sequence_controls_reach_the_graph(server: Any) -> None:
         for start, end in ((True, False), (False, True))
     ]
     client.close()
-    assert answers == [[11], [10]]
+    assert answers == [[11], [21]]  # 10 + START, then 10 + the state
 
 
 def test_a_model_without_inputs_is_served_alike(client: Client, repository: Path) -> None:

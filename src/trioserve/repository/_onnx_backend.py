@@ -140,6 +140,12 @@ class OnnxModel(Model):
                 )
         self._inputs = {t.name: _layout(t, ranks) for t in self._config.input}
         self._outputs = [_layout(t, ranks) for t in self._config.output]
+        answered = {layout.name for layout in self._outputs}
+        self._outputs += [  # what the sequence batcher keeps as the next request's state
+            Layout(state.output_name, tuple(state.dims), None, ranks.get(state.output_name) == 0)
+            for state in sequences.state
+            if state.output_name not in answered
+        ]
         self._session = session
 
     def unload(self) -> None:
