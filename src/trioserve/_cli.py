@@ -20,6 +20,7 @@ import trio
 
 from . import _gc
 from ._alternatives import check_alternatives
+from ._backend_config import parse_backend_setting
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError
@@ -77,6 +78,16 @@ def _parser() -> argparse.ArgumentParser:
         default=False,
         metavar="BOOL",
         help="no auto-complete: every model needs a complete config.pbtxt",
+    )
+    run.add_argument(
+        "--backend-config",
+        action="append",
+        default=[],
+        metavar="BACKEND,KEY=VALUE",
+        help="a backend's server-wide setting (repeatable), as Triton's: "
+        "onnxruntime,enable-global-threadpool=1 shares one thread pool among all ONNX "
+        "Runtime sessions; onnxruntime,intra_op_thread_count=N / inter_op_thread_count=N "
+        "size it; onnxruntime,default-max-batch-size=N (4) is auto-complete's batch size",
     )
     run.add_argument(
         "--checkpoint",
@@ -231,6 +242,14 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _backend_config(settings: list[str]) -> dict[str, dict[str, str]]:
+    config: dict[str, dict[str, str]] = {}
+    for text in settings:
+        backend, key, value = parse_backend_setting(text)
+        config.setdefault(backend, {})[key] = value
+    return config
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     repositories = list(args.model_repository)
     models: list[Model] = []
@@ -249,6 +268,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         strict_model_config=args.strict_model_config,
         model_load_thread_count=args.model_load_thread_count,
         model_load_timeout_s=args.model_load_timeout_secs,
+        backend_config=_backend_config(args.backend_config),
         host=args.host,
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ._backend_config import onnxruntime_settings
 from ._limits import MAX_SHARED_MEMORY_REGIONS, GrpcLimits, HttpLimits
 from ._log_settings import LogConfig
 from ._metrics_config import MetricsConfig
@@ -51,6 +52,8 @@ class ServerConfig:
     # A load whose import or initialize takes longer fails (its thread is left behind);
     # 0: no limit.
     model_load_timeout_s: float = 600.0
+    # --backend-config: backend -> its settings (``_backend_config``; only onnxruntime's)
+    backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
     trace: TraceConfig = field(default_factory=TraceConfig)  # the trace extension's startup
     # The logging extension's startup settings; None leaves logger "trioserve" as the
@@ -84,6 +87,7 @@ class ServerConfig:
         check_restrictions(self.grpc_restricted_apis)
         if self.response_cache_bytes < 0:
             raise ValueError("response_cache_bytes must be >= 0")
+        onnxruntime_settings(self.backend_config)  # raises for an unknown or bad setting
         object.__setattr__(self, "model_repositories", tuple(map(Path, self.model_repositories)))
         if self.model_control_mode not in ("none", "poll", "explicit"):
             raise ValueError("model_control_mode must be 'none', 'poll' or 'explicit'")

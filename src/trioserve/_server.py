@@ -31,6 +31,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from ._alternatives import check_alternatives, grpclib_server, hypercorn_server
+from ._backend_config import onnxruntime_settings
 from ._config import ServerConfig
 from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
@@ -41,7 +42,7 @@ from ._types import InferenceResponse
 from .grpc import serve_grpc_core
 from .metrics._llm_telemetry import LLMMetricFamilies
 from .models import load_checkpoint_model
-from .repository import RepositoryManager
+from .repository import RepositoryManager, configure_onnxruntime
 from .rest._app import RestApp
 from .rest._endpoints import build_app
 from .scheduler import GenerativeRunner, ResponseCache, runner_class
@@ -172,6 +173,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
         services: trio.Nursery = await root.start(_hold_nursery)
         await services.start(context.tracing.run)  # writes trace files; flushes at the end
         await services.start(repository.run)
+        configure_onnxruntime(onnxruntime_settings(config.backend_config))
         manager = RepositoryManager(
             repository,
             runners,

@@ -19,7 +19,13 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
     declared = model.input_specs
     inputs = request.inputs
     batches = model.batches
-    size = 0
+    if batches and not inputs:
+        _check_required(model, request)
+        raise InvalidArgumentError(
+            f"a request to model '{model.name}' needs an input: its batch size is the first "
+            "dimension of its inputs"
+        )
+    size = 0 if batches else 1
     key = []
     for name, tensor in inputs.items():
         spec = declared.get(name)
@@ -46,7 +52,6 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
             size = shape[0]
             item = shape[1:]
         else:
-            size = 1
             item = shape
         if item != spec.dims and not _fits(spec.dims, item):
             expected = ([-1] if batches else []) + list(spec.dims)

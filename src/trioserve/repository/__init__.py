@@ -5,5 +5,12 @@ from ._config import ConfigError as ConfigError
 from ._manager import ControlMode as ControlMode
 from ._manager import RepositoryManager as RepositoryManager
 from ._manager import decode_file_parameters as decode_file_parameters
+from ._onnx_options import configure as configure_onnxruntime
 
-__all__ = ["ConfigError", "ControlMode", "RepositoryManager", "decode_file_parameters"]
+__all__ = [
+    "ConfigError",
+    "ControlMode",
+    "RepositoryManager",
+    "configure_onnxruntime",
+    "decode_file_parameters",
+]

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -84,6 +84,9 @@ class RepositoryManager:
         self._failures: dict[str, str] = {}  # model name -> why it is not served
         self._unloaded: set[str] = set()
         self._found: set[str] = set()  # model folders seen in the repositories
+        # The scan that the loads of startup or of a poll share: a scan reads every
+        # folder, so scanning again for each model would cost n scans of n folders.
+        self._scanned: dict[str, Path] | None = None
         self._signatures: dict[str, tuple[tuple[str, int, int], ...]] = {}  # poll: what changed
         # The uploaded files of the model served under each name, and of each load in
         # progress (removed if it fails).
@@ -103,13 +106,14 @@ class RepositoryManager:
         """Load the startup models, report started, then poll (in poll mode)."""
         self._repository.control = self
         names = await self._scan()
-        if self._mode == "explicit":
-            wanted = set(names) | set(self._builtin) if "*" in self._startup else self._startup
-        else:
-            wanted = set(names)
-        async with trio.open_nursery() as startup:  # at once, up to load_threads
-            for name in sorted(wanted):
-                startup.start_soon(self._load_reporting, name)
+        with self._reusing(names):
+            if self._mode == "explicit":
+                wanted = set(names) | set(self._builtin) if "*" in self._startup else self._startup
+            else:
+                wanted = set(names)
+            async with trio.open_nursery() as startup:  # at once, up to load_threads
+                for name in sorted(wanted):
+                    startup.start_soon(self._load_reporting, name)
         task_status.started()
         try:
             while self._mode == "poll":
@@ -134,16 +138,25 @@ class RepositoryManager:
         self._found = set(folders)
         return folders
 
+    @contextlib.contextmanager
+    def _reusing(self, folders: dict[str, Path]) -> Iterator[None]:
+        self._scanned = folders
+        try:
+            yield
+        finally:
+            self._scanned = None
+
     async def _poll(self) -> None:
         folders = await self._scan()
         for name in sorted(set(self._signatures) - set(folders)):
             logger.info("model '%s' left the repository: unloading", name)
             await self._unload_model(name)
             del self._signatures[name]
-        for name, folder in sorted(folders.items()):
-            signature = await trio.to_thread.run_sync(_signature, folder)
-            if self._signatures.get(name) != signature:
-                await self._load_reporting(name)
+        with self._reusing(folders):
+            for name, folder in sorted(folders.items()):
+                signature = await trio.to_thread.run_sync(_signature, folder)
+                if self._signatures.get(name) != signature:
+                    await self._load_reporting(name)
 
     async def _load_reporting(self, name: str) -> None:
         with contextlib.suppress(InvalidArgumentError):  # logged, and listed in the index
@@ -282,7 +295,8 @@ class RepositoryManager:
             await self._install(name, [_overridden(self._builtin[name], config)], deadline)
             return
         else:
-            found = (await self._scan()).get(name)
+            scanned = self._scanned if self._scanned is not None else await self._scan()
+            found = scanned.get(name)
             if found is None:
                 raise ConfigError("failed to poll from model repository")
             folder = found

@@ -61,12 +61,13 @@ def read_model(
     versions = chosen_versions(config, folder)
     folders = version_folders(folder)
     if backend == "onnxruntime":
-        from ._onnx_backend import OnnxModel, auto_complete_onnx
+        from ._onnx_backend import OnnxModel, auto_complete_onnx, check_reshapes
 
         paths = {v: model_file(config, folders[v]) for v in versions}
         if not strict:
             auto_complete_onnx(config, paths[versions[-1]])
         complete_config(config, folder)
+        check_reshapes(config, folder)
         settings = model_settings(config, folder)
         return [OnnxModel(paths[v], config, v, **settings) for v in versions]
     classes = {

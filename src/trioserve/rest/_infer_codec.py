@@ -153,8 +153,9 @@ def _check_sequence_id(value: Any) -> None:
 def _decode_inputs(
     value: Any, binary: memoryview, regions: RequestRegions | None
 ) -> tuple[dict[str, InputTensor], int]:
-    if not isinstance(value, list) or not value:
-        raise InvalidArgumentError("the request must have a non-empty 'inputs' list")
+    # As Triton: the list must be there, and may be empty (a model without inputs).
+    if not isinstance(value, list):
+        raise InvalidArgumentError("the request must have an 'inputs' list")
     inputs: dict[str, InputTensor] = {}
     offset = 0
     for entry in value:
