@@ -54,12 +54,14 @@ _SETTING = struct.Struct(">HL")
 
 
 class ConnectionError_(Exception):
-    """The connection must end: GOAWAY with ``code`` (RFC 9113 §5.4.1)."""
+    """The connection must end: GOAWAY with ``code`` (RFC 9113 §5.4.1). ``counter``
+    names the ``CoreStatistics`` count a defence keeps of such ends, if any."""
 
-    def __init__(self, code: int, reason: str) -> None:
+    def __init__(self, code: int, reason: str, counter: str | None = None) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.counter = counter
 
 
 class StreamError(Exception):
