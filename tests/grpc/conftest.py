@@ -4,6 +4,7 @@ malformed kind."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -241,6 +242,12 @@ def small_methods() -> dict[str, Method]:
     return {ECHO: UnaryMethod(request, _echo), CHAT: StreamMethod(request, _chat)}
 
 
+async def send_until_closed(stream: trio.SocketStream, data: bytes) -> None:
+    """Send what the server may stop reading half way (it closes after GOAWAY)."""
+    with contextlib.suppress(trio.BrokenResourceError):
+        await stream.send_all(data)
+
+
 async def probe(port: int) -> None:
     """One call on a fresh connection, answered OK within 5 s (a server that holds every
     other client while it serves one fails it)."""
@@ -261,10 +268,12 @@ class H2Tools:
     next_frame: Callable[..., Any]
     small_methods: Callable[[], dict[str, Method]]
     probe: Callable[[int], Any]
+    send_until_closed: Callable[[trio.SocketStream, bytes], Any]
 
 
 @pytest.fixture
 def h2c() -> H2Tools:
     return H2Tools(
-        RawClient, core_server, grpc_message, raw_frame, messages, next_frame, small_methods, probe
-    )
+        RawClient, core_server, grpc_message, raw_frame, messages, next_frame, small_methods, probe,
+        send_until_closed,
+    )  # fmt: skip
