@@ -248,13 +248,14 @@ async def send_until_closed(stream: trio.SocketStream, data: bytes) -> None:
         await stream.send_all(data)
 
 
-async def probe(port: int) -> None:
+async def probe(port: int, path: str = ECHO) -> None:
     """One call on a fresh connection, answered OK within 5 s (a server that holds every
-    other client while it serves one fails it)."""
+    other client while it serves one fails it). ``path``: a method whose request type
+    reads a ModelInferRequest (such as ServerLive's, which ignores its fields)."""
     with trio.fail_after(5):
         async with RawClient.connect(port) as client:
             request = pb.ModelInferRequest(model_name="probe").SerializeToString()
-            reply = await client.call(ECHO, request)
+            reply = await client.call(path, request)
     assert reply.status == 0
 
 
@@ -267,7 +268,7 @@ class H2Tools:
     messages: Callable[[bytes], list[bytes]]
     next_frame: Callable[..., Any]
     small_methods: Callable[[], dict[str, Method]]
-    probe: Callable[[int], Any]
+    probe: Callable[..., Any]
     send_until_closed: Callable[[trio.SocketStream, bytes], Any]
 
 
