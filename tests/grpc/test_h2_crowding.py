@@ -14,7 +14,7 @@ import trioserve
 from trioserve import ServerConfig
 from trioserve._limits import GrpcLimits
 from trioserve.grpc import _h2_frames as frames
-from trioserve.grpc._h2_connection import CoreStatistics
+from trioserve.grpc._h2_guard import CoreStatistics
 
 OPENING = frames.PREFACE + frames.settings_frame([])
 

@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from trioserve.grpc import _h2_frames as frames
-from trioserve.grpc._h2_connection import CoreStatistics
+from trioserve.grpc._h2_guard import CoreStatistics
 from trioserve.grpc._hpack import encode_headers
 
 MiB = 1024 * 1024

@@ -23,8 +23,8 @@ from .._context import ServerContext
 from .._limits import GrpcLimits
 from .._sockets import Accepted, Address, serve_tcp
 from ..metrics._counters import CountersCollector
-from ._h2_connection import CoreStatistics, H2Connection
-from ._h2_guard import IdleRoster
+from ._h2_connection import H2Connection
+from ._h2_guard import CoreStatistics, IdleRoster
 from ._h2_transport import SocketTransport, TlsTransport, Transport
 from ._methods import Method, StreamMethod, grpc_methods
 from ._reflection import REFLECTION_VERSIONS, reflection_handler, service_names

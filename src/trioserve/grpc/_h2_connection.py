@@ -7,52 +7,52 @@ sent at once when the socket takes them, by a writer task otherwise. So a small 
 call costs one ``recv`` for its request and one ``sendmsg`` for HEADERS, DATA and
 trailers together, and no task ever blocks another on a slow socket.
 
-Defences (tests in tests/grpc/test_h2_core.py and tests/grpc/test_h2_*.py), each bound
-a ``GrpcLimits`` field:
+Defences (tests in tests/grpc/test_h2_core.py and test_h2_*.py), each bound a
+``GrpcLimits`` field; what they count is ``_h2_guard.CoreStatistics``:
 * frames of unknown type are ignored; malformed ones end the stream or the connection
   with the code RFC 9113 gives, never an exception out of the connection;
-* MAX_CONCURRENT_STREAMS is enforced (REFUSED_STREAM); client resets, refused streams
-  and the resets we send for a client's stream error draw on a token bucket
-  (``_h2_guard.ResetBudget``): "rapid reset" and "made you reset" floods get
-  GOAWAY(ENHANCE_YOUR_CALM);
-* a header block (HEADERS + CONTINUATION) is bounded in bytes and frames before it is
-  decoded (``_h2_guard.HeaderBlock``); the HPACK cache is bounded in bytes;
-* a message is refused by its declared length, and buffered as its bytes arrive
-  (``_h2_stream``);
-* the bytes queued for the client are bounded: past ``max_outbox_bytes`` the reader
-  stops until they are sent (a PING flood from a client that never reads), and replies
-  wait (``_h2_send``); requests queued or unanswered are bounded per connection
-  (``_h2_guard.PendingBudget``);
-* the reader gives other tasks their turn after each ``_YIELD_BYTES`` read and each
-  ``_YIELD_FRAMES`` frames, however fast a client sends;
+* MAX_CONCURRENT_STREAMS is enforced (REFUSED_STREAM); resets either side sends and
+  refused streams draw on ``_h2_guard.ResetBudget``; header blocks are bounded in bytes
+  and frames (``HeaderBlock``), the HPACK cache in bytes;
+* a message is refused by its declared length and buffered as it arrives (``_h2_stream``);
+* past ``max_outbox_bytes`` unsent the reader stops (a client that never reads its PING
+  ACKs) and replies wait (``_h2_send``); requests queued or unanswered are bounded per
+  connection (``_h2_guard.PendingBudget``);
+* the reader checkpoints after each ``_YIELD_BYTES`` read and ``_YIELD_FRAMES`` frames;
 * a stream's buffers go the moment it ends, a connection's when it closes;
 * a connection with no stream open for ``idle_timeout_s`` is closed with GOAWAY, and
   past a share of the connection limit the one idle longest gives way to a new one.
-Client mistakes are logged at DEBUG and counted (``CoreStatistics``), never as tracebacks.
+Client mistakes are logged at DEBUG and counted, never as tracebacks.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
-from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
-from ._h2_guard import HeaderBlock, IdleRoster, PendingBudget, ResetBudget, header_fragment
+from ._errors import GrpcError, GrpcStatus
+from ._h2_calls import run_call
+from ._h2_guard import (
+    CoreStatistics,
+    HeaderBlock,
+    IdleRoster,
+    PendingBudget,
+    ResetBudget,
+    count,
+    header_fragment,
+)  # fmt: skip
 from ._h2_outbox import Outbox
-from ._h2_request import HTTP_431, Refusal, plan_call
+from ._h2_request import HTTP_431, CallPlans, Refusal
 from ._h2_send import Sender
 from ._h2_stream import CallPlan, H2Stream
 from ._h2_transport import Transport
-from ._hpack import ENTRY_OVERHEAD, HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
+from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
 from ._methods import Method, UnaryMethod
-from ._sized_cache import SizedCache
 from ._wire import trailers
 
 logger = logging.getLogger("trioserve.grpc")
@@ -63,27 +63,6 @@ _FLUSH_S = 5.0
 # a client whose socket never runs dry must not keep every other client waiting.
 _YIELD_BYTES = 256 * 1024
 _YIELD_FRAMES = 1024
-
-
-@dataclass
-class CoreStatistics:
-    """Counts a server's connections keep of what clients did wrong."""
-
-    protocol_errors: int = 0  # connections ended by GOAWAY with an error code
-    stream_errors: int = 0  # streams reset by us
-    refused_streams: int = 0  # over MAX_CONCURRENT_STREAMS or after GOAWAY
-    calm_goaways: int = 0  # connections ended for resetting too many streams
-    idle_closed: int = 0  # connections closed for being idle
-    refused_connections: int = 0  # closed on accept, over the connection limit
-    idle_evicted: int = 0  # idle connections closed to make room for new ones
-    continuation_floods: int = 0  # connections ended for too many CONTINUATION frames
-    hpack_cache_evictions: int = 0  # header blocks dropped from full caches (on close)
-    outbox_pauses: int = 0  # times a reader stopped while its client left bytes unread
-    pending_pauses: int = 0  # times a streaming call waited for the connection's budget
-
-
-def _bump(statistics: CoreStatistics, counter: str) -> None:
-    setattr(statistics, counter, getattr(statistics, counter) + 1)
 
 
 class _PeerGone(Exception):
@@ -102,7 +81,6 @@ class H2Connection:
     ) -> None:
         self._transport = transport
         self._max_message = max_message_bytes
-        self._methods = methods
         self._limits = limits
         self._stats = statistics
         self._roster = roster
@@ -126,11 +104,7 @@ class H2Connection:
         self._reader = trio.CancelScope()
         self._calls: trio.Nursery | None = None
         self._draining = False
-        # Call plans by header block: the decoder hands back the very same block object
-        # for a repeated block, so a client repeating its headers is planned once.
-        self._plans: SizedCache[int, tuple[HeaderList, CallPlan | bytes | Refusal]] = SizedCache(
-            limits.hpack_cache_bytes
-        )
+        self._plans = CallPlans(methods, limits.hpack_cache_bytes)
         # Idle detection, by the server's sweeper (``idle_tick``): calls opened so far,
         # and how many ticks have passed with no call open and none opened.
         self._opened = 0
@@ -151,7 +125,10 @@ class H2Connection:
                     with self._reader:
                         await self._read_forever()
                 except h2.ConnectionError_ as exc:
-                    self._count_error(exc)
+                    self._stats.protocol_errors += 1
+                    if exc.counter is not None:
+                        count(self._stats, exc.counter)
+                    logger.debug("gRPC connection error %#x: %s", exc.code, exc.reason)
                     self._outbox.queue(
                         h2.goaway(self._last_stream_id, exc.code, exc.reason.encode())
                     )
@@ -159,7 +136,7 @@ class H2Connection:
                     pass
                 else:
                     if self._closed_as is not None:
-                        _bump(self._stats, self._closed_as)
+                        count(self._stats, self._closed_as)
                         self._outbox.queue(h2.goaway(self._last_stream_id, h2.NO_ERROR, b"idle"))
                 for stream in list(self._streams.values()):
                     self._drop(stream)
@@ -172,12 +149,6 @@ class H2Connection:
         finally:
             self._transport.close()
             self._release()
-
-    def _count_error(self, exc: h2.ConnectionError_) -> None:
-        self._stats.protocol_errors += 1
-        if exc.counter is not None:
-            _bump(self._stats, exc.counter)
-        logger.debug("gRPC connection error %#x: %s", exc.code, exc.reason)
 
     def _release(self) -> None:
         """Let go of what the client made the connection keep, at once rather than when
@@ -227,7 +198,7 @@ class H2Connection:
             buf += await self._recv()
         if not buf.startswith(h2.PREFACE):
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        self._outbox.queue(self._opening_frames())
+        self._outbox.queue(h2.opening_frames(self._limits))
         self._outbox.flush()
         pos = len(h2.PREFACE)
         first = True
@@ -328,12 +299,12 @@ class H2Connection:
                 await self._pace()
                 view = stream.direct_view(body)
                 if view is not None:
-                    count = await transport.recv_into(view)
-                    if not count:
+                    received = await transport.recv_into(view)
+                    if not received:
                         raise _PeerGone
-                    self._since_yield += count
-                    body -= count
-                    stream = self._fed(stream, view, count)
+                    self._since_yield += received
+                    body -= received
+                    stream = self._fed(stream, view, received)
                     continue
             if available == 0:
                 buf, pos = await self._recv(), 0
@@ -350,13 +321,15 @@ class H2Connection:
         self._outbox.flush()
         return buf, pos
 
-    def _reopen_window(self) -> None:
+    def _reopen_window(self) -> bool:
         """Credit the connection's window back once half of it is used, unless the
         client has the connection hold too much (``PendingBudget``)."""
-        if self._unacked >= self._limits.connection_window_bytes // 2 and not self._pending.full:
-            self._outbox.queue(h2.window_update(0, self._unacked))
-            self._recv_window += self._unacked
-            self._unacked = 0
+        if self._unacked < self._limits.connection_window_bytes // 2 or self._pending.full:
+            return False
+        self._outbox.queue(h2.window_update(0, self._unacked))
+        self._recv_window += self._unacked
+        self._unacked = 0
+        return True
 
     def _receiving(self, stream_id: int, length: int) -> H2Stream | None:
         """The stream DATA is for, with its window charged; None if it is to be dropped."""
@@ -380,17 +353,18 @@ class H2Connection:
             return None  # answered already (an error): what still comes is dropped
         return stream
 
-    def _fed(self, stream: H2Stream, chunk: memoryview, count: int) -> H2Stream | None:
-        """Hand payload to a stream (``count`` bytes received straight into ``chunk``,
-        or else ``chunk`` itself); a stream that fails on it is answered and dropped."""
+    def _fed(self, stream: H2Stream, chunk: memoryview, received: int) -> H2Stream | None:
+        """Hand payload to a stream: ``received`` bytes that came straight into
+        ``chunk`` (``direct_view``), or when 0 ``chunk`` itself. A stream that fails on
+        it is answered and dropped."""
         try:
-            if count:
-                stream.received_directly(chunk, count)
+            if received:
+                stream.received_directly(chunk, received)
             else:
                 stream.feed(chunk)
         except GrpcError as exc:
             logger.debug("gRPC stream %d refused a message: %s", stream.id, exc.message)
-            self._finish_now(stream, exc.status, exc.message)
+            self.finish_now(stream, exc.status, exc.message)
             return None
         return stream
 
@@ -412,8 +386,8 @@ class H2Connection:
         self._pending.queued -= size
         if credit and stream.id in self._streams:
             self._credit(stream, credit)
-        if self._unacked:
-            self._reopen_window()
+            self._outbox.flush()
+        if self._reopen_window():
             self._outbox.flush()
 
     async def admit(self, stream: H2Stream, size: int) -> None:
@@ -422,8 +396,8 @@ class H2Connection:
 
     def repaid(self, size: int) -> None:
         self._pending.repay(size)
-        if self._unacked:
-            self._reopen_window()
+        if self._reopen_window():
+            self._outbox.flush()
 
     async def send_reply(self, stream: H2Stream, message: Any) -> None:
         await self._sender.send_reply(stream, message)
@@ -522,13 +496,7 @@ class H2Connection:
         self._open_call(stream_id, headers, bool(flags & h2.END_STREAM))
 
     def _open_call(self, stream_id: int, headers: HeaderList, ended: bool) -> None:
-        entry = self._plans.get(id(headers))
-        if entry is not None and entry[0] is headers:
-            plan = entry[1]
-        else:
-            plan = plan_call(stream_id, headers, self._methods)
-            size = sum(len(name) + len(value) + ENTRY_OVERHEAD for name, value in headers)
-            self._plans.put(id(headers), (headers, plan), size)  # holding it keeps the id unique
+        plan = self._plans.plan(stream_id, headers)
         if isinstance(plan, bytes):
             self._answer_http(stream_id, plan)
             return
@@ -549,7 +517,7 @@ class H2Connection:
         self._opened += 1
         stream.remote_closed = ended
         if refusal is not None:
-            self._finish_now(stream, refusal.status, refusal.message)
+            self.finish_now(stream, refusal.status, refusal.message)
             return
         assert isinstance(plan, CallPlan)
         if plan.timeout_s is not None:
@@ -560,51 +528,9 @@ class H2Connection:
     def _start(self, stream: H2Stream) -> None:
         stream.started = True
         assert self._calls is not None
-        self._calls.start_soon(self._run_call, stream)
+        self._calls.start_soon(run_call, self, stream)
 
-    async def _run_call(self, stream: H2Stream) -> None:
-        """Run one call's handler and end the stream with its status.
-
-        A unary call without a deadline runs with no cancel scope of its own: entering
-        and leaving one costs about a fifth of a small call. A client's reset reaches
-        it through ``Call.cancel_with`` (a model's ticket is withdrawn) or, at the
-        latest, when its reply finds the stream reset. Streaming calls and calls with a
-        deadline get a scope, which a reset cancels.
-        """
-        if stream.reset:
-            return
-        method = stream.method
-        status, message = GrpcStatus.OK, ""
-        try:
-            if isinstance(method, UnaryMethod) and stream.deadline is None:
-                await self._answer_unary(stream, method)
-            else:
-                deadline = math.inf if stream.deadline is None else stream.deadline
-                with trio.CancelScope(deadline=deadline) as scope:
-                    stream.scope = scope
-                    if isinstance(method, UnaryMethod):
-                        await self._answer_unary(stream, method)
-                    else:
-                        await method.handler(stream, stream)
-                if scope.cancelled_caught:
-                    if stream.reset:
-                        return
-                    status, message = GrpcStatus.DEADLINE_EXCEEDED, "Deadline Exceeded"
-        except ClientGone:
-            return
-        except Exception as exc:
-            status, message = status_of(exc)
-        if not stream.reset:
-            self._finish_now(stream, status, message)
-
-    async def _answer_unary(self, stream: H2Stream, method: UnaryMethod) -> None:
-        data = stream.take()
-        if data is None:
-            raise GrpcError(GrpcStatus.INVALID_ARGUMENT, "the call carried no request message")
-        reply = await method.handler(parse_message(method.request_type, data), stream)
-        await self.send_reply(stream, reply)
-
-    def _finish_now(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
+    def finish_now(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
         """End the call: trailers (trailers-only before any response), then the stream."""
         if stream.local_closed:
             return
@@ -655,19 +581,6 @@ class H2Connection:
                 self._reader.cancel()
 
     # --- writing -------------------------------------------------------------------------
-
-    def _opening_frames(self) -> bytes:
-        limits = self._limits
-        settings = h2.settings_frame(
-            [
-                (h2.ENABLE_PUSH, 0),
-                (h2.MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams),
-                (h2.INITIAL_WINDOW_SIZE, limits.stream_window_bytes),
-                (h2.MAX_FRAME_SIZE, limits.max_frame_bytes),
-                (h2.MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes),
-            ]
-        )
-        return settings + h2.window_update(0, limits.connection_window_bytes - h2.DEFAULT_WINDOW)
 
     def _fail(self) -> None:
         """The socket failed: nothing more can be sent, so the connection ends."""

@@ -1,18 +1,42 @@
-"""What one HTTP/2 connection lets a client cost it, counted apart from the protocol
-work in ``_h2_connection``: the header block being assembled (bounded in bytes and in
-frames) and the budget of stream resets.
+"""What HTTP/2 connections let a client cost the server, counted apart from the
+protocol work in ``_h2_connection``: the header block being assembled (bounded in bytes
+and in frames), the budget of stream resets, the requests a connection holds for its
+client, the server's idle connections, and the counters of what clients did wrong.
 
-Each bound ends the connection with GOAWAY(ENHANCE_YOUR_CALM) and names the
-``CoreStatistics`` counter that records it.
+A bound a client passes ends its connection with GOAWAY(ENHANCE_YOUR_CALM) naming the
+``CoreStatistics`` counter that records it, or holds the client through flow control.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
 from . import _h2_frames as h2
+
+
+@dataclass
+class CoreStatistics:
+    """Counts a server's connections keep of what clients did wrong."""
+
+    protocol_errors: int = 0  # connections ended by GOAWAY with an error code
+    stream_errors: int = 0  # streams reset by us
+    refused_streams: int = 0  # over MAX_CONCURRENT_STREAMS or after GOAWAY
+    calm_goaways: int = 0  # connections ended for too many streams reset
+    idle_closed: int = 0  # connections closed for being idle
+    refused_connections: int = 0  # closed on accept, over the connection limit
+    idle_evicted: int = 0  # idle connections closed to make room for new ones
+    continuation_floods: int = 0  # connections ended for too many CONTINUATION frames
+    hpack_cache_evictions: int = 0  # header blocks dropped from full caches (on close)
+    outbox_pauses: int = 0  # times a reader stopped while its client left bytes unread
+    pending_pauses: int = 0  # times a streaming call waited for its connection's budget
+
+
+def count(statistics: CoreStatistics, counter: str) -> None:
+    """One more of ``counter`` (a ``CoreStatistics`` field named by a defence)."""
+    setattr(statistics, counter, getattr(statistics, counter) + 1)
 
 
 class ResetBudget:
