@@ -63,6 +63,9 @@ _FLUSH_S = 5.0
 # a client whose socket never runs dry must not keep every other client waiting.
 _YIELD_BYTES = 256 * 1024
 _YIELD_FRAMES = 1024
+# Parts the outbox may hold before the reader waits, whatever their bytes: each is an
+# object, and a flood of PINGs queues 17-byte ACKs, 250,000 of them in 4 MiB.
+_OUTBOX_PARTS = 16 * 1024
 
 
 class _PeerGone(Exception):
@@ -254,10 +257,11 @@ class H2Connection:
         """Before reading more: wait while the client leaves what we sent unread (each
         frame read may queue an answer: a PING its ACK), and give other tasks their turn
         after a run of reads."""
-        if self._outbox.size > self._limits.max_outbox_bytes:
+        outbox = self._outbox
+        if outbox.size > self._limits.max_outbox_bytes or len(outbox.parts) > _OUTBOX_PARTS:
             self._stats.outbox_pauses += 1
-            self._outbox.flush()
-            await self._outbox.drain()
+            outbox.flush()
+            await outbox.drain()
         if self._since_yield >= _YIELD_BYTES:
             self._since_yield = 0
             await trio.lowlevel.checkpoint()
