@@ -83,3 +83,11 @@ class GrpcLimits:
     """Per connection: request messages received and not yet taken by their calls, plus
     replies waiting for the client's flow-control window. Past it, streaming calls take
     no new request and the connection's receive window is not reopened."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.idle_close_share <= 1:
+            raise ValueError("idle_close_share must be above 0 and at most 1")
+        for name in ("max_reset_burst", "resets_per_s", "max_continuation_frames",
+                     "hpack_cache_bytes", "max_outbox_bytes", "max_pending_bytes"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")

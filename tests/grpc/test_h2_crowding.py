@@ -78,3 +78,11 @@ async def test_the_counters_are_on_metrics(nursery: trio.Nursery) -> None:
     for name in ("idle_evicted", "continuation_floods", "hpack_cache_evictions",
                  "outbox_pauses", "pending_pauses", "calm_goaways"):  # fmt: skip
         assert server.registry.get_sample_value(f"trioserve_grpc_{name}_total") == 0
+
+
+@pytest.mark.parametrize(
+    "bad", [{"idle_close_share": 0.0}, {"idle_close_share": 1.5}, {"max_pending_bytes": -1}]
+)
+def test_bounds_out_of_range_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        GrpcLimits(**bad)
