@@ -45,7 +45,7 @@ from ._h2_guard import (
     ResetBudget,
     count,
     header_fragment,
-)  # fmt: skip
+)
 from ._h2_outbox import Outbox
 from ._h2_request import HTTP_431, CallPlans, Refusal
 from ._h2_send import Sender
