@@ -223,9 +223,9 @@ def case_stream(port: int) -> list[socket.socket]:
     return [client.sock]
 
 
-def case_large(port: int, size: int) -> list[socket.socket]:
+def case_large(port: int, size: int, method: str) -> list[socket.socket]:
     client = FlowClient(port)
-    sid = client.call(SERVICE + "ModelInfer")
+    sid = client.call(SERVICE + method)
     head = infer_head(size)
     client.send(sid, struct.pack(">BL", 0, len(head) + size) + head, end=False)
     client.send(sid, bytes(size), end=True, patience_s=30.0)
@@ -295,11 +295,13 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8001, help="its gRPC port")
     parser.add_argument("--cases", default="declared,reset,continuation,hpack,ping,stream,large")
     parser.add_argument("--large-mib", type=int, default=1024)
+    parser.add_argument("--large-method", default="ModelInfer", help="or ModelStreamInfer")
     args = parser.parse_args()
     cases: dict[str, Callable[[int], list[socket.socket]]] = {
         "declared": case_declared, "reset": case_reset, "continuation": case_continuation,
         "hpack": case_hpack, "ping": case_ping, "stream": case_stream,
-        "large": lambda port: case_large(port, args.large_mib * MiB), "idle": case_idle,
+        "large": lambda port: case_large(port, args.large_mib * MiB, args.large_method),
+        "idle": case_idle,
     }  # fmt: skip
     print("case          start MB  peak MB  after MB  slowest probe  probes refused")
     for name in args.cases.split(","):
