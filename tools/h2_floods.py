@@ -159,6 +159,7 @@ class FlowClient:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.answered = False  # response headers came
         self.h2.initiate_connection()
         self.sock.sendall(self.h2.data_to_send())
         self.pump(5.0)
@@ -172,7 +173,9 @@ class FlowClient:
             return False
         if not data:
             return False
-        self.h2.receive_data(data)
+        self.answered |= any(
+            isinstance(event, h2.events.ResponseReceived) for event in self.h2.receive_data(data)
+        )
         self.sock.sendall(self.h2.data_to_send())
         return True
 
@@ -229,7 +232,8 @@ def case_large(port: int, size: int, method: str) -> list[socket.socket]:
     head = infer_head(size)
     client.send(sid, struct.pack(">BL", 0, len(head) + size) + head, end=False)
     client.send(sid, bytes(size), end=True, patience_s=30.0)
-    client.pump(30.0)
+    while not client.answered and client.pump(60.0):  # until the answer starts
+        pass
     return [client.sock]
 
 
