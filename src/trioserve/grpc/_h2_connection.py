@@ -98,6 +98,7 @@ class H2Connection:
         self._pending = PendingBudget(limits.max_pending_bytes)
         # Receiving: our windows, credited back as data lands.
         self._recv_window = limits.connection_window_bytes
+        self._half_window = limits.connection_window_bytes // 2
         self._unacked = 0
         self._since_yield = 0  # bytes read since the reader last checkpointed
         # Writing.
@@ -246,7 +247,8 @@ class H2Connection:
             self._outbox.flush()
 
     async def _recv(self) -> bytes:
-        await self._pace()
+        if self._since_yield >= _YIELD_BYTES or self._outbox.parts:
+            await self._pace()  # a call only when there may be something to wait for
         data = await self._transport.recv()
         if not data:
             raise _PeerGone
@@ -300,7 +302,8 @@ class H2Connection:
         while body:
             available = len(buf) - pos
             if stream is not None and available == 0:
-                await self._pace()
+                if self._since_yield >= _YIELD_BYTES or self._outbox.parts:
+                    await self._pace()
                 view = stream.direct_view(body)
                 if view is not None:
                     received = await transport.recv_into(view)
@@ -328,7 +331,7 @@ class H2Connection:
     def _reopen_window(self) -> bool:
         """Credit the connection's window back once half of it is used, unless the
         client has the connection hold too much (``PendingBudget``)."""
-        if self._unacked < self._limits.connection_window_bytes // 2 or self._pending.full:
+        if self._unacked < self._half_window or self._pending.full:
             return False
         self._outbox.queue(h2.window_update(0, self._unacked))
         self._recv_window += self._unacked
@@ -391,7 +394,7 @@ class H2Connection:
         if credit and stream.id in self._streams:
             self._credit(stream, credit)
             self._outbox.flush()
-        if self._reopen_window():
+        if self._unacked >= self._half_window and self._reopen_window():
             self._outbox.flush()
 
     async def admit(self, stream: H2Stream, size: int) -> None:
@@ -400,7 +403,7 @@ class H2Connection:
 
     def repaid(self, size: int) -> None:
         self._pending.repay(size)
-        if self._reopen_window():
+        if self._unacked >= self._half_window and self._reopen_window():
             self._outbox.flush()
 
     async def send_reply(self, stream: H2Stream, message: Any) -> None:
