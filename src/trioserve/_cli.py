@@ -166,6 +166,10 @@ def _parser() -> argparse.ArgumentParser:
         default=grpc_defaults.max_connections,
         help="gRPC connections open at once (built-in gRPC server); one more is closed",
     )
+    for flag, field, kind, text in _GRPC_HARDENING:
+        run.add_argument(
+            flag, dest=field, type=kind, default=getattr(grpc_defaults, field), help=text
+        )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
     run.add_argument(
         "--max-shared-memory-regions",
@@ -283,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_concurrent_streams=args.grpc_max_concurrent_streams,
             idle_timeout_s=args.grpc_idle_timeout_secs,
             max_connections=args.grpc_max_connections,
+            **{field: getattr(args, field) for _, field, _, _ in _GRPC_HARDENING},
         ),
         http_limits=HttpLimits(
             max_body_bytes=args.http_max_body_bytes,
@@ -305,6 +310,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trace=trace_config_from_flags(args.trace_config),
         log=log_config_from_args(args),
     )
+
+
+# The built-in gRPC server's defences: flag, ``GrpcLimits`` field (its default), type, help.
+_GRPC_HARDENING: list[tuple[str, str, type, str]] = [
+    ("--grpc-idle-close-share", "idle_close_share", float,
+     "past this share of --grpc-max-connections, a new connection closes the one idle longest"),
+    ("--grpc-max-reset-burst", "max_reset_burst", int,
+     "streams reset (by either side) or refused per connection in a burst; then GOAWAY"),
+    ("--grpc-resets-per-sec", "resets_per_s", float, "how fast that burst refills"),
+    ("--grpc-max-continuation-frames", "max_continuation_frames", int,
+     "CONTINUATION frames per header block; more: GOAWAY"),
+    ("--grpc-hpack-cache-bytes", "hpack_cache_bytes", int,
+     "decoded header blocks a connection remembers, in bytes"),
+    ("--grpc-max-outbox-bytes", "max_outbox_bytes", int,
+     "bytes unread by a client past which its connection stops reading"),
+    ("--grpc-max-pending-bytes", "max_pending_bytes", int,
+     "requests queued or unanswered per connection past which it stops taking more"),
+]  # fmt: skip
 
 
 def log_config_from_args(args: argparse.Namespace) -> LogConfig:

@@ -63,3 +63,31 @@ class GrpcLimits:
     max_connections: int = HttpLimits.max_connections
     """Connections open at once; one more is closed as soon as it is accepted, and
     counted in ``trioserve_grpc_refused_connections``."""
+    idle_close_share: float = 0.75
+    """Past this share of ``max_connections`` open, each new connection closes the
+    connection idle the longest (GOAWAY), so that idle clients cannot lock out new ones."""
+    max_reset_burst: int = 1000
+    """Streams a connection may see reset in a burst: reset by the client, refused, or
+    reset by the server for the client's error. Past it: GOAWAY(ENHANCE_YOUR_CALM)."""
+    resets_per_s: float = 200.0
+    """How fast that burst allowance refills."""
+    max_continuation_frames: int = 32
+    """CONTINUATION frames in one header block, empty ones included; more:
+    GOAWAY(ENHANCE_YOUR_CALM)."""
+    hpack_cache_bytes: int = 256 * 1024
+    """Decoded header blocks (and their call plans) a connection remembers, in bytes."""
+    max_outbox_bytes: int = 4 * 1024 * 1024
+    """Bytes a connection has queued that the client has not taken off the socket;
+    past it the connection stops reading until they are sent."""
+    max_pending_bytes: int = 64 * 1024 * 1024
+    """Per connection: request messages received and not yet taken by their calls, plus
+    replies waiting for the client's flow-control window. Past it, streaming calls take
+    no new request and the connection's receive window is not reopened."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.idle_close_share <= 1:
+            raise ValueError("idle_close_share must be above 0 and at most 1")
+        for name in ("max_reset_burst", "resets_per_s", "max_continuation_frames",
+                     "hpack_cache_bytes", "max_outbox_bytes", "max_pending_bytes"):  # fmt: skip
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")

@@ -4,6 +4,7 @@ malformed kind."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -20,7 +21,8 @@ import trio
 
 from trioserve._limits import GrpcLimits
 from trioserve.grpc._core import serve_methods
-from trioserve.grpc._methods import Method
+from trioserve.grpc._generated import grpc_service_pb2 as pb
+from trioserve.grpc._methods import Call, MessageStream, Method, StreamMethod, UnaryMethod
 
 GRPC_HEADERS = [
     (":method", "POST"),
@@ -42,13 +44,16 @@ def raw_frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> by
 
 @asynccontextmanager
 async def core_server(
-    methods: dict[str, Method], max_message_bytes: int = 2**31 - 1, **limits: Any
+    methods: dict[str, Method],
+    max_message_bytes: int = 2**31 - 1,
+    statistics: Any = None,
+    **limits: Any,
 ) -> AsyncIterator[int]:
-    """The core alone, serving ``methods`` on a free port."""
+    """The core alone, serving ``methods`` on a free port (counting in ``statistics``)."""
     async with trio.open_nursery() as nursery:
         serve = partial(
             serve_methods, methods, "127.0.0.1", 0, GrpcLimits(**limits),
-            max_message_bytes=max_message_bytes,
+            max_message_bytes=max_message_bytes, statistics=statistics,
         )  # fmt: skip
         addresses = await nursery.start(serve)
         yield addresses[0][1]
@@ -217,6 +222,43 @@ def messages(data: bytes) -> list[bytes]:
     return out
 
 
+ECHO = "/t.T/Echo"
+CHAT = "/t.T/Chat"
+
+
+async def _echo(message: Any, call: Call) -> Any:
+    return pb.ModelInferResponse(model_name=message.model_name, id=str(message.ByteSize()))
+
+
+async def _chat(stream: MessageStream, call: Call) -> None:
+    while (message := await stream.recv()) is not None:
+        await stream.send(pb.ModelInferResponse(raw_output_contents=message.raw_input_contents))
+
+
+def small_methods() -> dict[str, Method]:
+    """Echo (answers the request's model name and size) and Chat (echoes each message's
+    raw contents), for tests of the transport."""
+    request = pb.ModelInferRequest
+    return {ECHO: UnaryMethod(request, _echo), CHAT: StreamMethod(request, _chat)}
+
+
+async def send_until_closed(stream: trio.SocketStream, data: bytes) -> None:
+    """Send what the server may stop reading half way (it closes after GOAWAY)."""
+    with contextlib.suppress(trio.BrokenResourceError):
+        await stream.send_all(data)
+
+
+async def probe(port: int, path: str = ECHO) -> None:
+    """One call on a fresh connection, answered OK within 5 s (a server that holds every
+    other client while it serves one fails it). ``path``: a method whose request type
+    reads a ModelInferRequest (such as ServerLive's, which ignores its fields)."""
+    with trio.fail_after(5):
+        async with RawClient.connect(port) as client:
+            request = pb.ModelInferRequest(model_name="probe").SerializeToString()
+            reply = await client.call(path, request)
+    assert reply.status == 0
+
+
 @dataclass(frozen=True)
 class H2Tools:
     RawClient: type[RawClient]
@@ -225,8 +267,14 @@ class H2Tools:
     raw_frame: Callable[..., bytes]
     messages: Callable[[bytes], list[bytes]]
     next_frame: Callable[..., Any]
+    small_methods: Callable[[], dict[str, Method]]
+    probe: Callable[..., Any]
+    send_until_closed: Callable[[trio.SocketStream, bytes], Any]
 
 
 @pytest.fixture
 def h2c() -> H2Tools:
-    return H2Tools(RawClient, core_server, grpc_message, raw_frame, messages, next_frame)
+    return H2Tools(
+        RawClient, core_server, grpc_message, raw_frame, messages, next_frame, small_methods, probe,
+        send_until_closed,
+    )  # fmt: skip

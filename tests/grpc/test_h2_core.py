@@ -349,9 +349,9 @@ async def test_rapid_reset_flood_gets_goaway_and_others_are_served(
             + h2c.raw_frame(frames.RST_STREAM, 0, sid, struct.pack(">L", 8))
             for sid in range(1, 2 * 5000, 2)
         )
-        with pytest.raises(trio.BrokenResourceError):
-            await flood.send_raw(burst)
-            await flood.send_raw(burst)
+        # The server may close before it has read all of it (or after: it lets other
+        # tasks run, this test's sender among them, while it works through a flood).
+        await h2c.send_until_closed(flood.stream, burst + burst)
         await flood.until_closed()
         assert flood.goaway is not None
         assert flood.goaway.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM

@@ -268,7 +268,7 @@ def test_blocks_that_index_are_decoded_every_time():
 
 
 def test_the_cache_is_bounded():
-    decoder = HeaderDecoder(cache_size=2)
+    decoder = HeaderDecoder(cache_bytes=90)  # two blocks of 1 + 42 bytes
     blocks = [b"\x82", b"\x83", b"\x84"]
     results = [decoder.decode(block) for block in blocks]
     assert decoder.decode(blocks[2]) is results[2]

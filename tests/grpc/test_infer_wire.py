@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from trioserve._errors import InvalidArgumentError
 from trioserve._tensor import datatype
 from trioserve._types import InferenceResponse, OutputTensor
-from trioserve.grpc._codec import decode_request, encode_response
+from trioserve.grpc._codec import decode_request, encode_response, response_head
 from trioserve.grpc._errors import GrpcError
 from trioserve.grpc._generated import grpc_service_pb2 as pb
-from trioserve.grpc._infer_wire import InferPlans, ReplyHeads, WireRequest
+from trioserve.grpc._infer_wire import InferPlans, ReplyHeads, WireRequest, stream_reply
 from trioserve.shm import RequestRegions, SharedMemoryRegistry
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
@@ -148,3 +148,8 @@ def test_reply_in_parts_is_protobufs_reply(
         assert parsed == encode_response(response)
     data_parts = [part for part in reply.parts if isinstance(part, memoryview)]
     assert len(data_parts) == len(outputs)  # tensors are views, not copies
+    # A stream's reply, the same in parts inside a ModelStreamInferResponse.
+    streamed = pb.ModelStreamInferResponse.FromString(
+        stream_reply(response_head(response), response.outputs).SerializeToString()
+    )
+    assert streamed == pb.ModelStreamInferResponse(infer_response=encode_response(response))

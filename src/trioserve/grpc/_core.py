@@ -23,7 +23,8 @@ from .._context import ServerContext
 from .._limits import GrpcLimits
 from .._sockets import Accepted, Address, serve_tcp
 from ..metrics._counters import CountersCollector
-from ._h2_connection import CoreStatistics, H2Connection
+from ._h2_connection import H2Connection
+from ._h2_guard import CoreStatistics, IdleRoster
 from ._h2_transport import SocketTransport, TlsTransport, Transport
 from ._methods import Method, StreamMethod, grpc_methods
 from ._reflection import REFLECTION_VERSIONS, reflection_handler, service_names
@@ -55,7 +56,10 @@ class _CoreServer:
         self.max_message_bytes = max_message_bytes
         self.tls = tls
         self.connections: set[H2Connection] = set()
+        self.idle = IdleRoster()
         self.open_sockets = 0  # accepted and not yet closed, TLS handshakes included
+        # Past this many open sockets, each new one closes the connection idle longest.
+        self.crowded = math.ceil(limits.max_connections * limits.idle_close_share)
         self.statistics = statistics
         self.shutting_down = False
 
@@ -68,6 +72,8 @@ class _CoreServer:
                 self.statistics.refused_connections += 1
                 sock.close()
                 return
+            if self.open_sockets >= self.crowded:
+                self.idle.evict()
             self.open_sockets += 1
             connections.start_soon(self._serve, sock)
 
@@ -91,8 +97,9 @@ class _CoreServer:
                 sock.close()
                 return
         connection = H2Connection(
-            transport, self.methods, self.limits, self.max_message_bytes, self.statistics
-        )
+            transport, self.methods, self.limits, self.max_message_bytes, self.statistics,
+            self.idle,
+        )  # fmt: skip
         self.connections.add(connection)
         if self.shutting_down:
             connection.begin_shutdown()
@@ -165,9 +172,17 @@ _COUNTERS = {
     "protocol_errors": "gRPC connections ended with GOAWAY for a protocol error",
     "stream_errors": "gRPC streams reset for a protocol error",
     "refused_streams": "gRPC streams refused (over the concurrency limit or after GOAWAY)",
-    "calm_goaways": "gRPC connections ended for resetting too many streams",
+    "calm_goaways": "gRPC connections ended for too many streams reset (by either side)",
     "idle_closed": "gRPC connections closed for being idle",
     "refused_connections": "gRPC connections closed at once for being over the connection limit",
+    "idle_evicted": "idle gRPC connections closed to make room for new ones",
+    "continuation_floods": "gRPC connections ended for too many CONTINUATION frames",
+    "hpack_cache_evictions": "header blocks dropped from full HPACK caches (counted on close)",
+    "outbox_pauses": "times a gRPC connection stopped reading while its client left bytes unread",
+    "pending_pauses": (
+        "times a streaming gRPC call waited for its connection's pending-bytes budget "
+        "(counted on close)"
+    ),
 }
 
 

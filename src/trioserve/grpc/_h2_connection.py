@@ -7,64 +7,65 @@ sent at once when the socket takes them, by a writer task otherwise. So a small 
 call costs one ``recv`` for its request and one ``sendmsg`` for HEADERS, DATA and
 trailers together, and no task ever blocks another on a slow socket.
 
-Defences (each is a test in tests/grpc/test_h2_core.py):
+Defences (tests in tests/grpc/test_h2_core.py and test_h2_*.py), each bound a
+``GrpcLimits`` field; what they count is ``_h2_guard.CoreStatistics``:
 * frames of unknown type are ignored; malformed ones end the stream or the connection
   with the code RFC 9113 gives, never an exception out of the connection;
-* MAX_CONCURRENT_STREAMS is enforced (REFUSED_STREAM), and client resets and refused
-  streams draw on a token bucket: a "rapid reset" flood gets GOAWAY(ENHANCE_YOUR_CALM);
-* a header block (HEADERS + CONTINUATION) is bounded before it is decoded;
-* a message is refused by its declared length before it is buffered (``_h2_stream``);
-* a stream's buffers go the moment it ends; streamed responses wait on the client's
-  flow-control window, and the queue of unsent bytes is bounded;
-* a connection with no stream open for ``idle_timeout_s`` is closed with GOAWAY.
-Client mistakes are logged at DEBUG and counted (``CoreStatistics``), never as tracebacks.
+* MAX_CONCURRENT_STREAMS is enforced (REFUSED_STREAM); resets either side sends and
+  refused streams draw on ``_h2_guard.ResetBudget``; header blocks are bounded in bytes
+  and frames (``HeaderBlock``), the HPACK cache in bytes;
+* a message is refused by its declared length and buffered as it arrives (``_h2_stream``);
+* past ``max_outbox_bytes`` unsent the reader stops (a client that never reads its PING
+  ACKs) and replies wait (``_h2_send``); requests queued or unanswered are bounded per
+  connection (``_h2_guard.PendingBudget``);
+* the reader checkpoints after each ``_YIELD_BYTES`` read and ``_YIELD_FRAMES`` frames;
+* a stream's buffers go the moment it ends, a connection's when it closes;
+* a connection with no stream open for ``idle_timeout_s`` is closed with GOAWAY, and
+  past a share of the connection limit the one idle longest gives way to a new one.
+Client mistakes are logged at DEBUG and counted, never as tracebacks.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
-from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
+from ._errors import GrpcError, GrpcStatus
+from ._h2_calls import run_call
+from ._h2_guard import (
+    CoreStatistics,
+    HeaderBlock,
+    IdleRoster,
+    PendingBudget,
+    ResetBudget,
+    count,
+    header_fragment,
+)
 from ._h2_outbox import Outbox
-from ._h2_request import HTTP_431, Refusal, plan_call
+from ._h2_request import HTTP_431, CallPlans, Refusal
+from ._h2_send import Sender
 from ._h2_stream import CallPlan, H2Stream
-from ._h2_transport import Transport, trim
+from ._h2_transport import Transport
 from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
-from ._infer_wire import WireReply
 from ._methods import Method, UnaryMethod
-from ._wire import MESSAGE_PREFIX, compress, response_headers, trailers
+from ._wire import trailers
 
 logger = logging.getLogger("trioserve.grpc")
 
-# Unsent bytes a connection may queue before answering tasks wait for the socket.
-_OUTBOX_HIGH = 4 * 1024 * 1024
 # How long a closing connection may take to flush what it queued.
 _FLUSH_S = 5.0
-# Call plans a connection keeps (distinct header blocks; a client has a handful).
-_PLANS = 64
-# Client resets (and refused streams) allowed in a burst, and refilled per second.
-_RESET_BURST = 1000
-_RESET_RATE = 200.0
-
-
-@dataclass
-class CoreStatistics:
-    """Counts a server's connections keep of what clients did wrong."""
-
-    protocol_errors: int = 0  # connections ended by GOAWAY with an error code
-    stream_errors: int = 0  # streams reset by us
-    refused_streams: int = 0  # over MAX_CONCURRENT_STREAMS or after GOAWAY
-    calm_goaways: int = 0  # connections ended for resetting too many streams
-    idle_closed: int = 0  # connections closed for being idle
-    refused_connections: int = 0  # closed on accept, over the connection limit
+# The reader checkpoints after this much read, or this many frames handled, in a row:
+# a client whose socket never runs dry must not keep every other client waiting.
+_YIELD_BYTES = 256 * 1024
+_YIELD_FRAMES = 1024
+# Parts the outbox may hold before the reader waits, whatever their bytes: each is an
+# object, and a flood of PINGs queues 17-byte ACKs, 250,000 of them in 4 MiB.
+_OUTBOX_PARTS = 16 * 1024
 
 
 class _PeerGone(Exception):
@@ -79,50 +80,47 @@ class H2Connection:
         limits: GrpcLimits,
         max_message_bytes: int,
         statistics: CoreStatistics,
+        roster: IdleRoster,
     ) -> None:
         self._transport = transport
         self._max_message = max_message_bytes
-        self._methods = methods
         self._limits = limits
         self._stats = statistics
+        self._roster = roster
         self._streams: dict[int, H2Stream] = {}
         self._last_stream_id = 0
-        self._decoder = HeaderDecoder(max_header_list_size=limits.max_header_list_bytes)
-        self._max_block = 2 * limits.max_header_list_bytes
-        self._block: list[bytes] = []  # a header block still waiting for CONTINUATION
-        self._block_stream = 0
-        self._block_flags = 0
-        self._block_bytes = 0
-        # Sending: the client's windows and frame size.
-        self._send_window = h2.DEFAULT_WINDOW
-        self._peer_initial_window = h2.DEFAULT_WINDOW
-        self._peer_max_frame = h2.DEFAULT_MAX_FRAME
-        self._window_opened = trio.Event()
+        self._decoder = HeaderDecoder(
+            max_header_list_size=limits.max_header_list_bytes, cache_bytes=limits.hpack_cache_bytes
+        )
+        # A header block still waiting for CONTINUATION; HPACK rarely more than halves.
+        self._block = HeaderBlock(2 * limits.max_header_list_bytes, limits.max_continuation_frames)
+        self._resets = ResetBudget(limits.max_reset_burst, limits.resets_per_s)
+        self._pending = PendingBudget(limits.max_pending_bytes)
         # Receiving: our windows, credited back as data lands.
         self._recv_window = limits.connection_window_bytes
+        self._half_window = limits.connection_window_bytes // 2
         self._unacked = 0
+        self._since_yield = 0  # bytes read since the reader last checkpointed
         # Writing.
         self._outbox = Outbox(transport, self._fail)
+        self._sender = Sender(self._outbox, max_message_bytes, limits.max_outbox_bytes)
         # Lifetime.
         self._reader = trio.CancelScope()
         self._calls: trio.Nursery | None = None
         self._draining = False
-        # Call plans by header block: the decoder hands back the very same block object
-        # for a repeated block, so a client repeating its headers is planned once.
-        self._plans: dict[int, tuple[HeaderList, CallPlan | bytes | Refusal]] = {}
+        self._plans = CallPlans(methods, limits.hpack_cache_bytes)
         # Idle detection, by the server's sweeper (``idle_tick``): calls opened so far,
         # and how many ticks have passed with no call open and none opened.
         self._opened = 0
         self._seen_opened = 0
         self._idle_ticks = 0
-        self._idle = False
-        self._reset_tokens = float(_RESET_BURST)
-        self._reset_time = trio.current_time()
+        self._closed_as: str | None = None  # the counter of an idle connection's close
 
     # --- lifetime ------------------------------------------------------------------------
 
     async def run(self) -> None:
         """Serve until the client leaves, the connection fails or idles, or a drain ends."""
+        self._roster.idle(self)
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
@@ -132,8 +130,8 @@ class H2Connection:
                         await self._read_forever()
                 except h2.ConnectionError_ as exc:
                     self._stats.protocol_errors += 1
-                    if exc.code == h2.ENHANCE_YOUR_CALM:
-                        self._stats.calm_goaways += 1
+                    if exc.counter is not None:
+                        count(self._stats, exc.counter)
                     logger.debug("gRPC connection error %#x: %s", exc.code, exc.reason)
                     self._outbox.queue(
                         h2.goaway(self._last_stream_id, exc.code, exc.reason.encode())
@@ -141,8 +139,8 @@ class H2Connection:
                 except _PeerGone:
                     pass
                 else:
-                    if self._idle:
-                        self._stats.idle_closed += 1
+                    if self._closed_as is not None:
+                        count(self._stats, self._closed_as)
                         self._outbox.queue(h2.goaway(self._last_stream_id, h2.NO_ERROR, b"idle"))
                 for stream in list(self._streams.values()):
                     self._drop(stream)
@@ -154,6 +152,18 @@ class H2Connection:
             logger.exception("gRPC connection failed")
         finally:
             self._transport.close()
+            self._release()
+
+    def _release(self) -> None:
+        """Let go of what the client made the connection keep, at once rather than when
+        the collector finds the connection's reference cycles."""
+        self._roster.gone(self)
+        self._stats.hpack_cache_evictions += self._decoder.cache.evictions + self._plans.evictions
+        self._stats.pending_pauses += self._pending.pauses
+        self._decoder.cache.clear()
+        self._plans.clear()
+        self._block.clear()
+        self._streams.clear()
 
     def begin_shutdown(self) -> None:
         """Drain: GOAWAY now (no new streams), close once the open ones are done."""
@@ -174,8 +184,13 @@ class H2Connection:
             self._idle_ticks = 0
             return
         self._idle_ticks += 1
-        if self._idle_ticks >= limit and not self._draining:
-            self._idle = True
+        if self._idle_ticks >= limit:
+            self.close_idle("idle_closed")
+
+    def close_idle(self, counter: str) -> None:
+        """Close with GOAWAY(NO_ERROR) if no call is open, counted in ``counter``."""
+        if not self._streams and not self._draining:
+            self._closed_as = counter
             self._reader.cancel()
 
     # --- reading -------------------------------------------------------------------------
@@ -187,12 +202,17 @@ class H2Connection:
             buf += await self._recv()
         if not buf.startswith(h2.PREFACE):
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        self._outbox.queue(self._opening_frames())
+        self._outbox.queue(h2.opening_frames(self._limits))
         self._outbox.flush()
         pos = len(h2.PREFACE)
         first = True
         max_frame = self._limits.max_frame_bytes
+        frames = 0
         while True:
+            frames += 1
+            if frames == _YIELD_FRAMES:
+                frames = 0
+                await trio.lowlevel.checkpoint()
             while len(buf) - pos < h2.FRAME_HEADER_BYTES:
                 buf = buf[pos:] + await self._recv()
                 pos = 0
@@ -208,16 +228,13 @@ class H2Connection:
             if kind == h2.DATA:
                 buf, pos = await self._read_data(transport, buf, pos, length, flags, stream_id)
                 continue
-            if self._block and kind != h2.CONTINUATION:
+            if self._block.open and kind != h2.CONTINUATION:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
             if kind > h2.CONTINUATION:  # an extension frame: skip it unread
                 buf, pos = await self._skip(buf, pos, length)
                 continue
-            if (
-                kind in (h2.HEADERS, h2.CONTINUATION)
-                and self._block_bytes + length > self._max_block
-            ):
-                raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "header block too large")
+            if kind in (h2.HEADERS, h2.CONTINUATION):
+                self._block.check(length)
             while len(buf) - pos < length:
                 buf = buf[pos:] + await self._recv()
                 pos = 0
@@ -230,10 +247,26 @@ class H2Connection:
             self._outbox.flush()
 
     async def _recv(self) -> bytes:
+        if self._since_yield >= _YIELD_BYTES or self._outbox.parts:
+            await self._pace()  # a call only when there may be something to wait for
         data = await self._transport.recv()
         if not data:
             raise _PeerGone
+        self._since_yield += len(data)
         return data
+
+    async def _pace(self) -> None:
+        """Before reading more: wait while the client leaves what we sent unread (each
+        frame read may queue an answer: a PING its ACK), and give other tasks their turn
+        after a run of reads."""
+        outbox = self._outbox
+        if outbox.size > self._limits.max_outbox_bytes or len(outbox.parts) > _OUTBOX_PARTS:
+            self._stats.outbox_pauses += 1
+            outbox.flush()
+            await outbox.drain()
+        if self._since_yield >= _YIELD_BYTES:
+            self._since_yield = 0
+            await trio.lowlevel.checkpoint()
 
     async def _skip(self, buf: bytes, pos: int, length: int) -> tuple[bytes, int]:
         while len(buf) - pos < length:
@@ -246,7 +279,7 @@ class H2Connection:
     ) -> tuple[bytes, int]:
         if stream_id == 0:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
-        if self._block:
+        if self._block.open:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
         if length > self._recv_window:
             raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
@@ -269,31 +302,41 @@ class H2Connection:
         while body:
             available = len(buf) - pos
             if stream is not None and available == 0:
+                if self._since_yield >= _YIELD_BYTES or self._outbox.parts:
+                    await self._pace()
                 view = stream.direct_view(body)
                 if view is not None:
-                    count = await transport.recv_into(view)
-                    if not count:
+                    received = await transport.recv_into(view)
+                    if not received:
                         raise _PeerGone
-                    body -= count
-                    stream = self._fed(stream, None, count)
+                    self._since_yield += received
+                    body -= received
+                    stream = self._fed(stream, view, received)
                     continue
             if available == 0:
                 buf, pos = await self._recv(), 0
                 continue
             take = min(available, body)
             if stream is not None:
-                stream = self._fed(stream, memoryview(buf)[pos : pos + take], take)
+                stream = self._fed(stream, memoryview(buf)[pos : pos + take], 0)
             pos += take
             body -= take
         buf, pos = await self._skip(buf, pos, padding)
         if stream is not None and flags & h2.END_STREAM:
             stream.end_remote()
-        if self._unacked >= self._limits.connection_window_bytes // 2:
-            self._outbox.queue(h2.window_update(0, self._unacked))
-            self._recv_window += self._unacked
-            self._unacked = 0
+        self._reopen_window()
         self._outbox.flush()
         return buf, pos
+
+    def _reopen_window(self) -> bool:
+        """Credit the connection's window back once half of it is used, unless the
+        client has the connection hold too much (``PendingBudget``)."""
+        if self._unacked < self._half_window or self._pending.full:
+            return False
+        self._outbox.queue(h2.window_update(0, self._unacked))
+        self._recv_window += self._unacked
+        self._unacked = 0
+        return True
 
     def _receiving(self, stream_id: int, length: int) -> H2Stream | None:
         """The stream DATA is for, with its window charged; None if it is to be dropped."""
@@ -317,16 +360,18 @@ class H2Connection:
             return None  # answered already (an error): what still comes is dropped
         return stream
 
-    def _fed(self, stream: H2Stream, chunk: memoryview | None, count: int) -> H2Stream | None:
-        """Hand payload to a stream; a stream that fails on it is answered and dropped."""
+    def _fed(self, stream: H2Stream, chunk: memoryview, received: int) -> H2Stream | None:
+        """Hand payload to a stream: ``received`` bytes that came straight into
+        ``chunk`` (``direct_view``), or when 0 ``chunk`` itself. A stream that fails on
+        it is answered and dropped."""
         try:
-            if chunk is None:
-                stream.received_directly(count)
+            if received:
+                stream.received_directly(chunk, received)
             else:
                 stream.feed(chunk)
         except GrpcError as exc:
             logger.debug("gRPC stream %d refused a message: %s", stream.id, exc.message)
-            self._finish_now(stream, exc.status, exc.message)
+            self.finish_now(stream, exc.status, exc.message)
             return None
         return stream
 
@@ -337,10 +382,32 @@ class H2Connection:
             stream.recv_window += stream.unacked
             stream.unacked = 0
 
-    def credit_taken(self, stream: H2Stream, credit: int) -> None:
-        if stream.id in self._streams:
+    # --- what streams tell of their requests (``StreamOwner``) ---------------------------
+
+    def message_arrived(self, stream: H2Stream, size: int) -> None:
+        self._pending.queued += size
+        if not stream.started:
+            self._start(stream)
+
+    def message_taken(self, stream: H2Stream, size: int, credit: int) -> None:
+        self._pending.queued -= size
+        if credit and stream.id in self._streams:
             self._credit(stream, credit)
             self._outbox.flush()
+        if self._unacked >= self._half_window and self._reopen_window():
+            self._outbox.flush()
+
+    async def admit(self, stream: H2Stream, size: int) -> None:
+        await self._pending.admit(bool(stream.owed), size)
+        stream.owed.append(size)
+
+    def repaid(self, size: int) -> None:
+        self._pending.repay(size)
+        if self._unacked >= self._half_window and self._reopen_window():
+            self._outbox.flush()
+
+    async def send_reply(self, stream: H2Stream, message: Any) -> None:
+        await self._sender.send_reply(stream, message)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if kind == h2.HEADERS:
@@ -348,9 +415,14 @@ class H2Connection:
         elif kind == h2.CONTINUATION:
             self._on_continuation(flags, stream_id, payload)
         elif kind == h2.SETTINGS:
-            self._on_settings(flags, stream_id, payload)
+            if stream_id:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
+            if not flags & h2.ACK:
+                self._sender.on_settings(payload, self._streams.values())
+            elif payload:
+                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
         elif kind == h2.WINDOW_UPDATE:
-            self._on_window_update(stream_id, payload)
+            self._sender.on_window_update(stream_id, payload, self._streams, self._last_stream_id)
         elif kind == h2.PING:
             if stream_id:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "PING on a stream")
@@ -374,53 +446,6 @@ class H2Connection:
         elif kind == h2.PUSH_PROMISE:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a client may not push")
 
-    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if stream_id:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & h2.ACK:
-            if payload:
-                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
-            return
-        for key, value in h2.parse_settings(payload):
-            if key == h2.INITIAL_WINDOW_SIZE:
-                if value > h2.MAX_WINDOW:
-                    raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "initial window too large")
-                delta = value - self._peer_initial_window
-                self._peer_initial_window = value
-                for stream in self._streams.values():
-                    stream.send_window += delta
-                self._open_window()
-            elif key == h2.MAX_FRAME_SIZE:
-                if not h2.DEFAULT_MAX_FRAME <= value <= h2.MAX_FRAME_LIMIT:
-                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid MAX_FRAME_SIZE")
-                self._peer_max_frame = value
-            elif key == h2.ENABLE_PUSH and value > 1:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid ENABLE_PUSH")
-        self._outbox.queue(h2.SETTINGS_ACK)
-
-    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
-        increment = h2.read_u32(payload) & 0x7FFFFFFF
-        if stream_id == 0:
-            if increment == 0:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            self._send_window += increment
-            if self._send_window > h2.MAX_WINDOW:
-                raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "connection window overflow")
-        else:
-            stream = self._streams.get(stream_id)
-            if stream is None:
-                if stream_id > self._last_stream_id:
-                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
-                return
-            if increment == 0:
-                raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
-            stream.send_window += increment
-            if stream.send_window > h2.MAX_WINDOW:
-                raise h2.StreamError(stream_id, h2.FLOW_CONTROL_ERROR, "stream window overflow")
-        self._open_window()
-
     def _on_rst_stream(self, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "RST_STREAM on stream 0")
@@ -432,52 +457,23 @@ class H2Connection:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             return
         self._drop(stream)
-        self._charge_reset()
-
-    def _charge_reset(self) -> None:
-        """Resets and refusals draw on a bucket; an empty bucket ends the connection."""
-        now = trio.current_time()
-        tokens = self._reset_tokens + (now - self._reset_time) * _RESET_RATE
-        self._reset_tokens = min(float(_RESET_BURST), tokens) - 1
-        self._reset_time = now
-        if self._reset_tokens < 0:
-            raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "too many streams reset")
+        self._resets.charge()
 
     # --- headers and calls ---------------------------------------------------------------
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0 or stream_id % 2 == 0:
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS on an invalid stream id")
-        start = 0
-        end = len(payload)
-        if flags & h2.PADDED:
-            if not payload:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padded HEADERS without a pad length")
-            end -= payload[0]
-            start = 1
-        if flags & h2.PRIORITY_FLAG:
-            start += 5
-        if end < start:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS padding longer than the frame")
-        fragment = payload[start:end]
+        fragment = header_fragment(flags, payload)
         if flags & h2.END_HEADERS:
             self._on_header_block(flags, stream_id, fragment)
         else:
-            self._block = [fragment]
-            self._block_stream = stream_id
-            self._block_flags = flags
-            self._block_bytes = len(fragment)
+            self._block.begin(flags, stream_id, fragment)
 
     def _on_continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
-        if not self._block or stream_id != self._block_stream:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "CONTINUATION out of place")
-        self._block.append(payload)
-        self._block_bytes += len(payload)
-        if flags & h2.END_HEADERS:
-            block = b"".join(self._block)
-            self._block = []
-            self._block_bytes = 0
-            self._on_header_block(self._block_flags, stream_id, block)
+        block = self._block.add(flags, stream_id, payload)
+        if block is not None:
+            self._on_header_block(self._block.flags, stream_id, block)
 
     def _on_header_block(self, flags: int, stream_id: int, block: bytes) -> None:
         too_large = False
@@ -499,7 +495,7 @@ class H2Connection:
         if self._draining or len(self._streams) >= self._limits.max_concurrent_streams:
             self._stats.refused_streams += 1
             self._outbox.queue(h2.rst_stream(stream_id, h2.REFUSED_STREAM))
-            self._charge_reset()
+            self._resets.charge()
             return
         if too_large:
             self._answer_http(stream_id, HTTP_431)
@@ -507,14 +503,7 @@ class H2Connection:
         self._open_call(stream_id, headers, bool(flags & h2.END_STREAM))
 
     def _open_call(self, stream_id: int, headers: HeaderList, ended: bool) -> None:
-        entry = self._plans.get(id(headers))
-        if entry is not None and entry[0] is headers:
-            plan = entry[1]
-        else:
-            plan = plan_call(stream_id, headers, self._methods)
-            if len(self._plans) >= _PLANS:
-                self._plans.clear()
-            self._plans[id(headers)] = (headers, plan)  # holding it keeps the id unique
+        plan = self._plans.plan(stream_id, headers)
         if isinstance(plan, bytes):
             self._answer_http(stream_id, plan)
             return
@@ -526,14 +515,16 @@ class H2Connection:
             self,
             limit=self._max_message,
             queue_limit=limits.stream_window_bytes,
-            send_window=self._peer_initial_window,
+            send_window=self._sender.initial_window,
             recv_window=limits.stream_window_bytes,
         )
+        if not self._streams:
+            self._roster.busy(self)
         self._streams[stream_id] = stream
         self._opened += 1
         stream.remote_closed = ended
         if refusal is not None:
-            self._finish_now(stream, refusal.status, refusal.message)
+            self.finish_now(stream, refusal.status, refusal.message)
             return
         assert isinstance(plan, CallPlan)
         if plan.timeout_s is not None:
@@ -541,113 +532,17 @@ class H2Connection:
         if ended or not isinstance(plan.method, UnaryMethod):
             self._start(stream)  # streaming calls run at once; unary ones on their message
 
-    def message_arrived(self, stream: H2Stream) -> None:
-        if not stream.started:
-            self._start(stream)
-
     def _start(self, stream: H2Stream) -> None:
         stream.started = True
         assert self._calls is not None
-        self._calls.start_soon(self._run_call, stream)
+        self._calls.start_soon(run_call, self, stream)
 
-    async def _run_call(self, stream: H2Stream) -> None:
-        """Run one call's handler and end the stream with its status.
-
-        A unary call without a deadline runs with no cancel scope of its own: entering
-        and leaving one costs about a fifth of a small call. A client's reset reaches
-        it through ``Call.cancel_with`` (a model's ticket is withdrawn) or, at the
-        latest, when its reply finds the stream reset. Streaming calls and calls with a
-        deadline get a scope, which a reset cancels.
-        """
-        if stream.reset:
-            return
-        method = stream.method
-        status, message = GrpcStatus.OK, ""
-        try:
-            if isinstance(method, UnaryMethod) and stream.deadline is None:
-                await self._answer_unary(stream, method)
-            else:
-                deadline = math.inf if stream.deadline is None else stream.deadline
-                with trio.CancelScope(deadline=deadline) as scope:
-                    stream.scope = scope
-                    if isinstance(method, UnaryMethod):
-                        await self._answer_unary(stream, method)
-                    else:
-                        await method.handler(stream, stream)
-                if scope.cancelled_caught:
-                    if stream.reset:
-                        return
-                    status, message = GrpcStatus.DEADLINE_EXCEEDED, "Deadline Exceeded"
-        except ClientGone:
-            return
-        except Exception as exc:
-            status, message = status_of(exc)
-        if not stream.reset:
-            self._finish_now(stream, status, message)
-
-    async def _answer_unary(self, stream: H2Stream, method: UnaryMethod) -> None:
-        data = stream.take()
-        if data is None:
-            raise GrpcError(GrpcStatus.INVALID_ARGUMENT, "the call carried no request message")
-        reply = await method.handler(parse_message(method.request_type, data), stream)
-        await self.send_reply(stream, reply)
-
-    async def send_reply(self, stream: H2Stream, reply: Any) -> None:
-        """One response message, in DATA frames the client's windows allow. A reply in
-        parts (``_infer_wire.WireReply``) is written part by part, never joined."""
-        parts: list[bytes | memoryview] = (
-            reply.parts if isinstance(reply, WireReply) else [reply.SerializeToString()]
-        )
-        size = sum(map(len, parts))
-        limit = self._max_message
-        if size > limit:
-            raise GrpcError(
-                GrpcStatus.RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})"
-            )
-        flag = 0
-        if stream.wbits_out is not None:
-            parts, flag = [compress(b"".join(parts), stream.wbits_out)], 1
-            size = len(parts[0])
-        if not stream.headers_sent:
-            stream.headers_sent = True
-            self._queue_headers(stream.id, response_headers(stream.wbits_out), 0)
-        prefix = MESSAGE_PREFIX.pack(flag, size)
-        remaining = 5 + size
-        if remaining <= min(stream.send_window, self._send_window, self._peer_max_frame):
-            # The usual case: one DATA frame the windows allow as it is.
-            stream.send_window -= remaining
-            self._send_window -= remaining
-            frame = (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, *parts)
-            self._outbox.extend(frame, h2.FRAME_HEADER_BYTES + remaining)
-            remaining = 0
-        parts.insert(0, prefix)
-        while remaining:
-            if stream.reset:
-                raise ClientGone("the client reset the stream")
-            count = min(remaining, stream.send_window, self._send_window, self._peer_max_frame)
-            if count <= 0:
-                self._outbox.flush()
-                await self._window_opened.wait()
-                continue
-            stream.send_window -= count
-            self._send_window -= count
-            self._outbox.queue(h2.frame_header(count, h2.DATA, 0, stream.id))
-            for part in _take(parts, count):
-                self._outbox.queue(part)
-            parts = trim(parts, count)
-            remaining -= count
-            if self._outbox.size > _OUTBOX_HIGH:
-                self._outbox.flush()
-                await self._outbox.drain()
-        if not isinstance(stream.method, UnaryMethod):
-            self._outbox.flush()  # a streamed message goes now; a unary one with its trailers
-
-    def _finish_now(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
+    def finish_now(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
         """End the call: trailers (trailers-only before any response), then the stream."""
         if stream.local_closed:
             return
         block = trailers(status, message, stream.trailers, only=not stream.headers_sent)
-        self._queue_headers(stream.id, block, h2.END_STREAM)
+        self._sender.queue_headers(stream.id, block, h2.END_STREAM)
         stream.local_closed = True
         if not stream.remote_closed:
             # The answer is complete while the client still sends: tell it to stop.
@@ -657,18 +552,7 @@ class H2Connection:
 
     def _answer_http(self, stream_id: int, block: bytes) -> None:
         """A plain HTTP answer to a request that is not a gRPC call."""
-        self._queue_headers(stream_id, block, h2.END_STREAM)
-
-    def _queue_headers(self, stream_id: int, block: bytes, flags: int) -> None:
-        size = self._peer_max_frame
-        if len(block) <= size:
-            self._outbox.queue(h2.frame(h2.HEADERS, flags | h2.END_HEADERS, stream_id, block))
-            return
-        pieces = [block[at : at + size] for at in range(0, len(block), size)]
-        self._outbox.queue(h2.frame(h2.HEADERS, flags, stream_id, pieces[0]))
-        for piece in pieces[1:-1]:
-            self._outbox.queue(h2.frame(h2.CONTINUATION, 0, stream_id, piece))
-        self._outbox.queue(h2.frame(h2.CONTINUATION, h2.END_HEADERS, stream_id, pieces[-1]))
+        self._sender.queue_headers(stream_id, block, h2.END_STREAM)
 
     def _reset_stream(self, stream_id: int, code: int, reason: str) -> None:
         self._stats.stream_errors += 1
@@ -677,6 +561,7 @@ class H2Connection:
         stream = self._streams.get(stream_id)
         if stream is not None:
             self._drop(stream)
+        self._resets.charge()  # a client may provoke resets as cheaply as it sends them
 
     def _drop(self, stream: H2Stream) -> None:
         """The stream is gone without an answer (reset, or the connection ended)."""
@@ -687,50 +572,25 @@ class H2Connection:
             stream.scope.cancel()
         if stream.withdraw is not None:
             stream.withdraw()
-        self._open_window()  # a sender waiting on its window must see the reset
+        self._sender.open_window()  # a sender waiting on its window must see the reset
         self._forget(stream)
 
     def _forget(self, stream: H2Stream) -> None:
-        removed = self._streams.pop(stream.id, None) is not None
-        if removed and not self._streams and self._draining:
-            self._reader.cancel()
+        if self._streams.pop(stream.id, None) is None:
+            return
+        self._pending.queued -= stream.queued_bytes
+        if stream.owed:
+            self._pending.repay(sum(stream.owed))
+            stream.owed.clear()
+        if not self._streams:
+            self._roster.idle(self)
+            if self._draining:
+                self._reader.cancel()
 
     # --- writing -------------------------------------------------------------------------
-
-    def _opening_frames(self) -> bytes:
-        limits = self._limits
-        settings = h2.settings_frame(
-            [
-                (h2.ENABLE_PUSH, 0),
-                (h2.MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams),
-                (h2.INITIAL_WINDOW_SIZE, limits.stream_window_bytes),
-                (h2.MAX_FRAME_SIZE, limits.max_frame_bytes),
-                (h2.MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes),
-            ]
-        )
-        return settings + h2.window_update(0, limits.connection_window_bytes - h2.DEFAULT_WINDOW)
-
-    def _open_window(self) -> None:
-        self._window_opened.set()
-        self._window_opened = trio.Event()
 
     def _fail(self) -> None:
         """The socket failed: nothing more can be sent, so the connection ends."""
         self._reader.cancel()
         for stream in list(self._streams.values()):
             self._drop(stream)
-
-
-def _take(parts: list[bytes | memoryview], count: int) -> list[bytes | memoryview]:
-    """The first ``count`` bytes of ``parts``, as views (no copy)."""
-    taken: list[bytes | memoryview] = []
-    for part in parts:
-        if count <= 0:
-            break
-        if len(part) <= count:
-            taken.append(part)
-            count -= len(part)
-        else:
-            taken.append(memoryview(part)[:count])
-            count = 0
-    return taken

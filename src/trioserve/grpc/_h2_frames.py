@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .._limits import GrpcLimits
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER_BYTES = 9
@@ -54,12 +58,14 @@ _SETTING = struct.Struct(">HL")
 
 
 class ConnectionError_(Exception):
-    """The connection must end: GOAWAY with ``code`` (RFC 9113 §5.4.1)."""
+    """The connection must end: GOAWAY with ``code`` (RFC 9113 §5.4.1). ``counter``
+    names the ``CoreStatistics`` count a defence keeps of such ends, if any."""
 
-    def __init__(self, code: int, reason: str) -> None:
+    def __init__(self, code: int, reason: str, counter: str | None = None) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.counter = counter
 
 
 class StreamError(Exception):
@@ -85,6 +91,20 @@ def settings_frame(settings: Iterable[tuple[int, int]]) -> bytes:
 
 
 SETTINGS_ACK = frame(SETTINGS, ACK, 0)
+
+
+def opening_frames(limits: GrpcLimits) -> bytes:
+    """The server's SETTINGS, which announce its limits, and its connection window."""
+    settings = settings_frame(
+        [
+            (ENABLE_PUSH, 0),
+            (MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams),
+            (INITIAL_WINDOW_SIZE, limits.stream_window_bytes),
+            (MAX_FRAME_SIZE, limits.max_frame_bytes),
+            (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes),
+        ]
+    )
+    return settings + window_update(0, limits.connection_window_bytes - DEFAULT_WINDOW)
 
 
 def window_update(stream_id: int, increment: int) -> bytes:

@@ -10,8 +10,9 @@ from typing import Any
 from . import _h2_frames as h2
 from ._errors import GrpcError, GrpcStatus
 from ._h2_stream import CallPlan
-from ._hpack import HeaderList, encode_headers
+from ._hpack import ENTRY_OVERHEAD, HeaderList, encode_headers
 from ._methods import Method
+from ._sized_cache import SizedCache
 from ._wire import decompressor, text_metadata, timeout_s, wbits_accepted
 
 # Plain HTTP answers to requests that are not gRPC calls.
@@ -70,6 +71,36 @@ def plan_call(
         return Refusal(CallPlan(method, metadata), exc.status, exc.message)
     accepted = wbits_accepted(fields.get(b"grpc-accept-encoding"), encoding)
     return CallPlan(method, metadata, seconds, wbits, accepted)
+
+
+class CallPlans:
+    """A connection's call plans by header block: the decoder hands back the very same
+    block object for a repeated block, so a client repeating its headers is planned
+    once. Bounded in bytes, as the decoder's cache is."""
+
+    __slots__ = ("_cache", "_methods")
+
+    def __init__(self, methods: Mapping[str, Method], cache_bytes: int) -> None:
+        self._methods = methods
+        self._cache: SizedCache[int, tuple[HeaderList, CallPlan | bytes | Refusal]] = SizedCache(
+            cache_bytes
+        )
+
+    @property
+    def evictions(self) -> int:
+        return self._cache.evictions
+
+    def plan(self, stream_id: int, headers: HeaderList) -> CallPlan | bytes | Refusal:
+        entry = self._cache.get(id(headers))
+        if entry is not None and entry[0] is headers:
+            return entry[1]
+        plan = plan_call(stream_id, headers, self._methods)
+        size = sum(len(name) + len(value) + ENTRY_OVERHEAD for name, value in headers)
+        self._cache.put(id(headers), (headers, plan), size)  # holding it keeps the id unique
+        return plan
+
+    def clear(self) -> None:
+        self._cache.clear()
 
 
 def _request_fields(stream_id: int, headers: HeaderList) -> dict[bytes, bytes]:

@@ -3,16 +3,20 @@ handler sees of it (``_methods.Call`` and, for streaming methods, ``MessageStrea
 
 The connection feeds a stream the payload of its DATA frames; the stream cuts it into
 length-prefixed messages. A message's declared length is checked against the limit
-before a byte of it is buffered, and its buffer is allocated once at that size: the
-payload is copied in (or received straight into it, see ``direct_view``) and protobuf
-parses from that buffer. A message that arrives whole inside one received chunk is not
-copied at all: it is a view of the chunk.
+before a byte of it is buffered, and its buffer grows as its bytes arrive, never ahead
+of them by more than the frame being received (a prefix declaring 2 GiB costs nothing
+until 2 GiB come): the payload is copied in (or received straight into it, see
+``direct_view``) and protobuf parses from that buffer. A message that arrives whole
+inside one received chunk is not copied at all: it is a view of the chunk.
 
 Flow control: the connection credits a stream's window as its bytes land in a message
 buffer, since the buffer is bounded by the message limit. Complete messages that the
 handler has not taken yet are bounded too: past ``queue_limit`` queued bytes the credit
 is held back until the handler takes them, so a client that streams faster than its
-requests are served waits on its window instead of filling memory.
+requests are served waits on its window instead of filling memory. The connection also
+counts, across its streams, the requests queued and those a streaming call took and has
+not answered yet (``owed``, until its next reply is written): past its budget, ``recv``
+waits.
 """
 
 from __future__ import annotations
@@ -32,9 +36,17 @@ from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, decompress
 class StreamOwner(Protocol):
     """The connection, as its streams see it."""
 
-    def message_arrived(self, stream: H2Stream) -> None: ...
+    def message_arrived(self, stream: H2Stream, size: int) -> None: ...
 
-    def credit_taken(self, stream: H2Stream, credit: int) -> None: ...
+    def message_taken(self, stream: H2Stream, size: int, credit: int) -> None:
+        """``size`` bytes left the stream's queue; ``credit`` is window to give back."""
+
+    async def admit(self, stream: H2Stream, size: int) -> None:
+        """Before a streaming call takes a request of ``size`` bytes: wait while the
+        connection holds too much for its client, then count it as owed."""
+
+    def repaid(self, size: int) -> None:
+        """A streaming call answered: its oldest owed request is no longer owed."""
 
     async def send_reply(self, stream: H2Stream, message: Any) -> None: ...
 
@@ -52,8 +64,11 @@ class CallPlan:
 
 
 # A message part this large is received straight into its buffer rather than through
-# the connection's receive buffer (one copy less for big tensors).
+# the connection's receive buffer (one copy less for big tensors), at most this much at
+# a time, so that the buffer grows only by what one receive may bring.
 DIRECT_MIN_BYTES = 64 * 1024
+DIRECT_MAX_BYTES = 1024 * 1024
+_ZEROS = memoryview(bytes(DIRECT_MAX_BYTES))
 
 Message = bytes | memoryview | bytearray
 
@@ -63,10 +78,10 @@ class H2Stream:
 
     __slots__ = (
         "_compressed",
-        "_filled",
         "_message",
         "_owner",
         "_prefix",
+        "_size",
         "_waiter",
         "deadline",
         "headers_sent",
@@ -77,6 +92,7 @@ class H2Stream:
         "messages",
         "metadata",
         "method",
+        "owed",
         "queue_limit",
         "queued_bytes",
         "recv_window",
@@ -126,11 +142,13 @@ class H2Stream:
         self.wbits_out = plan.wbits_out  # responses', when the client accepts it
         self.trailers: dict[str, bytes] | None = None
         self.withdraw: Callable[[], None] | None = None  # ``Call.cancel_with``
+        self.owed: deque[int] = deque()  # sizes of requests a streaming call has not answered
         self._waiter: trio.Event | None = None
-        # The message being cut out of the DATA payload: its prefix, then its body.
+        # The message being cut out of the DATA payload: its prefix, then its body, which
+        # grows to its declared ``_size``.
         self._prefix = b""
         self._message: bytearray | None = None
-        self._filled = 0
+        self._size = 0
         self._compressed = False
 
     # --- what the handler sees (Call, MessageStream) -----------------------------------
@@ -148,21 +166,25 @@ class H2Stream:
         if not self.messages:
             return None
         message = self.messages.popleft()
-        self.queued_bytes -= len(message)
+        size = len(message)
+        self.queued_bytes -= size
+        credit = 0
         if self.held_credit and self.queued_bytes <= self.queue_limit:
             credit, self.held_credit = self.held_credit, 0
-            self._owner.credit_taken(self, credit)
+        self._owner.message_taken(self, size, credit)
         return message
 
     async def recv(self) -> Any | None:
         """``MessageStream.recv``: the next request, parsed; None once the client closed
         its side."""
         while True:
-            message = self.take()
-            if message is not None:
-                return parse_message(self.method.request_type, message)
             if self.reset:
                 raise ClientGone("the client reset the stream")
+            if self.messages:
+                await self._owner.admit(self, len(self.messages[0]))
+                message = self.take()
+                assert message is not None  # this call is the stream's only reader
+                return parse_message(self.method.request_type, message)
             if self.remote_closed:
                 return None
             self._waiter = trio.Event()
@@ -171,6 +193,8 @@ class H2Stream:
     async def send(self, message: Any) -> None:
         """``MessageStream.send``: one response message, as the client's windows allow."""
         await self._owner.send_reply(self, message)
+        if self.owed:
+            self._owner.repaid(self.owed.popleft())
 
     def wake(self) -> None:
         if self._waiter is not None:
@@ -205,36 +229,45 @@ class H2Stream:
                 if size == 0:
                     self._complete(b"", flag)
                     continue
-                self._message = bytearray(size)
-                self._filled = 0
+                self._message = bytearray()
+                self._size = size
                 continue
-            take = min(len(chunk), len(message) - self._filled)
-            message[self._filled : self._filled + take] = chunk[:take]
+            take = min(len(chunk), self._size - len(message))
+            message += chunk[:take]
             chunk = chunk[take:]
-            self._advance(take)
+            self._advance()
 
     def direct_view(self, available: int) -> memoryview | None:
         """Where up to ``available`` payload bytes may be received directly, if the
-        message being read still needs many."""
+        message being read still needs many: the buffer grows by that much, and
+        ``received_directly`` cuts it back to what came."""
         message = self._message
         if message is None:
             return None
-        wanted = min(available, len(message) - self._filled)
+        wanted = min(available, self._size - len(message), DIRECT_MAX_BYTES)
         if wanted < DIRECT_MIN_BYTES:
             return None
-        return memoryview(message)[self._filled : self._filled + wanted]
+        filled = len(message)
+        message += _ZEROS[:wanted]
+        return memoryview(message)[filled:]
 
-    def received_directly(self, count: int) -> None:
-        self._advance(count)
+    def received_directly(self, view: memoryview, count: int) -> None:
+        """``count`` bytes came into ``view`` (from ``direct_view``), which is released."""
+        unused = len(view) - count
+        view.release()
+        message = self._message
+        assert message is not None
+        if unused:
+            del message[len(message) - unused :]
+        self._advance()
 
     def end_remote(self) -> None:
         self.remote_closed = True
         self.wake()
 
-    def _advance(self, count: int) -> None:
-        self._filled += count
+    def _advance(self) -> None:
         message = self._message
-        if message is not None and self._filled == len(message):
+        if message is not None and len(message) == self._size:
             self._message = None
             self._complete(message, self._compressed)
 
@@ -255,4 +288,4 @@ class H2Stream:
         self.messages.append(message)
         self.queued_bytes += len(message)
         self.wake()
-        self._owner.message_arrived(self)
+        self._owner.message_arrived(self, len(message))

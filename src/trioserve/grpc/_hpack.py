@@ -8,7 +8,9 @@ gRPC clients send the same header block on every call of a connection once their
 call has filled the dynamic table (grpcio's second ModelInfer is eight one-byte indexes),
 so the decoder remembers the result of each block that left the dynamic table as it was:
 such a block means the same thing until the table changes, and decoding it again costs a
-dictionary lookup.
+dictionary lookup. What it remembers is bounded in bytes (blocks and their decoded
+lists), since a client sending distinct 60 KB values would fill a cache bounded by count
+with tens of megabytes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Iterable
 from hpack.exceptions import HPACKDecodingError
 from hpack.huffman_table import decode_huffman
 from hpack.table import HeaderTable
+
+from ._sized_cache import SizedCache
 
 Header = tuple[bytes, bytes]
 HeaderList = tuple[Header, ...]
@@ -90,17 +94,17 @@ class HeaderDecoder:
     ``max_table_size`` is the dynamic table size this endpoint allows the peer's encoder
     (SETTINGS_HEADER_TABLE_SIZE; 4096 is the protocol's default, which needs no setting);
     ``max_header_list_size`` bounds a decoded list, counted as RFC 9113 counts
-    SETTINGS_MAX_HEADER_LIST_SIZE (each name and value plus 32 octets).
+    SETTINGS_MAX_HEADER_LIST_SIZE (each name and value plus 32 octets); ``cache_bytes``
+    the blocks remembered with their lists (each counted as its block plus its list).
     """
 
     __slots__ = (
-        "_cache",
-        "_cache_size",
         "_max_header_list_size",
         "_max_table_size",
         "_table",
         "_table_limit",
         "_table_used",
+        "cache",
     )
 
     def __init__(
@@ -108,7 +112,7 @@ class HeaderDecoder:
         max_table_size: int = 4096,
         max_header_list_size: int = 65536,
         *,
-        cache_size: int = 512,
+        cache_bytes: int = 256 * 1024,
     ) -> None:
         self._max_table_size = max_table_size
         self._max_header_list_size = max_header_list_size
@@ -116,8 +120,7 @@ class HeaderDecoder:
         self._table_limit = max_table_size  # the encoder may lower it with size updates
         self._table_used = 0
         # Results of blocks that did not change the table, valid until the table changes.
-        self._cache: dict[bytes, HeaderList] = {}
-        self._cache_size = cache_size
+        self.cache: SizedCache[bytes, HeaderList] = SizedCache(cache_bytes)
 
     @property
     def table(self) -> tuple[Header, ...]:
@@ -136,7 +139,7 @@ class HeaderDecoder:
         """
         if type(block) is not bytes:
             block = bytes(block)  # hashable, and slices are bytes
-        cached = self._cache.get(block)
+        cached = self.cache.get(block)
         if cached is not None:
             return cached
         return self._decode(block)
@@ -189,10 +192,7 @@ class HeaderDecoder:
             )
         result = tuple(headers)
         if not table_changed:
-            cache = self._cache
-            if len(cache) >= self._cache_size:
-                del cache[next(iter(cache))]  # the oldest
-            cache[data] = result
+            self.cache.put(data, result, len(data) + list_size)
         return result
 
     def _literal(self, data: bytes, pos: int, index: int, prefix_max: int) -> tuple[Header, int]:
@@ -220,7 +220,7 @@ class HeaderDecoder:
 
     def _insert(self, header: Header) -> None:
         """Add an entry, evicting the oldest to make room (RFC 7541 section 4.4)."""
-        self._cache.clear()
+        self.cache.clear()
         size = len(header[0]) + len(header[1]) + ENTRY_OVERHEAD
         if size > self._table_limit:
             self._table.clear()  # an entry larger than the table empties it
@@ -231,7 +231,7 @@ class HeaderDecoder:
         self._table_used += size
 
     def _resize(self, size: int) -> None:
-        self._cache.clear()
+        self.cache.clear()
         self._table_limit = size
         self._evict(size)
 

@@ -26,7 +26,14 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from .._tensor import Datatype, array_from_raw, array_to_raw
-from .._types import InferenceRequest, InferenceResponse, InputTensor, Parameters, RequestedOutput
+from .._types import (
+    InferenceRequest,
+    InferenceResponse,
+    InputTensor,
+    OutputTensor,
+    Parameters,
+    RequestedOutput,
+)
 from ..shm import RequestRegions, is_shared_memory_output
 from ._codec import decode_request, response_head
 from ._errors import parse_message
@@ -34,6 +41,7 @@ from ._generated import grpc_service_pb2 as pb
 
 _RAW_INPUT_FIELD = 7  # ModelInferRequest.raw_input_contents
 _RAW_OUTPUT_TAG = (6 << 3) | 2  # ModelInferResponse.raw_output_contents, length-delimited
+_STREAM_REPLY_TAG = (2 << 3) | 2  # ModelStreamInferResponse.infer_response
 _CACHED_HEADS = 256
 _SHM_KEYS = frozenset({"shared_memory_region", "shared_memory_byte_size", "shared_memory_offset"})
 
@@ -202,12 +210,27 @@ class ReplyHeads:
                 self._heads[key] = head
         else:
             head = response_head(response).SerializeToString()
-        parts: list[bytes | memoryview] = [head]
-        for tensor in outputs:
-            if is_shared_memory_output(tensor.parameters):
-                parts.append(bytes((_RAW_OUTPUT_TAG, 0)))
-                continue
-            data = array_to_raw(tensor.data, tensor.datatype)
-            parts.append(bytes((_RAW_OUTPUT_TAG,)) + _encode_varint(len(data)))
-            parts.append(data)
-        return WireReply(parts)
+        return WireReply([head, *_raw_parts(outputs)])
+
+
+def stream_reply(head: pb.ModelInferResponse, outputs: Sequence[OutputTensor]) -> WireReply:
+    """A ``ModelStreamInferResponse`` holding ``head`` and the outputs' raw contents, as
+    parts: protobuf would copy every output twice on the event loop (into the reply,
+    then into the stream response), seconds for a large one."""
+    parts = [head.SerializeToString(), *_raw_parts(outputs)]
+    size = sum(map(len, parts))
+    return WireReply([bytes((_STREAM_REPLY_TAG,)) + _encode_varint(size), *parts])
+
+
+def _raw_parts(outputs: Sequence[OutputTensor]) -> list[bytes | memoryview]:
+    """Each output's ``raw_output_contents`` field: its key and length, then its bytes
+    (a view of the array); an empty one for an output placed in shared memory."""
+    parts: list[bytes | memoryview] = []
+    for tensor in outputs:
+        if is_shared_memory_output(tensor.parameters):
+            parts.append(bytes((_RAW_OUTPUT_TAG, 0)))
+            continue
+        data = array_to_raw(tensor.data, tensor.datatype)
+        parts.append(bytes((_RAW_OUTPUT_TAG,)) + _encode_varint(len(data)))
+        parts.append(data)
+    return parts

@@ -111,7 +111,7 @@ def grpc_methods(context: ServerContext) -> dict[str, Method]:
     unary["LogSettings"] = UnaryMethod(pb.LogSettingsRequest, s.log_settings)
     methods: dict[str, Method] = {_SERVICE + rpc: method for rpc, method in unary.items()}
     stream = StreamInfer(context.repository, context.pipeline, context.load)
-    methods[_SERVICE + "ModelStreamInfer"] = StreamMethod(pb.ModelInferRequest, stream.serve)
+    methods[_SERVICE + "ModelStreamInfer"] = StreamMethod(WireRequest, stream.serve)
     methods[_HEALTH_CHECK] = UnaryMethod(health_pb2.HealthCheckRequest, s.health_check)
     return methods
 

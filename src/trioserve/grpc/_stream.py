@@ -49,9 +49,10 @@ from ..scheduler import (
     prompt_and_parameters,
     read_parameters,
 )
-from ._codec import decode_request, encode_response
-from ._errors import ClientGone
+from ._codec import decode_request, response_head
+from ._errors import ClientGone, parse_message
 from ._generated import grpc_service_pb2 as pb
+from ._infer_wire import WireReply, WireRequest, stream_reply
 from ._orca import add_load_report
 
 if TYPE_CHECKING:
@@ -91,7 +92,12 @@ class StreamInfer:
             while True:
                 await in_flight.acquire()
                 try:
-                    message = await io.recv()
+                    wire: WireRequest | None = await io.recv()
+                    if wire is None:
+                        break  # the nursery waits for the requests in flight
+                    # Only the head goes through protobuf: the tensors stay views of the
+                    # received message (protobuf would copy them holding the GIL).
+                    message = parse_message(pb.ModelInferRequest, wire.head)
                 except ClientGone:
                     requests.cancel_scope.cancel()
                     break
@@ -99,12 +105,11 @@ class StreamInfer:
                     failure = exc
                     requests.cancel_scope.cancel()
                     break
-                if message is None:
-                    break  # the nursery waits for the requests in flight
+                answer = partial(self._answer_one, message, wire.raw, replies, in_flight)
                 if self._in_sequence(message):  # its requests reach the model in order
-                    await requests.start(self._answer_one, message, replies, in_flight)
+                    await requests.start(answer)
                 else:
-                    requests.start_soon(self._answer_one, message, replies, in_flight)
+                    requests.start_soon(answer)
         if failure is not None:
             try:
                 raise failure
@@ -123,19 +128,21 @@ class StreamInfer:
     async def _answer_one(
         self,
         message: pb.ModelInferRequest,
+        raw: list[memoryview],
         replies: _Replies,
         in_flight: trio.Semaphore,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         try:
-            await self._answer(message, replies, task_status=task_status)
+            await self._answer(message, raw, replies, task_status=task_status)
         finally:
             in_flight.release()
 
     async def _answer(
         self,
         message: pb.ModelInferRequest,
+        raw: list[memoryview],
         replies: _Replies,
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -144,16 +151,16 @@ class StreamInfer:
         try:
             served = self._repository.get(message.model_name, message.model_version)
             replies.served = served
+            decode = partial(decode_request, message, raw=raw)
             if isinstance(served, GenerativeServed):
-                request = decode_request(message)
+                request = decode()
                 with self._load.counting(served):
                     await self._generate(served, request, replies)
             elif served.model.decoupled:
                 await self._pipeline.infer_decoupled(
-                    served, partial(decode_request, message), _Answers(message, replies).deliver
+                    served, decode, _Answers(message, replies).deliver
                 )
             else:
-                decode = partial(decode_request, message)
                 _, response = await self._pipeline.infer(
                     served, decode, submitted=submitted, headers=replies.metadata
                 )
@@ -225,7 +232,7 @@ class _Replies:
         self._lock = trio.Lock()
         self.served: ServedModel | None = None  # the model the call last asked for
 
-    async def send(self, response: pb.ModelStreamInferResponse) -> None:
+    async def send(self, response: pb.ModelStreamInferResponse | WireReply) -> None:
         async with self._lock:
             try:
                 await self._io.send(response)
@@ -240,7 +247,7 @@ def _chunk_response(
     chunk: GenerationChunk,
     n: int,
     final: bool,
-) -> pb.ModelStreamInferResponse:
+) -> WireReply:
     text = np.array([chunk.text.encode()], dtype=object)
     parameters: dict[str, Any] = {}
     if n > 1:
@@ -257,10 +264,10 @@ def _chunk_response(
     return _response(response, final=final)
 
 
-def _response(response: InferenceResponse, *, final: bool) -> pb.ModelStreamInferResponse:
-    reply = encode_response(response)
-    reply.parameters[FINAL].bool_param = final
-    return pb.ModelStreamInferResponse(infer_response=reply)
+def _response(response: InferenceResponse, *, final: bool) -> WireReply:
+    head = response_head(response)
+    head.parameters[FINAL].bool_param = final
+    return stream_reply(head, response.outputs)
 
 
 def _error(message: pb.ModelInferRequest, text: str) -> pb.ModelStreamInferResponse:
