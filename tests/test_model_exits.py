@@ -83,7 +83,8 @@ AUTO_COMPLETE_EXITS = """class TritonPythonModel:
 AT_LOAD = {
     "exit_at_import": ("import sys\nsys.exit(3)\n", "called sys.exit(3) at import"),
     "interrupt_at_import": ("raise KeyboardInterrupt\n", "raised KeyboardInterrupt at import"),
-    # Outside ``trioserve run`` the process's argv is the test runner's: argparse exits 2.
+    # Outside ``trioserve run`` the process's argv is the embedding program's, here one
+    # with a flag the model's parser does not know (the test sets it): argparse exits 2.
     "argparse_at_import": (
         "import argparse\nargparse.ArgumentParser().parse_args()\n",
         "called sys.exit(2) at import",
@@ -239,8 +240,9 @@ def test_an_exit_in_execute_fails_its_request_only(
 
 @pytest.mark.parametrize("model", sorted(AT_LOAD))
 def test_an_exit_while_loading_fails_the_load_only(
-    http: httpclient.InferenceServerClient, model: str
+    http: httpclient.InferenceServerClient, model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sys, "argv", [sys.argv[0], "--a-flag-of-the-embedding-program"])
     with pytest.raises(InferenceServerException) as failed:
         http.load_model(model)
     assert failed.value.status() == "400"
