@@ -193,14 +193,20 @@ class InferencePipeline:
         served: ServedModel,
         decode: Decode,
         deliver: Callable[[Answer, bool], Awaitable[None]],
+        *,
+        headers: Mapping[Any, Any] | None = None,
     ) -> None:
         """Submit the request ``decode`` gives to a decoupled model and ``deliver`` each
         of its answers with its final flag, the last one final. Cancelling this
-        withdraws the request (the model sees it cancelled)."""
+        withdraws the request (the model sees it cancelled). A traced request's trace
+        holds every response's outputs, and ends with the last."""
         served.admit()
+        trace = self._sample(served, headers) if self._tracing.active else None
         regions = RequestRegions(self._shared_memory, served.model.device)
         try:
             request = decode(regions)
+            if trace is not None:
+                _traced(request, trace)
             if regions.inputs_off_loop:
                 await regions.read_inputs_off_loop()
             with self._load.counting(served):
@@ -214,6 +220,8 @@ class InferencePipeline:
                                 await regions.write_outputs_off_loop(answer)
                             else:
                                 regions.write_outputs(answer)
+                            if trace is not None:
+                                trace.outputs(answer.outputs)
                         await deliver(answer, final)
                 except trio.Cancelled:
                     ticket.withdraw()
@@ -227,6 +235,8 @@ class InferencePipeline:
             pass
         finally:
             regions.close()
+            if trace is not None:
+                trace.end()
 
 
 def _traced(request: InferenceRequest, trace: Trace) -> None:

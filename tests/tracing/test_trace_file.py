@@ -15,13 +15,23 @@ import numpy as np
 import trio
 from google.protobuf import text_format
 
-from trioserve import DynamicBatching, ServerConfig, TensorSpec, model
+from trioserve import (
+    DynamicBatching,
+    InferenceRequest,
+    InputTensor,
+    Model,
+    ServerConfig,
+    TensorSpec,
+    model,
+)
 from trioserve._context import server_context
 from trioserve._inprocess import InProcessFrontEnd
 from trioserve._repository import ModelRepository, ServedModel
+from trioserve._tensor import datatype
 from trioserve.repository._config import complete_config, model_settings
 from trioserve.repository._ensemble import EnsembleModel, ensemble_steps
 from trioserve.repository._generated.model_config_pb2 import ModelConfig
+from trioserve.scheduler._decoupled_runner import DecoupledRunner
 from trioserve.scheduler._runner import ModelRunner
 from trioserve.tracing import TraceConfig
 
@@ -184,6 +194,57 @@ async def test_an_ensembles_steps_are_traced_under_it(autojump_clock: Any, tmp_p
     assert double["tensors"] == [
         ("TENSOR_QUEUE_INPUT", {"name": "X", "data": "7", **tensor}),
         ("TENSOR_BACKEND_OUTPUT", {"name": "Y", "data": "14", **tensor}),
+    ]
+
+
+class Counter(Model):
+    """Decoupled: answers I = 0 .. N-1, one every 10 ms, then the final flag alone."""
+
+    def __init__(self) -> None:
+        super().__init__(name="counter", inputs=SPEC, outputs=[TensorSpec("I", "INT32", [1])],
+                         decoupled=True)  # fmt: skip
+
+    async def execute(self, requests: Sequence[InferenceRequest]) -> None:
+        for request in requests:
+            sender = request.response_sender
+            assert sender is not None
+            for i in range(int(request.inputs["X"].data[0])):
+                await trio.sleep(0.010)
+                sender.send({"I": np.array([i], np.int32)})
+            sender.send(final=True)
+
+
+async def test_a_decoupled_request_is_traced_to_its_last_response(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "trace.json"
+    config = TraceConfig(level=("TIMESTAMPS", "TENSORS"), rate=1, file=str(path))
+    runner = DecoupledRunner(Counter(), "1")
+    async with serving([runner], config) as front:
+        data = np.array([2], np.int32)
+        request = InferenceRequest(
+            "counter", "", {"X": InputTensor("X", datatype("INT32"), (1,), data)}, id="d"
+        )
+        delivered: list[bool] = []
+
+        async def deliver(answer: Any, final: bool) -> None:
+            delivered.append(final)
+
+        pipeline = front._context.pipeline
+        await pipeline.infer_decoupled(runner, lambda regions: request, deliver)
+    assert delivered == [False, False, True]
+    traced = traces(path)["counter:d"]
+    assert traced["ms"] == [
+        ("REQUEST_START", 0.0),
+        ("QUEUE_START", 0.0),
+        *compute(0.0, 20.0),
+        ("REQUEST_END", 20.0),
+    ]
+    tensor = {"shape": "1", "dtype": "INT32"}
+    assert traced["tensors"] == [
+        ("TENSOR_QUEUE_INPUT", {"name": "X", "data": "2", **tensor}),
+        ("TENSOR_BACKEND_OUTPUT", {"name": "I", "data": "0", **tensor}),
+        ("TENSOR_BACKEND_OUTPUT", {"name": "I", "data": "1", **tensor}),
     ]
 
 

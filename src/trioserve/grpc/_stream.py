@@ -158,7 +158,7 @@ class StreamInfer:
                     await self._generate(served, request, replies)
             elif served.model.decoupled:
                 await self._pipeline.infer_decoupled(
-                    served, decode, _Answers(message, replies).deliver
+                    served, decode, _Answers(message, replies).deliver, headers=replies.metadata
                 )
             else:
                 _, response = await self._pipeline.infer(
