@@ -243,6 +243,7 @@ def _traced(request: InferenceRequest, trace: Trace) -> None:
     """A decoded request that is traced: it carries its trace to the runner."""
     trace.request_id = request.id
     trace.inputs(request.inputs.values())
+    trace.ended_by_request = True
     request.trace = trace
 
 

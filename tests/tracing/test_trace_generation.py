@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 
-from trioserve import GenerativeModel, ServerConfig, StepSequence
+from trioserve import GenerativeModel, InferenceServerError, ServerConfig, StepSequence
 from trioserve._server import open_server
 from trioserve.tracing import TraceConfig
 
@@ -94,3 +95,73 @@ async def test_two_generations_one_waiting(autojump_clock: Any, tmp_path: Path) 
         ("REQUEST_END", 72.0),
     ]
     assert {m["model_name"] for m in meta.values()} == {"next_byte"}
+
+
+class FailingLM(NextByteLM):
+    """NextByteLM whose second step fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    async def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        self.steps += 1
+        if self.steps == 2:
+            await trio.sleep(STEP)
+            raise RuntimeError("the device fell over")
+        return await super().step(batch)
+
+
+async def test_a_failed_generation_is_traced(autojump_clock: Any, tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    config = ServerConfig(
+        models=[FailingLM()],
+        http_port=None,
+        grpc_port=None,
+        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
+    )
+    async with open_server(config) as server:
+        start = trio.current_time()
+        pieces = server.generate("next_byte", "ab", max_tokens=3, temperature=0.0)
+        with pytest.raises(InferenceServerError, match="the device fell over"):
+            async for _ in pieces:
+                pass
+    records = json.loads(path.read_text())
+    (stamps,) = [r["timestamps"] for r in records if "timestamps" in r]
+    assert [(t["name"], round(t["ns"] / MS - start * 1e3, 6)) for t in stamps] == [
+        ("REQUEST_START", 0.0),
+        ("QUEUE_START", 0.0),
+        ("COMPUTE_START", 0.0),
+        ("COMPUTE_END", 12.0),  # its one token
+        ("REQUEST_END", 24.0),  # the failed step
+    ]
+
+
+async def test_an_inference_of_a_generative_model_has_the_engines_times(
+    autojump_clock: Any, tmp_path: Path
+) -> None:
+    """OIP inference of a generative model (its text collected into one response): the
+    pipeline's trace, stamped with the engine's times, ended when the answer is out."""
+    path = tmp_path / "trace.json"
+    config = ServerConfig(
+        models=[NextByteLM()],
+        http_port=None,
+        grpc_port=None,
+        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
+    )
+    async with open_server(config) as server:
+        start = trio.current_time()
+        prompt = np.array([b"ab"], dtype=object)
+        response = await server.infer(
+            "next_byte", {"text_input": prompt}, parameters={"max_tokens": 2, "temperature": 0}
+        )
+        assert response.outputs[0].data.tolist() == [b"cd"]
+    records = json.loads(path.read_text())
+    (stamps,) = [r["timestamps"] for r in records if "timestamps" in r]
+    assert [(t["name"], round(t["ns"] / MS - start * 1e3, 6)) for t in stamps] == [
+        ("REQUEST_START", 0.0),
+        ("QUEUE_START", 0.0),
+        ("COMPUTE_START", 0.0),
+        ("COMPUTE_END", 24.0),
+        ("REQUEST_END", 24.0),
+    ]

@@ -291,8 +291,12 @@ class LLMEngine:
             self.policy.remove(s.seq)
         record.finish_reason = "abort"
         self._forget(record)
+        now = trio.current_time()
         if self._outcomes is not None:
-            self._outcomes.failed(record.times.arrival, trio.current_time(), reason)
+            self._outcomes.failed(record.times.arrival, now, reason)
+        if record.request.trace is not None:  # a failed request's trace too, as Triton's
+            made = sum(s.seq.num_output for s in record.samples)
+            _end_trace(record, record.request.trace, now, "abort", made)
         record.sink.fail(error)
 
     def _forget(self, record: EngineRequest) -> None:
@@ -482,7 +486,8 @@ class LLMEngine:
         if self._outcomes is not None:
             self._outcomes.finished(finished)
         if record.request.trace is not None:
-            _end_trace(record, record.request.trace, finished, now)
+            made = finished.generation_tokens
+            _end_trace(record, record.request.trace, now, finished.finish_reason, made)
 
     def _send_stats(
         self, now: float, tally: _StepTally, plan: StepPlan | None = None, prefilling: int = 0
@@ -513,8 +518,11 @@ class LLMEngine:
         )
 
 
-def _end_trace(record: EngineRequest, trace: Trace, finished: FinishedRequest, now: float) -> None:
-    """A traced request's end: what vLLM's ``llm_request`` span tells of it."""
+def _end_trace(
+    record: EngineRequest, trace: Trace, now: float, reason: FinishReason, made: int
+) -> None:
+    """A traced request's end (``made`` tokens generated): what vLLM's ``llm_request``
+    span tells of it."""
     times = record.times
     trace.generation_finished(
         GenerationRecord(
@@ -525,9 +533,9 @@ def _end_trace(record: EngineRequest, trace: Trace, finished: FinishedRequest, n
             first_token=times.first_token,
             last_token=times.last_token,
             end=now,
-            prompt_tokens=finished.prompt_tokens,
-            completion_tokens=finished.generation_tokens,
-            finish_reason=finished.finish_reason,
+            prompt_tokens=record.prompt_len,
+            completion_tokens=made,
+            finish_reason=reason,
             sampling=record.request.sampling,
         )
     )

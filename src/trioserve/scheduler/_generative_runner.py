@@ -21,6 +21,7 @@ the request's ``parameters`` as sampling parameters).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import AsyncIterator, Sequence
@@ -289,6 +290,9 @@ class GenerativeRunner:
     def _generation_request(self, request: InferenceRequest) -> GenerationRequest:
         prompt, given = prompt_and_parameters(request.inputs, request.parameters)
         parameters = read_parameters(given, "vllm", max_num_seqs=self.max_num_seqs)
-        return generation_request(
+        generation = generation_request(
             request.id or f"infer-{next(self._ids)}", prompt, parameters, trio.current_time()
         )
+        if request.trace is None:
+            return generation
+        return dataclasses.replace(generation, trace=request.trace)  # the engine's times

@@ -98,6 +98,7 @@ class Trace:
         "_ids",
         "children",
         "context",
+        "ended_by_request",
         "generation",
         "id",
         "model_name",
@@ -136,6 +137,9 @@ class Trace:
         self.tensors: list[TracedTensor] = []
         self.children: list[Trace] = []
         self.generation: GenerationRecord | None = None
+        # A tensor request's trace (OIP inference, of a generative model too): the
+        # pipeline ends it when the request is answered, not the engine.
+        self.ended_by_request = False
 
     def stamp(self, name: str, ns: int) -> None:
         self.timestamps.append((name, ns))
@@ -190,14 +194,20 @@ class Trace:
             yield from child.walk()
 
     def generation_finished(self, record: GenerationRecord) -> None:
-        """The engine's account of a generation that ended: it ends the trace."""
+        """The engine's account of a generation that ended: it ends the trace, unless the
+        trace is a tensor request's, which then only takes the engine's times."""
         self.generation = record
-        self.timestamps = [(REQUEST_START, _ns(record.arrival))]
+        start = (
+            self.timestamps[0] if self.ended_by_request else (REQUEST_START, _ns(record.arrival))
+        )
+        self.timestamps = [start]
         self.stamp(QUEUE_START, _ns(record.queued))
         if record.scheduled is not None:
             self.stamp(COMPUTE_START, _ns(record.scheduled))
         if record.last_token is not None:
             self.stamp(COMPUTE_END, _ns(record.last_token))
+        if self.ended_by_request:
+            return
         self.timestamps.append((REQUEST_END, _ns(record.end)))
         self.sink.collect(self)
 
