@@ -50,12 +50,7 @@ class NextByteLM(GenerativeModel):
 
 async def test_two_generations_one_waiting(autojump_clock: Any, tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
-    config = ServerConfig(
-        models=[NextByteLM()],
-        http_port=None,
-        grpc_port=None,
-        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
-    )
+    config = traced(NextByteLM(), path)
     texts: dict[str, str] = {}
     async with open_server(config) as server:
         start = trio.current_time()
@@ -97,6 +92,23 @@ async def test_two_generations_one_waiting(autojump_clock: Any, tmp_path: Path) 
     assert {m["model_name"] for m in meta.values()} == {"next_byte"}
 
 
+def traced(lm: GenerativeModel, path: Path) -> ServerConfig:
+    """An in-process server of ``lm`` that traces every request's timestamps to ``path``."""
+    return ServerConfig(
+        models=[lm],
+        http_port=None,
+        grpc_port=None,
+        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
+    )
+
+
+def only_trace_ms(path: Path, start: float) -> list[tuple[str, float]]:
+    """The file's one trace's timestamps, in ms from ``start`` (trio's clock, s)."""
+    records = json.loads(path.read_text())
+    (stamps,) = [r["timestamps"] for r in records if "timestamps" in r]
+    return [(t["name"], round(t["ns"] / MS - start * 1e3, 6)) for t in stamps]
+
+
 class FailingLM(NextByteLM):
     """NextByteLM whose second step fails."""
 
@@ -114,21 +126,14 @@ class FailingLM(NextByteLM):
 
 async def test_a_failed_generation_is_traced(autojump_clock: Any, tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
-    config = ServerConfig(
-        models=[FailingLM()],
-        http_port=None,
-        grpc_port=None,
-        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
-    )
+    config = traced(FailingLM(), path)
     async with open_server(config) as server:
         start = trio.current_time()
         pieces = server.generate("next_byte", "ab", max_tokens=3, temperature=0.0)
         with pytest.raises(InferenceServerError, match="the device fell over"):
             async for _ in pieces:
                 pass
-    records = json.loads(path.read_text())
-    (stamps,) = [r["timestamps"] for r in records if "timestamps" in r]
-    assert [(t["name"], round(t["ns"] / MS - start * 1e3, 6)) for t in stamps] == [
+    assert only_trace_ms(path, start) == [
         ("REQUEST_START", 0.0),
         ("QUEUE_START", 0.0),
         ("COMPUTE_START", 0.0),
@@ -143,12 +148,7 @@ async def test_an_inference_of_a_generative_model_has_the_engines_times(
     """OIP inference of a generative model (its text collected into one response): the
     pipeline's trace, stamped with the engine's times, ended when the answer is out."""
     path = tmp_path / "trace.json"
-    config = ServerConfig(
-        models=[NextByteLM()],
-        http_port=None,
-        grpc_port=None,
-        trace=TraceConfig(level=("TIMESTAMPS",), rate=1, file=str(path)),
-    )
+    config = traced(NextByteLM(), path)
     async with open_server(config) as server:
         start = trio.current_time()
         prompt = np.array([b"ab"], dtype=object)
@@ -156,9 +156,7 @@ async def test_an_inference_of_a_generative_model_has_the_engines_times(
             "next_byte", {"text_input": prompt}, parameters={"max_tokens": 2, "temperature": 0}
         )
         assert response.outputs[0].data.tolist() == [b"cd"]
-    records = json.loads(path.read_text())
-    (stamps,) = [r["timestamps"] for r in records if "timestamps" in r]
-    assert [(t["name"], round(t["ns"] / MS - start * 1e3, 6)) for t in stamps] == [
+    assert only_trace_ms(path, start) == [
         ("REQUEST_START", 0.0),
         ("QUEUE_START", 0.0),
         ("COMPUTE_START", 0.0),
