@@ -111,6 +111,7 @@ FORBIDDEN = {
     "__main__": {"testing"},
     "_cli": {"testing"},
     "_server": {"testing", "_cli"},
+    "_alternatives": {"testing", "_cli", "_server"},  # the optional front ends, for _server
     "rest": {"grpc", "testing", "_cli", "_server"},
     "grpc": {"rest", "testing", "_cli", "_server"},
     "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models", "repository"},

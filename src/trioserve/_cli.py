@@ -13,10 +13,12 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Literal
 
 import trio
 
 from . import _gc
+from ._alternatives import check_alternatives
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
 from ._loader import RepositoryError
@@ -81,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also serve a Hugging Face Llama-family checkpoint folder as generative model NAME "
         "(repeatable; without --model-repository, only the checkpoints are served)",
     )
+    run.add_argument(
+        "--checkpoint-device",
+        choices=("cpu", "gpu"),
+        default="cpu",
+        help="where the --checkpoint models run: gpu on a CUDA device through cupy (the extra "
+        "trioserve[gpu]; without cupy or a device, the CPU serves them)",
+    )
     run.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
     run.add_argument("--http-port", type=int, default=8000)
     run.add_argument("--grpc-port", type=int, default=8001)
@@ -90,13 +99,15 @@ def _parser() -> argparse.ArgumentParser:
         "--http-server",
         choices=("stdlib", "hypercorn"),
         default="stdlib",
-        help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS",
+        help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS "
+        "(the extra trioserve[hypercorn])",
     )
     run.add_argument(
         "--grpc-server",
         choices=("trio", "grpclib"),
         default="trio",
-        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio",
+        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio "
+        "(the extra trioserve[grpclib])",
     )
     run.add_argument("--tls-certfile", help="with --http-server hypercorn: serve HTTPS")
     run.add_argument("--tls-keyfile")
@@ -208,7 +219,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
         models = builtin_models()
         repositories = [TRITON_EXAMPLES]
-    models += _checkpoint_models(args.checkpoint)
+    models += _checkpoint_models(args.checkpoint, args.checkpoint_device)
     return ServerConfig(
         models=models,
         model_repositories=repositories,
@@ -254,7 +265,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def _checkpoint_models(flags: list[str]) -> list[Model]:
+def _checkpoint_models(flags: list[str], device: Literal["cpu", "gpu"]) -> list[Model]:
     from .models import load_checkpoint_model
 
     models: list[Model] = []
@@ -262,7 +273,7 @@ def _checkpoint_models(flags: list[str]) -> list[Model]:
         name, equals, path = flag.partition("=")
         if not (name and equals and path):
             raise ValueError(f"--checkpoint takes NAME=PATH, got {flag!r}")
-        models.append(load_checkpoint_model(path, name))
+        models.append(load_checkpoint_model(path, name, device=device))
     return models
 
 
@@ -317,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         config = config_from_args(args)
+        check_alternatives(config)
     except (RepositoryError, ValueError) as exc:
         sys.exit(f"trioserve: {exc}")
     # Model code sees the command line of a script started without arguments, as it

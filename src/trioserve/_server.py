@@ -30,6 +30,7 @@ from typing import Any
 import trio
 from prometheus_client import CollectorRegistry
 
+from ._alternatives import check_alternatives, grpclib_server, hypercorn_server
 from ._config import ServerConfig
 from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
@@ -37,6 +38,7 @@ from ._inprocess import InProcessFrontEnd
 from ._model import Model
 from ._repository import ModelRepository, ServedModel
 from ._types import InferenceResponse
+from .grpc import serve_grpc_core
 from .metrics._llm_telemetry import LLMMetricFamilies
 from .models import load_checkpoint_model
 from .repository import RepositoryManager
@@ -148,6 +150,7 @@ class _FrontEnds:
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
+    check_alternatives(config)  # a front end that cannot serve here is refused first
     # In explicit mode, even the built-in models wait for a load.
     explicit = config.model_control_mode == "explicit"
     cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
@@ -275,10 +278,8 @@ def _rest_front_end(
     config = context.config
     serve_http: Callable[..., Awaitable[None]]
     if config.http_server == "hypercorn":
-        from .rest._hypercorn import serve_hypercorn  # imported only when chosen
-
         serve_http = partial(
-            serve_hypercorn, certfile=config.tls_certfile, keyfile=config.tls_keyfile
+            hypercorn_server(), certfile=config.tls_certfile, keyfile=config.tls_keyfile
         )
     else:
         from .metrics._counters import CountersCollector
@@ -300,10 +301,7 @@ def _rest_front_end(
 def _grpc_front_end(context: ServerContext) -> Callable[..., Awaitable[None]]:
     """The gRPC front end ``config.grpc_server`` names."""
     if context.config.grpc_server == "grpclib":
-        from .grpc import serve_grpclib
-
-        return partial(serve_grpclib, context)
-    from .grpc import serve_grpc_core
+        return partial(grpclib_server(), context)
 
     return partial(serve_grpc_core, context)
 

@@ -60,6 +60,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "original_max_position_embeddings": 64,
         }
     },
+    "rope-yarn": {
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    },
+    "rope-dynamic": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+    # transformers 5 writes rope_parameters only; here beside a legacy rope_theta it must
+    # win over, as it does in transformers.
+    "rope-parameters": {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
+    "rope-parameters-llama3": {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 5000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
     "qwen2-bias": {"model_type": "qwen2", "num_key_value_heads": 1},
     "mistral-head-dim": {"model_type": "mistral", "head_dim": 16},
 }
@@ -108,6 +125,12 @@ def write_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     save_file(stored, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
+    write_tokenizer(folder)
+    return {k: v.astype(np.float64) for k, v in stored.items()}
+
+
+def write_tokenizer(folder: Path) -> None:
+    """tokenizer.json (word level, BOS first) and tokenizer_config.json."""
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -125,7 +148,6 @@ def write_checkpoint(
             }
         )
     )
-    return {k: v.astype(np.float64) for k, v in stored.items()}
 
 
 # --- the dense reference: whole sequences, no cache, float64 ---------------------------
@@ -147,14 +169,16 @@ def dense_logits(
     dim = config.get("head_dim", config["hidden_size"] // heads)
     eps = config["rms_norm_eps"]
     n = len(ids)
-    angles = np.outer(np.arange(n), reference_frequencies(config, dim))
+    frequencies, attention_factor = reference_frequencies(config, dim)
+    angles = np.outer(np.arange(n), frequencies)
 
     def rms(x: Any, w: Any) -> Any:
         return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * w
 
     def rope(x: Any) -> Any:  # pairs (i, i + dim/2)
         first, second = x[..., : dim // 2], x[..., dim // 2 :]
-        c, s = np.cos(angles)[:, None, :], np.sin(angles)[:, None, :]
+        c = np.cos(angles)[:, None, :] * attention_factor
+        s = np.sin(angles)[:, None, :] * attention_factor
         return np.concatenate([first * c - second * s, second * c + first * s], axis=-1)
 
     x = t["model.embed_tokens.weight"][ids]
@@ -184,14 +208,19 @@ def dense_logits(
     return rms(x, t["model.norm.weight"]) @ head.T  # type: ignore[no-any-return]
 
 
-def reference_frequencies(config: dict[str, Any], dim: int) -> np.ndarray[Any, Any]:
-    base = [1 / config["rope_theta"] ** (2 * i / dim) for i in range(dim // 2)]
-    scaling = config.get("rope_scaling") or {}
+def reference_frequencies(config: dict[str, Any], dim: int) -> tuple[list[float], float]:
+    """Each pair's frequency and the factor on cos and sin, one frequency at a time from
+    the published recipes."""
+    scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = scaling.get("rope_theta", config["rope_theta"])
+    base = [1 / theta ** (2 * i / dim) for i in range(dim // 2)]
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
-        return np.array(base) / scaling["factor"]
-    if kind != "llama3":
-        return np.array(base)
+        return [f / scaling["factor"] for f in base], 1.0
+    if kind == "yarn":
+        return reference_yarn(base, theta, dim, scaling)
+    if kind != "llama3":  # default, and dynamic within max_position_embeddings
+        return base, 1.0
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old = scaling["original_max_position_embeddings"]
     scaled = []
@@ -204,7 +233,25 @@ def reference_frequencies(config: dict[str, Any], dim: int) -> np.ndarray[Any, A
         else:
             smooth = (old / wavelength - low) / (high - low)
             scaled.append((1 - smooth) * freq / factor + smooth * freq)
-    return np.array(scaled)
+    return scaled, 1.0
+
+
+def reference_yarn(
+    base: list[float], theta: float, dim: int, scaling: dict[str, Any]
+) -> tuple[list[float], float]:
+    """YaRN's NTK-by-parts (beta_fast 32, beta_slow 1, bounds rounded outwards)."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def pair_turning(rotations: float) -> float:  # where a pair turns this often over `old`
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(pair_turning(32)), 0)
+    high = min(math.ceil(pair_turning(1)), dim - 1)
+    scaled = []
+    for i, freq in enumerate(base):
+        interpolated = min(max((i - low) / (high - low), 0.0), 1.0)
+        scaled.append(freq / factor * interpolated + freq * (1 - interpolated))
+    return scaled, 0.1 * math.log(factor) + 1
 
 
 # --- the tests ---------------------------------------------------------------------------
@@ -218,16 +265,13 @@ PROMPTS = [
 STEPS = 12
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-async def test_served_greedy_tokens_match_the_reference(
-    tmp_path: Path, nursery: trio.Nursery, variant: str
-) -> None:
-    config = {**BASE_CONFIG, **VARIANTS[variant]}
-    tensors = write_checkpoint(tmp_path / variant, config, bf16=variant == "tied-mha")
+async def served_words(folder: Path, nursery: trio.Nursery) -> list[list[str]]:
+    """Each of PROMPTS completed greedily for STEPS tokens by the checkpoint in
+    ``folder``, served, as words."""
     # Small blocks and a small token budget: many blocks per sequence, chunked prefill,
     # prefill chunks and decodes in one step.
     model = load_checkpoint_model(
-        tmp_path / variant,
+        folder,
         "tiny_llama",
         max_model_len=64,
         num_kv_blocks=80,
@@ -251,11 +295,24 @@ async def test_served_greedy_tokens_match_the_reference(
             async with trio.open_nursery() as requests:  # together: batched steps
                 for i in range(len(PROMPTS)):
                     requests.start_soon(complete, i)
+    return [answers[i].split() for i in range(len(PROMPTS))]
+
+
+def words_of(tokens: list[int]) -> list[str]:
+    """Word-level tokens decode to their words, space-separated; EOS and BOS vanish."""
+    return [VOCAB[t] for t in tokens if t not in (1, 2)]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+async def test_served_greedy_tokens_match_the_reference(
+    tmp_path: Path, nursery: trio.Nursery, variant: str
+) -> None:
+    config = {**BASE_CONFIG, **VARIANTS[variant]}
+    tensors = write_checkpoint(tmp_path / variant, config, bf16=variant == "tied-mha")
+    served = await served_words(tmp_path / variant, nursery)
     for i, prompt in enumerate(PROMPTS):
         expected = reference_greedy(tensors, config, prompt, STEPS)
-        # Word-level tokens decode to their words, space-separated; EOS and BOS vanish.
-        words = [VOCAB[t] for t in expected if t not in (1, 2)]
-        assert answers[i].split() == words, f"prompt {i}"
+        assert served[i] == words_of(expected), f"prompt {i}"
 
 
 def test_tokenizer_chat_template_and_special_tokens(tmp_path: Path) -> None:
@@ -273,7 +330,9 @@ def test_tokenizer_chat_template_and_special_tokens(tmp_path: Path) -> None:
     ("change", "message"),
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not served"),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+        ({"rope_scaling": {"type": "longrope"}}, "rope type 'longrope' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' needs"),
+        ({"rope_parameters": []}, "rope_parameters .or rope_scaling. must be an object"),
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"hidden_size": None}, "config.json lacks or garbles"),
     ],
@@ -285,16 +344,37 @@ def test_bad_checkpoints_are_refused(tmp_path: Path, change: dict[str, Any], mes
         load_checkpoint_model(tmp_path, "m")
 
 
+def test_dynamic_rope_is_served_up_to_max_position_embeddings(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, {**BASE_CONFIG, **VARIANTS["rope-dynamic"]})
+    assert CheckpointLM(tmp_path, "m", max_model_len=128).max_model_len == 128
+    with pytest.raises(CheckpointError, match=r"served up to max_position_embeddings \(128 tokens"):
+        CheckpointLM(tmp_path, "m", max_model_len=129)
+
+
 def test_cli_checkpoint_flag(tmp_path: Path) -> None:
     write_checkpoint(tmp_path / "ckpt", BASE_CONFIG)
     args = _parser().parse_args(["run", "--checkpoint", f"llama={tmp_path / 'ckpt'}"])
     [model] = config_from_args(args).models
     assert isinstance(model, CheckpointLM) and model.name == "llama"
+    assert model.device == "cpu"
+    on_gpu = ["run", "--checkpoint", f"llama={tmp_path / 'ckpt'}", "--checkpoint-device", "gpu"]
+    [model] = config_from_args(_parser().parse_args(on_gpu)).models
+    assert isinstance(model, CheckpointLM) and model.device == "gpu"
     with pytest.raises(ValueError, match="NAME=PATH"):
         config_from_args(_parser().parse_args(["run", "--checkpoint", "nopath"]))
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "rope-llama3"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "llama-gqa",
+        "qwen2-bias",
+        "rope-llama3",
+        "rope-yarn",
+        "rope-dynamic",
+        "rope-parameters-llama3",
+    ],
+)
 def test_matches_transformers(tmp_path: Path, variant: str) -> None:
     """The reference above against the ecosystem's own implementation."""
     torch = pytest.importorskip("torch")
@@ -314,6 +394,41 @@ def test_matches_transformers(tmp_path: Path, variant: str) -> None:
                 pad_token_id=0,
             )
         assert out[0, len(prompt) :].tolist() == reference_greedy(tensors, config, prompt, STEPS)
+
+
+@pytest.mark.parametrize("rope", ["rope-parameters-llama3", "rope-yarn"])
+async def test_a_checkpoint_saved_by_transformers_serves_its_tokens(
+    tmp_path: Path, nursery: trio.Nursery, rope: str
+) -> None:
+    """transformers writes the folder (its config.json as its version writes it: only
+    ``rope_parameters`` from version 5) and generates; the server gives the same tokens."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    settings = {**BASE_CONFIG, **VARIANTS[rope]}
+    settings.pop("model_type")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**settings)).eval()
+    with torch.no_grad():  # weights as write_checkpoint draws them: large enough that
+        for name, weight in hf.named_parameters():  # positions change the tokens
+            if name.endswith("norm.weight"):
+                weight.copy_(1 + 0.1 * torch.randn_like(weight))
+            elif "embed" in name:
+                weight.normal_(0, 1)
+            else:
+                weight.normal_(0, weight.shape[-1] ** -0.5)
+    hf.save_pretrained(str(tmp_path), safe_serialization=True)
+    write_tokenizer(tmp_path)
+    served = await served_words(tmp_path, nursery)
+    for i, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=STEPS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert served[i] == words_of(out[0, len(prompt) :].tolist()), f"prompt {i}"
 
 
 # --- a checkpoint in a Triton model repository -------------------------------------------

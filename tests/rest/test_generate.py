@@ -140,7 +140,7 @@ BAD_REQUESTS = [
     (b'{"text_input": 5}', "'text_input' must be a string"),
     (b'{"text_input": "x", "id": 5}', "request 'id' must be a string"),
     (b'{"text_input": "x", "parameters": []}', "request 'parameters' must be a JSON object"),
-    (b'{"text_input": "x", "bad_words": ""}', "unexpected keys in the request: ['bad_words']"),
+    (b'{"text_input": "x", "stream": 0, "parameters": {"stream": 1}}', "['stream'] given both"),
     (b'{"text_input": "x", "n": 2, "parameters": {"n": 2}}', "['n'] given both at the top"),
     (b'{"text_input": "x", "parameters": {"max_tokens": "9"}}', "'max_tokens' must be an integer"),
     (b'{"text_input": "x", "parameters": {"max_tokens": 0}}', "max_tokens must be at least 1"),

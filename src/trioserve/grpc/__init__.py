@@ -2,10 +2,10 @@
 
 What the server answers is one method table of plain trio code (``_methods``); a front
 end carries it over HTTP/2. ``serve_grpc_core`` is ours (the default, fastest);
-``serve_grpclib`` is grpclib's, hosted in trio through trio-asyncio.
+``_grpclib.serve_grpclib`` is grpclib's, hosted in trio through trio-asyncio: an extra,
+imported only when chosen (``_alternatives``).
 """
 
 from ._core import serve_grpc_core as serve_grpc_core
-from ._grpclib import serve_grpclib as serve_grpclib
 
-__all__ = ["serve_grpc_core", "serve_grpclib"]
+__all__ = ["serve_grpc_core"]

@@ -61,6 +61,13 @@ class CheckpointLM(GenerativeModel):
                 "neither generation_config.json nor config.json names eos_token_id"
             )
         length = max_model_len or min(self.config.max_position_embeddings, _DEFAULT_MAX_MODEL_LEN)
+        rope = self.config.rope
+        if rope.max_positions is not None and length > rope.max_positions:
+            raise CheckpointError(
+                f"rope type {rope.kind!r} is served up to max_position_embeddings "
+                f"({rope.max_positions} tokens; past it a sequence's rotation would depend on "
+                f"the other sequences of each step): max_model_len {length} is longer"
+            )
         blocks_per_sequence = -(-length // block_size)
         if num_kv_blocks is None:
             c = self.config

@@ -1,8 +1,8 @@
 """The Llama family's transformer (Llama, Mistral, Qwen2) over the paged KV cache.
 
 Pre-norm decoder layers: RMSNorm, attention with rotary position embeddings (Hugging
-Face's half-split rotation, with the config's ``rope_scaling``: none, ``linear`` or
-``llama3``) and grouped-query K/V heads, optional q/k/v biases (Qwen2), and a SwiGLU
+Face's half-split rotation, with the config's scaling: ``_rope``) and grouped-query K/V
+heads, optional q/k/v biases (Qwen2), and a SwiGLU
 MLP; a final RMSNorm and the LM head (the embedding matrix when tied). Weights are
 named as in a Hugging Face checkpoint, ``model.layers.{i}.self_attn.q_proj.weight``
 and so on, each ``(out, in)``; they are kept transposed for ``x @ w``. Everything
@@ -11,7 +11,6 @@ computes in float32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -21,6 +20,7 @@ import numpy as np
 
 from .._generative import StepSequence
 from ._paged_attention import Array, PagedAttention, StepLayout
+from ._rope import Rope, RopeError, read_rope
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -39,8 +39,7 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: Mapping[str, Any] | None
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -56,6 +55,7 @@ class LlamaConfig:
         try:
             heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
+            head_dim = int(config.get("head_dim") or hidden // heads)
             read = cls(
                 vocab_size=int(config["vocab_size"]),
                 hidden_size=hidden,
@@ -63,50 +63,20 @@ class LlamaConfig:
                 num_layers=int(config["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
+                head_dim=head_dim,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(config.get("rope_theta", 10000.0)),
-                rope_scaling=config.get("rope_scaling"),
+                rope=read_rope(config, head_dim),
                 max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
             )
+        except RopeError as exc:
+            raise CheckpointError(str(exc)) from None
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"config.json lacks or garbles {exc}") from None
         if read.num_heads % read.num_kv_heads:
             raise CheckpointError("num_attention_heads must be a multiple of num_key_value_heads")
-        read.inverse_frequencies()  # refuse an unknown rope_scaling now, not at load
         return read
-
-    def inverse_frequencies(self) -> np.ndarray[Any, Any]:
-        """The rotary frequencies of each pair of dimensions, scaled as configured."""
-        dim = self.head_dim
-        inverse = 1.0 / self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        scaling = dict(self.rope_scaling or {})
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            return inverse
-        if kind == "linear":
-            return inverse / float(scaling["factor"])
-        if kind == "llama3":
-            return _llama3_frequencies(inverse, scaling)
-        raise CheckpointError(f"rope_scaling type {kind!r} is not supported")
-
-
-def _llama3_frequencies(
-    inverse: np.ndarray[Any, Any], scaling: Mapping[str, Any]
-) -> np.ndarray[Any, Any]:
-    """Llama 3.1's scaling: long wavelengths slowed by ``factor``, short ones kept, a
-    smooth blend between ``low_freq_factor`` and ``high_freq_factor``."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    original = float(scaling["original_max_position_embeddings"])
-    wavelength = 2 * math.pi / inverse
-    smooth = (original / wavelength - low) / (high - low)
-    blended = (1 - smooth) * inverse / factor + smooth * inverse
-    scaled = np.where(wavelength > original / low, inverse / factor, inverse)
-    middle = (wavelength <= original / low) & (wavelength >= original / high)
-    return np.where(middle, blended, scaled)
 
 
 class LlamaWeights:
@@ -160,7 +130,7 @@ class LlamaForward:
         self.weights = weights
         self.block_size = block_size
         self.attention = PagedAttention(xp, config.head_dim)
-        self.inverse_frequencies = config.inverse_frequencies()
+        self.inverse_frequencies = np.array(config.rope.inverse_frequencies)
 
     def __call__(
         self, batch: Sequence[StepSequence], k_cache: Array, v_cache: Array
@@ -198,9 +168,10 @@ class LlamaForward:
     def _rotation(self, positions: np.ndarray[Any, Any]) -> tuple[Array, Array]:
         angles = positions[:, None].astype(np.float64) * self.inverse_frequencies[None, :]
         angles = np.concatenate([angles, angles], axis=1)[:, None, :]  # (tokens, 1, head_dim)
+        factor = self.config.rope.attention_factor
         return (
-            self.xp.asarray(np.cos(angles).astype(np.float32)),
-            self.xp.asarray(np.sin(angles).astype(np.float32)),
+            self.xp.asarray((np.cos(angles) * factor).astype(np.float32)),
+            self.xp.asarray((np.sin(angles) * factor).astype(np.float32)),
         )
 
 

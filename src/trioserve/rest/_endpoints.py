@@ -30,8 +30,10 @@ from ._status_page import add_status_page
 _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
 
-# Health answers carry no body: 200 for true, 400 for false (what Triton's clients read).
-_TRUE = Response(200, content_type=None)
+# Health: the status is the answer (200 true, 400 false: what Triton's clients read); a
+# true one also carries KServe's body, which KServe's clients read instead.
+_LIVE = Response(200, b'{"live":true}')
+_READY = Response(200, b'{"ready":true}')
 _FALSE = Response(400, content_type=None)
 
 
@@ -48,15 +50,17 @@ class _Endpoints:
         self.server_metadata = _json(context.metadata)
 
     async def live(self, request: Request) -> Response:
-        return _TRUE
+        return _LIVE
 
     async def ready(self, request: Request) -> Response:
-        return _TRUE if self.repository.ready() else _FALSE
+        return _READY if self.repository.ready() else _FALSE
 
     async def model_ready(self, request: Request) -> Response:
         params = request.params
-        ready = self.repository.model_ready(params["model"], params.get("version", ""))
-        return _TRUE if ready else _FALSE
+        name = params["model"]
+        if not self.repository.model_ready(name, params.get("version", "")):
+            return _FALSE
+        return _json({"name": name, "ready": True})
 
     async def metadata(self, request: Request) -> Response:
         return self.server_metadata
@@ -132,6 +136,7 @@ def build_app(context: ServerContext) -> RestApp:
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
     openai = OpenAIEndpoints(context.repository, context.pipeline, context.load)
     router.add("GET", "/v1/models", openai.models)
+    router.add("GET", "/v1/models/{model}", openai.model)
     router.add("POST", "/v1/completions", openai.completions)
     router.add("POST", "/v1/chat/completions", openai.chat_completions)
     restrictions = context.config.http_restricted_apis

@@ -5,10 +5,12 @@ Request (both endpoints)::
     {"id"?: str, "text_input": str, "parameters"?: {...}, <sampling key>?: value, ...}
 
 Sampling keys (vLLM's names: max_tokens, temperature, top_p, top_k, seed, stop,
-ignore_eos, n, and priority) are read from ``parameters``; as in Triton, where extra
-top-level keys feed the model's inputs, they may also stand at the top level. Other keys
-in ``parameters`` are ignored (clients send e.g. ``stream``); other top-level keys are an
-error.
+ignore_eos, n, and priority) are read from ``parameters``. As in Triton, where any other
+top-level key is passed to the model as a parameter (or an input of that name), the
+top-level keys besides ``id``, ``text_input`` and ``parameters`` join ``parameters``
+(a key given in both places is an error). Keys the sampler does not know are ignored:
+clients send e.g. ``stream`` (litellm, at the top level), ``bad_words`` and
+``stop_words`` (TensorRT-LLM's inputs); which endpoint was called decides streaming.
 
 ``generate`` answers ``{"id"?, "model_name", "model_version", "text_output",
 "finish_reason"}``. With ``n > 1`` both are arrays in sample order, the shape Triton's
@@ -55,11 +57,8 @@ logger = logging.getLogger("trioserve.rest")
 
 _EVENT_STREAM = b"text/event-stream; charset=utf-8"
 SSE_HEADERS = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
-# Keys a generate request may carry at the top level besides the sampling parameters.
+# The request's own keys; every other top-level key is a parameter.
 _REQUEST_KEYS = frozenset({"id", TEXT_INPUT, "parameters"})
-_SAMPLING_KEYS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "n", "priority"}
-)
 
 T = TypeVar("T")
 
@@ -183,21 +182,15 @@ def _parse(body: bytes) -> dict[str, Any]:
     document = json_object(body)
     if TEXT_INPUT not in document:
         raise InvalidArgumentError(f"the request must carry '{TEXT_INPUT}'")
-    unknown = document.keys() - _REQUEST_KEYS - _SAMPLING_KEYS
-    if unknown:
-        raise InvalidArgumentError(
-            f"unexpected keys in the request: {sorted(unknown)}; sampling parameters go in "
-            "'parameters'"
-        )
     return document
 
 
 def _parameters(document: dict[str, Any]) -> dict[str, Any]:
-    """``parameters`` with the sampling keys given at the top level added."""
+    """``parameters`` with the other keys given at the top level added."""
     parameters = document.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgumentError("request 'parameters' must be a JSON object")
-    top_level = {key: document[key] for key in _SAMPLING_KEYS & document.keys()}
+    top_level = {key: document[key] for key in document.keys() - _REQUEST_KEYS}
     both = top_level.keys() & parameters.keys()
     if both:
         raise InvalidArgumentError(

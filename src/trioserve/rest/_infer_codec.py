@@ -40,7 +40,9 @@ from ..shm import (
 )
 from ._json_body import COMPACT, json_object
 
-_JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+# model_name and model_version are not the protocol's, but KServe's clients always send
+# the name: taken when they repeat the URL (as KServe's own server takes them).
+_JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs", "model_name", "model_version"})
 
 
 def decode_request(
@@ -67,6 +69,7 @@ def decode_request(
             )
         header, binary = view[:header_length], view[header_length:]
     document = _parse_json(header)
+    _check_names(document, model_name, model_version)
     inputs, used = _decode_inputs(document.get("inputs"), binary, regions)
     if used != len(binary):
         raise InvalidArgumentError(
@@ -98,6 +101,22 @@ def _parse_json(header: memoryview) -> dict[str, Any]:
     if unknown:
         raise InvalidArgumentError(f"unexpected keys in the request: {sorted(unknown)}")
     return document
+
+
+def _check_names(document: dict[str, Any], model_name: str, model_version: str) -> None:
+    """A model name or version in the body must be the URL's (null or absent: no claim).
+    Without a version in the URL, the server's policy picks the version, whatever the
+    body says, as for the URL's own requests."""
+    for key, url_value in (("model_name", model_name), ("model_version", model_version)):
+        value = document.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgumentError(f"request '{key}' must be a string")
+        if value != url_value and (key == "model_name" or url_value):
+            raise InvalidArgumentError(
+                f"request '{key}' {value!r} does not match the URL's {url_value!r}"
+            )
 
 
 def _decode_id(value: Any) -> str:

@@ -1,6 +1,7 @@
 """OpenAI-compatible endpoints for the generative models: the ones LLM clients speak.
 
     GET  /v1/models             every generative model (its name is the OpenAI model id)
+    GET  /v1/models/{id}        one of them
     POST /v1/completions        a prompt (text or token ids) -> ``text_completion``
     POST /v1/chat/completions   messages, through the model's chat template -> ``chat.completion``
 
@@ -100,11 +101,24 @@ class OpenAIEndpoints:
 
     async def models(self, request: Request) -> Response:
         listed = [
-            {"id": name, "object": "model", "created": self._created, "owned_by": "trioserve"}
+            self._model_object(name)
             for name in self.repository.names()
             if _generative(self.repository.get(name)) is not None
         ]
         return Response(200, COMPACT.encode({"object": "list", "data": listed}).encode())
+
+    async def model(self, request: Request) -> Response:
+        """One generative model's object, as the list has it; 404 for any other name."""
+        name = request.params["model"]
+        try:
+            self._model(name)
+        except NotFoundError as exc:
+            status, error = error_object(exc)
+            return Response(status, COMPACT.encode({"error": error}).encode())
+        return Response(200, COMPACT.encode(self._model_object(name)).encode())
+
+    def _model_object(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "trioserve"}
 
     async def completions(self, request: Request) -> Response | None:
         return await self._answer(request, self._completion_call)
