@@ -66,7 +66,8 @@ class InstanceLoop:
         tasks = asyncio.all_tasks(loop)
         for task in tasks:
             task.cancel()
-        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        if tasks:
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
         loop.run_until_complete(loop.shutdown_asyncgens())
         loop.close()
 
