@@ -49,6 +49,12 @@ class ServerConfig:
     # A load whose import or initialize takes longer fails (its thread is left behind);
     # 0: no limit.
     model_load_timeout_s: float = 600.0
+    # A model that fails to load at startup stops the server ("failed to load all
+    # models"); ``trioserve run`` sets it, as Triton's --exit-on-error defaults to true.
+    exit_on_error: bool = False
+    # Readiness (REST /v2/health/ready, gRPC ServerReady) says no while a model that
+    # should serve failed to load or is loading, as Triton's --strict-readiness.
+    strict_readiness: bool = True
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
 
     def __post_init__(self) -> None:

@@ -20,7 +20,6 @@ thread, even after it returned.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import inspect
@@ -54,7 +53,7 @@ logger = logging.getLogger("trioserve.python_backend")
 # Frames of these folders are the server's, not the model's: a traceback leaves them out.
 _SERVER_FILES = (
     str(Path(__file__).parents[1]),
-    str(Path(asyncio.__file__).parent),
+    str(Path(inspect.getfile(Future)).parents[2] / "asyncio"),
     str(Path(inspect.getfile(Future)).parents[1]),
 )
 

@@ -73,6 +73,8 @@ def read_model(
     classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
     if not strict:
         auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
+    if not config.default_model_filename:
+        config.default_model_filename = "model.py"  # what Triton's python backend names
     complete_config(config, folder)
     settings = model_settings(config, folder)
     return [
