@@ -89,14 +89,21 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
 # Async BLS: the model named by MODEL_NAME gets two requests at once; square's stream is
-# read with ``for`` and with ``async for``.
+# read with ``for`` and with ``async for``. An async initialize runs on the loop that
+# runs execute: the instance's own.
 ASYNC_BLS = """
 import asyncio
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
+    async def initialize(self, args):
+        await asyncio.sleep(0)
+        self.loop = asyncio.get_running_loop()
+
     async def execute(self, requests):
+        if asyncio.get_running_loop() is not self.loop:
+            raise pb_utils.TritonModelException("execute runs on another loop")
         responses = []
         for request in requests:
             name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0]
@@ -356,16 +363,17 @@ def test_a_failing_execute_is_logged_and_told_with_its_line(
         pytest.raises(InferenceServerException) as raised,
     ):
         client.infer("failing", [tensor])
-    model_file = Path(server.config.model_repositories[0]) / "failing" / "1" / "model.py"
-    told = raised.value.message()
-    assert told.startswith(
-        "Failed to process the request(s) for model instance 'failing_0', message: "
+    failed = "Failed to process the request(s) for model instance 'failing_0', message: "
+    frames = (
         "ValueError: the model gave up\n\nAt:\n"
-        f"  {model_file}({FAILING_LINE}): fail\n"
-        f"  {model_file}({FAILING_LINE - 3}): execute\n"
+        f"  {{file}}({FAILING_LINE}): fail\n  {{file}}({FAILING_LINE - 3}): execute\n"
     )
+    # The client reads the file by its place in the repository, the log by its path.
+    assert raised.value.message() == failed + frames.format(file="failing/1/model.py")
+    model_file = Path(server.config.model_repositories[0]) / "failing" / "1" / "model.py"
     logged = [r.getMessage() for r in caplog.records if r.name == "trioserve.python_backend"]
-    assert logged == [f"model 'failing' version 1: {told}"]  # once, for the batch
+    expected = f"model 'failing' version 1: {failed}{frames.format(file=model_file)}"
+    assert logged == [expected]  # once, for the batch
     client.close()
 
 

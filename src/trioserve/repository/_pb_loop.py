@@ -13,11 +13,13 @@ run on after the batch was handed back.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported at a loop's start, not with the server
+    import asyncio
 
 _STOP_WAIT_S = 5.0  # how long an unload waits for the loop's thread to end
 
@@ -34,6 +36,8 @@ class InstanceLoop:
     def submit(self, coroutine: Coroutine[Any, Any, Any]) -> Future[Any]:
         """Run ``coroutine`` on the loop; the future is its outcome. The coroutine runs in
         a copy of the caller's context (``asyncio.run_coroutine_threadsafe`` takes it)."""
+        import asyncio
+
         return asyncio.run_coroutine_threadsafe(coroutine, self._started())
 
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -41,6 +45,8 @@ class InstanceLoop:
         return self.submit(coroutine).result()
 
     def _started(self) -> asyncio.AbstractEventLoop:
+        import asyncio
+
         with self._lock:
             if self._loop is None:
                 # A plain loop whatever the policy: trio-asyncio (the grpclib front end)
@@ -55,6 +61,8 @@ class InstanceLoop:
 
     @staticmethod
     def _run(loop: asyncio.AbstractEventLoop) -> None:
+        import asyncio
+
         while True:
             try:
                 loop.run_forever()

@@ -11,13 +11,12 @@ as in Triton) or ``async for``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import InferenceServerError
 from .._tensor import datatype
@@ -26,6 +25,9 @@ from .._types import InferenceResponse as CoreResponse
 from .._types import InputTensor, RequestedOutput, ResponseSender
 from ._pb_link import current
 from ._pb_tensors import Tensor, TritonError, TritonModelException, server_error, triton_error
+
+if TYPE_CHECKING:  # asyncio is imported once model code runs a loop, not with the server
+    import asyncio
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -129,6 +131,8 @@ class ResponseIterator:
         return self
 
     async def __anext__(self) -> InferenceResponse:
+        import asyncio
+
         loop = asyncio.get_running_loop()
         while True:
             with self._lock:
@@ -287,6 +291,8 @@ class InferenceRequest:
     def async_exec(self, decoupled: bool = False) -> asyncio.Future[Any]:
         """``exec`` for an ``async`` model: an asyncio future of the response (or of the
         iterator of responses), the request already under way."""
+        import asyncio
+
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         if decoupled:

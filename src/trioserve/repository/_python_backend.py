@@ -242,12 +242,13 @@ class PythonBackendModel(Model):
         """What ``execute`` raised, as Triton words it, logged once for the batch."""
         if isinstance(exc, InferenceServerError):
             return exc
-        message = (
-            f"Failed to process the request(s) for model instance '{instance.name}', "
-            f"message: {_described(exc)}"
+        failed = f"Failed to process the request(s) for model instance '{instance.name}', message: "
+        logger.error(
+            "model '%s' version %s: %s%s", self.name, self.versions[0], failed, _described(exc)
         )
-        logger.error("model '%s' version %s: %s", self.name, self.versions[0], message)
-        return InternalError(message)
+        # The client reads the model's own frames by their place in the repository: the
+        # server's folders are not its business.
+        return InternalError(failed + _described(exc, self._folder.parent))
 
     def _outputs(self, requests: Sequence[InferenceRequest], responses: Any) -> list[Result]:
         if self.decoupled:
@@ -284,13 +285,19 @@ async def _coroutine(work: Awaitable[Any]) -> Any:
     return await work
 
 
-def _described(exc: Exception) -> str:
+def _described(exc: Exception, repository: Path | None = None) -> str:
     """An exception as Triton's stub tells it: type, message, then "At:" and the model's
-    frames, innermost first."""
-    frames = [
-        f"  {frame.filename}({frame.lineno}): {frame.name}\n"
-        for frame in reversed(traceback.extract_tb(exc.__traceback__))
-        if not frame.filename.startswith(_SERVER_FILES)
-    ]
+    frames, innermost first. Given the ``repository`` folder, only the frames of its files,
+    named relative to it."""
+    frames = []
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename)
+        if frame.filename.startswith(_SERVER_FILES):
+            continue
+        if repository is not None:
+            if not path.is_relative_to(repository):
+                continue
+            path = path.relative_to(repository)
+        frames.append(f"  {path}({frame.lineno}): {frame.name}\n")
     text = f"{type(exc).__name__}: {exc}"
     return f"{text}\n\nAt:\n{''.join(frames)}" if frames else text
