@@ -328,8 +328,8 @@ class TritonPythonModel:
 
 
 def test_trioserve_run_survives_an_exit_at_startup(tmp_path: Path) -> None:
-    """``trioserve run`` over a repository holding a model.py that exits at import: the
-    server starts and serves the others. A model.py that parses its arguments at import
+    """``trioserve run --exit-on-error false`` over a repository holding a model.py that
+    exits at import: the server starts and serves the others. A model.py that parses its arguments at import
     reads no server flags (it sees the argv of a script started without arguments)."""
     write_model(tmp_path, "echo", ECHO)
     write_model(tmp_path, "exit_at_import", AT_LOAD["exit_at_import"][0])
@@ -337,7 +337,7 @@ def test_trioserve_run_survives_an_exit_at_startup(tmp_path: Path) -> None:
     command = [
         sys.executable, "-m", "trioserve", "run", "--model-repository", str(tmp_path),
         "--host", "127.0.0.1", "--http-port", "0", "--allow-grpc", "false",
-        "--allow-metrics", "false",
+        "--allow-metrics", "false", "--exit-on-error", "false",
     ]  # fmt: skip
     with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as process:
         try:

@@ -153,12 +153,12 @@ def test_a_fault_fails_its_request_only(server: Server, value: int) -> None:
     with pytest.raises(InferenceServerException) as failed:
         http.infer("faulty", [x_input(httpclient, value)])
     assert failed.value.status() == "500"
-    assert "'faulty'" in failed.value.message()
+    assert "'faulty" in failed.value.message()  # the model, or its instance 'faulty_0'
     assert FAULTS[value] in failed.value.message()
     with pytest.raises(InferenceServerException) as failed:
         grpc.infer("faulty", [x_input(grpcclient, value)])
     assert failed.value.status() == "StatusCode.INTERNAL"
-    assert "'faulty'" in failed.value.message()
+    assert "'faulty" in failed.value.message()  # the model, or its instance 'faulty_0'
     # The same model's next good request, and the rest of the server.
     assert http.infer("faulty", [x_input(httpclient, 7)]).as_numpy("Y").tolist() == [7]
     assert grpc.infer("faulty", [x_input(grpcclient, 8)]).as_numpy("Y").tolist() == [8]

@@ -129,12 +129,13 @@ FORBIDDEN = {
     "_inprocess": {"rest", "grpc", "testing", "_cli", "_server", "models"},
 }
 # Third-party libraries that one place alone may import.
-OWNERS = {
+OWNERS: dict[str, str | tuple[str, ...]] = {
     "hypercorn": "rest/_hypercorn.py",
     "hpack": "grpc/_hpack.py",
     "grpclib": "grpc/_grpclib.py",
     "trio_asyncio": "grpc/_grpclib.py",
-    "asyncio": "grpc/_grpclib.py",
+    # grpclib's loop, and the loops Python-backend models run on (their BLS futures).
+    "asyncio": ("grpc/_grpclib.py", "repository/_pb_loop.py", "repository/_pb_requests.py"),
     "opentelemetry": "tracing/_otel.py",  # the extra trioserve[tracing]
 }
 

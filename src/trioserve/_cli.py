@@ -28,7 +28,7 @@ from ._log_settings import FORMATS, LogConfig
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
 from ._restricted import parse_restrictions
-from ._server import open_server
+from ._server import StartupError, open_server
 from ._version import __version__
 from .scheduler import cache_size_from_flags
 from .tracing import trace_config_from_flags
@@ -71,6 +71,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a load whose import or initialize runs longer fails (default 600; 0: no "
         "limit); its thread cannot be stopped and is left to finish",
+    )
+    run.add_argument(
+        "--exit-on-error",
+        type=_boolean,
+        default=True,
+        metavar="BOOL",
+        help="a model that fails to load at startup stops the server (default true)",
+    )
+    run.add_argument(
+        "--strict-readiness",
+        type=_boolean,
+        default=True,
+        metavar="BOOL",
+        help="not ready while a model that should serve failed to load or loads "
+        "(default true); false: ready once the server is up",
     )
     run.add_argument(
         "--strict-model-config",
@@ -273,6 +288,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model_load_thread_count=args.model_load_thread_count,
         model_load_timeout_s=args.model_load_timeout_secs,
         backend_config=_backend_config(args.backend_config),
+        exit_on_error=args.exit_on_error,
+        strict_readiness=args.strict_readiness,
         host=args.host,
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,
@@ -419,4 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     # would run on its own: a model.py that parses its arguments at import (argparse)
     # must not read, and exit on, the server's flags.
     del sys.argv[1:]
-    trio.run(run_until_signalled, config)
+    try:
+        trio.run(run_until_signalled, config)
+    except* StartupError as group:
+        # Triton's words, after the log has named each model that failed and why.
+        sys.exit(f"error: creating server: Internal - {group.exceptions[0]}")

@@ -54,6 +54,12 @@ class ServerConfig:
     model_load_timeout_s: float = 600.0
     # --backend-config: backend -> its settings (``_backend_config``; only onnxruntime's)
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # A model that fails to load at startup stops the server ("failed to load all
+    # models"); ``trioserve run`` sets it, as Triton's --exit-on-error defaults to true.
+    exit_on_error: bool = False
+    # Readiness (REST /v2/health/ready, gRPC ServerReady) says no while a model that
+    # should serve failed to load or is loading, as Triton's --strict-readiness.
+    strict_readiness: bool = True
     status_page: bool = True  # GET / and /status on the HTTP port: the live status page
     trace: TraceConfig = field(default_factory=TraceConfig)  # the trace extension's startup
     # The logging extension's startup settings; None leaves logger "trioserve" as the

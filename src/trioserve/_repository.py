@@ -131,6 +131,10 @@ class RepositoryControl(Protocol):
 
     async def unload(self, name: str, unload_dependents: bool) -> None: ...
 
+    def failed_models(self) -> list[str]:
+        """The models that should serve but failed to load and serve no version."""
+        ...
+
 
 class ModelRepository:
     """The served model versions by name; ``run`` is their task tree."""
@@ -159,6 +163,8 @@ class ModelRepository:
         # (name, version) -> when its load began, while it loads; version "" while the
         # model's files are read, before its versions are known.
         self.loading: dict[tuple[str, str], float] = {}
+        # Readiness also says no while a model fails to load or loads (strict readiness).
+        self.strict_readiness = False
 
     def __iter__(self) -> Iterator[ServedModel]:
         for versions in self._models.values():
@@ -209,6 +215,10 @@ class ModelRepository:
             return False
 
     def ready(self) -> bool:
+        if self.strict_readiness and (
+            self.loading or (self.control is not None and self.control.failed_models())
+        ):
+            return False
         return all(runner.ready for runner in self)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

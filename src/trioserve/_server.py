@@ -148,6 +148,10 @@ class _FrontEnds:
                 self.done.set()
 
 
+class StartupError(Exception):
+    """The server cannot start: a model failed to load and ``exit_on_error`` is set."""
+
+
 @asynccontextmanager
 async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     """Run a server for the duration of the block; leaving it cancels everything."""
@@ -188,7 +192,10 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             load_threads=config.model_load_thread_count,
             load_timeout_s=config.model_load_timeout_s,
         )
+        repository.strict_readiness = config.strict_readiness
         await services.start(manager.run)
+        if config.exit_on_error and manager.failed_models():
+            raise StartupError("failed to load all models")
         http: list[Address] = []
         grpc: list[Address] = []
         metrics: list[Address] = []

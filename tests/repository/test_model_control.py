@@ -2,8 +2,10 @@
 policies, strict configs, and unloads and reloads that let requests in flight finish.
 
 The servers run in-process without front ends; requests go to the repository directly.
-The model sleeps in trio for the delay its request asks, so under ``autojump_clock``
-every wait below takes an exact, virtual, time.
+The model sleeps in trio (``trio.from_thread.run`` from its worker thread) for the
+delay its request asks, so under ``autojump_clock`` every wait below takes an exact,
+virtual, time. The clock jumps only after ``THREAD_GRACE_S`` of real time with every task
+blocked: a model's worker thread on its way into trio must not let it jump.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from trioserve._errors import NotFoundError
 from trioserve._tensor import datatype
 from trioserve._types import InferenceRequest, InputTensor, RequestedOutput
 from trioserve.repository import RepositoryManager
+
+THREAD_GRACE_S = 0.5
+
+
+@pytest.fixture
+def clock(autojump_clock: trio.testing.MockClock) -> trio.testing.MockClock:
+    autojump_clock.autojump_threshold = THREAD_GRACE_S
+    return autojump_clock
+
 
 CONFIG = """
 name: "{name}"
@@ -49,11 +60,11 @@ class TritonPythonModel:
     def initialize(self, args):
         self.version = int(args["model_version"])
 
-    async def execute(self, requests):
+    def execute(self, requests):
         responses = []
         for request in requests:
             delay = pb_utils.get_input_tensor_by_name(request, "DELAY").as_numpy()[0]
-            await trio.sleep(float(delay))
+            trio.from_thread.run(trio.sleep, float(delay))
             version = np.array([self.version], np.int32)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("VERSION", version)]))
         return responses
@@ -105,7 +116,7 @@ async def start(nursery: trio.Nursery, root: Path, **settings: Any) -> Server:
 
 
 async def test_poll_mode_adds_changes_and_removes_models(
-    nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.testing.MockClock
+    nursery: trio.Nursery, tmp_path: Path, clock: trio.testing.MockClock
 ) -> None:
     add_model(tmp_path, "kept", [1])
     add_model(tmp_path, "changed", [1])
@@ -173,7 +184,7 @@ async def test_strict_model_config_refuses_a_model_without_config(
 
 
 async def test_unload_lets_requests_in_flight_finish(
-    nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.testing.MockClock
+    nursery: trio.Nursery, tmp_path: Path, clock: trio.testing.MockClock
 ) -> None:
     add_model(tmp_path, "slow", [1])
     server = await start(nursery, tmp_path, model_control_mode="explicit", load_models=["slow"])
@@ -195,7 +206,7 @@ async def test_unload_lets_requests_in_flight_finish(
 
 
 async def test_reload_swaps_versions_without_failing_a_request_in_flight(
-    nursery: trio.Nursery, tmp_path: Path, autojump_clock: trio.testing.MockClock
+    nursery: trio.Nursery, tmp_path: Path, clock: trio.testing.MockClock
 ) -> None:
     add_model(tmp_path, "swapped", [1])
     server = await start(nursery, tmp_path, model_control_mode="explicit", load_models=["*"])
@@ -209,13 +220,13 @@ async def test_reload_swaps_versions_without_failing_a_request_in_flight(
     await trio.sleep(1.0)
     # Time stands still while version 2 loads (in worker threads), so version 1 still
     # holds the request when the versions swap.
-    autojump_clock.autojump_threshold = math.inf
+    clock.autojump_threshold = math.inf
     add_model(tmp_path, "swapped", [2])
     nursery.start_soon(manager(server).load, "swapped", None, {})
     while states(server) != {"swapped": [("2", "READY")]}:
         await trio.testing.wait_all_tasks_blocked()
     assert answers == []
     assert await infer(server, "swapped") == 2  # new requests go to version 2 at once
-    autojump_clock.autojump_threshold = 0
+    clock.autojump_threshold = THREAD_GRACE_S
     await trio.sleep(10.0)
     assert answers == [(1, 10.0)]  # version 1 answered what it had taken

@@ -91,6 +91,14 @@ def complete_config(config: ModelConfig, folder: Path, *, gpu_available: bool = 
                 raise ConfigError(f"{where}: field '{kind}.dims' of '{tensor.name}': missing")
     if config.HasField("sequence_batching"):
         complete_sequence_batching(config)
+    batching = config.dynamic_batching
+    # Triton prefers full batches when the config names no preferred size.
+    if config.HasField("dynamic_batching") and not batching.preferred_batch_size:
+        batching.preferred_batch_size.extend([config.max_batch_size] * (config.max_batch_size > 0))
+    # Triton's default optimization: host buffers pinned for inputs and outputs.
+    for field in ("input_pinned_memory", "output_pinned_memory"):
+        if not config.optimization.HasField(field):
+            getattr(config.optimization, field).enable = True
 
 
 def model_settings(config: ModelConfig, folder: Path) -> dict[str, Any]:

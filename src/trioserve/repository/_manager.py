@@ -162,6 +162,9 @@ class RepositoryManager:
         with contextlib.suppress(InvalidArgumentError):  # logged, and listed in the index
             await self._load_model(name, None, {})
 
+    def failed_models(self) -> list[str]:
+        return sorted(name for name in self._failures if not self._repository.has(name))
+
     def index(self, ready_only: bool) -> list[dict[str, str]]:
         """Every model the repositories hold or the server serves, by name."""
         entries = []

@@ -3,11 +3,19 @@
 One ``TritonPythonModel`` object per model instance, as in Triton: ``initialize(args)``
 when the version loads (Triton's ``args`` keys, every value a string), ``execute(requests)``
 for each batch, one ``pb_utils.InferenceRequest`` per request of the batch, and
-``finalize()`` when it unloads. A plain ``execute`` runs in a worker thread, an ``async``
-one in trio. An exception from ``execute`` fails every request of the batch; a response
-carrying an error fails its own request. A decoupled model's ``execute`` returns None
-and answers through ``request.get_response_sender()``, from any thread, even after it
-returned.
+``finalize()`` when it unloads. ``execute`` runs in a worker thread; an ``async`` one
+(and an ``async`` ``initialize`` or ``finalize``, which Triton would not await) runs on
+the instance's own asyncio loop (``_pb_loop``), the worker thread waiting for it as
+Triton's stub does, except for a decoupled model, whose ``async`` execute runs on while
+the instance takes its next batch (Triton's behaviour too). Model code reaches the server
+(BLS, model control) only through ``_pb_link.ServerLink``, so that it could run in
+another process.
+
+An exception from ``execute`` fails every request of the batch with Triton's message
+(its type, message and the model's traceback, innermost frame first) and is logged once
+at ERROR; a response carrying an error fails its own request. A decoupled model's
+``execute`` returns None and answers through ``request.get_response_sender()``, from any
+thread, even after it returned.
 """
 
 from __future__ import annotations
@@ -16,11 +24,17 @@ import contextlib
 import importlib.util
 import inspect
 import json
+import logging
 import sys
-from collections.abc import Awaitable, Iterator, Sequence
+import traceback
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
@@ -30,9 +44,18 @@ from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
 from ._config import ConfigError, config_document, config_json
 from ._generated.model_config_pb2 import ModelConfig, ModelInstanceGroup
+from ._pb_link import ServerLink, Serving, serving
+from ._pb_loop import InstanceLoop
 from ._pb_metrics import CustomMetrics, serving_metrics
 
 MODULE_NAME = "triton_python_backend_utils"
+logger = logging.getLogger("trioserve.python_backend")
+# Frames of these folders are the server's, not the model's: a traceback leaves them out.
+_SERVER_FILES = (
+    str(Path(__file__).parents[1]),
+    str(Path(inspect.getfile(Future)).parents[2] / "asyncio"),
+    str(Path(inspect.getfile(Future)).parents[1]),
+)
 
 
 def import_model_file(path: Path, model_name: str, version: int) -> type:
@@ -77,6 +100,15 @@ def auto_complete(model_class: type, config: ModelConfig, path: Path) -> None:
         raise ConfigError(f"{path}: auto_complete_config must return the config it received")
 
 
+@dataclass(slots=True)
+class _Instance:
+    """One ``TritonPythonModel`` object, its name and its asyncio loop."""
+
+    model: Any
+    name: str
+    loop: InstanceLoop
+
+
 class PythonBackendModel(Model):
     """One version of a Python-backend model."""
 
@@ -88,60 +120,80 @@ class PythonBackendModel(Model):
         version: int,
         repository: ModelRepository,
         metrics: CustomMetrics | None = None,
+        model_file: Path | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(versions=(str(version),), **settings)
         self._class = model_class
         self._config = config
         self._folder = folder
+        self._model_dir = (model_file or folder / str(version) / "model.py").parent
         self._repository = repository
         self._metrics = metrics
-        self._instances: list[Any] = []  # by index: the runner's model instances
+        self._link: ServerLink | None = None  # made at load, in a trio worker thread
+        self._instances: list[_Instance] = []  # by index: the runner's model instances
         self._document = config_document(config)
-        self._async = inspect.iscoroutinefunction(model_class.execute)  # type: ignore[attr-defined]
 
-    @property
-    def is_async(self) -> bool:
-        return self._async
-
-    def execute(
-        self, requests: Sequence[InferenceRequest]
-    ) -> Sequence[Result] | Awaitable[Sequence[Result]]:
-        """The instance's responses; awaitable when its ``execute`` is ``async def``."""
-        if self._async:
-            return self._execute_async(requests)
-        return self._execute_sync(requests)
+    def execute(self, requests: Sequence[InferenceRequest]) -> Sequence[Result]:
+        """The instance's responses (in a worker thread)."""
+        instance = self._instances[MODEL_INSTANCE.get()]  # running one batch at a time
+        with self._serving():
+            served = [pb_utils.InferenceRequest._served(r) for r in requests]
+            try:
+                responses = instance.model.execute(served)
+                if inspect.isawaitable(responses):
+                    if self.decoupled:  # runs on; the instance takes its next batch
+                        self._in_background(instance, responses, served)
+                        return []
+                    responses = instance.loop.run(_coroutine(responses))
+            except Exception as exc:
+                raise self._failure(instance, exc) from exc
+        return self._outputs(requests, responses)
 
     def described_config(self) -> dict[str, Any]:
         return self._document
 
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
-        """What the model's code reaches through pb_utils while it runs: the repository
-        its BLS requests go to, the server's custom metrics."""
-        token = pb_utils.serving_repository.set(self._repository)
+        """What the model's code reaches through pb_utils while it runs: the server its
+        BLS requests go to, the server's custom metrics."""
+        assert self._link is not None, "the model is not loaded"
+        token = serving.set(Serving(self._link, self._model_dir))
         metrics = None if self._metrics is None else serving_metrics.set((self._metrics, self))
         try:
             yield
         finally:
             if metrics is not None:
                 serving_metrics.reset(metrics)
-            pb_utils.serving_repository.reset(token)
+            serving.reset(token)
 
     def load(self) -> None:
         """Create and initialize one instance per count of each instance group."""
+        self._link = ServerLink(
+            self._repository, trio.from_thread.run_sync(trio.lowlevel.current_trio_token)
+        )
         with self._serving():
             for group in self._config.instance_group:
                 gpu = group.kind == ModelInstanceGroup.KIND_GPU
                 for index in range(group.count):
+                    args = self._args(group, index, gpu)
+                    name = args["model_instance_name"]
+                    instance = _Instance(None, name, InstanceLoop(name))
                     try:
-                        instance = self._class()
-                        initialize = getattr(instance, "initialize", None)
-                        if initialize is not None:
-                            initialize(self._args(group, index, gpu))
+                        instance.model = self._class()
+                        self._call(instance, getattr(instance.model, "initialize", None), args)
                     except BaseException as exc:
+                        instance.loop.stop()
                         raise_failure(exc, self.name, "in initialize")
                     self._instances.append(instance)
+
+    @staticmethod
+    def _call(instance: _Instance, hook: Callable[..., Any] | None, *args: Any) -> None:
+        """Call ``initialize`` or ``finalize``; an ``async`` one runs on the instance's loop."""
+        if hook is not None:
+            returned = hook(*args)
+            if inspect.isawaitable(returned):
+                instance.loop.run(_coroutine(returned))
 
     def _args(self, group: Any, index: int, gpu: bool) -> dict[str, str]:
         return {
@@ -159,43 +211,44 @@ class PythonBackendModel(Model):
         try:
             with self._serving():
                 for instance in instances:
-                    finalize = getattr(instance, "finalize", None)
-                    if finalize is not None:
-                        try:
-                            finalize()
-                        except BaseException as exc:
-                            raise_failure(exc, self.name, "in finalize")
+                    try:
+                        self._call(instance, getattr(instance.model, "finalize", None))
+                    except BaseException as exc:
+                        raise_failure(exc, self.name, "in finalize")
+                    finally:
+                        instance.loop.stop()
         finally:
             if self._metrics is not None:
                 self._metrics.release(self)
 
-    def _execute_sync(self, requests: Sequence[InferenceRequest]) -> list[Result]:
-        instance = self._instances[MODEL_INSTANCE.get()]  # running one batch at a time
-        with self._serving():
-            served = [pb_utils.InferenceRequest._served(r) for r in requests]
-            try:
-                responses = instance.execute(served)
-            except Exception as exc:
-                raise self._failure(exc) from exc
-        return self._outputs(requests, responses)
+    def _in_background(
+        self, instance: _Instance, work: Awaitable[Any], served: list[pb_utils.InferenceRequest]
+    ) -> None:
+        """Run a decoupled model's ``async`` execute on its loop without waiting for it;
+        if it fails, the requests it had not answered get the error."""
 
-    async def _execute_async(self, requests: Sequence[InferenceRequest]) -> list[Result]:
-        instance = self._instances[MODEL_INSTANCE.get()]
-        with self._serving():
-            served = [pb_utils.InferenceRequest._served(r) for r in requests]
-            try:
-                responses = await instance.execute(served)
-            except Exception as exc:
-                raise self._failure(exc) from exc
-        return self._outputs(requests, responses)
+        def ended(future: Future[Any]) -> None:
+            exc = None if future.cancelled() else future.exception()
+            if isinstance(exc, BaseException):
+                failure = self._failure(instance, model_failure(exc, self.name, "in execute"))
+                for request in served:
+                    if request._sender is not None:
+                        with contextlib.suppress(InferenceServerError):
+                            request._sender.send(failure, final=True)
 
-    def _failure(self, exc: Exception) -> InferenceServerError:
+        instance.loop.submit(_coroutine(work)).add_done_callback(ended)
+
+    def _failure(self, instance: _Instance, exc: Exception) -> InferenceServerError:
+        """What ``execute`` raised, as Triton words it, logged once for the batch."""
         if isinstance(exc, InferenceServerError):
             return exc
-        return InternalError(
-            f"Failed to process the request(s) for model '{self.name}', message: "
-            f"{type(exc).__name__}: {exc}"
+        failed = f"Failed to process the request(s) for model instance '{instance.name}', message: "
+        logger.error(
+            "model '%s' version %s: %s%s", self.name, self.versions[0], failed, _described(exc)
         )
+        # The client reads the model's own frames by their place in the repository: the
+        # server's folders are not its business.
+        return InternalError(failed + _described(exc, self._folder.parent))
 
     def _outputs(self, requests: Sequence[InferenceRequest], responses: Any) -> list[Result]:
         if self.decoupled:
@@ -226,3 +279,25 @@ class PythonBackendModel(Model):
                 parameters = json.loads(response.parameters())
                 results.append(ResponseOutputs(outputs, parameters) if parameters else outputs)
         return results
+
+
+async def _coroutine(work: Awaitable[Any]) -> Any:
+    return await work
+
+
+def _described(exc: Exception, repository: Path | None = None) -> str:
+    """An exception as Triton's stub tells it: type, message, then "At:" and the model's
+    frames, innermost first. Given the ``repository`` folder, only the frames of its files,
+    named relative to it."""
+    frames = []
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = Path(frame.filename)
+        if frame.filename.startswith(_SERVER_FILES):
+            continue
+        if repository is not None:
+            if not path.is_relative_to(repository):
+                continue
+            path = path.relative_to(repository)
+        frames.append(f"  {path}({frame.lineno}): {frame.name}\n")
+    text = f"{type(exc).__name__}: {exc}"
+    return f"{text}\n\nAt:\n{''.join(frames)}" if frames else text

@@ -70,16 +70,17 @@ def read_model(
         check_reshapes(config, folder)
         settings = model_settings(config, folder)
         return [OnnxModel(paths[v], config, v, **settings) for v in versions]
-    classes = {
-        v: import_model_file(model_file(config, folders[v]), folder.name, v) for v in versions
-    }
+    files = {v: model_file(config, folders[v]) for v in versions}
+    classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
     if not strict:
         auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
+    if not config.default_model_filename:
+        config.default_model_filename = "model.py"  # what Triton's python backend names
     complete_config(config, folder)
     settings = model_settings(config, folder)
     return [
         PythonBackendModel(
-            classes[v], config, folders[v].parent, v, repository, metrics, **settings
+            classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
         )
         for v in versions
     ]
