@@ -20,9 +20,9 @@ from .._repository import ModelRepository
 from .._restricted import Restriction
 from ..tracing import TraceControl
 from ._app import Endpoint, Request, Response
-from ._json_body import COMPACT, json_object
+from ._json_body import json_object
 from ._router import Router
-from ._shm_endpoints import _restricted
+from ._shm_endpoints import _json, _restricted
 
 
 class _TraceEndpoints:
@@ -68,10 +68,6 @@ class _LogEndpoints:
 
     async def update(self, request: Request) -> Response:
         return _json(self.logs.update(json_object(request.body)))
-
-
-def _json(document: Any) -> Response:
-    return Response(200, COMPACT.encode(document).encode())
 
 
 def add_trace_routes(

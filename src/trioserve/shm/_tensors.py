@@ -141,7 +141,7 @@ class RequestRegions:
         else:
             check_raw_size(dt, shape, span.byte_size, what)
             array = raw.view(dt.dtype).reshape(shape)
-            array.flags.writeable = False  # as inputs are in system regions
+            array.flags.writeable = False  # read-only, as every other input
         self._host_copies += (_HostCopy(span, raw, dt, shape, what, array),)
         self.inputs_off_loop = True
         return array
