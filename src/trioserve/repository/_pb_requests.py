@@ -287,10 +287,10 @@ class InferenceRequest:
     def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
         """Run this request on the model it names and wait for its response; with
         ``decoupled``, the iterator of its responses (at once)."""
-        link = current("InferenceRequest.exec").link
-        core = self._core_request()
         if decoupled:
             return self._stream()
+        link = current("InferenceRequest.exec").link
+        core = self._core_request()
         try:
             return InferenceResponse._answer(
                 link.wait(lambda: link.infer(core, self._trace.parent))
