@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, InvalidArgumentError, UnsupportedError
-from .._model import Outputs, Result
+from .._model import Outputs, Result, batch_size
 from .._types import InferenceRequest
 
 Array = np.ndarray[Any, Any]
@@ -108,7 +108,7 @@ class Batch:
             except InvalidArgumentError as exc:
                 self._results[index] = exc
                 continue
-            self._sizes.append(_batch_size(request) if batching else 1)
+            self._sizes.append(batch_size(request) if batching else 1)
         self.feeds: dict[str, Array] = {}
         if len(mapped) == 1:
             self.feeds = mapped[0]
@@ -167,11 +167,6 @@ def _request_feeds(
                 data = data.reshape(layout.to_model(data.shape))
         feeds[name] = _text_in(name, data)
     return feeds
-
-
-def _batch_size(request: InferenceRequest) -> int:
-    first = next(iter(request.inputs.values()))
-    return int(first.shape[0])
 
 
 def _text_in(name: str, array: Array) -> Array:
