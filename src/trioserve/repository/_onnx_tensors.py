@@ -29,6 +29,7 @@ import numpy as np
 from .._errors import InternalError, InvalidArgumentError, UnsupportedError
 from .._model import Outputs, Result, batch_size
 from .._types import InferenceRequest
+from .._validation import fits_dims
 
 Array = np.ndarray[Any, Any]
 
@@ -49,7 +50,7 @@ class Layout:
 
     def to_client(self, item: tuple[int, ...], where: str) -> tuple[int, ...]:
         if self.model_dims is not None:
-            if not _fits(self.model_dims, item):
+            if not fits_dims(self.model_dims, item):
                 raise InternalError(
                     f"{where}: output '{self.name}' has item shape {list(item)}, the "
                     f"reshape says {list(self.model_dims)}"
@@ -84,10 +85,6 @@ def _segments(dims: Sequence[int]) -> list[int]:
 def _remap(shape: tuple[int, ...], source: Sequence[int], target: Sequence[int]) -> tuple[int, ...]:
     variable = iter([s for s, d in zip(shape, source, strict=True) if d == -1])
     return tuple(next(variable) if d == -1 else d for d in target)
-
-
-def _fits(dims: Sequence[int], shape: tuple[int, ...]) -> bool:
-    return len(shape) == len(dims) and all(d in (-1, s) for d, s in zip(dims, shape, strict=True))
 
 
 class Batch:
