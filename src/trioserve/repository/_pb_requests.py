@@ -228,10 +228,10 @@ class InferenceRequest:
             request_id=request.id,
             correlation_id=parameters.get("sequence_id", 0),
             flags=flags,
+            trace=InferenceTrace(request.trace),
             parameters=dict(parameters),
         )
         served._sender = request.response_sender
-        served._trace = InferenceTrace(request.trace)
         return served
 
     def inputs(self) -> list[Tensor]:
