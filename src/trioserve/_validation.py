@@ -53,7 +53,7 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
             item = shape[1:]
         else:
             item = shape
-        if item != spec.dims and not _fits(spec.dims, item):
+        if item != spec.dims and not fits_dims(spec.dims, item):
             expected = ([-1] if batches else []) + list(spec.dims)
             raise InvalidArgumentError(
                 f"unexpected shape for input '{name}' for model '{model.name}'. "
@@ -67,7 +67,7 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
     return size, frozenset(key)
 
 
-def _fits(dims: Sequence[int], shape: tuple[int, ...]) -> bool:
+def fits_dims(dims: Sequence[int], shape: tuple[int, ...]) -> bool:
     """Whether ``shape`` matches declared ``dims`` (-1: any size)."""
     return len(shape) == len(dims) and all(
         d == -1 or d == s for d, s in zip(dims, shape, strict=True)

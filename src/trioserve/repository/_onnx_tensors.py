@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from .._errors import InternalError, InvalidArgumentError, UnsupportedError
-from .._model import Outputs, Result
+from .._model import Outputs, Result, batch_size
 from .._types import InferenceRequest
+from .._validation import fits_dims
 
 Array = np.ndarray[Any, Any]
 
@@ -49,7 +50,7 @@ class Layout:
 
     def to_client(self, item: tuple[int, ...], where: str) -> tuple[int, ...]:
         if self.model_dims is not None:
-            if not _fits(self.model_dims, item):
+            if not fits_dims(self.model_dims, item):
                 raise InternalError(
                     f"{where}: output '{self.name}' has item shape {list(item)}, the "
                     f"reshape says {list(self.model_dims)}"
@@ -86,10 +87,6 @@ def _remap(shape: tuple[int, ...], source: Sequence[int], target: Sequence[int])
     return tuple(next(variable) if d == -1 else d for d in target)
 
 
-def _fits(dims: Sequence[int], shape: tuple[int, ...]) -> bool:
-    return len(shape) == len(dims) and all(d in (-1, s) for d, s in zip(dims, shape, strict=True))
-
-
 class Batch:
     """The feeds of one session call for ``requests``, and their outputs split back.
 
@@ -108,7 +105,7 @@ class Batch:
             except InvalidArgumentError as exc:
                 self._results[index] = exc
                 continue
-            self._sizes.append(_batch_size(request) if batching else 1)
+            self._sizes.append(batch_size(request) if batching else 1)
         self.feeds: dict[str, Array] = {}
         if len(mapped) == 1:
             self.feeds = mapped[0]
@@ -167,11 +164,6 @@ def _request_feeds(
                 data = data.reshape(layout.to_model(data.shape))
         feeds[name] = _text_in(name, data)
     return feeds
-
-
-def _batch_size(request: InferenceRequest) -> int:
-    first = next(iter(request.inputs.values()))
-    return int(first.shape[0])
 
 
 def _text_in(name: str, array: Array) -> Array:

@@ -228,10 +228,10 @@ class InferenceRequest:
             request_id=request.id,
             correlation_id=parameters.get("sequence_id", 0),
             flags=flags,
+            trace=InferenceTrace(request.trace),
             parameters=dict(parameters),
         )
         served._sender = request.response_sender
-        served._trace = InferenceTrace(request.trace)
         return served
 
     def inputs(self) -> list[Tensor]:
@@ -287,10 +287,10 @@ class InferenceRequest:
     def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
         """Run this request on the model it names and wait for its response; with
         ``decoupled``, the iterator of its responses (at once)."""
-        link = current("InferenceRequest.exec").link
-        core = self._core_request()
         if decoupled:
             return self._stream()
+        link = current("InferenceRequest.exec").link
+        core = self._core_request()
         try:
             return InferenceResponse._answer(
                 link.wait(lambda: link.infer(core, self._trace.parent))

@@ -119,15 +119,15 @@ class PythonBackendModel(Model):
         folder: Path,
         version: int,
         repository: ModelRepository,
-        metrics: CustomMetrics | None = None,
-        model_file: Path | None = None,
+        metrics: CustomMetrics | None,
+        model_file: Path,
         **settings: Any,
     ) -> None:
         super().__init__(versions=(str(version),), **settings)
         self._class = model_class
         self._config = config
         self._folder = folder
-        self._model_dir = (model_file or folder / str(version) / "model.py").parent
+        self._model_dir = model_file.parent
         self._repository = repository
         self._metrics = metrics
         self._link: ServerLink | None = None  # made at load, in a trio worker thread
