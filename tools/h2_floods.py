@@ -35,41 +35,30 @@ import h2.connection
 import h2.events
 from tritonclient.grpc import service_pb2
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, SETTINGS, PING, WINDOW_UPDATE, CONTINUATION = 0, 1, 4, 6, 8, 9
-END_STREAM, END_HEADERS = 1, 4
+from trioserve.grpc._h2_frames import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    HEADERS,
+    PING,
+    PREFACE,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+)
+from trioserve.grpc._hpack import encode_headers
+from trioserve.grpc._infer_wire import _encode_varint
+
 SERVICE = "/inference.GRPCInferenceService/"
 MiB = 1024 * 1024
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    size = len(payload)
-    return struct.pack(">BHBBL", size >> 16, size & 0xFFFF, kind, flags, stream_id) + payload
-
-
 def header_block(path: str, *extra: tuple[bytes, bytes]) -> bytes:
-    """Literal fields without indexing (no Huffman): the dynamic table is left alone."""
+    """A request's header block that leaves the dynamic table alone."""
     fields = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path.encode()),
               (b":authority", b"x"), (b"content-type", b"application/grpc"), *extra]  # fmt: skip
-    out = bytearray()
-    for name, value in fields:
-        out.append(0)
-        for text in (name, value):
-            _integer(out, len(text))
-            out += text
-    return bytes(out)
-
-
-def _integer(out: bytearray, value: int) -> None:  # 7-bit prefix (RFC 7541 section 5.1)
-    if value < 127:
-        out.append(value)
-        return
-    out.append(127)
-    value -= 127
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
+    return encode_headers(fields)
 
 
 def message(payload: bytes) -> bytes:
@@ -210,10 +199,7 @@ def infer_head(size: int) -> bytes:
     7's tag and length): the tensor's bytes follow."""
     request = service_pb2.ModelInferRequest(model_name="identity_fp32")
     request.inputs.add(name="INPUT0", datatype="FP32", shape=[size // 4])
-    head = request.SerializeToString() + b"\x3a"
-    length = bytearray()
-    _integer(length, size + 127)  # a 7-bit prefix integer less its prefix: a varint
-    return head + bytes(length[1:])
+    return request.SerializeToString() + b"\x3a" + _encode_varint(size)
 
 
 def case_stream(port: int) -> list[socket.socket]:

@@ -22,6 +22,7 @@ from trioserve.grpc import _h2_frames as frames
 from trioserve.grpc._generated import grpc_service_pb2 as pb
 from trioserve.grpc._h2_guard import CoreStatistics
 from trioserve.grpc._hpack import encode_headers
+from trioserve.grpc._infer_wire import _encode_varint
 
 MiB = 1024 * 1024
 ECHO_BLOCK = encode_headers(
@@ -174,7 +175,7 @@ async def test_a_large_message_does_not_hold_up_other_clients(h2c: Any, traced: 
     frames_of_zeros = 64
     zeros = h2c.raw_frame(frames.DATA, 0, 1, bytes(MiB))
     size = frames_of_zeros * MiB  # raw_input_contents: 64 MiB of zeros
-    head = b"\x3a" + encode_varint(size)  # field 7, length-delimited
+    head = b"\x3a" + _encode_varint(size)  # field 7, length-delimited
     opening = (
         PREFACE
         + h2c.raw_frame(frames.HEADERS, frames.END_HEADERS, 1, ECHO_BLOCK)
@@ -196,12 +197,3 @@ async def test_a_large_message_does_not_hold_up_other_clients(h2c: Any, traced: 
             flood.finish()
         # The message, and the copy of it protobuf makes for the test's handler.
         assert tracemalloc.get_traced_memory()[1] - before < 2 * size + 8 * MiB
-
-
-def encode_varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)

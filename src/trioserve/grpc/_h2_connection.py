@@ -394,7 +394,7 @@ class H2Connection:
         if credit and stream.id in self._streams:
             self._credit(stream, credit)
             self._outbox.flush()
-        if self._unacked >= self._half_window and self._reopen_window():
+        if self._reopen_window():
             self._outbox.flush()
 
     async def admit(self, stream: H2Stream, size: int) -> None:
@@ -403,7 +403,7 @@ class H2Connection:
 
     def repaid(self, size: int) -> None:
         self._pending.repay(size)
-        if self._unacked >= self._half_window and self._reopen_window():
+        if self._reopen_window():
             self._outbox.flush()
 
     async def send_reply(self, stream: H2Stream, message: Any) -> None:
