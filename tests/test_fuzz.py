@@ -37,7 +37,7 @@ from trioserve.grpc._infer_wire import InferPlans, WireRequest
 from trioserve.models import TinyLM, reference_zoo
 from trioserve.rest._http11_parser import ChunkedDecoder, HttpError, parse_head
 from trioserve.rest._infer_codec import decode_request
-from trioserve.scheduler import wire_names
+from trioserve.scheduler import PARAMETERS
 from trioserve.shm import RequestRegions, SharedMemoryRegistry
 from trioserve.testing import server_in_thread
 
@@ -653,7 +653,8 @@ parameter_edges = st.sampled_from([
     float("-inf"), "", "x", "\n", "\ud800", [], [""], ["a", "\ud800"], {}, {"a": 1},
 ])  # fmt: skip
 LLM_PARAMETERS = sorted(
-    {name for dialect in ("vllm", "completions", "chat") for name in wire_names(dialect)}
+    {name for row in PARAMETERS for dialect in ("vllm", "completions", "chat")
+     for name in row.wire_names(dialect)}
     | {"stream", "echo", "logprobs", "top_logprobs", "best_of", "stream_options", "user",
        "sequence_id", "timeout"}
 )  # fmt: skip

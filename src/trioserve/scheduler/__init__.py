@@ -32,12 +32,10 @@ from ._runners import runner_class
 from ._sampling_params import (
     MAX_LOGPROBS,
     PARAMETERS,
-    Dialect,
     ParameterError,
     RequestParameters,
     SamplingParams,
     read_parameters,
-    wire_names,
 )
 from ._sequence_runner import SequenceRunner
 from ._ticket import Ticket
@@ -47,7 +45,6 @@ __all__ = [
     "PARAMETERS",
     "TEXT_INPUT",
     "DecoupledRunner",
-    "Dialect",
     "FinishedRequest",
     "GenerationChunk",
     "GenerationRequest",
@@ -71,5 +68,4 @@ __all__ = [
     "prompt_and_parameters",
     "read_parameters",
     "runner_class",
-    "wire_names",
 ]

@@ -347,8 +347,7 @@ class LLMEngine:
             Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
             for row, parent, _, rng in forks
         ]
-        owners = [s.seq.owner for _, s in heads] + [parent.owner for _, parent, _, _ in forks]
-        tokens, logprobs = self._choose(logits, draws, owners)
+        tokens, logprobs = self._choose(logits, draws, heads, forks)
         accepted = []
         for (_, s), token, logprob in zip(heads, tokens, logprobs, strict=False):
             if token is None:
@@ -382,15 +381,21 @@ class LLMEngine:
                 self._drop(record, error, FailureReason.BACKEND)
 
     def _choose(
-        self, logits: np.ndarray[Any, Any], draws: list[Draw], owners: list[EngineRequest]
+        self,
+        logits: np.ndarray[Any, Any],
+        draws: list[Draw],
+        heads: list[tuple[int, _Sample]],
+        forks: list[_Fork],
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
-        """Each draw's token and logprobs, all in one pass. Should that pass fail, each
-        draw is tried alone and the requests whose draws fail fail (token None); the
-        others go on (their seeded draws are then no longer repeatable)."""
+        """Each draw's token and logprobs (``draws`` are the ``heads``' then the
+        ``forks``'), all in one pass. Should that pass fail, each draw is tried alone and
+        the requests whose draws fail fail (token None); the others go on (their seeded
+        draws are then no longer repeatable)."""
         try:
             return self._choose_all(logits, draws)
         except Exception:
             logger.exception("model %r: sampling a step failed; sampling alone", self.model.name)
+        owners = [s.seq.owner for _, s in heads] + [parent.owner for _, parent, _, _ in forks]
         tokens: list[int | None] = []
         logprobs: list[TokenLogprob | None] = []
         for draw, record in zip(draws, owners, strict=True):

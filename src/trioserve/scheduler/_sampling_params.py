@@ -178,8 +178,3 @@ def read_parameters(
         )
     priority = values.pop("priority", 0)
     return RequestParameters(SamplingParams(**values), priority)
-
-
-def wire_names(dialect: Dialect) -> frozenset[str]:
-    """Every name ``dialect`` reads a parameter under."""
-    return frozenset(name for row in PARAMETERS for name in row.wire_names(dialect))

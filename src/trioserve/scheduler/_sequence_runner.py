@@ -306,7 +306,7 @@ def _correlation_value(control: SequenceControl, correlation_id: CorrelationId) 
     limits = np.iinfo(control.wire_datatype.dtype)
     value = (
         correlation_id - _UINT64
-        if limits.min < 0 and correlation_id > np.iinfo(np.int64).max
+        if limits.min < 0 and correlation_id >= _INT64_HALF
         else correlation_id
     )
     if not limits.min <= value <= limits.max:
