@@ -80,13 +80,13 @@ class InferenceRequest:
         return _int_parameter(self.parameters, "timeout")
 
 
-_UINT64_MAX = 2**64 - 1  # Triton's type for both; JSON would carry any integer
+UINT64_MAX = 2**64 - 1  # the widest integer the protocols carry (gRPC's uint64)
 
 
 def _int_parameter(parameters: Parameters, key: str) -> int:
     value = parameters.get(key, 0)
-    if type(value) is not int or not 0 <= value <= _UINT64_MAX:
-        raise InvalidArgumentError(f"parameter '{key}' must be an integer from 0 to {_UINT64_MAX}")
+    if type(value) is not int or not 0 <= value <= UINT64_MAX:
+        raise InvalidArgumentError(f"parameter '{key}' must be an integer from 0 to {UINT64_MAX}")
     return value
 
 

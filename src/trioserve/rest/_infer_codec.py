@@ -26,6 +26,7 @@ from .._tensor import (
     element_count,
 )
 from .._types import (
+    UINT64_MAX,
     InferenceRequest,
     InferenceResponse,
     InputTensor,
@@ -144,7 +145,7 @@ def _check_flag(parameters: dict[str, Any], key: str, where: str) -> None:
 def _check_sequence_id(value: Any) -> None:
     """A numeric correlation id is a uint64, as on gRPC: JSON numbers beyond it would
     otherwise wrap around onto another sequence (2**64 + 5 continuing sequence 5)."""
-    if type(value) is int and not 0 <= value < 1 << 64:
+    if type(value) is int and not 0 <= value <= UINT64_MAX:
         raise InvalidArgumentError(
             f"request parameter 'sequence_id' must be an unsigned 64-bit integer, not {value}"
         )

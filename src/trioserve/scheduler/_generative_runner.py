@@ -147,6 +147,9 @@ class _CollectedTicket:
         return self._response
 
     def _take_error(self) -> Exception:
+        """The error, taken from the ticket. A method of its own: were ``outcome`` to hold
+        it in a local while raising, its frame would keep the error (and the request's
+        data) in a cycle until a full collection."""
         error, self._error = self._error, None
         assert error is not None
         return error

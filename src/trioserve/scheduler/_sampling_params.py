@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from .._errors import InvalidArgumentError
+from .._types import UINT64_MAX
 
 Dialect = Literal["vllm", "completions", "chat"]
 Kind = Literal["int", "number", "bool", "stops"]
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's limit)
 INT64_MAX = 2**63 - 1
-UINT64_MAX = 2**64 - 1  # numpy seeds any non-negative integer; gRPC carries up to uint64
 
 
 class ParameterError(InvalidArgumentError):

@@ -90,6 +90,9 @@ class Ticket:
         return self.response
 
     def _take_error(self) -> InferenceServerError:
+        """The error, taken from the ticket. A method of its own: were ``outcome`` to hold
+        it in a local while raising, its frame would keep the error (and the request's
+        data) in a cycle until a full collection."""
         error, self.error = self.error, None
         assert error is not None
         return error
