@@ -1,0 +1,30 @@
+"""A shared-memory transport between trioserve's processes, knowing nothing of models.
+
+Tensor bytes go once into an ``Arena`` (anonymous shared memory the writer owns) and
+are read in place by the peer through its ``SegmentMap``; control messages go as frames
+over a local stream socket (``TrioChannel`` in the event loop, ``BlockingChannel`` in a
+child's threads), the segments' descriptors riding along with the first frame that uses
+them. ``Replies`` matches answers to the requests that await them.
+"""
+
+from ._arena import ALIGNMENT, Arena, ArenaFull, Block, SegmentMap, anonymous_memory
+from ._channels import BlockingChannel, LinkClosed, TrioChannel, channel_pair
+from ._frames import FrameError, FrameReader, encode_frames
+from ._replies import Replies
+
+__all__ = [
+    "ALIGNMENT",
+    "Arena",
+    "ArenaFull",
+    "Block",
+    "BlockingChannel",
+    "FrameError",
+    "FrameReader",
+    "LinkClosed",
+    "Replies",
+    "SegmentMap",
+    "TrioChannel",
+    "anonymous_memory",
+    "channel_pair",
+    "encode_frames",
+]

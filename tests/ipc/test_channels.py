@@ -1,0 +1,166 @@
+"""Frames and channels: split anywhere, descriptors in order, batches, a real child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trioserve.ipc import (
+    Arena,
+    FrameError,
+    FrameReader,
+    LinkClosed,
+    Replies,
+    TrioChannel,
+    channel_pair,
+    encode_frames,
+)
+
+MESSAGES = st.lists(
+    st.recursive(
+        st.none() | st.integers() | st.text(max_size=20) | st.binary(max_size=40),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner),
+        max_leaves=8,
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(MESSAGES, st.data())
+def test_frames_split_anywhere_read_the_same(messages: list[object], data: st.DataObject) -> None:
+    encoded, _ = encode_frames((m, ()) for m in messages)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(encoded)), max_size=6)))
+    reader = FrameReader()
+    got: list[object] = []
+    for start, end in zip([0, *cuts], [*cuts, len(encoded)], strict=True):
+        got.extend(message for message, _ in reader.feed(encoded[start:end]))
+    assert got == messages
+
+
+def test_each_frame_gets_the_descriptors_its_header_names() -> None:
+    encoded, fds = encode_frames([("a", [10, 11]), ("b", []), ("c", [12])])
+    assert fds == [10, 11, 12]
+    frames = FrameReader().feed(encoded, fds)
+    assert frames == [("a", [10, 11]), ("b", []), ("c", [12])]
+
+
+def test_garbage_is_a_frame_error() -> None:
+    with pytest.raises(FrameError, match="exceeds"):
+        FrameReader().feed(b"\xff\xff\xff\xff\x00\x00\x00\x00")
+    with pytest.raises(FrameError, match="does not decode"):
+        FrameReader().feed(b"\x03\x00\x00\x00\x00\x00\x00\x00abc")
+    with pytest.raises(FrameError, match="descriptors"):
+        FrameReader().feed(encode_frames([("x", [5])])[0])
+
+
+# A child that doubles each float32 block it is sent, writing the answer into its own arena.
+_DOUBLER = textwrap.dedent(
+    """
+    import os, socket, sys, numpy as np
+    from trioserve.ipc import Arena, BlockingChannel, SegmentMap
+    channel = BlockingChannel(socket.socket(fileno=int(sys.argv[1])))
+    theirs, mine = SegmentMap(), Arena(1 << 16, 1 << 16)
+    while True:
+        (call, segments, block), fds = channel.receive()
+        for (segment, size), fd in zip(segments, fds):
+            theirs.add(segment, fd, size)
+        if call == "exit":
+            os._exit(3)
+        values = np.frombuffer(theirs.view(block), np.float32)
+        answer = mine.write((values * 2).tobytes())
+        fresh = mine.unannounced([answer])
+        channel.send((call, [(s, n) for s, _, n in fresh], answer), [fd for _, fd, _ in fresh])
+    """
+)
+
+
+async def _start_doubler() -> tuple[trio.Process, TrioChannel]:
+    parent, child = channel_pair()
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-c", _DOUBLER, str(child.fileno())], pass_fds=[child.fileno()]
+    )
+    child.close()
+    return process, TrioChannel(trio.socket.from_stdlib_socket(parent))
+
+
+async def test_tensors_cross_through_shared_memory_with_frames_batched() -> None:
+    process, channel = await _start_doubler()
+    arena = Arena(1 << 16, 1 << 16)
+    from trioserve.ipc import SegmentMap
+
+    answers = SegmentMap()
+    try:
+
+        async def send(call: int) -> None:
+            block = arena.write(np.full(1000, call, np.float32).tobytes())
+            # Announced in the same step as the frame is queued: frames go in queue order.
+            fresh = arena.unannounced([block])
+            message = (call, [(s, n) for s, _, n in fresh], block)
+            await channel.send(message, [fd for _, fd, _ in fresh])
+
+        async with trio.open_nursery() as nursery:
+            for call in range(50):  # all at once: one write carries many frames
+                nursery.start_soon(send, call)
+        assert channel.frames_sent == 50 and channel.writes < 50
+        got: dict[int, np.ndarray] = {}
+        while len(got) < 50:
+            for (call, segments, block), fds in await channel.receive():
+                for (segment, size), fd in zip(segments, fds, strict=True):
+                    answers.add(segment, fd, size)
+                got[call] = np.frombuffer(answers.view(block), np.float32).copy()
+        for call in range(50):
+            assert np.array_equal(got[call], np.full(1000, call * 2, np.float32))
+        await channel.send(("exit", [], None))
+        assert await process.wait() == 3
+        with pytest.raises(LinkClosed):
+            await channel.receive()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+        channel.close()
+        answers.close()
+        arena.close()
+
+
+async def test_a_killed_child_closes_the_link() -> None:
+    process, channel = await _start_doubler()
+    try:
+        os.kill(process.pid, signal.SIGKILL)
+        assert await process.wait() == -signal.SIGKILL
+        with pytest.raises(LinkClosed):
+            await channel.receive()
+        with pytest.raises(LinkClosed):
+            for _ in range(100):  # the first send may still reach the kernel's buffer
+                await channel.send(("x", [], None))
+    finally:
+        channel.close()
+
+
+async def test_replies_reach_their_callers_and_a_dead_link_fails_the_rest() -> None:
+    replies: Replies[str] = Replies()
+    first, first_answers = replies.open()
+    second, second_answers = replies.open()
+    streamed, streamed_answers = replies.open()
+    assert replies.deliver(first, "one")
+    assert replies.deliver(streamed, "a", last=False)
+    assert replies.deliver(streamed, "b", last=False)
+    replies.withdraw(second)
+    assert not replies.deliver(second, "late")
+    assert not replies.deliver(first, "again")
+    replies.fail_all(LinkClosed("gone"))
+    assert [a async for a in first_answers] == ["one"]
+    assert [a async for a in second_answers] == []
+    rest = [a async for a in streamed_answers]
+    assert rest[:2] == ["a", "b"] and isinstance(rest[2], LinkClosed)
+    assert len(replies) == 0
