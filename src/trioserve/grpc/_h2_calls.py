@@ -9,9 +9,9 @@ from typing import Any, Protocol
 
 import trio
 
+from ._call import UnaryMethod
 from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
 from ._h2_stream import H2Stream
-from ._methods import UnaryMethod
 
 
 class CallHost(Protocol):

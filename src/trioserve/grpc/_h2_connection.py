@@ -35,6 +35,7 @@ import trio
 
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
+from ._call import Method, UnaryMethod
 from ._errors import GrpcError, GrpcStatus
 from ._h2_calls import run_call
 from ._h2_guard import (
@@ -52,7 +53,6 @@ from ._h2_send import Sender
 from ._h2_stream import CallPlan, H2Stream
 from ._h2_transport import Transport
 from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
-from ._methods import Method, UnaryMethod
 from ._wire import trailers
 
 logger = logging.getLogger("trioserve.grpc")

@@ -10,17 +10,16 @@ stays bounded whatever its calls answer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import trio
+from google.protobuf.message import Message
 
 from . import _h2_frames as h2
+from ._call import Reply, UnaryMethod
 from ._errors import ClientGone, GrpcError, GrpcStatus
 from ._h2_outbox import Outbox, Part
 from ._h2_stream import H2Stream
 from ._h2_transport import trim
-from ._infer_wire import WireReply
-from ._methods import UnaryMethod
 from ._wire import MESSAGE_PREFIX, compress, response_headers
 
 
@@ -93,11 +92,11 @@ class Sender:
         self._window_opened.set()
         self._window_opened = trio.Event()
 
-    async def send_reply(self, stream: H2Stream, reply: Any) -> None:
+    async def send_reply(self, stream: H2Stream, reply: Reply) -> None:
         """One response message, in DATA frames the client's windows allow. A reply in
-        parts (``_infer_wire.WireReply``) is written part by part, never joined."""
+        parts (``_call.ReplyInParts``) is written part by part, never joined."""
         parts: list[Part] = (
-            reply.parts if isinstance(reply, WireReply) else [reply.SerializeToString()]
+            [reply.SerializeToString()] if isinstance(reply, Message) else reply.parts
         )
         size = sum(map(len, parts))
         limit = self._max_message
@@ -124,7 +123,7 @@ class Sender:
             frame = (h2.frame_header(remaining, h2.DATA, 0, stream.id), prefix, *parts)
             outbox.extend(frame, h2.FRAME_HEADER_BYTES + remaining)
             remaining = 0
-        parts.insert(0, prefix)
+        parts = [prefix, *parts]
         while remaining:
             if stream.reset:
                 raise ClientGone("the client reset the stream")

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 
 import trio
 
+from ._call import Method
 from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message
-from ._methods import Method
 from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, decompress
 
 
