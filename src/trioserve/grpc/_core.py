@@ -24,7 +24,7 @@ from .._sockets import Accepted, Address, serve_tcp
 from ._call import Method
 from ._h2_connection import H2Connection
 from ._h2_guard import CoreStatistics, IdleRoster
-from ._h2_transport import SocketTransport, TlsTransport, Transport
+from ._h2_transport import SocketTransport, StreamTransport, Transport
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -114,7 +114,7 @@ class _CoreServer:
             await stream.do_handshake()
         if stream.selected_alpn_protocol() not in (None, "h2"):
             raise trio.BrokenResourceError("the client did not choose h2")
-        return TlsTransport(stream)
+        return StreamTransport(stream)
 
     async def sweep_idle(self) -> None:
         """Close connections idle for ``idle_timeout_s`` (within a tick): one task for

@@ -1,5 +1,5 @@
 """What HTTP/2 connections let a client cost the server, counted apart from the
-protocol work in ``_h2_connection``: the header block being assembled (bounded in bytes
+protocol work in ``_h2_state``: the header block being assembled (bounded in bytes
 and in frames), the budget of stream resets, the requests a connection holds for its
 client, the server's idle connections, and the counters of what clients did wrong.
 
@@ -9,10 +9,9 @@ A bound a client passes ends its connection with GOAWAY(ENHANCE_YOUR_CALM) namin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-import trio
 
 from . import _h2_frames as h2
 
@@ -45,16 +44,17 @@ class ResetBudget:
     can provoke them as cheaply: a WINDOW_UPDATE of 0 after each call). Each costs the
     server a call set up and torn down, so an empty bucket ends the connection."""
 
-    __slots__ = ("_burst", "_rate", "_time", "_tokens")
+    __slots__ = ("_burst", "_clock", "_rate", "_time", "_tokens")
 
-    def __init__(self, burst: int, rate: float) -> None:
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
         self._burst = float(burst)
         self._rate = rate
+        self._clock = clock
         self._tokens = float(burst)
-        self._time = trio.current_time()
+        self._time = clock()
 
     def charge(self) -> None:
-        now = trio.current_time()
+        now = self._clock()
         tokens = self._tokens + (now - self._time) * self._rate
         self._tokens = min(self._burst, tokens) - 1
         self._time = now
@@ -140,15 +140,14 @@ class PendingBudget:
     Past ``limit`` the connection stops reopening its receive window, and streaming calls
     take no new request, except a call that owes nothing (so that one request larger
     than the limit still goes through): a client that sends and never reads waits on
-    flow control instead of piling up requests and their answers.
+    flow control instead of piling up requests and their answers. The waiting is the
+    driver's (``_h2_connection``); this is the accounting.
     """
 
-    __slots__ = ("_limit", "_room", "_waiting", "owed", "pauses", "queued")
+    __slots__ = ("_limit", "owed", "pauses", "queued")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._room = trio.Event()
-        self._waiting = 0
         self.queued = 0
         self.owed = 0
         self.pauses = 0  # times a call waited
@@ -157,24 +156,10 @@ class PendingBudget:
     def full(self) -> bool:
         return self.queued + self.owed > self._limit
 
-    async def admit(self, owes: bool, size: int) -> None:
-        """Wait until a call (``owes``: one that has requests unanswered) may take a
-        request of ``size`` bytes, and count it as owed."""
-        if owes and self.owed + size > self._limit:
-            self.pauses += 1
-            self._waiting += 1
-            try:
-                while self.owed and self.owed + size > self._limit:
-                    await self._room.wait()
-            finally:
-                self._waiting -= 1
-        self.owed += size
-
-    def repay(self, size: int) -> None:
-        self.owed -= size
-        if self._waiting:
-            self._room.set()
-            self._room = trio.Event()
+    def must_wait(self, owes: bool, size: int) -> bool:
+        """Whether a call (``owes``: one with requests unanswered) must wait before it
+        takes a request of ``size`` bytes."""
+        return owes and self.owed > 0 and self.owed + size > self._limit
 
 
 class _Closable(Protocol):
