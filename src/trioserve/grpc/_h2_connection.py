@@ -34,7 +34,7 @@ from ._errors import GrpcStatus
 from ._grpc_call import GrpcStream, run_call
 from ._h2_guard import CoreStatistics, IdleRoster
 from ._h2_outbox import Outbox
-from ._h2_state import CallReady, H2State, Signal
+from ._h2_state import H2State, Signal
 from ._h2_stream import H2Stream
 from ._h2_transport import Transport
 
@@ -75,7 +75,6 @@ class H2Connection:
         self._since_yield = 0  # bytes read since the reader last checkpointed
         self._window = trio.Event()  # set when the client's windows grow
         self._room = trio.Event()  # set when owed requests were repaid
-        self._waiting = 0  # calls waiting for room
 
     # --- lifetime ------------------------------------------------------------------------
 
@@ -172,16 +171,15 @@ class H2Connection:
             return
         self.state.events = []
         for event in events:
-            if type(event) is CallReady:
+            if type(event) is not Signal:  # a stream: its call is ready to run
                 assert self._calls is not None
-                self._calls.start_soon(run_call, self, cast(GrpcStream, event.stream))
+                self._calls.start_soon(run_call, self, cast(GrpcStream, event))
             elif event is Signal.WINDOW_OPENED:
                 self._window.set()
                 self._window = trio.Event()
             elif event is Signal.REPAID:
-                if self._waiting:
-                    self._room.set()
-                    self._room = trio.Event()
+                self._room.set()
+                self._room = trio.Event()
             elif event is Signal.IDLE:
                 self._roster.idle(self)
             elif event is Signal.BUSY:
@@ -195,12 +193,12 @@ class H2Connection:
         pending = self.state.pending
         if pending.must_wait(bool(stream.owed), size):
             pending.pauses += 1
-            self._waiting += 1
+            pending.waiting += 1
             try:
                 while pending.must_wait(True, size):
                     await self._room.wait()
             finally:
-                self._waiting -= 1
+                pending.waiting -= 1
         self.state.owe(stream, size)
 
     def repaid(self, stream: H2Stream) -> None:

@@ -69,19 +69,18 @@ class HeaderBlock:
     decoded: in bytes, and in frames, empty ones included (each costs a frame's work
     however little it carries)."""
 
-    __slots__ = ("_fragments", "_frames", "_max_bytes", "_max_frames", "flags", "stream_id")
+    __slots__ = (
+        "_fragments", "_frames", "_max_bytes", "_max_frames", "flags", "open", "stream_id",
+    )  # fmt: skip
 
     def __init__(self, max_bytes: int, max_frames: int) -> None:
         self._max_bytes = max_bytes
         self._max_frames = max_frames  # CONTINUATION frames after the HEADERS
         self._fragments = bytearray()
         self._frames = 0  # 0: no block open
+        self.open = False  # a block waits for its CONTINUATION frames
         self.flags = 0  # the HEADERS frame's (END_STREAM)
         self.stream_id = 0
-
-    @property
-    def open(self) -> bool:
-        return self._frames > 0
 
     def check(self, length: int) -> None:
         """Before a HEADERS or CONTINUATION payload of ``length`` is read."""
@@ -91,6 +90,7 @@ class HeaderBlock:
     def begin(self, flags: int, stream_id: int, fragment: bytes) -> None:
         self._fragments = bytearray(fragment)
         self._frames = 1
+        self.open = True
         self.flags = flags
         self.stream_id = stream_id
 
@@ -113,6 +113,7 @@ class HeaderBlock:
     def clear(self) -> None:
         self._fragments = bytearray()
         self._frames = 0
+        self.open = False
 
 
 def header_fragment(flags: int, payload: bytes) -> bytes:
@@ -144,13 +145,14 @@ class PendingBudget:
     driver's (``_h2_connection``); this is the accounting.
     """
 
-    __slots__ = ("_limit", "owed", "pauses", "queued")
+    __slots__ = ("_limit", "owed", "pauses", "queued", "waiting")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self.queued = 0
         self.owed = 0
         self.pauses = 0  # times a call waited
+        self.waiting = 0  # calls waiting now
 
     @property
     def full(self) -> bool:

@@ -36,16 +36,19 @@ from ._call import Method
 from ._h2_guard import CoreStatistics, HeaderBlock, count, header_fragment
 from ._h2_send import Outgoing
 from ._h2_stream import H2Stream
-from ._h2_streams import CallReady, Event, H2Streams, Signal, StreamFactory, logger
+from ._h2_streams import Event, H2Streams, Signal, StreamFactory, logger
 
-__all__ = ["CallReady", "Event", "H2State", "Signal"]
+__all__ = ["Event", "H2State", "Signal"]
 
 YIELD_FRAMES = 1024
 # Parts the outbox may hold before the reader waits, whatever their bytes: each is an
 # object, and a flood of PINGs queues 17-byte ACKs, 250,000 of them in 4 MiB.
 OUTBOX_PARTS = 16 * 1024
 
-_PREFACE, _FRAME, _DATA, _SKIP = range(4)  # what the parser reads next
+_PREFACE, _SETTINGS, _FRAME, _DATA, _SKIP = range(5)  # what the parser reads next
+_HEADER_BYTES = h2.FRAME_HEADER_BYTES
+_DATA_FRAME = h2.DATA
+_unpack_header = h2.HEADER.unpack_from
 
 
 class H2State(H2Streams):
@@ -65,6 +68,7 @@ class H2State(H2Streams):
             clock=clock, out=out, new_stream=new_stream,
         )  # fmt: skip
         # A header block still waiting for CONTINUATION; HPACK rarely more than halves.
+        self._max_frame = limits.max_frame_bytes
         self._block = HeaderBlock(2 * limits.max_header_list_bytes, limits.max_continuation_frames)
         # The parser: unread bytes (``_buf`` from ``_pos``), and within a DATA frame the
         # payload and padding still to come, for ``_data_stream`` (None: dropped).
@@ -75,7 +79,6 @@ class H2State(H2Streams):
         self._pad_left = 0
         self._data_flags = 0
         self._data_stream: H2Stream | None = None
-        self._first = True
         self.backlog = False  # bytes received and not parsed yet (``YIELD_FRAMES``)
         self.closed_as: str | None = None  # the counter of an idle connection's close
         # Idle detection (``idle_tick``): how many ticks have passed with no call open
@@ -183,35 +186,16 @@ class H2State(H2Streams):
         buf = self._buf
         pos = self._pos
         frames = 0
-        max_frame = self._limits.max_frame_bytes
-        while not self.ended:
-            mode = self._mode
-            if mode == _DATA:
+        max_frame = self._max_frame
+        block = self._block
+        while True:
+            if self._mode != _FRAME:
                 self._pos = pos
-                if not self._data_payload():
+                if not self._between_frames():
                     return
                 buf, pos = self._buf, self._pos
                 continue
-            if mode == _SKIP:
-                take = min(len(buf) - pos, self._pad_left)
-                pos += take
-                self._pad_left -= take
-                if self._pad_left:
-                    self._pos = pos
-                    return
-                self._mode = _FRAME
-                continue
-            if mode == _PREFACE:
-                got = buf[: len(h2.PREFACE)]
-                if not h2.PREFACE.startswith(got):
-                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                if len(got) < len(h2.PREFACE):
-                    return
-                pos = len(h2.PREFACE)
-                self._mode = _FRAME
-                self.out.queue(h2.opening_frames(self._limits))
-                continue
-            if len(buf) - pos < h2.FRAME_HEADER_BYTES:
+            if len(buf) - pos < _HEADER_BYTES:
                 self._pos = pos
                 return
             if frames == YIELD_FRAMES:
@@ -219,35 +203,32 @@ class H2State(H2Streams):
                 self.backlog = True
                 return
             frames += 1
-            high, low, kind, flags, stream_id = h2.HEADER.unpack_from(buf, pos)
+            high, low, kind, flags, stream_id = _unpack_header(buf, pos)
             length = high << 16 | low
             stream_id &= 0x7FFFFFFF
-            if self._first and kind != h2.SETTINGS:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "the preface must end in SETTINGS")
-            self._first = False
             if length > max_frame:
                 raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-            if kind == h2.DATA:
-                if flags & h2.PADDED and len(buf) - pos == h2.FRAME_HEADER_BYTES and length:
+            if kind == _DATA_FRAME:
+                if flags & h2.PADDED and len(buf) - pos == _HEADER_BYTES and length:
                     self._pos = pos
                     return  # the pad length has not come yet
-                self._data_frame(buf, pos + h2.FRAME_HEADER_BYTES, length, flags, stream_id)
+                self._data_frame(buf, pos + _HEADER_BYTES, length, flags, stream_id)
                 buf, pos = self._buf, self._pos
                 continue
-            if self._block.open and kind != h2.CONTINUATION:
+            if block.open and kind != h2.CONTINUATION:
                 raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
             if kind > h2.CONTINUATION:  # an extension frame: skip it unread
-                pos += h2.FRAME_HEADER_BYTES
+                pos += _HEADER_BYTES
                 self._pad_left = length
                 self._mode = _SKIP
                 continue
             if kind == h2.HEADERS or kind == h2.CONTINUATION:
-                self._block.check(length)
-            end = pos + h2.FRAME_HEADER_BYTES + length
+                block.check(length)
+            end = pos + _HEADER_BYTES + length
             if end > len(buf):
                 self._pos = pos
                 return  # the payload has not all come: parse the header again then
-            payload = buf[pos + h2.FRAME_HEADER_BYTES : end]
+            payload = buf[pos + _HEADER_BYTES : end]
             pos = end
             self._pos = pos
             try:
@@ -256,6 +237,37 @@ class H2State(H2Streams):
                 self._reset_stream(exc.stream_id, exc.code, exc.reason)
             if self.ended:
                 return
+
+    def _between_frames(self) -> bool:
+        """The parser's other states: the preface, the first frame (SETTINGS), a DATA
+        payload, skipped bytes. False until more bytes come."""
+        mode = self._mode
+        if mode == _DATA:
+            return self._data_payload() and not self.ended
+        buf, pos = self._buf, self._pos
+        if mode == _SKIP:
+            take = min(len(buf) - pos, self._pad_left)
+            self._pos = pos + take
+            self._pad_left -= take
+            if self._pad_left:
+                return False
+            self._mode = _FRAME
+        elif mode == _PREFACE:
+            got = buf[: len(h2.PREFACE)]
+            if not h2.PREFACE.startswith(got):
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            if len(got) < len(h2.PREFACE):
+                return False
+            self._pos = len(h2.PREFACE)
+            self._mode = _SETTINGS
+            self.out.queue(h2.opening_frames(self._limits))
+        else:  # _SETTINGS: the preface ends in the client's SETTINGS
+            if len(buf) - pos < _HEADER_BYTES:
+                return False
+            if buf[pos + 3] != h2.SETTINGS:
+                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "the preface must end in SETTINGS")
+            self._mode = _FRAME
+        return True
 
     def _data_frame(self, buf: bytes, pos: int, length: int, flags: int, stream_id: int) -> None:
         if stream_id == 0:

@@ -102,7 +102,6 @@ class H2Stream:
         stream_id: int,
         plan: CallPlan,
         owner: StreamOwner,
-        *,
         limit: int,
         queue_limit: int,
         send_window: int,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 from .._limits import GrpcLimits
 from . import _h2_frames as h2
@@ -18,7 +17,7 @@ from ._errors import GrpcError, GrpcStatus
 from ._h2_guard import CoreStatistics, PendingBudget, ResetBudget
 from ._h2_request import HTTP_431, CallPlans, Refusal
 from ._h2_send import Outgoing, Sender
-from ._h2_stream import CallPlan, H2Stream
+from ._h2_stream import CallPlan, H2Stream, StreamOwner
 from ._hpack import HeaderDecoder, HeaderList, HeaderListTooLarge, HpackError
 from ._wire import trailers
 
@@ -33,16 +32,11 @@ class Signal(enum.Enum):
     ENDED = "read no more: the connection ended (an error, a drain done, idle)"
 
 
-@dataclass(frozen=True, slots=True)
-class CallReady:
-    """Run this stream's handler now (a unary call's request is complete; a streaming
-    call runs from its HEADERS)."""
-
-    stream: H2Stream
-
-
-Event = Signal | CallReady
-StreamFactory = Callable[..., H2Stream]  # H2Stream's signature
+# An event is a ``Signal``, or a stream whose handler is to run now (a unary call's
+# request is complete; a streaming call runs from its HEADERS).
+Event = Signal | H2Stream
+# H2Stream's signature, all arguments positional.
+StreamFactory = Callable[[int, CallPlan, StreamOwner, int, int, int, int], H2Stream]
 
 
 class H2Streams:
@@ -103,7 +97,8 @@ class H2Streams:
         """A streaming call answered: its oldest owed request is no longer owed."""
         if stream.owed:
             self.pending.owed -= stream.owed.popleft()
-            self.events.append(Signal.REPAID)
+            if self.pending.waiting:
+                self.events.append(Signal.REPAID)
             self._reopen_window()
 
     def finish(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
@@ -221,10 +216,10 @@ class H2Streams:
             stream_id,
             plan.plan if isinstance(plan, Refusal) else plan,
             self,
-            limit=self._max_message,
-            queue_limit=limits.stream_window_bytes,
-            send_window=self.sender.initial_window,
-            recv_window=limits.stream_window_bytes,
+            self._max_message,
+            limits.stream_window_bytes,
+            self.sender.initial_window,
+            limits.stream_window_bytes,
         )
         if not self.streams:
             self.events.append(Signal.BUSY)
@@ -242,7 +237,7 @@ class H2Streams:
 
     def _ready(self, stream: H2Stream) -> None:
         stream.started = True
-        self.events.append(CallReady(stream))
+        self.events.append(stream)
 
     def _reset_stream(self, stream_id: int, code: int, reason: str) -> None:
         self._stats.stream_errors += 1
@@ -260,7 +255,8 @@ class H2Streams:
         if stream.owed:
             self.pending.owed -= sum(stream.owed)
             stream.owed.clear()
-            self.events.append(Signal.REPAID)
+            if self.pending.waiting:
+                self.events.append(Signal.REPAID)
         if not self.streams:
             self.events.append(Signal.IDLE)
             if self.draining:
