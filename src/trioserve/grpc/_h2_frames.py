@@ -108,7 +108,8 @@ def opening_frames(limits: GrpcLimits) -> bytes:
             (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes),
         ]
     )
-    return settings + window_update(0, limits.connection_window_bytes - DEFAULT_WINDOW)
+    extra = limits.connection_window_bytes - DEFAULT_WINDOW
+    return settings + window_update(0, extra) if extra > 0 else settings  # 0: no update
 
 
 def window_update(stream_id: int, increment: int) -> bytes:

@@ -315,7 +315,7 @@ class H2State(H2Streams):
         self._data_stream = None
         self._mode = _FRAME
         if stream is not None and self._data_flags & h2.END_STREAM:
-            stream.end_remote()
+            self._end_remote(stream)
         self._reopen_window()
         return True
 

@@ -190,7 +190,7 @@ class H2Streams:
         if stream is not None:  # trailers from the client: they end its side
             if not flags & h2.END_STREAM:
                 raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "trailers without END_STREAM")
-            stream.end_remote()
+            self._end_remote(stream)
             return
         if stream_id <= self.last_stream_id:
             return  # a stream we closed already
@@ -234,6 +234,13 @@ class H2Streams:
             stream.deadline = self._clock() + plan.timeout_s
         if ended or not isinstance(plan.method, UnaryMethod):
             self._ready(stream)  # streaming calls run at once; unary ones on their message
+
+    def _end_remote(self, stream: H2Stream) -> None:
+        """The client ended its side; a unary call still waiting for its message runs
+        now (and is answered that none came)."""
+        stream.end_remote()
+        if not stream.started and not stream.local_closed:
+            self._ready(stream)
 
     def _ready(self, stream: H2Stream) -> None:
         stream.started = True
