@@ -7,5 +7,6 @@ imported only when chosen (``_alternatives``).
 """
 
 from ._serve import serve_grpc_core as serve_grpc_core
+from ._serve import serve_grpc_stream as serve_grpc_stream
 
-__all__ = ["serve_grpc_core"]
+__all__ = ["serve_grpc_core", "serve_grpc_stream"]

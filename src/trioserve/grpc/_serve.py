@@ -10,7 +10,9 @@ from .._sockets import Address
 from ..metrics._counters import CountersCollector
 from ._call import Method, StreamMethod
 from ._core import serve_methods, tls_context
-from ._h2_guard import CoreStatistics
+from ._h2_connection import H2Connection
+from ._h2_guard import CoreStatistics, IdleRoster
+from ._h2_transport import StreamTransport
 from ._methods import grpc_methods
 from ._reflection import REFLECTION_VERSIONS, reflection_handler, service_names
 
@@ -73,3 +75,16 @@ def with_reflection(methods: dict[str, Method]) -> dict[str, Method]:
         handler = reflection_handler(version, names)
         methods[version.path] = StreamMethod(version.request_type, handler)
     return methods
+
+
+async def serve_grpc_stream(context: ServerContext, stream: trio.abc.Stream) -> None:
+    """Serve the server's gRPC methods on one connection over ``stream`` (HTTP/2 with
+    prior knowledge, e.g. in memory: ``trioserve.testing.open_grpc_channel``) until the
+    client leaves. Its counters are its own, on no ``/metrics``."""
+    config = context.config
+    methods = with_reflection(grpc_methods(context))
+    connection = H2Connection(
+        StreamTransport(stream), methods, config.grpc_limits, config.grpc_max_message_bytes,
+        CoreStatistics(), IdleRoster(),
+    )  # fmt: skip
+    await connection.run()
