@@ -260,25 +260,22 @@ def test_a_header_block_over_its_bytes_is_refused_before_it_is_kept():
     assert pair.goaway()[1] == frames.ENHANCE_YOUR_CALM
 
 
+def open_and_reset(pair: Pair, count: int) -> None:
+    for _ in range(count):
+        sid = pair.client.get_next_available_stream_id()
+        pair.client.send_headers(sid, call_headers(STREAM))
+        pair.client.reset_stream(sid)
+        pair.send(pair.client.data_to_send())
+
+
 def test_rapid_reset_ends_the_connection_and_time_refills_the_budget():
     pair = Pair(max_reset_burst=10, resets_per_s=1.0)
-    for _ in range(10):
-        sid = pair.client.get_next_available_stream_id()
-        pair.client.send_headers(sid, call_headers(STREAM))
-        pair.client.reset_stream(sid)
-        pair.exchange()
+    open_and_reset(pair, 10)
     assert not pair.server.ended
     pair.now += 5.0  # five resets' worth
-    for _ in range(5):
-        sid = pair.client.get_next_available_stream_id()
-        pair.client.send_headers(sid, call_headers(STREAM))
-        pair.client.reset_stream(sid)
-        pair.exchange()
+    open_and_reset(pair, 5)
     assert not pair.server.ended
-    sid = pair.client.get_next_available_stream_id()
-    pair.client.send_headers(sid, call_headers(STREAM))
-    pair.client.reset_stream(sid)
-    pair.send(pair.client.data_to_send())
+    open_and_reset(pair, 1)
     assert pair.server.ended
     assert pair.goaway()[1] == frames.ENHANCE_YOUR_CALM
     assert pair.statistics.calm_goaways == 1

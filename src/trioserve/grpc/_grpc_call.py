@@ -20,7 +20,7 @@ from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
 from ._h2_frames import Part
 from ._h2_outbox import Outbox
 from ._h2_state import H2State
-from ._h2_stream import CallPlan, H2Stream, StreamOwner
+from ._h2_stream import H2Stream
 from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, compress, response_headers
 
 
@@ -52,20 +52,9 @@ class GrpcStream(H2Stream):
 
     __slots__ = ("_host", "_waiter", "scope", "withdraw")
 
-    def __init__(
-        self,
-        host: CallHost,
-        stream_id: int,
-        plan: CallPlan,
-        owner: StreamOwner,
-        limit: int,
-        queue_limit: int,
-        send_window: int,
-        recv_window: int,
-    ) -> None:
-        H2Stream.__init__(
-            self, stream_id, plan, owner, limit, queue_limit, send_window, recv_window
-        )
+    def __init__(self, host: CallHost, *stream: Any) -> None:
+        """``stream``: ``H2Stream``'s arguments."""
+        H2Stream.__init__(self, *stream)
         self._host = host
         self._waiter: trio.Event | None = None
         self.scope: trio.CancelScope | None = None  # the handler's, once it runs

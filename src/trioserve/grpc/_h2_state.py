@@ -28,15 +28,10 @@ they count is ``_h2_guard.CoreStatistics``:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-
-from .._limits import GrpcLimits
 from . import _h2_frames as h2
-from ._call import Method
-from ._h2_guard import CoreStatistics, HeaderBlock, count, header_fragment
-from ._h2_send import Outgoing
+from ._h2_guard import count, header_fragment
 from ._h2_stream import H2Stream
-from ._h2_streams import Event, H2Streams, Signal, StreamFactory, logger
+from ._h2_streams import Event, H2Streams, Signal, logger
 
 __all__ = ["Event", "H2State", "Signal"]
 
@@ -52,39 +47,22 @@ _unpack_header = h2.HEADER.unpack_from
 
 
 class H2State(H2Streams):
-    def __init__(
-        self,
-        methods: Mapping[str, Method],
-        limits: GrpcLimits,
-        max_message_bytes: int,
-        statistics: CoreStatistics,
-        *,
-        clock: Callable[[], float],
-        out: Outgoing | None = None,
-        new_stream: StreamFactory = H2Stream,
-    ) -> None:
-        super().__init__(
-            methods, limits, max_message_bytes, statistics,
-            clock=clock, out=out, new_stream=new_stream,
-        )  # fmt: skip
-        # A header block still waiting for CONTINUATION; HPACK rarely more than halves.
-        self._max_frame = limits.max_frame_bytes
-        self._block = HeaderBlock(2 * limits.max_header_list_bytes, limits.max_continuation_frames)
-        # The parser: unread bytes (``_buf`` from ``_pos``), and within a DATA frame the
-        # payload and padding still to come, for ``_data_stream`` (None: dropped).
-        self._mode = _PREFACE
-        self._buf = b""
-        self._pos = 0
-        self._data_left = 0
-        self._pad_left = 0
-        self._data_flags = 0
-        self._data_stream: H2Stream | None = None
-        self.backlog = False  # bytes received and not parsed yet (``YIELD_FRAMES``)
-        self.closed_as: str | None = None  # the counter of an idle connection's close
-        # Idle detection (``idle_tick``): how many ticks have passed with no call open
-        # and none opened.
-        self._seen_opened = 0
-        self._idle_ticks = 0
+    # The parser: unread bytes (``_buf`` from ``_pos``), and within a DATA frame the
+    # payload and padding still to come, for ``_data_stream`` (None: dropped). Each
+    # instance sets its own as they change.
+    _mode = _PREFACE
+    _buf = b""
+    _pos = 0
+    _data_left = 0
+    _pad_left = 0
+    _data_flags = 0
+    _data_stream: H2Stream | None = None
+    backlog = False  # bytes received and not parsed yet (``YIELD_FRAMES``)
+    closed_as: str | None = None  # the counter of an idle connection's close
+    # Idle detection (``idle_tick``): how many ticks have passed with no call open and
+    # none opened.
+    _seen_opened = 0
+    _idle_ticks = 0
 
     # --- what the driver tells it --------------------------------------------------------
 
@@ -186,7 +164,7 @@ class H2State(H2Streams):
         buf = self._buf
         pos = self._pos
         frames = 0
-        max_frame = self._max_frame
+        max_frame = self._limits.max_frame_bytes
         block = self._block
         while True:
             if self._mode != _FRAME:

@@ -14,7 +14,7 @@ from .._limits import GrpcLimits
 from . import _h2_frames as h2
 from ._call import Method, UnaryMethod
 from ._errors import GrpcError, GrpcStatus
-from ._h2_guard import CoreStatistics, PendingBudget, ResetBudget
+from ._h2_guard import CoreStatistics, HeaderBlock, PendingBudget, ResetBudget
 from ._h2_request import HTTP_431, CallPlans, Refusal
 from ._h2_send import Outgoing, Sender
 from ._h2_stream import CallPlan, H2Stream, StreamOwner
@@ -64,6 +64,8 @@ class H2Streams:
         self._decoder = HeaderDecoder(
             max_header_list_size=limits.max_header_list_bytes, cache_bytes=limits.hpack_cache_bytes
         )
+        # A header block still waiting for CONTINUATION; HPACK rarely more than halves.
+        self._block = HeaderBlock(2 * limits.max_header_list_bytes, limits.max_continuation_frames)
         self._resets = ResetBudget(limits.max_reset_burst, limits.resets_per_s, clock)
         self.pending = PendingBudget(limits.max_pending_bytes)
         self._plans = CallPlans(methods, limits.hpack_cache_bytes)
