@@ -167,9 +167,13 @@ class H2State(H2Streams):
         max_frame = self._limits.max_frame_bytes
         block = self._block
         while True:
-            if self._mode != _FRAME:
+            mode = self._mode
+            if mode != _FRAME:
                 self._pos = pos
-                if not self._between_frames():
+                if mode == _DATA:  # the usual: a DATA payload
+                    if not self._data_payload() or self.ended:
+                        return
+                elif not self._between_frames():
                     return
                 buf, pos = self._buf, self._pos
                 continue
@@ -217,11 +221,9 @@ class H2State(H2Streams):
                 return
 
     def _between_frames(self) -> bool:
-        """The parser's other states: the preface, the first frame (SETTINGS), a DATA
-        payload, skipped bytes. False until more bytes come."""
+        """The parser's rarer states: the preface, the first frame (SETTINGS), skipped
+        bytes. False until more bytes come."""
         mode = self._mode
-        if mode == _DATA:
-            return self._data_payload() and not self.ended
         buf, pos = self._buf, self._pos
         if mode == _SKIP:
             take = min(len(buf) - pos, self._pad_left)
