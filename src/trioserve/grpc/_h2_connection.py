@@ -74,6 +74,7 @@ class H2Connection:
         self._calls: trio.Nursery | None = None
         self._since_yield = 0  # bytes read since the reader last checkpointed
         self._window = trio.Event()  # set when the client's windows grow
+        self._window_waiters = 0  # replies waiting on it (else it need not change)
         self._room = trio.Event()  # set when owed requests were repaid
 
     # --- lifetime ------------------------------------------------------------------------
@@ -175,8 +176,9 @@ class H2Connection:
                 assert self._calls is not None
                 self._calls.start_soon(run_call, self, cast(GrpcStream, event))
             elif event is Signal.WINDOW_OPENED:
-                self._window.set()
-                self._window = trio.Event()
+                if self._window_waiters:
+                    self._window.set()
+                    self._window = trio.Event()
             elif event is Signal.REPAID:
                 self._room.set()
                 self._room = trio.Event()
@@ -207,7 +209,11 @@ class H2Connection:
         self.outbox.flush()
 
     async def window_opened(self) -> None:
-        await self._window.wait()
+        self._window_waiters += 1
+        try:
+            await self._window.wait()
+        finally:
+            self._window_waiters -= 1
 
     def finish(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
         self.state.finish(stream, status, message)
