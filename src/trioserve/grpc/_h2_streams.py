@@ -25,6 +25,8 @@ logger = logging.getLogger("trioserve.grpc")
 
 
 class Signal(enum.Enum):
+    """What the state machine asks of its driver, besides running calls."""
+
     IDLE = "no stream is open"
     BUSY = "the first stream opened"
     WINDOW_OPENED = "the client's windows grew, or a stream went: waiting replies may go"
