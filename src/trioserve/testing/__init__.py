@@ -14,7 +14,7 @@
 
 from .._stats import BatchStat, DurationStat, FailureReason, ModelStatistics
 from ._gated import GatedModel, gated
-from ._grpc_channel import GrpcCallError, GrpcChannel, GrpcStream, open_grpc_channel
+from ._grpc_channel import GrpcCallError, GrpcChannel, StreamingCall, open_grpc_channel
 from ._server import batch_size_counts, model_statistics, open_test_server
 from ._thread import server_in_thread
 from ._timed import ExecutedBatch, TimedModel, timed
@@ -29,8 +29,8 @@ __all__ = [
     "GatedModel",
     "GrpcCallError",
     "GrpcChannel",
-    "GrpcStream",
     "ModelStatistics",
+    "StreamingCall",
     "TimedLM",
     "TimedModel",
     "batch_size_counts",

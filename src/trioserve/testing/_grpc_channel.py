@@ -67,7 +67,7 @@ class _Call:
         return GrpcStatus(int(code)), fields.get(b"grpc-message", b"").decode("latin-1")
 
 
-class GrpcStream:
+class StreamingCall:
     """A streaming call: ``send`` requests, ``done_writing``, ``receive`` responses."""
 
     def __init__(self, channel: GrpcChannel, call: _Call, response_type: type[Message]) -> None:
@@ -151,11 +151,11 @@ class GrpcChannel:
         *,
         metadata: Iterable[tuple[str, str]] = (),
         deadline_s: float | None = None,
-    ) -> AsyncIterator[GrpcStream]:
+    ) -> AsyncIterator[StreamingCall]:
         """A streaming call to ``method``; leaving the block before it ended resets it."""
         call = await self._open(method, metadata, deadline_s)
         try:
-            yield GrpcStream(self, call, response_type)
+            yield StreamingCall(self, call, response_type)
         finally:
             if not call.ended and not self._gone:
                 with trio.CancelScope(shield=True):
@@ -164,7 +164,7 @@ class GrpcChannel:
 
     def model_stream_infer(
         self, *, metadata: Iterable[tuple[str, str]] = (), deadline_s: float | None = None
-    ) -> AbstractAsyncContextManager[GrpcStream]:
+    ) -> AbstractAsyncContextManager[StreamingCall]:
         """``inference.GRPCInferenceService/ModelStreamInfer``: responses are
         ``ModelStreamInferResponse``."""
         return self.stream(
