@@ -2,10 +2,10 @@
 and frame size (from its SETTINGS and WINDOW_UPDATE frames), and response headers and
 messages framed within them into what the connection has to send (``Outgoing``).
 
-No I/O: the driver (``_h2_connection``) sends what is queued, and a reply waits there
-while the client's windows are shut or more than ``max_outbox`` bytes are unsent (the
-client is not reading), so what one connection queues stays bounded whatever its calls
-answer.
+No I/O: the driver (``_h2_connection``) sends what is queued, and a reply waits
+(``_grpc_call.send_reply``) while the client's windows are shut or more than
+``max_outbox`` bytes are unsent (the client is not reading), so what one connection
+queues stays bounded whatever its calls answer.
 """
 
 from __future__ import annotations
