@@ -70,14 +70,12 @@ class H2State(H2Streams):
         """Bytes from the client, in order; b"" goes on with the ``backlog``."""
         if self.ended:
             return
-        rest = len(self._buf) - self._pos
-        if not rest:
-            self._buf = data
-        elif data:
-            self._buf = self._buf[self._pos :] + data
-        else:
-            self._buf = self._buf[self._pos :]
-        self._pos = 0
+        if data:  # else the backlog is parsed where it stands, uncopied
+            if self._pos < len(self._buf):
+                self._buf = self._buf[self._pos :] + data
+            else:
+                self._buf = data
+            self._pos = 0
         self.backlog = False
         try:
             self._parse()
