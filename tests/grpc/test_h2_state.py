@@ -300,6 +300,21 @@ def test_streams_over_the_limit_are_refused():
     assert frames.rst_stream(5, frames.REFUSED_STREAM) in pair.server.out.take()
 
 
+def test_header_blocks_remembered_are_bounded_in_bytes_and_counted_on_close():
+    pair = Pair(hpack_cache_bytes=20_000)
+    for index, sid in enumerate(range(1, 80, 2)):  # 40 distinct 2 KB blocks
+        value = b"%04d" % index * 500
+        block = encode_headers([*call_headers(STREAM), (b"x-value", value)])
+        pair.send(raw_frame(frames.HEADERS, frames.END_HEADERS, sid, block))
+        pair.send(raw_frame(frames.RST_STREAM, 0, sid, b"\0\0\0\x08"))
+        pair.now += 1.0  # within the reset budget
+        assert pair.server._decoder.cache.size <= 20_000
+        assert pair.server._plans._cache.size <= 20_000
+    assert not pair.server.ended
+    pair.server.close()
+    assert pair.statistics.hpack_cache_evictions > 0
+
+
 def test_unread_acknowledgements_backlog_the_connection():
     pair = Pair()
     pings = raw_frame(frames.PING, 0, 0, b"p" * 8) * (OUTBOX_PARTS + 1)
