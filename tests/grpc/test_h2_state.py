@@ -10,6 +10,7 @@ a GOAWAY comes of it, with windows and buffers within their bounds.
 from __future__ import annotations
 
 import struct
+from collections import deque
 from typing import Any
 
 import h2.config
@@ -342,6 +343,23 @@ def test_a_large_message_can_be_received_straight_into_its_buffer():
     pair.send(raw_frame(frames.DATA, frames.END_STREAM, 1, message[200_000:]))
     [stream] = pair.ready
     assert bytes(stream.take() or b"") == payload
+
+
+def test_bytes_received_for_a_stream_answered_meanwhile_are_dropped():
+    pair = Pair(stream_window_bytes=1 << 20, connection_window_bytes=1 << 20)
+    message = grpc_message(bytes(200_000))
+    head = raw_frame(frames.HEADERS, frames.END_HEADERS, 1, call_block(STREAM))
+    pair.send(head + frames.frame_header(len(message), frames.DATA, 0, 1) + message[:10])
+    [stream] = pair.ready
+    view = pair.server.direct_view()
+    assert view is not None
+    pair.server.finish(stream, GrpcStatus.OK, "")  # its call ended while we received
+    came = len(view)
+    view[:] = message[10 : 10 + came]
+    pair.server.received_directly(view, came)
+    pair.send(message[10 + came :])
+    assert stream.messages == deque()
+    assert pair.server.pending.queued == 0
 
 
 def test_idle_ticks_end_a_connection_with_no_stream_and_count_it():

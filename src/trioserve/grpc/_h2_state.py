@@ -97,7 +97,11 @@ class H2State(H2Streams):
         stream = self._data_stream
         assert stream is not None
         self._data_left -= received
-        self._data_stream = self._fed(stream, view, received)
+        if stream.local_closed:  # answered while the bytes came: they are dropped
+            stream.received_directly(view, 0)
+            self._data_stream = None
+        else:
+            self._data_stream = self._fed(stream, view, received)
         try:
             self._parse()
         except h2.ConnectionError_ as exc:
