@@ -75,12 +75,16 @@ def test_testing_api_is_what_we_mean():
             "ExecutedStep",
             "FailureReason",
             "GatedModel",
+            "GrpcCallError",
+            "GrpcChannel",
             "ModelStatistics",
+            "StreamingCall",
             "TimedLM",
             "TimedModel",
             "batch_size_counts",
             "gated",
             "model_statistics",
+            "open_grpc_channel",
             "open_test_server",
             "server_in_thread",
             "timed",
@@ -177,6 +181,34 @@ def test_import_direction(path):
     for library, owner in OWNERS.items():
         if library in top_level:
             assert str(relative).startswith(owner), f"only {owner} may import {library}"
+
+
+# The gRPC transport (the HTTP/2 core and gRPC's framing over it) serves any method table:
+# it names methods and calls through ``grpc/_call``, never the server's handlers or context.
+_GRPC_TRANSPORT = sorted(
+    p
+    for p in (SRC / "grpc").glob("*.py")
+    if p.name.startswith(("_h2_", "_hpack", "_wire", "_core", "_grpc_call"))
+)
+_GRPC_APPLICATION = {
+    "trioserve.grpc._methods",
+    "trioserve.grpc._stream",
+    "trioserve.grpc._codec",
+    "trioserve.grpc._infer_wire",
+    "trioserve._context",
+}
+
+
+@pytest.mark.parametrize("path", _GRPC_TRANSPORT, ids=lambda p: p.name)
+def test_grpc_transport_imports_no_application(path):
+    imported = {".".join(m.split(".")[:3]) for m in _imports(path)}
+    imported |= {".".join(m.split(".")[:2]) for m in _imports(path)}
+    assert not imported & _GRPC_APPLICATION, f"{path.name} imports {imported & _GRPC_APPLICATION}"
+
+
+def test_grpc_transport_is_found():
+    names = {p.name for p in _GRPC_TRANSPORT}
+    assert {"_core.py", "_h2_connection.py", "_hpack.py", "_wire.py"} <= names
 
 
 # The pure policies: decisions without I/O or time of their own, testable without an event

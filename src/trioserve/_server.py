@@ -68,6 +68,7 @@ class Server:
     shared_memory: SharedMemoryRegistry
     rest_app: RestApp  # the REST front end's ASGI app, listening or not
     _in_process: InProcessFrontEnd
+    _context: ServerContext  # what front ends serve (``testing.open_grpc_channel``)
     registry: CollectorRegistry | None = None  # the server's Prometheus metrics
     metrics_addresses: list[Address] = field(default_factory=list)  # the metrics port's
 
@@ -223,6 +224,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             shared_memory=context.shared_memory,
             rest_app=rest_app,
             _in_process=InProcessFrontEnd(context),
+            _context=context,
             registry=context.registry,
             metrics_addresses=metrics,
         )

@@ -6,6 +6,7 @@ end carries it over HTTP/2. ``serve_grpc_core`` is ours (the default, fastest);
 imported only when chosen (``_alternatives``).
 """
 
-from ._core import serve_grpc_core as serve_grpc_core
+from ._serve import serve_grpc_core as serve_grpc_core
+from ._serve import serve_grpc_stream as serve_grpc_stream
 
-__all__ = ["serve_grpc_core"]
+__all__ = ["serve_grpc_core", "serve_grpc_stream"]

@@ -1,13 +1,18 @@
-"""What a gRPC method's handler sees of its call, whichever front end carries it.
+"""What a gRPC method is and what its handler sees of its call, whichever front end
+carries it.
 
 Apart from the method table (``_methods``) so that the modules its handlers live in
-(``_stream``, ``_orca``) can name these types without importing the table back.
+(``_stream``, ``_orca``) can name these types without importing the table back, and so
+that the HTTP/2 core serves any table without importing the application.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias
+
+from google.protobuf.message import Message
 
 
 class Call(Protocol):
@@ -39,6 +44,38 @@ class MessageStream(Protocol):
         ``ClientGone``, or ``GrpcError`` for a message the front end could not take."""
         ...
 
-    async def send(self, message: Any) -> None:
+    async def send(self, message: Reply) -> None:
         """Send one reply message. Raises ``ClientGone``."""
         ...
+
+
+class ReplyInParts(Protocol):
+    """A reply message already serialized as parts (a head, then raw tensor bytes), which
+    a front end writes one after another and never joins (``_infer_wire.WireReply``).
+    Whatever a handler returns that is not a protobuf ``Message`` is one of these."""
+
+    parts: list[bytes | memoryview]
+
+    def SerializeToString(self) -> bytes:
+        """The parts joined, for a front end that needs one buffer."""
+        ...
+
+
+Reply: TypeAlias = "Message | ReplyInParts"
+
+
+@dataclass(frozen=True)
+class UnaryMethod:
+    request_type: type[Message]  # the front end parses with ``FromString``
+    handler: Callable[[Any, Call], Awaitable[Reply]]
+
+
+@dataclass(frozen=True)
+class StreamMethod:
+    """Client- and server-streaming."""
+
+    request_type: type[Message]
+    handler: Callable[[MessageStream, Call], Awaitable[None]]
+
+
+Method = UnaryMethod | StreamMethod

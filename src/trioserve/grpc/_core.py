@@ -1,5 +1,5 @@
-"""The built-in gRPC front end: our HTTP/2 core on trio streams, serving the method table
-(``_methods``) with server reflection.
+"""Our HTTP/2 core on trio streams: accepting connections and serving a method table
+(``_call.Method`` by path) on each; ``_serve`` gives it the server's table.
 
 Plain TCP (h2c with prior knowledge, what tritonclient and perf_analyzer speak) by
 default; TLS with ALPN ``h2`` when a certificate and key are configured.
@@ -19,15 +19,12 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
-from .._context import ServerContext
 from .._limits import GrpcLimits
 from .._sockets import Accepted, Address, serve_tcp
-from ..metrics._counters import CountersCollector
+from ._call import Method
 from ._h2_connection import H2Connection
 from ._h2_guard import CoreStatistics, IdleRoster
-from ._h2_transport import SocketTransport, TlsTransport, Transport
-from ._methods import Method, StreamMethod, grpc_methods
-from ._reflection import REFLECTION_VERSIONS, reflection_handler, service_names
+from ._h2_transport import SocketTransport, StreamTransport, Transport
 
 logger = logging.getLogger("trioserve.grpc")
 
@@ -117,7 +114,7 @@ class _CoreServer:
             await stream.do_handshake()
         if stream.selected_alpn_protocol() not in (None, "h2"):
             raise trio.BrokenResourceError("the client did not choose h2")
-        return TlsTransport(stream)
+        return StreamTransport(stream)
 
     async def sweep_idle(self) -> None:
         """Close connections idle for ``idle_timeout_s`` (within a tick): one task for
@@ -133,66 +130,6 @@ class _CoreServer:
         self.shutting_down = True
         for connection in list(self.connections):
             connection.begin_shutdown()
-
-
-async def serve_grpc_core(
-    context: ServerContext,
-    *,
-    task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """The server's gRPC front end on its host and gRPC port, until cancelled or drained
-    (``context.stop_accepting``)."""
-    config = context.config
-    assert config.grpc_port is not None
-    tls = None
-    if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
-        tls = tls_context(config.grpc_tls_certfile, config.grpc_tls_keyfile)
-    statistics = CoreStatistics()
-    collector = CountersCollector("trioserve_grpc_", statistics, _COUNTERS)
-    if context.registry is not None:
-        context.registry.register(collector)
-    try:
-        await serve_methods(
-            with_reflection(grpc_methods(context)),
-            config.host,
-            config.grpc_port,
-            config.grpc_limits,
-            max_message_bytes=config.grpc_max_message_bytes,
-            tls=tls,
-            statistics=statistics,
-            shutdown_trigger=context.stop_accepting.wait,
-            task_status=task_status,
-        )
-    finally:
-        if context.registry is not None:
-            context.registry.unregister(collector)
-
-
-_COUNTERS = {
-    "protocol_errors": "gRPC connections ended with GOAWAY for a protocol error",
-    "stream_errors": "gRPC streams reset for a protocol error",
-    "refused_streams": "gRPC streams refused (over the concurrency limit or after GOAWAY)",
-    "calm_goaways": "gRPC connections ended for too many streams reset (by either side)",
-    "idle_closed": "gRPC connections closed for being idle",
-    "refused_connections": "gRPC connections closed at once for being over the connection limit",
-    "idle_evicted": "idle gRPC connections closed to make room for new ones",
-    "continuation_floods": "gRPC connections ended for too many CONTINUATION frames",
-    "hpack_cache_evictions": "header blocks dropped from full HPACK caches (counted on close)",
-    "outbox_pauses": "times a gRPC connection stopped reading while its client left bytes unread",
-    "pending_pauses": (
-        "times a streaming gRPC call waited for its connection's pending-bytes budget "
-        "(counted on close)"
-    ),
-}
-
-
-def with_reflection(methods: dict[str, Method]) -> dict[str, Method]:
-    """``methods`` and server reflection (v1 and v1alpha), which lists them all."""
-    names = service_names([*methods, *(version.path for version in REFLECTION_VERSIONS)])
-    for version in REFLECTION_VERSIONS:
-        handler = reflection_handler(version, names)
-        methods[version.path] = StreamMethod(version.request_type, handler)
-    return methods
 
 
 async def serve_methods(

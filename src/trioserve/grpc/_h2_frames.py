@@ -1,5 +1,6 @@
 """HTTP/2 framing facts (RFC 9113): frame types, flags, error codes, settings, and the
-few byte strings the core writes. No state and no I/O: ``_h2_connection`` owns those.
+few byte strings the core writes. No state and no I/O: ``_h2_state`` owns the state,
+``_h2_connection`` the I/O.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ MAX_WINDOW = 2**31 - 1
 # length (24 bits as 8 + 16), type, flags, stream id (31 bits; the reserved bit masked off)
 HEADER = struct.Struct(">BHBBL")
 _U32 = struct.Struct(">L")
+
+# What is queued to send: frames, or parts of one (a message's raw tensors are views).
+Part = bytes | memoryview
 _U32_PAIR = struct.Struct(">LL")
 _SETTING = struct.Struct(">HL")
 
@@ -104,7 +108,8 @@ def opening_frames(limits: GrpcLimits) -> bytes:
             (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes),
         ]
     )
-    return settings + window_update(0, limits.connection_window_bytes - DEFAULT_WINDOW)
+    extra = limits.connection_window_bytes - DEFAULT_WINDOW
+    return settings + window_update(0, extra) if extra > 0 else settings  # 0: no update
 
 
 def window_update(stream_id: int, increment: int) -> bytes:
@@ -133,3 +138,16 @@ def parse_settings(payload: bytes) -> list[tuple[int, int]]:
 def read_u32(payload: bytes | memoryview, at: int = 0) -> int:
     value: int = _U32.unpack_from(payload, at)[0]
     return value
+
+
+def trim(parts: list[Part], sent: int) -> list[Part]:
+    """What is left of ``parts`` once their first ``sent`` bytes went out."""
+    for index, part in enumerate(parts):
+        size = len(part)
+        if sent < size:
+            rest = parts[index:]
+            if sent:
+                rest[0] = memoryview(part)[sent:]
+            return rest
+        sent -= size
+    return []

@@ -1,5 +1,5 @@
 """What HTTP/2 connections let a client cost the server, counted apart from the
-protocol work in ``_h2_connection``: the header block being assembled (bounded in bytes
+protocol work in ``_h2_state``: the header block being assembled (bounded in bytes
 and in frames), the budget of stream resets, the requests a connection holds for its
 client, the server's idle connections, and the counters of what clients did wrong.
 
@@ -9,10 +9,9 @@ A bound a client passes ends its connection with GOAWAY(ENHANCE_YOUR_CALM) namin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-import trio
 
 from . import _h2_frames as h2
 
@@ -45,16 +44,17 @@ class ResetBudget:
     can provoke them as cheaply: a WINDOW_UPDATE of 0 after each call). Each costs the
     server a call set up and torn down, so an empty bucket ends the connection."""
 
-    __slots__ = ("_burst", "_rate", "_time", "_tokens")
+    __slots__ = ("_burst", "_clock", "_rate", "_time", "_tokens")
 
-    def __init__(self, burst: int, rate: float) -> None:
+    def __init__(self, burst: int, rate: float, clock: Callable[[], float]) -> None:
         self._burst = float(burst)
         self._rate = rate
+        self._clock = clock
         self._tokens = float(burst)
-        self._time = trio.current_time()
+        self._time = clock()
 
     def charge(self) -> None:
-        now = trio.current_time()
+        now = self._clock()
         tokens = self._tokens + (now - self._time) * self._rate
         self._tokens = min(self._burst, tokens) - 1
         self._time = now
@@ -69,19 +69,18 @@ class HeaderBlock:
     decoded: in bytes, and in frames, empty ones included (each costs a frame's work
     however little it carries)."""
 
-    __slots__ = ("_fragments", "_frames", "_max_bytes", "_max_frames", "flags", "stream_id")
+    __slots__ = (
+        "_fragments", "_frames", "_max_bytes", "_max_frames", "flags", "open", "stream_id",
+    )  # fmt: skip
 
     def __init__(self, max_bytes: int, max_frames: int) -> None:
         self._max_bytes = max_bytes
         self._max_frames = max_frames  # CONTINUATION frames after the HEADERS
         self._fragments = bytearray()
         self._frames = 0  # 0: no block open
+        self.open = False  # a block waits for its CONTINUATION frames
         self.flags = 0  # the HEADERS frame's (END_STREAM)
         self.stream_id = 0
-
-    @property
-    def open(self) -> bool:
-        return self._frames > 0
 
     def check(self, length: int) -> None:
         """Before a HEADERS or CONTINUATION payload of ``length`` is read."""
@@ -91,6 +90,7 @@ class HeaderBlock:
     def begin(self, flags: int, stream_id: int, fragment: bytes) -> None:
         self._fragments = bytearray(fragment)
         self._frames = 1
+        self.open = True
         self.flags = flags
         self.stream_id = stream_id
 
@@ -113,6 +113,7 @@ class HeaderBlock:
     def clear(self) -> None:
         self._fragments = bytearray()
         self._frames = 0
+        self.open = False
 
 
 def header_fragment(flags: int, payload: bytes) -> bytes:
@@ -140,41 +141,27 @@ class PendingBudget:
     Past ``limit`` the connection stops reopening its receive window, and streaming calls
     take no new request, except a call that owes nothing (so that one request larger
     than the limit still goes through): a client that sends and never reads waits on
-    flow control instead of piling up requests and their answers.
+    flow control instead of piling up requests and their answers. The waiting is the
+    driver's (``_h2_connection``); this is the accounting.
     """
 
-    __slots__ = ("_limit", "_room", "_waiting", "owed", "pauses", "queued")
+    __slots__ = ("_limit", "owed", "pauses", "queued", "waiting")
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._room = trio.Event()
-        self._waiting = 0
         self.queued = 0
         self.owed = 0
         self.pauses = 0  # times a call waited
+        self.waiting = 0  # calls waiting now
 
     @property
     def full(self) -> bool:
         return self.queued + self.owed > self._limit
 
-    async def admit(self, owes: bool, size: int) -> None:
-        """Wait until a call (``owes``: one that has requests unanswered) may take a
-        request of ``size`` bytes, and count it as owed."""
-        if owes and self.owed + size > self._limit:
-            self.pauses += 1
-            self._waiting += 1
-            try:
-                while self.owed and self.owed + size > self._limit:
-                    await self._room.wait()
-            finally:
-                self._waiting -= 1
-        self.owed += size
-
-    def repay(self, size: int) -> None:
-        self.owed -= size
-        if self._waiting:
-            self._room.set()
-            self._room = trio.Event()
+    def must_wait(self, owes: bool, size: int) -> bool:
+        """Whether a call (``owes``: one with requests unanswered) must wait before it
+        takes a request of ``size`` bytes."""
+        return owes and self.owed > 0 and self.owed + size > self._limit
 
 
 class _Closable(Protocol):

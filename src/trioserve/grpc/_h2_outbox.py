@@ -1,4 +1,5 @@
-"""What a connection has to send, and the sending of it.
+"""What a connection has to send (``_h2_send.Outgoing``, which the state machine fills),
+and the sending of it.
 
 Any task queues frames synchronously (``queue``/``extend``) and ``flush`` sends them at
 once as far as the socket takes them: a small call's answer leaves in the one
@@ -10,45 +11,26 @@ failed socket calls ``on_broken`` once and drops everything queued.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import trio
 
-from ._h2_transport import Transport, trim
+from ._h2_frames import trim
+from ._h2_send import Outgoing
+from ._h2_transport import Transport
 
-Part = bytes | memoryview
 
-
-class Outbox:
-    __slots__ = (
-        "_drained",
-        "_on_broken",
-        "_transport",
-        "_wake",
-        "_writing",
-        "broken",
-        "parts",
-        "size",
-    )
+class Outbox(Outgoing):
+    __slots__ = ("_drained", "_on_broken", "_transport", "_wake", "_writing", "broken")
 
     def __init__(self, transport: Transport, on_broken: Callable[[], None]) -> None:
+        super().__init__()
         self._transport = transport
         self._on_broken = on_broken
-        self.parts: list[Part] = []
-        self.size = 0  # bytes queued and not yet sent
         self._writing = False  # the writer task owns the socket until the queue is empty
         self._wake = trio.Event()
         self._drained = trio.Event()
         self.broken = False
-
-    def queue(self, part: Part) -> None:
-        self.parts.append(part)
-        self.size += len(part)
-
-    def extend(self, parts: Iterable[Part], size: int) -> None:
-        """Queue ``parts``, ``size`` bytes together (the caller knows it already)."""
-        self.parts += parts
-        self.size += size
 
     def flush(self) -> None:
         """Send what is queued, as far as the socket takes it now; the rest is the

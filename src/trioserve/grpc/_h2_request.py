@@ -8,10 +8,10 @@ from types import MappingProxyType
 from typing import Any
 
 from . import _h2_frames as h2
+from ._call import Method
 from ._errors import GrpcError, GrpcStatus
 from ._h2_stream import CallPlan
 from ._hpack import ENTRY_OVERHEAD, HeaderList, encode_headers
-from ._methods import Method
 from ._sized_cache import SizedCache
 from ._wire import decompressor, text_metadata, timeout_s, wbits_accepted
 

@@ -1,5 +1,7 @@
-"""One gRPC call on an HTTP/2 stream: its request messages as they arrive, and what its
-handler sees of it (``_methods.Call`` and, for streaming methods, ``MessageStream``).
+"""One gRPC call's HTTP/2 stream, as the state machine (``_h2_state``) keeps it: its
+windows and ends, and its request messages cut out of DATA as they arrive. No I/O and no
+trio: what a handler sees of the call (``_call.Call``, ``MessageStream``) is
+``_grpc_call.GrpcStream``, which adds the waiting.
 
 The connection feeds a stream the payload of its DATA frames; the stream cuts it into
 length-prefixed messages. A message's declared length is checked against the limit
@@ -15,40 +17,29 @@ handler has not taken yet are bounded too: past ``queue_limit`` queued bytes the
 is held back until the handler takes them, so a client that streams faster than its
 requests are served waits on its window instead of filling memory. The connection also
 counts, across its streams, the requests queued and those a streaming call took and has
-not answered yet (``owed``, until its next reply is written): past its budget, ``recv``
-waits.
+not answered yet (``owed``, until its next reply is written): past its budget, a
+streaming call waits before it takes another.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-import trio
-
-from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message
-from ._methods import Method
+from ._call import Method
+from ._errors import GrpcError, GrpcStatus
 from ._wire import MESSAGE_PREFIX, PREFIX_BYTES, decompress
 
 
 class StreamOwner(Protocol):
-    """The connection, as its streams see it."""
+    """The connection's state, as its streams see it."""
 
     def message_arrived(self, stream: H2Stream, size: int) -> None: ...
 
     def message_taken(self, stream: H2Stream, size: int, credit: int) -> None:
         """``size`` bytes left the stream's queue; ``credit`` is window to give back."""
-
-    async def admit(self, stream: H2Stream, size: int) -> None:
-        """Before a streaming call takes a request of ``size`` bytes: wait while the
-        connection holds too much for its client, then count it as owed."""
-
-    def repaid(self, size: int) -> None:
-        """A streaming call answered: its oldest owed request is no longer owed."""
-
-    async def send_reply(self, stream: H2Stream, message: Any) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +65,8 @@ Message = bytes | memoryview | bytearray
 
 
 class H2Stream:
-    """One stream's call state; the connection drives it, the handler reads it."""
+    """One stream's call state; the connection's state machine drives it. ``wake`` and
+    ``gone`` are what the driver's subclass hears of it."""
 
     __slots__ = (
         "_compressed",
@@ -82,7 +74,6 @@ class H2Stream:
         "_owner",
         "_prefix",
         "_size",
-        "_waiter",
         "deadline",
         "headers_sent",
         "held_credit",
@@ -98,14 +89,12 @@ class H2Stream:
         "recv_window",
         "remote_closed",
         "reset",
-        "scope",
         "send_window",
         "started",
         "trailers",
         "unacked",
         "wbits_in",
         "wbits_out",
-        "withdraw",
     )
 
     def __init__(
@@ -113,7 +102,6 @@ class H2Stream:
         stream_id: int,
         plan: CallPlan,
         owner: StreamOwner,
-        *,
         limit: int,
         queue_limit: int,
         send_window: int,
@@ -136,14 +124,11 @@ class H2Stream:
         self.reset = False  # the client reset the stream, or the connection is gone
         self.started = False  # a handler task has been started for it
         self.headers_sent = False
-        self.scope: trio.CancelScope | None = None  # the handler's, once it runs
         self.deadline: float | None = None  # from grpc-timeout
         self.wbits_in = plan.wbits_in  # request messages' compression (zlib wbits)
         self.wbits_out = plan.wbits_out  # responses', when the client accepts it
         self.trailers: dict[str, bytes] | None = None
-        self.withdraw: Callable[[], None] | None = None  # ``Call.cancel_with``
         self.owed: deque[int] = deque()  # sizes of requests a streaming call has not answered
-        self._waiter: trio.Event | None = None
         # The message being cut out of the DATA payload: its prefix, then its body, which
         # grows to its declared ``_size``.
         self._prefix = b""
@@ -151,10 +136,7 @@ class H2Stream:
         self._size = 0
         self._compressed = False
 
-    # --- what the handler sees (Call, MessageStream) -----------------------------------
-
-    def cancel_with(self, withdraw: Callable[[], None] | None) -> None:
-        self.withdraw = withdraw
+    # --- what the call takes of it -----------------------------------------------------
 
     def add_trailer(self, key: str, value: bytes) -> None:
         if self.trailers is None:
@@ -174,32 +156,11 @@ class H2Stream:
         self._owner.message_taken(self, size, credit)
         return message
 
-    async def recv(self) -> Any | None:
-        """``MessageStream.recv``: the next request, parsed; None once the client closed
-        its side."""
-        while True:
-            if self.reset:
-                raise ClientGone("the client reset the stream")
-            if self.messages:
-                await self._owner.admit(self, len(self.messages[0]))
-                message = self.take()
-                assert message is not None  # this call is the stream's only reader
-                return parse_message(self.method.request_type, message)
-            if self.remote_closed:
-                return None
-            self._waiter = trio.Event()
-            await self._waiter.wait()
-
-    async def send(self, message: Any) -> None:
-        """``MessageStream.send``: one response message, as the client's windows allow."""
-        await self._owner.send_reply(self, message)
-        if self.owed:
-            self._owner.repaid(self.owed.popleft())
-
     def wake(self) -> None:
-        if self._waiter is not None:
-            self._waiter.set()
-            self._waiter = None
+        """A message arrived, or the client ended its side: a reader may go on."""
+
+    def gone(self) -> None:
+        """The stream ended without an answer (reset, or the connection ended)."""
 
     # --- what the connection feeds it --------------------------------------------------
 

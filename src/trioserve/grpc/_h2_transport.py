@@ -1,5 +1,6 @@
 """The byte streams an HTTP/2 connection runs over: a plain TCP socket driven directly
-(the fast path, as the HTTP/1.1 core does it) or TLS through trio's ``SSLStream``.
+(the fast path, as the HTTP/1.1 core does it), or any ``trio.abc.Stream``: TLS through
+trio's ``SSLStream``, or an in-memory stream (``trioserve.testing.open_grpc_channel``).
 
 The plain path uses non-blocking stdlib sockets with ``trio.lowlevel.wait_readable`` /
 ``wait_writable`` rather than ``trio.SocketStream``: a small request costs one ``recv``
@@ -15,6 +16,8 @@ from typing import Protocol
 import trio
 from trio.lowlevel import notify_closing, wait_readable, wait_writable
 
+from ._h2_frames import Part, trim
+
 RECV_BYTES = 256 * 1024
 _IOV_MAX = 512  # parts per sendmsg, well under Linux's 1024
 
@@ -26,13 +29,14 @@ class Transport(Protocol):
     async def recv_into(self, view: memoryview) -> int:
         """Like ``recv`` but into ``view``; 0 at the end."""
 
-    def try_send(self, parts: list[bytes | memoryview]) -> int:
+    def try_send(self, parts: list[Part]) -> int:
         """Send what can go without waiting; the byte count. Raises OSError."""
 
-    async def send_all(self, parts: Sequence[bytes | memoryview]) -> None:
+    async def send_all(self, parts: Sequence[Part]) -> None:
         """Send everything. Raises OSError or trio.BrokenResourceError."""
 
-    def close(self) -> None: ...
+    async def aclose(self) -> None:
+        """Close at once, whatever is unsent (the connection flushed what it could)."""
 
 
 class SocketTransport:
@@ -70,13 +74,13 @@ class SocketTransport:
             self._full = count == len(view)
             return count
 
-    def try_send(self, parts: list[bytes | memoryview]) -> int:
+    def try_send(self, parts: list[Part]) -> int:
         try:
             return self.sock.sendmsg(parts if len(parts) <= _IOV_MAX else parts[:_IOV_MAX])
         except BlockingIOError:
             return 0
 
-    async def send_all(self, parts: Sequence[bytes | memoryview]) -> None:
+    async def send_all(self, parts: Sequence[Part]) -> None:
         pending = list(parts)
         while pending:
             await wait_writable(self.sock)
@@ -86,17 +90,18 @@ class SocketTransport:
                 continue
             pending = trim(pending, sent)
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
         notify_closing(self.sock)
         self.sock.close()
 
 
-class TlsTransport:
-    """TLS: every write goes through ``send_all`` (``try_send`` sends nothing)."""
+class StreamTransport:
+    """Any trio stream: every write goes through ``send_all`` (``try_send`` sends
+    nothing, since a stream's ``send_all`` is the only way to write)."""
 
     __slots__ = ("_stream",)
 
-    def __init__(self, stream: trio.SSLStream[trio.SocketStream]) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
 
     async def recv(self) -> bytes:
@@ -113,24 +118,11 @@ class TlsTransport:
         view[: len(data)] = data
         return len(data)
 
-    def try_send(self, parts: list[bytes | memoryview]) -> int:
+    def try_send(self, parts: list[Part]) -> int:
         return 0
 
-    async def send_all(self, parts: Sequence[bytes | memoryview]) -> None:
+    async def send_all(self, parts: Sequence[Part]) -> None:
         await self._stream.send_all(b"".join(parts))
 
-    def close(self) -> None:
-        self._stream.transport_stream.socket.close()
-
-
-def trim(parts: list[bytes | memoryview], sent: int) -> list[bytes | memoryview]:
-    """What is left of ``parts`` once their first ``sent`` bytes went out."""
-    for index, part in enumerate(parts):
-        size = len(part)
-        if sent < size:
-            rest = parts[index:]
-            if sent:
-                rest[0] = memoryview(part)[sent:]
-            return rest
-        sent -= size
-    return []
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self._stream)

@@ -14,8 +14,6 @@ ModelInfer and ModelStreamInfer's tensor requests run through the server's
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -26,7 +24,7 @@ from .._errors import unknown_model
 from .._limits import OFF_LOOP_BYTES
 from .._pipeline import refuse_decoupled
 from .._repository import Ticket
-from ._call import Call, MessageStream
+from ._call import Call, MessageStream, Method, StreamMethod, UnaryMethod
 from ._codec import (
     model_config_message,
     model_metadata_message,
@@ -66,22 +64,6 @@ class _CallWatch:
 
 _CALL_WATCH = _CallWatch()
 
-
-@dataclass(frozen=True)
-class UnaryMethod:
-    request_type: type[Message]  # the front end parses with ``FromString``
-    handler: Callable[[Any, Call], Awaitable[Message]]
-
-
-@dataclass(frozen=True)
-class StreamMethod:
-    """Client- and server-streaming."""
-
-    request_type: type[Message]
-    handler: Callable[[MessageStream, Call], Awaitable[None]]
-
-
-Method = UnaryMethod | StreamMethod
 
 _SERVICE = "/inference.GRPCInferenceService/"
 _HEALTH_CHECK = "/grpc.health.v1.Health/Check"

@@ -1,7 +1,8 @@
 """gRPC over HTTP/2, the parts above framing: message prefixes, compression, timeouts,
 metadata and status trailers (the gRPC "PROTOCOL-HTTP2" document).
 
-Everything here is plain functions over bytes; ``_h2_connection`` calls them.
+Everything here is plain functions over bytes, for the HTTP/2 core (``_h2_request``,
+``_h2_stream``, ``_h2_streams``, ``_grpc_call``).
 """
 
 from __future__ import annotations
