@@ -45,7 +45,7 @@ from .models import load_checkpoint_model
 from .repository import RepositoryManager, configure_onnxruntime
 from .rest._app import RestApp
 from .rest._endpoints import build_app
-from .scheduler import GenerativeRunner, ResponseCache, runner_class
+from .scheduler import GenerativeRunner, RequestIds, ResponseCache, runner_class
 from .shm import SharedMemoryRegistry
 
 logger = logging.getLogger("trioserve")
@@ -164,9 +164,10 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     llm_metrics = LLMMetricFamilies(
         config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
     )
-    runners = partial(_served, config, cache, llm_metrics)
+    request_ids = RequestIds()  # the server's one source of engine request ids
+    runners = partial(_served, config, cache, llm_metrics, request_ids)
     repository = ModelRepository([] if explicit else runners(config.models))
-    context = server_context(config, repository)
+    context = server_context(config, repository, request_ids=request_ids)
     if context.registry is not None:  # empty until a generative model is served
         context.registry.register(llm_metrics)
     rest_app = build_app(context)
@@ -239,6 +240,7 @@ def _served(
     config: ServerConfig,
     cache: ResponseCache | None,
     llm_metrics: LLMMetricFamilies,
+    request_ids: RequestIds,
     models: Sequence[Model],
 ) -> list[ServedModel]:
     """What serves each model version: the continuous-batching engine for generative
@@ -249,7 +251,9 @@ def _served(
         for version in model.versions:
             if isinstance(model, GenerativeModel):
                 telemetry = llm_metrics.telemetry(model, version)
-                engine = GenerativeRunner(model, version, telemetry, histogram_bounds_ns=bounds)
+                engine = GenerativeRunner(
+                    model, version, telemetry, histogram_bounds_ns=bounds, request_ids=request_ids
+                )
                 served.append(engine)
             else:
                 cached = _cache_for(model, cache)

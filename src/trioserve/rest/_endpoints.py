@@ -12,7 +12,6 @@ from .._context import ServerContext
 from .._errors import InvalidArgumentError
 from .._limits import OFF_LOOP_BYTES
 from .._model_config import model_config, model_metadata
-from .._pipeline import refuse_decoupled
 from .._stats import statistics_document
 from ._app import Endpoint, Request, Response, RestApp
 from ._disconnects import DisconnectWatch
@@ -84,15 +83,15 @@ class _Endpoints:
         name = request.params["model"]
         version = request.params.get("version", "")
         served = self.repository.get(name, version)
-        refuse_decoupled(served, "HTTP end point")
         decode = partial(
             decode_request, request.body, _header_length(request.headers), served.model, name,
             version,
         )  # fmt: skip
         large = len(request.body) >= OFF_LOOP_BYTES
         answered = await self.pipeline.infer(
-            served, decode, self.disconnects, request, large=large, headers=request.headers
-        )
+            served, decode, self.disconnects, request,
+            endpoint="HTTP end point", large=large, headers=request.headers,
+        )  # fmt: skip
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
@@ -121,7 +120,7 @@ def build_app(context: ServerContext) -> RestApp:
     """The REST app of the server that ``context`` describes."""
     disconnects = DisconnectWatch()
     e = _Endpoints(context, disconnects)
-    generate = GenerateEndpoints(context.repository, context.pipeline, context.load)
+    generate = GenerateEndpoints(context)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -137,7 +136,7 @@ def build_app(context: ServerContext) -> RestApp:
         router.add("POST", f"{base}/infer", e.infer)
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
-    openai = OpenAIEndpoints(context.repository, context.pipeline, context.load)
+    openai = OpenAIEndpoints(context)
     router.add("GET", "/v1/models", openai.models)
     router.add("GET", "/v1/models/{model}", openai.model)
     router.add("POST", "/v1/completions", openai.completions)

@@ -37,10 +37,9 @@ from typing import Any, TypeVar
 
 import trio
 
+from .._context import ServerContext
 from .._errors import InferenceServerError, InvalidArgumentError
 from .._pipeline import InferencePipeline
-from .._repository import ModelRepository
-from ..metrics._orca import LoadReporter
 from ..scheduler import (
     TEXT_INPUT,
     GenerationChunk,
@@ -66,18 +65,16 @@ T = TypeVar("T")
 
 
 class GenerateEndpoints:
-    def __init__(
-        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
-    ) -> None:
-        self.repository = repository
-        self.pipeline = pipeline  # builds the engine's requests
-        self.load = load
+    def __init__(self, context: ServerContext) -> None:
+        self.repository = context.repository
+        self.pipeline = context.pipeline  # builds the engine's requests and runs them
+        self.load = context.load  # the answers' load reports
 
     async def generate(self, request: Request) -> Response | None:
         served, generation, head = self._prepare(request)
 
         async def collect() -> dict[str, Any]:
-            samples = await collect_samples(served, generation)
+            samples = await collect_samples(self.pipeline, served, generation)
             if generation.sampling.n == 1:
                 return {
                     **head,
@@ -86,8 +83,7 @@ class GenerateEndpoints:
                 }
             return {**head, "text_output": samples.texts, "finish_reason": samples.finish_reasons}
 
-        with self.load.counting(served):
-            answered, document = await unless_client_leaves(request.receive, collect)
+        answered, document = await unless_client_leaves(request.receive, collect)
         if not answered:
             return None
         report = load_report_header(self.load, served, request.headers)
@@ -102,10 +98,9 @@ class GenerateEndpoints:
         served, generation, head = self._prepare(request)
         with_index = generation.sampling.n > 1
         send = request.send
-        counted = self.load.counting(served)
 
         async def stream() -> None:
-            async with served.generate(generation) as chunks:
+            async with self.pipeline.generate(served, generation) as chunks:
                 pieces = aiter(chunks)
                 # Wait for the first piece before answering, so that a request the engine
                 # refuses gets an ordinary error response with its status.
@@ -125,8 +120,7 @@ class GenerateEndpoints:
                     logger.exception("generation %s failed", generation.request_id)
                     await send_event(send, {"error": "generation failed unexpectedly"})
 
-        with counted:
-            answered, _ = await unless_client_leaves(request.receive, stream)
+        answered, _ = await unless_client_leaves(request.receive, stream)
         if answered:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
@@ -142,10 +136,8 @@ class GenerateEndpoints:
         parameters = read_parameters(
             _parameters(document), "vllm", max_num_seqs=served.max_num_seqs
         )
-        generation = self.pipeline.trace_generation(
-            self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters),
-            served,
-            request.headers,
+        generation = self.pipeline.generation_request(
+            "http", served, document.get(TEXT_INPUT), parameters, request.headers
         )
         head: dict[str, Any] = {}
         if "id" in document:
@@ -168,14 +160,14 @@ class CollectedSamples:
 
 
 async def collect_samples(
-    served: GenerativeServed, generation: GenerationRequest
+    pipeline: InferencePipeline, served: GenerativeServed, generation: GenerationRequest
 ) -> CollectedSamples:
     n = generation.sampling.n
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     tokens = 0
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    async with served.generate(generation) as chunks:
+    async with pipeline.generate(served, generation) as chunks:
         async for chunk in chunks:
             texts[chunk.index].append(chunk.text)
             tokens += len(chunk.token_ids)
