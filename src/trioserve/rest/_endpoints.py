@@ -12,9 +12,9 @@ from .._context import ServerContext
 from .._errors import InvalidArgumentError
 from .._limits import OFF_LOOP_BYTES
 from .._model_config import model_config, model_metadata
+from .._repository import Ticket
 from .._stats import statistics_document
 from ._app import Endpoint, Request, Response, RestApp
-from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._json_body import COMPACT
@@ -41,12 +41,26 @@ def _json(document: Any) -> Response:
     return Response(200, COMPACT.encode(document).encode())
 
 
+class _RequestWatch:
+    """A waiting ticket withdrawn when its HTTP client leaves (``_pipeline.Watch``): the
+    twin of gRPC's ``_CallWatch``."""
+
+    def track(self, ticket: Ticket, request: Request) -> Request:
+        request.cancel_with(ticket.withdraw)
+        return request
+
+    def untrack(self, ticket: Ticket, request: Request) -> None:
+        request.cancel_with(None)
+
+
+_REQUEST_WATCH = _RequestWatch()
+
+
 class _Endpoints:
-    def __init__(self, context: ServerContext, disconnects: DisconnectWatch) -> None:
+    def __init__(self, context: ServerContext) -> None:
         self.repository = context.repository
         self.pipeline = context.pipeline
         self.load = context.load
-        self.disconnects = disconnects
         self.server_metadata = _json(context.metadata)
 
     async def live(self, request: Request) -> Response:
@@ -89,7 +103,7 @@ class _Endpoints:
         )  # fmt: skip
         large = len(request.body) >= OFF_LOOP_BYTES
         answered = await self.pipeline.infer(
-            served, decode, self.disconnects, request,
+            served, decode, _REQUEST_WATCH, request,
             endpoint="HTTP end point", large=large, headers=request.headers,
         )  # fmt: skip
         if answered is None:
@@ -118,8 +132,7 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 def build_app(context: ServerContext) -> RestApp:
     """The REST app of the server that ``context`` describes."""
-    disconnects = DisconnectWatch()
-    e = _Endpoints(context, disconnects)
+    e = _Endpoints(context)
     generate = GenerateEndpoints(context)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
@@ -148,4 +161,4 @@ def build_app(context: ServerContext) -> RestApp:
     add_logging_routes(router, context.logs, restrictions.get("logging"))
     if context.config.status_page:
         add_status_page(router, context.repository, context.metadata)
-    return RestApp(router, context.config.http_limits.max_body_bytes, background=[disconnects.run])
+    return RestApp(router, context.config.http_limits.max_body_bytes)

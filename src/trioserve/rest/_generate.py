@@ -24,8 +24,9 @@ a sample's last event. The stream simply ends after the last event (no ``[DONE]`
 error before the first piece of text is an ordinary JSON error response; a later one is
 a ``data: {"error": ...}`` event under the 200 already sent.
 
-A client that goes away aborts its request: a task waits on ``receive()`` for the
-disconnect and cancels the generation, whose ``generate()`` block then exits early.
+A client that goes away aborts its request: the generation's cancel scope is registered
+with the request's ``cancel_with`` (the HTTP server's hangup watch, or a ``receive()``
+watcher where it has none), and the ``generate()`` block then exits early.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ..scheduler import (
     read_parameters,
 )
 from ._app import Request, Response
-from ._asgi import Receive
+from ._asgi import CancelWith
 from ._json_body import COMPACT, json_object
 from ._load_report import load_report_header
 
@@ -83,7 +84,7 @@ class GenerateEndpoints:
                 }
             return {**head, "text_output": samples.texts, "finish_reason": samples.finish_reasons}
 
-        answered, document = await unless_client_leaves(request.receive, collect)
+        answered, document = await unless_client_leaves(request.cancel_with, collect)
         if not answered:
             return None
         report = load_report_header(self.load, served, request.headers)
@@ -120,7 +121,7 @@ class GenerateEndpoints:
                     logger.exception("generation %s failed", generation.request_id)
                     await send_event(send, {"error": "generation failed unexpectedly"})
 
-        answered, _ = await unless_client_leaves(request.receive, stream)
+        answered, _ = await unless_client_leaves(request.cancel_with, stream)
         if answered:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
@@ -224,37 +225,14 @@ async def send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> N
 
 
 async def unless_client_leaves(
-    receive: Receive, work: Callable[[], Awaitable[T]]
+    cancel_with: CancelWith, work: Callable[[], Awaitable[T]]
 ) -> tuple[bool, T | None]:
-    """Run ``work``, cancelled if the client disconnects first: (finished, its result).
-
-    Failures of ``work`` are raised here, outside the nursery, so they arrive as
-    themselves rather than inside an exception group.
-    """
-    left = False
-    result: T | None = None
-    failure: Exception | None = None
-
-    async def watch(scope: trio.CancelScope) -> None:
-        nonlocal left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        left = True
-        scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch, nursery.cancel_scope)
+    """Run ``work``, cancelled if the client leaves first (``cancel_with``, the
+    request's): (finished, its result)."""
+    with trio.CancelScope() as scope:
+        cancel_with(scope.cancel)
         try:
-            result = await work()
-        except Exception as exc:
-            failure = exc
-        nursery.cancel_scope.cancel()
-    if failure is not None:
-        try:
-            raise failure
+            return True, await work()
         finally:
-            # The traceback holds this frame: were ``failure`` still in it, the cycle
-            # would keep the request's data (a refused prompt's tokens) until a full
-            # collection.
-            failure = None
-    return not left, result
+            cancel_with(None)
+    return False, None

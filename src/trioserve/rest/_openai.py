@@ -225,7 +225,7 @@ class OpenAIEndpoints:
 
     async def _complete(self, request: Request, call: _Call) -> Response | None:
         work = partial(collect_samples, self.pipeline, call.served, call.generation)
-        answered, samples = await unless_client_leaves(request.receive, work)
+        answered, samples = await unless_client_leaves(request.cancel_with, work)
         if not answered or samples is None:
             return None
         choices = []
@@ -291,7 +291,7 @@ class OpenAIEndpoints:
                 await send_event(send, events.usage())
             await _send_bytes(send, _DONE)
 
-        answered, _ = await unless_client_leaves(request.receive, stream)
+        answered, _ = await unless_client_leaves(request.cancel_with, stream)
         if answered:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
