@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 
 import trioserve
 from trioserve._cli import _parser, config_from_args
-from trioserve._loader import RepositoryError, load_repository
+from trioserve.repository import RepositoryError, load_repository
 
 SRC = Path(trioserve.__file__).parent
 

@@ -23,13 +23,13 @@ from ._alternatives import check_alternatives
 from ._backend_config import parse_backend_setting
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
-from ._loader import RepositoryError
 from ._log_settings import FORMATS, LogConfig
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
 from ._restricted import parse_restrictions
 from ._server import StartupError, open_server
 from ._version import __version__
+from .repository import RepositoryError
 from .scheduler import cache_size_from_flags
 from .tracing import trace_config_from_flags
 

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from ._config import ServerConfig
 from ._log_settings import LogControl
 from ._pipeline import InferencePipeline
-from ._repository import ModelRepository
+from ._served import ModelRepository
 from ._version import __version__
 from .metrics import server_registry
 from .metrics._orca import LoadReporter

@@ -53,7 +53,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 import trio
 
 from ._errors import InferenceServerError, UnsupportedError
-from ._repository import Answer, ServedModel, Ticket
+from ._served import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
 from .metrics._orca import LoadReporter
 from .scheduler import (

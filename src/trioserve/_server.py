@@ -37,7 +37,7 @@ from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
 from ._inprocess import InProcessFrontEnd
 from ._model import Model
-from ._repository import ModelRepository, ServedModel
+from ._served import ModelRepository, ServedModel
 from ._types import InferenceResponse
 from .grpc import serve_grpc_core
 from .metrics._llm_telemetry import LLMMetricFamilies

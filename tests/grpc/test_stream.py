@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 
 from trioserve import ServerConfig
 from trioserve._context import server_context
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve.models import reference_zoo
 from trioserve.scheduler._runner import ModelRunner
 

@@ -26,7 +26,7 @@ from tritonclient.grpc import service_pb2
 import trioserve
 from trioserve import HttpLimits, ServerConfig, TensorSpec
 from trioserve._context import server_context
-from trioserve._repository import ModelRepository, ServedModel
+from trioserve._served import ModelRepository, ServedModel
 from trioserve.grpc._generated.orca_load_report_pb2 import OrcaLoadReport
 from trioserve.metrics._host_usage import HostUsage
 from trioserve.metrics._orca import LoadReporter

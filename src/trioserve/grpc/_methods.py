@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 from .._context import ServerContext
 from .._errors import unknown_model
 from .._limits import OFF_LOOP_BYTES
-from .._repository import Ticket
+from .._served import Ticket
 from ._call import Call, MessageStream
 from ._codec import (
     model_config_message,

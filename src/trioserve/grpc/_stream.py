@@ -38,7 +38,7 @@ import numpy as np
 import trio
 
 from .._errors import InferenceServerError
-from .._repository import Answer, ServedModel
+from .._served import Answer, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..scheduler import (

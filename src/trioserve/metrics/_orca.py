@@ -49,7 +49,7 @@ from typing import TypeVar
 import trio
 
 from .._load_facts import KVCacheState
-from .._repository import ServedModel
+from .._served import ServedModel
 from ._host_usage import HostUsage
 from ._recent import RecentActivity, combined_totals
 

@@ -12,7 +12,7 @@ from .._context import ServerContext
 from .._errors import InvalidArgumentError
 from .._limits import OFF_LOOP_BYTES
 from .._model_config import model_config, model_metadata
-from .._repository import Ticket
+from .._served import Ticket
 from .._stats import statistics_document
 from ._app import Endpoint, Request, Response, RestApp
 from ._generate import GenerateEndpoints

@@ -34,7 +34,7 @@ from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
 from .._load_facts import KVCacheState, LoadFacts
 from .._model import Model
-from .._repository import raise_handed_over
+from .._served import raise_handed_over
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor

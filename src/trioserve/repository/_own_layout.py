@@ -1,4 +1,4 @@
-"""Loading models defined in Python from a model repository folder.
+"""trioserve's own repository layout: models defined in Python, no config.pbtxt.
 
 Layout (Triton's, with ``model.py`` in place of ``config.pbtxt`` + backend)::
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from ._model import Model
-from ._model_code import model_failure
+from .._model import Model
+from .._model_code import model_failure
 
 
 class RepositoryError(Exception):
