@@ -29,6 +29,7 @@ def test_public_api_is_what_we_mean():
             "ErrorKind",
             "FunctionModel",
             "GenerativeModel",
+            "GrpcLimits",
             "HttpLimits",
             "InferenceRequest",
             "InferenceResponse",
@@ -94,8 +95,8 @@ def test_testing_api_is_what_we_mean():
     assert {"infer", "generate", "rest_app"} <= server_api
 
 
-# Which top-level parts of the package may not import which (DESIGN.md's direction:
-# _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
+# Which top-level parts of the package may not import which (ARCHITECTURE.md's import
+# rule: _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
 _ABOVE_CORE = {
     "rest",
     "grpc",
@@ -301,7 +302,12 @@ def test_no_import_circles():
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"), [([], "trio"), (["--grpc-server", "grpclib"], "grpclib")]
+    ("flags", "expected"),
+    [
+        ([], "builtin"),
+        (["--grpc-server", "trio"], "builtin"),
+        (["--grpc-server", "grpclib"], "grpclib"),
+    ],
 )
 def test_cli_picks_the_grpc_front_end(flags, expected):
     config = config_from_args(_parser().parse_args(["run", *flags]))
@@ -310,6 +316,50 @@ def test_cli_picks_the_grpc_front_end(flags, expected):
         _parser().parse_args(["run", "--grpc-server", "grpcio"])
     with pytest.raises(ValueError, match="grpc_server must be"):
         trioserve.ServerConfig(grpc_server="grpcio")  # type: ignore[arg-type]
+
+
+def test_old_flags_and_values_still_configure_the_server(tmp_path):
+    """The flags and values renamed for consistency are still read, as aliases."""
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    config = config_from_args(_parser().parse_args(["run", "--http-server", "stdlib"]))
+    assert config.http_server == "builtin"
+    for certfile, keyfile in (
+        ("--tls-certfile", "--tls-keyfile"),
+        ("--http-tls-certfile", "--http-tls-keyfile"),
+    ):
+        flags = ["--http-server", "hypercorn", certfile, cert, keyfile, key]
+        config = config_from_args(_parser().parse_args(["run", *flags]))
+        assert (config.http_tls_certfile, config.http_tls_keyfile) == (cert, key)
+    flags = ["--grpc-max-message-bytes", "1024", "--repository-poll-secs", "2.5"]
+    config = config_from_args(_parser().parse_args(["run", *flags]))
+    assert config.grpc_limits.max_message_bytes == config.grpc_max_message_bytes == 1024
+    assert config.repository_poll_s == 2.5
+
+
+def test_old_config_keywords_are_deprecated_aliases():
+    with pytest.warns(
+        DeprecationWarning, match="repository_poll_secs=...\\) is now repository_poll_s"
+    ):
+        config = trioserve.ServerConfig(repository_poll_secs=3.0)  # type: ignore[call-arg]
+    assert config.repository_poll_s == 3.0
+    with pytest.warns(DeprecationWarning, match="is now http_tls_(certfile|keyfile)"):
+        config = trioserve.ServerConfig(
+            http_server="hypercorn",
+            tls_certfile="c.pem",  # type: ignore[call-arg]
+            tls_keyfile="k.pem",  # type: ignore[call-arg]
+        )
+    assert (config.http_tls_certfile, config.http_tls_keyfile) == ("c.pem", "k.pem")
+    limits = trioserve.GrpcLimits(max_concurrent_streams=7)
+    with pytest.warns(DeprecationWarning, match="is now grpc_limits.max_message_bytes"):
+        config = trioserve.ServerConfig(
+            grpc_limits=limits,
+            grpc_max_message_bytes=99,  # type: ignore[call-arg]
+        )
+    assert config.grpc_limits == trioserve.GrpcLimits(
+        max_concurrent_streams=7, max_message_bytes=99
+    )
+    config = trioserve.ServerConfig(http_server="stdlib", grpc_server="trio")
+    assert (config.http_server, config.grpc_server) == ("builtin", "builtin")
 
 
 def test_cli_builds_a_config_for_the_builtin_models():

@@ -3,7 +3,7 @@
     open_server(config)                 async context manager (the root nursery)
     ├── repository.run                  one task tree per model version
     ├── REST front end                  our HTTP/1.1 core, or Hypercorn
-    ├── gRPC front end                  config.grpc_server: "trio" or "grpclib" (grpclib
+    ├── gRPC front end                  config.grpc_server: "builtin" or "grpclib" (grpclib
     │                                   through trio-asyncio), one method table
     └── metrics listener                GET /metrics on its own port, when configured
 
@@ -186,7 +186,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             builtin=config.models,
             mode=config.model_control_mode,
             startup_models=config.load_models,
-            poll_secs=config.repository_poll_secs,
+            poll_secs=config.repository_poll_s,
             strict=config.strict_model_config,
             registry=context.registry,
             checkpoint_loader=load_checkpoint_model,
@@ -294,7 +294,7 @@ def _rest_front_end(
     serve_http: Callable[..., Awaitable[None]]
     if config.http_server == "hypercorn":
         serve_http = partial(
-            hypercorn_server(), certfile=config.tls_certfile, keyfile=config.tls_keyfile
+            hypercorn_server(), certfile=config.http_tls_certfile, keyfile=config.http_tls_keyfile
         )
     else:
         from .metrics._counters import CountersCollector
