@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import trioserve
 from trioserve import (
@@ -141,6 +142,8 @@ async def test_generate_streams_what_the_generate_endpoint_answers(
         )
     assert answer.json()["text_output"] == "".join(pieces)
     assert server.registry is not None
+    # The engine's iteration stats reach the metrics through a task of their own.
+    await trio.testing.wait_all_tasks_blocked()
     tokens = server.registry.get_sample_value(
         "vllm:generation_tokens_total", {"model_name": "tiny_lm"}
     )

@@ -20,8 +20,7 @@ from ._log_settings import LogControl
 from ._pipeline import InferencePipeline
 from ._served import ModelRepository
 from ._version import __version__
-from .metrics import server_registry
-from .metrics._orca import LoadReporter
+from .metrics import LoadReporter, server_registry
 from .scheduler import RequestIds
 from .shm import SharedMemoryRegistry
 from .tracing import TraceControl

@@ -55,7 +55,7 @@ import trio
 from ._errors import InferenceServerError, UnsupportedError
 from ._served import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
-from .metrics._orca import LoadReporter
+from .metrics import LoadReporter
 from .scheduler import (
     GenerationChunk,
     GenerationRequest,

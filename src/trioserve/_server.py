@@ -40,11 +40,10 @@ from ._model import Model
 from ._served import ModelRepository, ServedModel
 from ._types import InferenceResponse
 from .grpc import serve_grpc_core
-from .metrics._llm_telemetry import LLMMetricFamilies
+from .metrics import CountersCollector, LLMMetricFamilies
 from .models import load_checkpoint_model
 from .repository import RepositoryManager, configure_onnxruntime
-from .rest._app import RestApp
-from .rest._endpoints import build_app
+from .rest import HTTP_COUNTERS, HttpStatistics, RestApp, build_app, serve_http11, serve_metrics
 from .scheduler import GenerativeRunner, RequestIds, ResponseCache, runner_class
 from .shm import SharedMemoryRegistry
 
@@ -297,9 +296,6 @@ def _rest_front_end(
             hypercorn_server(), certfile=config.http_tls_certfile, keyfile=config.http_tls_keyfile
         )
     else:
-        from .metrics._counters import CountersCollector
-        from .rest._http11 import HTTP_COUNTERS, HttpStatistics, serve_http11
-
         statistics = HttpStatistics()
         if context.registry is not None:
             context.registry.register(
@@ -324,7 +320,6 @@ def _grpc_front_end(context: ServerContext) -> Callable[..., Awaitable[None]]:
 def _metrics_listener(
     context: ServerContext, registry: CollectorRegistry, port: int
 ) -> Callable[..., Awaitable[None]]:
-    from .rest._metrics import serve_metrics
 
     config = context.config
     return partial(

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Mapping
 
 from .._served import ServedModel
-from ..metrics._orca import FORMAT_HEADER, REPORT_HEADER, LoadReporter
+from ..metrics import FORMAT_HEADER, REPORT_HEADER, LoadReporter
 
 logger = logging.getLogger("trioserve.http")
 

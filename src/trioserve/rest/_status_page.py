@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from .._served import ModelRepository
-from ..metrics._status import StatusReport
+from ..metrics import StatusReport
 from ._app import Endpoint, Request, Response
 from ._router import Router
 
