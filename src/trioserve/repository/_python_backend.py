@@ -21,7 +21,6 @@ thread, even after it returned.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import json
 import logging
@@ -38,7 +37,7 @@ import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
-from .._model_code import failure_text, model_failure, raise_failure
+from .._model_code import import_model_code, model_failure, raise_failure
 from .._served import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
@@ -70,17 +69,8 @@ def import_model_file(path: Path, model_name: str, version: int) -> type:
     """Import a model.py and return its ``TritonPythonModel`` class."""
     # Models import the utilities by Triton's name; ours stands in for it.
     sys.modules.setdefault(MODULE_NAME, pb_utils)
-    spec = importlib.util.spec_from_file_location(
-        f"trioserve_python_models.{model_name}.v{version}", path
-    )
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{path}: cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # sys.exit or argparse at import fails this load only
-        failure = model_failure(exc, model_name, "at import")
-        raise ConfigError(f"{path}: failed to import: {failure_text(failure)}") from None
+    module_name = f"trioserve_python_models.{model_name}.v{version}"
+    module = import_model_code(path, module_name, model_name, ConfigError)
     return _model_class(module, path)
 
 
