@@ -3,6 +3,8 @@ hangup watch (``trioserve.cancel_with``) and the ``receive()`` fallback for othe
 
 import socket
 import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,96 +81,89 @@ class Peer:
     peer_closed: bool = False
 
 
-def _peer(sock: socket.socket) -> Any:
-    return Peer(sock.fileno())
+@dataclass
+class Watched:
+    hangups: Hangups
+    hook: Any  # the connection's CancelHook
+    peer: Peer
+    ours: socket.socket  # the server's side
+    theirs: socket.socket  # the client's
+
+
+@asynccontextmanager
+async def watched_connection() -> AsyncIterator[Watched]:
+    """A connection over loopback TCP, its hook in a running hangup watch."""
+    hangups = Hangups(grace_s=0.005)
+    ours, theirs = _tcp_pair()
+    with ours, theirs:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hangups.run)
+            peer = Peer(ours.fileno())
+            yield Watched(hangups, hangups.hook(peer), peer, ours, theirs)
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
 async def test_a_waiting_requests_socket_is_polled_and_withdrawn_when_it_hangs_up(
     autojump_clock, reset
 ):
-    hangups = Hangups(grace_s=0.005)
-    ours, theirs = _tcp_pair()
-    with ours, theirs:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hangups.run)
-            peer = _peer(ours)
-            hook = hangups.hook(peer)
-            ticket = FakeTicket()
-            hook.cancel_with(ticket.withdraw)
-            await trio.sleep(0.012)  # polled since the sweep at 10 ms: no task, no read
-            assert hook.joined
-            theirs.send(b"GET /next HTTP/1.1\r\n\r\n")  # pipelined input is no hangup
-            await trio.sleep(0.01)
-            assert ticket.withdrawn_at is None and not peer.peer_closed
-            if reset:
-                theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            theirs.close()
-            await trio.sleep(0.001)
-            assert ticket.withdrawn_at == pytest.approx(0.022)  # at the hangup
-            assert peer.peer_closed  # the connection carries no further request
-            assert ours.recv(4096) == b"GET /next HTTP/1.1\r\n\r\n"  # nothing was read
-            nursery.cancel_scope.cancel()
+    async with watched_connection() as w:
+        ticket = FakeTicket()
+        w.hook.cancel_with(ticket.withdraw)
+        await trio.sleep(0.012)  # polled since the sweep at 10 ms: no task, no read
+        assert w.hook.joined
+        w.theirs.send(b"GET /next HTTP/1.1\r\n\r\n")  # pipelined input is no hangup
+        await trio.sleep(0.01)
+        assert ticket.withdrawn_at is None and not w.peer.peer_closed
+        if reset:
+            w.theirs.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.theirs.close()
+        await trio.sleep(0.001)
+        assert ticket.withdrawn_at == pytest.approx(0.022)  # at the hangup
+        assert w.peer.peer_closed  # the connection carries no further request
+        assert w.ours.recv(4096) == b"GET /next HTTP/1.1\r\n\r\n"  # nothing was read
 
 
 async def test_a_request_answered_within_the_grace_period_costs_no_registration(
     autojump_clock,
 ):
-    hangups = Hangups(grace_s=0.005)
-    ours, theirs = _tcp_pair()
-    with ours, theirs:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hangups.run)
-            hook = hangups.hook(_peer(ours))
-            ticket = FakeTicket()
-            hook.cancel_with(ticket.withdraw)
-            await trio.sleep(0.004)
-            hook.cancel_with(None)  # answered after 4 ms
-            await trio.sleep(0.02)
-            assert not hook.joined
-            theirs.close()
-            await trio.sleep(0.001)
-            assert ticket.withdrawn_at is None
-            nursery.cancel_scope.cancel()
+    async with watched_connection() as w:
+        ticket = FakeTicket()
+        w.hook.cancel_with(ticket.withdraw)
+        await trio.sleep(0.004)
+        w.hook.cancel_with(None)  # answered after 4 ms
+        await trio.sleep(0.02)
+        assert not w.hook.joined
+        w.theirs.close()
+        await trio.sleep(0.001)
+        assert ticket.withdrawn_at is None
 
 
 async def test_a_connection_joins_the_hangup_set_once_for_all_its_requests(autojump_clock):
-    hangups = Hangups(grace_s=0.005)
-    ours, theirs = _tcp_pair()
-    with ours, theirs:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hangups.run)
-            hook = hangups.hook(_peer(ours))
-            first, second = FakeTicket(), FakeTicket()
-            hook.cancel_with(first.withdraw)
-            await trio.sleep(0.012)
-            assert hook.joined
-            hook.cancel_with(None)  # answered at 12 ms
-            hook.cancel_with(second.withdraw)
-            theirs.close()  # at 12 ms, while the second request is still in its grace period
-            await trio.sleep(0.004)
-            assert second.withdrawn_at is None  # remembered as hung up; not withdrawn yet
-            await trio.sleep(0.002)
-            # The sweep at 17 ms (the grace period after the arrival at 12 ms) withdraws
-            # the second request at once: its socket's hangup edge has passed already.
-            assert second.withdrawn_at == pytest.approx(0.017)
-            assert first.withdrawn_at is None
-            nursery.cancel_scope.cancel()
+    async with watched_connection() as w:
+        first, second = FakeTicket(), FakeTicket()
+        w.hook.cancel_with(first.withdraw)
+        await trio.sleep(0.012)
+        assert w.hook.joined
+        w.hook.cancel_with(None)  # answered at 12 ms
+        w.hook.cancel_with(second.withdraw)
+        w.theirs.close()  # at 12 ms, while the second request is still in its grace period
+        await trio.sleep(0.004)
+        assert second.withdrawn_at is None  # remembered as hung up; not withdrawn yet
+        await trio.sleep(0.002)
+        # The sweep at 17 ms (the grace period after the arrival at 12 ms) withdraws the
+        # second request at once: its socket's hangup edge has passed already.
+        assert second.withdrawn_at == pytest.approx(0.017)
+        assert first.withdrawn_at is None
 
 
 async def test_a_closed_connection_leaves_the_watch(autojump_clock):
-    hangups = Hangups(grace_s=0.005)
-    ours, theirs = _tcp_pair()
-    with theirs:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hangups.run)
-            hook = hangups.hook(_peer(ours))
-            ticket = FakeTicket()
-            hook.cancel_with(ticket.withdraw)
-            await trio.sleep(0.012)
-            hangups.closed(hook)  # the connection task ends, and closes its socket
-            ours.close()
-            theirs.close()
-            await trio.sleep(0.01)
-            assert ticket.withdrawn_at is None and hook.withdraw is None
-            nursery.cancel_scope.cancel()
+    async with watched_connection() as w:
+        ticket = FakeTicket()
+        w.hook.cancel_with(ticket.withdraw)
+        await trio.sleep(0.012)
+        w.hangups.closed(w.hook)  # the connection task ends, and closes its socket
+        w.ours.close()
+        w.theirs.close()
+        await trio.sleep(0.01)
+        assert ticket.withdrawn_at is None and w.hook.withdraw is None

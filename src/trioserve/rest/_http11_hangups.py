@@ -7,15 +7,13 @@ the core what to call if the client goes away, through the scope extension
 That is the contract of gRPC's ``Call.cancel_with``, so REST's and gRPC's watches are
 twins (``rest/_endpoints.py``, ``grpc/_methods.py``).
 
-Noticing a hangup must cost a request next to nothing: most are answered within a few
-milliseconds, and under load (256 connections, each request tens of milliseconds in
-its model's queue) a watcher task per request (its spawn, cancel scope, epoll
-registration and cancellation) doubled the CPU a request costs. So a registration only
-notes the connection, in arrival order; one sweeper task looks again at those still
-waiting after between one and two ``grace_s``, and their socket joins the server's
-epoll set, once per connection and edge-triggered, reporting only the peer's hangup
-(EPOLLRDHUP, EPOLLHUP), never pipelined input. A request then costs no task and no
-system call. A hangup calls the waiting ``withdraw`` at once, or at the end of the grace
+Noticing a hangup must cost a request next to nothing: under load (256 connections,
+each request tens of milliseconds in its model's queue) every request outlives the
+grace period (``_grace.py``), and a watcher task per request (its spawn, cancel scope,
+epoll registration and cancellation) doubled the CPU a request costs. So the socket of
+a request past its grace period joins the server's epoll set, once per connection and
+edge-triggered, reporting only the peer's hangup (EPOLLRDHUP, EPOLLHUP), never
+pipelined input. A request then costs no task and no system call. A hangup calls the waiting ``withdraw`` at once, or at the end of the grace
 period of a request that arrived on a connection already hung up, and marks the
 connection's peer closed: what ``receive()`` would have learnt from the socket's EOF (a
 half-close included), so the app that gives up answers nobody and the connection closes.
@@ -26,11 +24,12 @@ Without epoll (not Linux) nothing is polled; ``receive()`` still tells the disco
 from __future__ import annotations
 
 import select
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
 import trio
+
+from ._grace import GracePeriod
 
 _HANGUP_EVENTS = (
     getattr(select, "EPOLLRDHUP", 0)
@@ -66,56 +65,38 @@ class CancelHook:
         wait is over)."""
         self.withdraw = withdraw
         if withdraw is None:
-            self._hangups.forget(self)
+            self._hangups.waiting.forget(self)
         else:
-            self._hangups.arrived(self)
+            self._hangups.waiting.arrived(self)
 
 
 class Hangups:
-    """The server's hangup watch: its sweeper and its epoll set (``run``)."""
+    """The server's hangup watch: its grace period and its epoll set (``run``)."""
 
     def __init__(self, grace_s: float = 0.005) -> None:
-        self.grace_s = grace_s
-        self._waiting: OrderedDict[CancelHook, float] = OrderedDict()  # since; oldest first
-        self._arrived = trio.Event()
+        self.waiting = GracePeriod(grace_s, self._past_grace)
         self._set: select.epoll | None = None  # opened by run(), on Linux
         self._joined: dict[int, CancelHook] = {}  # by fd: the connections in the set
 
     def hook(self, peer: Peer) -> CancelHook:
         return CancelHook(self, peer)
 
-    def arrived(self, hook: CancelHook) -> None:
-        self._waiting[hook] = trio.current_time()
-        self._waiting.move_to_end(hook)
-        if not self._arrived.is_set():
-            self._arrived.set()
-
-    def forget(self, hook: CancelHook) -> None:
-        self._waiting.pop(hook, None)
-
     def closed(self, hook: CancelHook) -> None:
         """The connection is over: its socket left the set as it closed."""
         hook.withdraw = None
-        self._waiting.pop(hook, None)
+        self.waiting.forget(hook)
         if self._joined.get(hook.fd) is hook:
             del self._joined[hook.fd]
 
     async def run(self) -> None:
-        """The sweeper: every ``grace_s`` while requests wait, poll the sockets of those
-        that waited that long (a fixed tick, so its wakeups do not grow with the request
-        rate); beside it, the wait on the epoll set."""
+        """The grace period's sweeper, and beside it the wait on the epoll set."""
         if hasattr(select, "epoll"):  # Linux
             self._set = select.epoll()
         try:
             async with trio.open_nursery() as nursery:
                 if self._set is not None:
                     nursery.start_soon(self._wait_hangups, self._set)
-                while True:
-                    if not self._waiting:
-                        self._arrived = trio.Event()
-                        await self._arrived.wait()
-                    await trio.sleep(self.grace_s)
-                    self._poll_waited(trio.current_time())
+                await self.waiting.run()
         finally:
             if self._set is not None:
                 self._set.close()
@@ -124,24 +105,19 @@ class Hangups:
                 hook.joined = False
             self._joined.clear()
 
-    def _poll_waited(self, now: float) -> None:
-        # A method of its own so that no local of the long-lived sweeper keeps the last
-        # hook's withdraw (and its request's tensors) alive after the request is answered.
-        while self._waiting:
-            hook, since = next(iter(self._waiting.items()))
-            if now - since < self.grace_s:
-                break  # the rest are younger still
-            del self._waiting[hook]
-            if hook.hung_up:
-                _withdraw(hook)
-            elif not hook.joined and self._set is not None:
-                try:
-                    # Edge-triggered: reported once; a hangup that came first is reported now.
-                    self._set.register(hook.fd, _HANGUP_EVENTS)
-                except OSError:
-                    continue  # e.g. the socket is already gone: receive() tells
-                hook.joined = True
-                self._joined[hook.fd] = hook
+    def _past_grace(self, hook: CancelHook) -> None:
+        """A request still waiting after its grace period: withdrawn if its client hung
+        up already, else its socket polled from now on."""
+        if hook.hung_up:
+            _withdraw(hook)
+        elif not hook.joined and self._set is not None:
+            try:
+                # Edge-triggered: reported once; a hangup that came first is reported now.
+                self._set.register(hook.fd, _HANGUP_EVENTS)
+            except OSError:
+                return  # e.g. the socket is already gone: receive() tells
+            hook.joined = True
+            self._joined[hook.fd] = hook
 
     async def _wait_hangups(self, hangups: select.epoll) -> None:
         while True:
@@ -151,7 +127,7 @@ class Hangups:
                 if hook is None:
                     continue
                 hook.hung_up = True
-                if hook not in self._waiting:  # else withdrawn once its grace period ends
+                if hook not in self.waiting:  # else withdrawn once its grace period ends
                     _withdraw(hook)
 
 
