@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -62,7 +64,21 @@ def _start(side: Side, cpus: str, grpc: bool) -> tuple[subprocess.Popen[bytes], 
     command += ["--log-level", "warning", *flags]
     process = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=src))
     _wait_ready(f"127.0.0.1:{port}")
+    if grpc:  # the gRPC port opens after the HTTP one
+        _wait_listening(grpc_port)
     return process, port, grpc_port
+
+
+def _wait_listening(port: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)  # a tool polling a server it started; not a test
 
 
 def _load(args: argparse.Namespace, tmp: Path, port: int, grpc_port: int) -> list[str]:
@@ -93,7 +109,7 @@ def _answered(output: str) -> int:
     if h2load is not None and h2load.group(1) != h2load.group(2):
         raise RuntimeError(f"a server answered errors:\n{output}")
     found = h2load or re.search(r"(\d+) requests in", output)
-    if found is None:
+    if found is None or int(found.group(1 if h2load is None else 2)) == 0:
         raise RuntimeError(f"no request count in the load generator's output:\n{output}")
     return int(found.group(1 if h2load is None else 2))
 

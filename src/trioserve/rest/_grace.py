@@ -31,8 +31,9 @@ class GracePeriod(Generic[_Item]):
         self._arrived = trio.Event()
 
     def arrived(self, item: _Item) -> None:
+        """``item`` starts waiting (``forget`` it first if it waits already: it would keep
+        its place and hold the sweep of those behind it for a tick)."""
         self._waiting[item] = trio.current_time()
-        self._waiting.move_to_end(item)
         if not self._arrived.is_set():
             self._arrived.set()
 
