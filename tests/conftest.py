@@ -19,8 +19,8 @@ from trioserve._alternatives import FrontEndUnavailable, grpclib_server
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
-HTTP_SERVERS = ["stdlib", "hypercorn"]
-GRPC_SERVERS = ["trio", "grpclib"]
+HTTP_SERVERS = ["builtin", "hypercorn"]
+GRPC_SERVERS = ["builtin", "grpclib"]
 
 
 def _grpclib_unavailable() -> str | None:
@@ -225,7 +225,7 @@ async def tiny_server(nursery: trio.Nursery, request: pytest.FixtureRequest) -> 
     from trioserve import serve
     from trioserve.models import TinyLM
 
-    http_server = getattr(request, "param", "stdlib")
+    http_server = getattr(request, "param", "builtin")
     config = ServerConfig(
         models=[*reference_zoo(), TinyLM(num_kv_blocks=256)],
         http_port=0,

@@ -102,7 +102,7 @@ def test_trio_asyncio_broken_on_this_python_refuses_grpclib(
     message = str(refused.value)
     assert "--grpc-server grpclib cannot serve on Python" in message
     assert "AbstractChildWatcher" in message
-    assert "--grpc-server trio, the default" in message
+    assert "--grpc-server builtin, the default" in message
 
 
 def test_missing_extras_name_what_to_install(broken_import: type[_FailingImport]) -> None:

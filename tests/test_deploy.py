@@ -17,7 +17,7 @@ import yaml
 from trioserve import MetricsConfig, ServerConfig
 from trioserve._cli import _parser
 from trioserve._context import server_context
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve.metrics import exposition, server_registry
 from trioserve.metrics._orca import FORMAT_HEADER
 from trioserve.metrics._vllm_names import FAMILIES

@@ -15,7 +15,7 @@ import trio.testing
 from trioserve import ServerConfig, TensorSpec, model, open_server, serve
 from trioserve.models import reference_zoo
 
-HTTP_SERVERS = ["stdlib", "hypercorn"]
+HTTP_SERVERS = ["builtin", "hypercorn"]
 
 
 class Gate:

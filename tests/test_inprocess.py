@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import trioserve
 from trioserve import (
@@ -23,6 +24,7 @@ from trioserve import (
     UnsupportedError,
 )
 from trioserve.models import TinyLM, reference_zoo
+from trioserve.scheduler import LLMEngine
 
 
 @pytest.fixture
@@ -140,10 +142,35 @@ async def test_generate_streams_what_the_generate_endpoint_answers(
         )
     assert answer.json()["text_output"] == "".join(pieces)
     assert server.registry is not None
+    # The engine's iteration stats reach the metrics through a task of their own.
+    await trio.testing.wait_all_tasks_blocked()
     tokens = server.registry.get_sample_value(
         "vllm:generation_tokens_total", {"model_name": "tiny_lm"}
     )
     assert tokens == 12
+
+
+async def test_engine_ids_are_the_servers_never_the_clients(
+    server: Server, autojump_clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An OIP inference of a generative model and a generation draw their engine ids
+    from the server's one counter; two requests that share a client id stay apart."""
+    seen: list[str] = []
+    add = LLMEngine.add
+
+    async def recording(engine: LLMEngine, request: Any, sink: Any) -> Any:
+        seen.append(request.request_id)
+        return await add(engine, request, sink)
+
+    monkeypatch.setattr(LLMEngine, "add", recording)
+    prompt = {"text_input": np.array([b"hello"], dtype=object)}
+    for _ in range(2):
+        answer = await server.infer(
+            "tiny_lm", prompt, request_id="same", parameters={"max_tokens": 2}
+        )
+        assert answer.id == "same"  # the client's id stays in its answer
+    assert [p async for p in server.generate("tiny_lm", "hello", max_tokens=2)]
+    assert seen == ["infer-1", "infer-2", "inprocess-3"]
 
 
 async def test_leaving_a_generation_early_frees_its_cache(

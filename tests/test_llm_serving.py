@@ -10,8 +10,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from trioserve import ServerConfig, open_server
-from trioserve._loader import load_repository
 from trioserve.models import TinyLM, reference_zoo
+from trioserve.repository import load_repository
 from trioserve.scheduler import GenerationRequest, SamplingParams, generative
 from trioserve.testing import server_in_thread
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import tritonclient.http as httpclient
 
 import trioserve
 from trioserve._cli import _parser, config_from_args
-from trioserve._loader import RepositoryError, load_repository
+from trioserve.repository import RepositoryError, load_repository
 
 SRC = Path(trioserve.__file__).parent
 
@@ -29,6 +30,7 @@ def test_public_api_is_what_we_mean():
             "ErrorKind",
             "FunctionModel",
             "GenerativeModel",
+            "GrpcLimits",
             "HttpLimits",
             "InferenceRequest",
             "InferenceResponse",
@@ -98,8 +100,8 @@ def test_testing_api_is_what_we_mean():
     assert {"infer", "generate", "rest_app"} <= server_api
 
 
-# Which top-level parts of the package may not import which (DESIGN.md's direction:
-# _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
+# Which top-level parts of the package may not import which (ARCHITECTURE.md's import
+# rule: _cli -> _server -> rest | grpc -> scheduler, metrics -> shm, core).
 _ABOVE_CORE = {
     "rest",
     "grpc",
@@ -211,29 +213,60 @@ def test_grpc_transport_is_found():
     assert {"_core.py", "_h2_connection.py", "_hpack.py", "_wire.py"} <= names
 
 
-# The pure policies: decisions without I/O or time of their own, testable without an event
-# loop. They import the standard library and each other, nothing else.
-PURE = ["scheduler/_batching.py", "scheduler/_llm_policy.py", "scheduler/_kv_blocks.py"]
+# The pure parts: decisions and wire formats without I/O, clocks or an event loop, so
+# testable without trio. Each imports the standard library's plain data modules, the other
+# pure parts, and only what its entry names besides.
+PURE: dict[str, set[str]] = {
+    "scheduler/_batching.py": set(),
+    "scheduler/_sequences.py": set(),
+    "scheduler/_llm_policy.py": set(),
+    "scheduler/_kv_blocks.py": set(),
+    "scheduler/_llm_output.py": set(),
+    "scheduler/_sampling.py": {
+        "numpy",
+        "trioserve.scheduler._generation",  # TokenLogprob, a type
+        "trioserve.scheduler._sampling_params",
+    },
+    "rest/_http11_parser.py": {
+        "email.utils",
+        "http",
+        "urllib.parse",
+        "trioserve._limits",
+        "trioserve.rest._errors",
+    },
+    "grpc/_hpack.py": {"hpack", "trioserve.grpc._sized_cache"},
+    "grpc/_h2_frames.py": {"struct", "trioserve._limits"},
+}
 _STDLIB_ALLOWED = {"__future__", "bisect", "collections", "dataclasses", "enum", "typing"}
+_PURE_MODULES = {f"trioserve.{p.removesuffix('.py').replace('/', '.')}" for p in PURE}
 
 
-@pytest.mark.parametrize("relative", PURE)
-def test_pure_policies_import_no_event_loop_or_io(relative):
-    imported = _imports(SRC / relative)
-    outside = {
-        m
-        for m in imported
-        if not m.startswith("trioserve.") and m.split(".")[0] not in _STDLIB_ALLOWED
+def _outside_purity(relative: str, imported: list[str]) -> set[str]:
+    """What ``relative``, a pure part, imports beyond what a pure part may."""
+    allowed = PURE[relative]
+    return {
+        module
+        for module in imported
+        if module.split(".")[0] not in _STDLIB_ALLOWED
+        and not any(module == a or module.startswith(f"{a}.") for a in allowed | _PURE_MODULES)
     }
+
+
+@pytest.mark.parametrize("relative", sorted(PURE))
+def test_pure_parts_import_no_event_loop_or_io(relative):
+    outside = _outside_purity(relative, _imports(SRC / relative))
     assert not outside, f"{relative} imports {sorted(outside)}"
-    pure_modules = {f"trioserve.{p.removesuffix('.py').replace('/', '.')}" for p in PURE}
-    ours = {m for m in imported if m.startswith("trioserve.")}
-    assert all(any(m.startswith(p) for p in pure_modules) for m in ours), sorted(ours)
+
+
+def test_impurity_is_found():
+    imported = ["trio", "collections.abc", "trioserve.scheduler._kv_blocks", "numpy"]
+    assert _outside_purity("scheduler/_llm_policy.py", imported) == {"trio", "numpy"}
+    assert _outside_purity("scheduler/_sampling.py", imported) == {"trio"}
 
 
 # Packages with a public face: their __init__ names what the rest of trioserve may use,
 # and no module outside them imports their private modules.
-SEALED = {"scheduler"}
+SEALED = {"scheduler", "metrics", "grpc", "rest"}
 
 
 def _private_reach(relative: Path, imported: list[str]) -> set[str]:
@@ -267,11 +300,11 @@ def test_private_reach_is_found():
     assert _private_reach(Path("scheduler/_x.py"), imported) == set()
 
 
-def test_sealed_packages_export_what_they_name():
-    import trioserve.scheduler as scheduler
-
-    assert all(hasattr(scheduler, name) for name in scheduler.__all__)
-    assert not [name for name in scheduler.__all__ if name.startswith("_")]
+@pytest.mark.parametrize("package", sorted(SEALED))
+def test_sealed_packages_export_what_they_name(package):
+    face = importlib.import_module(f"trioserve.{package}")
+    assert all(hasattr(face, name) for name in face.__all__)
+    assert not [name for name in face.__all__ if name.startswith("_")]
 
 
 def _module_name(path: Path) -> str:
@@ -333,7 +366,12 @@ def test_no_import_circles():
 
 
 @pytest.mark.parametrize(
-    ("flags", "expected"), [([], "trio"), (["--grpc-server", "grpclib"], "grpclib")]
+    ("flags", "expected"),
+    [
+        ([], "builtin"),
+        (["--grpc-server", "trio"], "builtin"),
+        (["--grpc-server", "grpclib"], "grpclib"),
+    ],
 )
 def test_cli_picks_the_grpc_front_end(flags, expected):
     config = config_from_args(_parser().parse_args(["run", *flags]))
@@ -342,6 +380,50 @@ def test_cli_picks_the_grpc_front_end(flags, expected):
         _parser().parse_args(["run", "--grpc-server", "grpcio"])
     with pytest.raises(ValueError, match="grpc_server must be"):
         trioserve.ServerConfig(grpc_server="grpcio")  # type: ignore[arg-type]
+
+
+def test_old_flags_and_values_still_configure_the_server(tmp_path):
+    """The flags and values renamed for consistency are still read, as aliases."""
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    config = config_from_args(_parser().parse_args(["run", "--http-server", "stdlib"]))
+    assert config.http_server == "builtin"
+    for certfile, keyfile in (
+        ("--tls-certfile", "--tls-keyfile"),
+        ("--http-tls-certfile", "--http-tls-keyfile"),
+    ):
+        flags = ["--http-server", "hypercorn", certfile, cert, keyfile, key]
+        config = config_from_args(_parser().parse_args(["run", *flags]))
+        assert (config.http_tls_certfile, config.http_tls_keyfile) == (cert, key)
+    flags = ["--grpc-max-message-bytes", "1024", "--repository-poll-secs", "2.5"]
+    config = config_from_args(_parser().parse_args(["run", *flags]))
+    assert config.grpc_limits.max_message_bytes == config.grpc_max_message_bytes == 1024
+    assert config.repository_poll_s == 2.5
+
+
+def test_old_config_keywords_are_deprecated_aliases():
+    with pytest.warns(
+        DeprecationWarning, match="repository_poll_secs=...\\) is now repository_poll_s"
+    ):
+        config = trioserve.ServerConfig(repository_poll_secs=3.0)  # type: ignore[call-arg]
+    assert config.repository_poll_s == 3.0
+    with pytest.warns(DeprecationWarning, match="is now http_tls_(certfile|keyfile)"):
+        config = trioserve.ServerConfig(
+            http_server="hypercorn",
+            tls_certfile="c.pem",  # type: ignore[call-arg]
+            tls_keyfile="k.pem",  # type: ignore[call-arg]
+        )
+    assert (config.http_tls_certfile, config.http_tls_keyfile) == ("c.pem", "k.pem")
+    limits = trioserve.GrpcLimits(max_concurrent_streams=7)
+    with pytest.warns(DeprecationWarning, match="is now grpc_limits.max_message_bytes"):
+        config = trioserve.ServerConfig(
+            grpc_limits=limits,
+            grpc_max_message_bytes=99,  # type: ignore[call-arg]
+        )
+    assert config.grpc_limits == trioserve.GrpcLimits(
+        max_concurrent_streams=7, max_message_bytes=99
+    )
+    config = trioserve.ServerConfig(http_server="stdlib", grpc_server="trio")
+    assert (config.http_server, config.grpc_server) == ("builtin", "builtin")
 
 
 def test_cli_builds_a_config_for_the_builtin_models():

@@ -44,7 +44,7 @@ LIMIT = 2**31 - 1
 
 
 def _repository() -> Any:
-    from trioserve._repository import ModelRepository
+    from trioserve._served import ModelRepository
     from trioserve.models import reference_zoo
     from trioserve.scheduler._runner import ModelRunner
 

@@ -16,7 +16,7 @@ from ._errors import (
     UnsupportedError,
 )
 from ._generative import GenerativeModel, StepSequence
-from ._limits import HttpLimits
+from ._limits import GrpcLimits, HttpLimits
 from ._log_settings import LogConfig
 from ._metrics_config import MetricsConfig
 from ._model import DynamicBatching, FunctionModel, Model, TensorSpec, model
@@ -41,6 +41,7 @@ __all__ = [
     "ErrorKind",
     "FunctionModel",
     "GenerativeModel",
+    "GrpcLimits",
     "HttpLimits",
     "InferenceRequest",
     "InferenceResponse",

@@ -39,22 +39,28 @@ def check_alternatives(config: ServerConfig) -> None:
 
 
 def hypercorn_server() -> Callable[..., Awaitable[None]]:
-    """``rest._hypercorn.serve_hypercorn``."""
+    """``rest.serve_hypercorn``."""
+    from . import rest
+
     try:
-        from .rest._hypercorn import serve_hypercorn
+        return rest.serve_hypercorn  # imported on first use of the name
     except ImportError as exc:
         raise FrontEndUnavailable(_missing("--http-server hypercorn", "hypercorn", exc)) from exc
-    return serve_hypercorn
 
 
 def grpclib_server() -> Callable[..., Awaitable[None]]:
-    """``grpc._grpclib.serve_grpclib``."""
+    """``grpc.serve_grpclib``."""
+    from . import grpc
+
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings(
                 "ignore", message=_TRIO_ASYNCIO_WARNING, category=DeprecationWarning
             )
-            from .grpc._grpclib import serve_grpclib
+            # Imported on first use of the name; an attribute access, not ``from grpc
+            # import``, which would turn an AttributeError raised by the import into an
+            # ImportError.
+            serve_grpclib = grpc.serve_grpclib
     except ImportError as exc:
         raise FrontEndUnavailable(_missing("--grpc-server grpclib", "grpclib", exc)) from exc
     except Exception as exc:  # any failure at import means it cannot serve here
@@ -62,7 +68,7 @@ def grpclib_server() -> Callable[..., Awaitable[None]]:
         raise FrontEndUnavailable(
             f"--grpc-server grpclib cannot serve on Python {python}: importing grpclib and "
             f"trio-asyncio failed ({type(exc).__name__}: {exc}); the built-in gRPC server "
-            "(--grpc-server trio, the default) serves on every supported Python"
+            "(--grpc-server builtin, the default) serves on every supported Python"
         ) from exc
     return serve_grpclib
 

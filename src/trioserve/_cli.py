@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -23,13 +23,13 @@ from ._alternatives import check_alternatives
 from ._backend_config import parse_backend_setting
 from ._config import ServerConfig
 from ._limits import GrpcLimits, HttpLimits
-from ._loader import RepositoryError
 from ._log_settings import FORMATS, LogConfig
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
 from ._restricted import parse_restrictions
 from ._server import StartupError, open_server
 from ._version import __version__
+from .repository import RepositoryError
 from .scheduler import cache_size_from_flags
 from .tracing import trace_config_from_flags
 
@@ -126,20 +126,26 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--allow-grpc", type=_boolean, default=True, metavar="BOOL")
     run.add_argument(
         "--http-server",
-        choices=("stdlib", "hypercorn"),
-        default="stdlib",
-        help="stdlib: the built-in HTTP/1.1 server (fastest); hypercorn: HTTP/2, h2c and TLS "
-        "(the extra trioserve[hypercorn])",
+        type=_old_name("stdlib"),
+        choices=("builtin", "hypercorn"),
+        default="builtin",
+        help="builtin (or its old name stdlib): the built-in HTTP/1.1 server (fastest); "
+        "hypercorn: HTTP/2, h2c and TLS (the extra trioserve[hypercorn])",
     )
     run.add_argument(
         "--grpc-server",
-        choices=("trio", "grpclib"),
-        default="trio",
-        help="trio: the built-in HTTP/2 server; grpclib: grpclib through trio-asyncio "
-        "(the extra trioserve[grpclib])",
+        type=_old_name("trio"),
+        choices=("builtin", "grpclib"),
+        default="builtin",
+        help="builtin (or its old name trio): the built-in HTTP/2 server; grpclib: grpclib "
+        "through trio-asyncio (the extra trioserve[grpclib])",
     )
-    run.add_argument("--tls-certfile", help="with --http-server hypercorn: serve HTTPS")
-    run.add_argument("--tls-keyfile")
+    run.add_argument(
+        "--http-tls-certfile",
+        "--tls-certfile",
+        help="with --http-server hypercorn: serve HTTPS (--tls-certfile: its old name)",
+    )
+    run.add_argument("--http-tls-keyfile", "--tls-keyfile", help="(--tls-keyfile: its old name)")
     defaults = HttpLimits()
     run.add_argument("--http-max-body-bytes", type=int, default=defaults.max_body_bytes)
     run.add_argument("--http-max-header-bytes", type=int, default=defaults.max_header_bytes)
@@ -160,9 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--grpc-tls-certfile", help="serve gRPC over TLS (ALPN h2)")
     run.add_argument("--grpc-tls-keyfile")
     grpc_defaults = GrpcLimits()
-    run.add_argument(
-        "--grpc-max-message-bytes", type=int, default=ServerConfig.grpc_max_message_bytes
-    )
+    run.add_argument("--grpc-max-message-bytes", type=int, default=grpc_defaults.max_message_bytes)
     run.add_argument(
         "--grpc-max-concurrent-streams",
         type=int,
@@ -261,6 +265,15 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _old_name(old: str) -> Callable[[str], str]:
+    """A server flag's value, with ``old`` read as its new name, "builtin"."""
+
+    def value(text: str) -> str:
+        return "builtin" if text == old else text
+
+    return value
+
+
 def _backend_config(settings: list[str]) -> dict[str, dict[str, str]]:
     config: dict[str, dict[str, str]] = {}
     for text in settings:
@@ -283,7 +296,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         model_repositories=repositories,
         model_control_mode=args.model_control_mode,
         load_models=args.load_model,
-        repository_poll_secs=args.repository_poll_secs,
+        repository_poll_s=args.repository_poll_secs,
         strict_model_config=args.strict_model_config,
         model_load_thread_count=args.model_load_thread_count,
         model_load_timeout_s=args.model_load_timeout_secs,
@@ -295,12 +308,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_port=args.grpc_port if args.allow_grpc else None,
         http_server=args.http_server,
         grpc_server=args.grpc_server,
-        tls_certfile=args.tls_certfile,
-        tls_keyfile=args.tls_keyfile,
+        http_tls_certfile=args.http_tls_certfile,
+        http_tls_keyfile=args.http_tls_keyfile,
         grpc_tls_certfile=args.grpc_tls_certfile,
         grpc_tls_keyfile=args.grpc_tls_keyfile,
-        grpc_max_message_bytes=args.grpc_max_message_bytes,
         grpc_limits=GrpcLimits(
+            max_message_bytes=args.grpc_max_message_bytes,
             max_concurrent_streams=args.grpc_max_concurrent_streams,
             idle_timeout_s=args.grpc_idle_timeout_secs,
             max_connections=args.grpc_max_connections,

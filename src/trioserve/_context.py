@@ -18,10 +18,10 @@ from prometheus_client import CollectorRegistry
 from ._config import ServerConfig
 from ._log_settings import LogControl
 from ._pipeline import InferencePipeline
-from ._repository import ModelRepository
+from ._served import ModelRepository
 from ._version import __version__
-from .metrics import server_registry
-from .metrics._orca import LoadReporter
+from .metrics import LoadReporter, server_registry
+from .scheduler import RequestIds
 from .shm import SharedMemoryRegistry
 from .tracing import TraceControl
 
@@ -56,10 +56,15 @@ class ServerContext:
 
 
 def server_context(
-    config: ServerConfig, repository: ModelRepository, *, load: LoadReporter | None = None
+    config: ServerConfig,
+    repository: ModelRepository,
+    *,
+    load: LoadReporter | None = None,
+    request_ids: RequestIds | None = None,
 ) -> ServerContext:
     """A fresh context for a server of ``config`` serving ``repository``; ``load``: a
-    reporter of the caller's (one with a host of its own), else a new one."""
+    reporter of the caller's (one with a host of its own), else a new one;
+    ``request_ids``: the ids the repository's generative runners draw, else new ones."""
     shared_memory = SharedMemoryRegistry(config.max_shared_memory_regions)
     load = LoadReporter() if load is None else load
     metrics = config.metrics
@@ -71,7 +76,9 @@ def server_context(
         load=load,
         metadata=server_metadata(shared_memory.cuda_available),
         registry=server_registry(repository, metrics) if metrics.enabled else None,
-        pipeline=InferencePipeline(shared_memory, load, tracing),
+        pipeline=InferencePipeline(
+            shared_memory, load, tracing, RequestIds() if request_ids is None else request_ids
+        ),
         stop_accepting=trio.Event(),
         tracing=tracing,
         logs=LogControl(config.log),

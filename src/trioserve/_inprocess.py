@@ -17,7 +17,6 @@ import numpy as np
 
 from ._context import ServerContext
 from ._errors import InvalidArgumentError
-from ._pipeline import refuse_decoupled
 from ._tensor import datatype_of
 from ._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from .scheduler import generative, read_parameters
@@ -43,7 +42,6 @@ class InProcessFrontEnd:
         context = self._context
         version_name = "" if version is None else str(version)
         served = context.repository.get(model, version_name)
-        refuse_decoupled(served, "Server.infer")
         request = InferenceRequest(
             model_name=model,
             model_version=version_name,
@@ -56,7 +54,7 @@ class InProcessFrontEnd:
         def decode(regions: RequestRegions) -> InferenceRequest:
             return request  # numpy in hand: no shared memory to lease
 
-        _, response = await context.pipeline.infer(served, decode)
+        _, response = await context.pipeline.infer(served, decode, endpoint="Server.infer")
         return response
 
     async def generate(
@@ -69,15 +67,12 @@ class InProcessFrontEnd:
             raise InvalidArgumentError("generate streams one sample: n must be 1")
         parameters = read_parameters(sampling, "vllm", max_num_seqs=served.max_num_seqs)
         pipeline = context.pipeline
-        request = pipeline.trace_generation(
-            pipeline.generation_request("inprocess", prompt, parameters), served, {}
-        )
-        with context.load.counting(served):
-            async with served.generate(request) as chunks:
-                async for chunk in chunks:
-                    # An empty chunk only means that a multi-byte character is pending.
-                    if chunk.text:
-                        yield chunk.text
+        request = pipeline.generation_request("inprocess", served, prompt, parameters, {})
+        async with pipeline.generate(served, request) as chunks:
+            async for chunk in chunks:
+                # An empty chunk only means that a multi-byte character is pending.
+                if chunk.text:
+                    yield chunk.text
 
 
 def _input_tensors(inputs: Mapping[str, Any]) -> dict[str, InputTensor]:

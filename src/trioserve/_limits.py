@@ -44,8 +44,11 @@ class HttpLimits:
 @dataclass(frozen=True)
 class GrpcLimits:
     """Bounds on what one gRPC connection may cost the server, honoured by the built-in
-    HTTP/2 core (grpclib offers none of these knobs). The message size limit is the
-    server's ``grpc_max_message_bytes``, which both gRPC front ends honour."""
+    HTTP/2 core (grpclib offers none of these knobs but ``max_message_bytes``)."""
+
+    max_message_bytes: int = 2**31 - 1
+    """The largest message either way, for both gRPC front ends (tritonclient's own
+    limit: INT32_MAX); a larger request is RESOURCE_EXHAUSTED."""
 
     max_concurrent_streams: int = 256
     """Calls open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS); more are
@@ -87,7 +90,7 @@ class GrpcLimits:
     def __post_init__(self) -> None:
         if not 0 < self.idle_close_share <= 1:
             raise ValueError("idle_close_share must be above 0 and at most 1")
-        for name in ("max_reset_burst", "resets_per_s", "max_continuation_frames",
+        for name in ("max_message_bytes", "max_reset_burst", "resets_per_s", "max_continuation_frames",
                      "hpack_cache_bytes", "max_outbox_bytes", "max_pending_bytes"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")

@@ -19,6 +19,9 @@ the signal (Python delivers it to the main thread), so what it raises is the mod
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import trio
@@ -65,6 +68,24 @@ def failure_text(exc: Exception) -> str:
     """A failure as a load error tells it: the type and message of an ``Exception``, the
     words of a ``ModelCodeExit``."""
     return str(exc) if isinstance(exc, ModelCodeExit) else f"{type(exc).__name__}: {exc}"
+
+
+def import_model_code(
+    path: Path, module_name: str, model: str, error: type[Exception]
+) -> ModuleType:
+    """The model file ``path`` imported as ``module_name``, for model ``model``; what
+    keeps it from being imported (its code failing, ``sys.exit`` and ``argparse``
+    included) is raised as ``error``, whose message names the file."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise error(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:  # fails this load only
+        failure = model_failure(exc, model, "at import")
+        raise error(f"{path}: failed to import: {failure_text(failure)}") from None
+    return module
 
 
 def failure_message(model: str, exc: Exception) -> str:

@@ -1,56 +1,69 @@
 """One inference request from its decoded message to its outcome, for every front end.
 
-REST infer, gRPC ModelInfer and ModelStreamInfer's tensor requests all run here, so a
-change to shared memory, device copies or load counting is made once:
+REST infer, gRPC ModelInfer and ModelStreamInfer's tensor requests and in-process
+``Server.infer`` all run here, so a change to shared memory, device copies or load
+counting is made once:
 
-1. lease the shared-memory regions the request names, while the front end's ``decode``
+1. refuse a decoupled model on a unary ``endpoint`` (Triton's message names it);
+2. lease the shared-memory regions the request names, while the front end's ``decode``
    turns its wire message into an ``InferenceRequest`` (wire formats differ, the rest
    does not);
-2. read inputs waiting on a device (CUDA regions) or in a large system window, in a
+3. read inputs waiting on a device (CUDA regions) or in a large system window, in a
    worker thread;
-3. count the request toward the server's load from here, its arrival at the model: it
-   counts once its outcome is known (an error too; a cancellation not);
-4. submit it and wait for its ticket: a cancelled wait withdraws the request from the
+4. count the request toward the server's load from here, its arrival at the model: it
+   counts once its outcome is known (an error too; a cancellation or a withdrawal not);
+5. submit it and wait for its ticket: a cancelled wait withdraws the request from the
    model's queue;
-5. write its outputs placed in shared memory (in a worker thread for a device or a large
+6. write its outputs placed in shared memory (in a worker thread for a device or a large
    window), or copy a device's outputs to the host;
-6. release the regions.
+7. release the regions.
 
-The front end then encodes the response and adds its load report (REST's header,
-gRPC's trailer; both built by ``LoadReporter.report``).
+``infer`` and ``infer_decoupled`` share these steps (``_admit``, ``_arrived``, ``_write``,
+``_release``). The front end then encodes the response and adds its load report (REST's
+header, gRPC's trailer; both built by ``LoadReporter.report``).
 
 A decoupled model's request takes ``infer_decoupled`` instead, on streams only: each
-of its answers goes to the front end's ``deliver`` as it comes. Unary front ends refuse
-such models (``refuse_decoupled``).
+of its answers goes to the front end's ``deliver`` as it comes.
 
 A front end may also pass a ``Watch``: the watch tracks the ticket while it waits and
-may withdraw it (REST's ``DisconnectWatch`` does when the client disconnects), in which
-case ``infer`` returns None: there is nobody left to answer.
+may withdraw it (REST's and gRPC's do when the client disconnects), in which case
+``infer`` returns None: there is nobody left to answer.
 
 When the server traces (``tracing``), ``infer`` asks its ``TraceControl`` whether this
 request is traced, before decoding it: a traced request carries its ``Trace``, which the
 runner stamps with its queue and compute times, and which ends here once the outputs
 are written. A server that traces nothing reads one attribute per request for it.
 
-Generations do not take this path (they stream chunks from the engine), but every front
-end builds its ``GenerationRequest`` here, with the server's one request-id counter and
-the arrival time stamped in one place.
+Generations stream chunks from the engine: every front end (REST generate and
+generate_stream, OpenAI completions and chat, gRPC ModelStreamInfer, in-process
+``Server.generate``) builds its ``GenerationRequest`` with ``generation_request`` (the
+server's request id from its one ``RequestIds``, the arrival stamped now, the trace
+sampled) and runs it in ``generate``, which counts it toward the load as step 4 does.
+An OIP inference of a generative model takes ``infer`` like any other; its runner draws
+the engine's id from the same ``RequestIds``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import trio
 
 from ._errors import InferenceServerError, UnsupportedError
-from ._repository import Answer, ServedModel, Ticket
+from ._served import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
-from .metrics._orca import LoadReporter
-from .scheduler import GenerationRequest, RequestParameters, generation_request
+from .metrics import LoadReporter
+from .scheduler import (
+    GenerationChunk,
+    GenerationRequest,
+    GenerativeServed,
+    RequestIds,
+    RequestParameters,
+    generation_request,
+)
 from .shm import RequestRegions, SharedMemoryRegistry
 from .tracing import Trace, TraceControl
 
@@ -75,26 +88,36 @@ class InferencePipeline:
     __slots__ = ("_ids", "_load", "_shared_memory", "_tracing")
 
     def __init__(
-        self, shared_memory: SharedMemoryRegistry, load: LoadReporter, tracing: TraceControl
+        self,
+        shared_memory: SharedMemoryRegistry,
+        load: LoadReporter,
+        tracing: TraceControl,
+        request_ids: RequestIds,
     ) -> None:
         self._shared_memory = shared_memory
         self._load = load
         self._tracing = tracing
-        self._ids = itertools.count(1)
+        self._ids = request_ids  # the generative runners draw from the same
 
     def generation_request(
-        self, origin: str, prompt: object, parameters: RequestParameters
+        self,
+        origin: str,
+        served: GenerativeServed,
+        prompt: object,
+        parameters: RequestParameters,
+        headers: Mapping[Any, Any],
+        *,
+        prompt_token_ids: tuple[int, ...] | None = None,
     ) -> GenerationRequest:
-        """The engine's request for ``prompt``, arriving now, with the server's next
-        request id (``origin`` names the front end, for logs; clients' ids may repeat)."""
-        request_id = f"{origin}-{next(self._ids)}"
-        return generation_request(request_id, prompt, parameters, trio.current_time())
-
-    def trace_generation(
-        self, generation: GenerationRequest, served: ServedModel, headers: Mapping[Any, Any]
-    ) -> GenerationRequest:
-        """``generation`` as it goes to ``served``: with its trace if it is traced
-        (``headers``: the request's, for a client's trace context); the engine ends it."""
+        """The engine's request for ``prompt`` to ``served``, arriving now, with the
+        server's next request id (``origin`` names the front end, for logs), traced if
+        the server traces it (``headers``: the request's, for a client's trace context;
+        the engine ends the trace). ``prompt_token_ids``: the prompt already tokenized."""
+        generation = generation_request(
+            self._ids.next(origin), prompt, parameters, trio.current_time()
+        )
+        if prompt_token_ids is not None:
+            generation = dataclasses.replace(generation, prompt_token_ids=prompt_token_ids)
         if not self._tracing.active:
             return generation
         trace = self._sample(served, headers)
@@ -103,12 +126,24 @@ class InferencePipeline:
         trace.request_id = generation.request_id
         return dataclasses.replace(generation, trace=trace)
 
+    @asynccontextmanager
+    async def generate(
+        self, served: GenerativeServed, generation: GenerationRequest
+    ) -> AsyncIterator[AsyncIterator[GenerationChunk]]:
+        """The chunks of ``generation`` (``generation_request``'s); leaving the block
+        early aborts it. The generation counts toward the load once the block ends: an
+        error raised in it as a failure, a cancellation (the client left) not at all."""
+        with self._load.counting(served):
+            async with served.generate(generation) as chunks:
+                yield chunks
+
     @overload
     async def infer(
         self,
         served: ServedModel,
         decode: Decode,
         *,
+        endpoint: str,
         submitted: Callable[[], object] | None = None,
         large: bool = False,
         headers: Mapping[Any, Any] | None = None,
@@ -122,6 +157,7 @@ class InferencePipeline:
         watch: Watch[_Client, _Token],
         client: _Client,
         *,
+        endpoint: str,
         large: bool = False,
         headers: Mapping[Any, Any] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse] | None: ...
@@ -133,29 +169,32 @@ class InferencePipeline:
         watch: Watch[Any, Any] | None = None,
         client: Any = None,
         *,
+        endpoint: str,
         submitted: Callable[[], object] | None = None,
         large: bool = False,
         headers: Mapping[Any, Any] | None = None,
     ) -> tuple[InferenceRequest, InferenceResponse] | None:
         """The request ``decode`` gives and its response; None if ``watch`` withdrew it.
-        ``submitted`` is called once the request is in its model's queue (a stream of a
-        sequence model submits its requests in order). ``large``: the message is big
-        enough (``OFF_LOOP_BYTES``) to decode in a worker thread. ``headers``: the
-        request's (HTTP headers or gRPC metadata), read only if it is traced.
+        ``endpoint`` names the front end's call in the refusal of a decoupled model,
+        which it cannot answer. ``submitted`` is called once the request is in its
+        model's queue (a stream of a sequence model submits its requests in order).
+        ``large``: the message is big enough (``OFF_LOOP_BYTES``) to decode in a worker
+        thread. ``headers``: the request's (HTTP headers or gRPC metadata), read only if
+        it is traced.
 
         One coroutine from the decode to the outcome: every frame between the front end
         and the ticket's wait is resumed again when the outcome arrives.
         """
-        served.admit()
-        trace = self._sample(served, headers) if self._tracing.active else None
-        regions = RequestRegions(self._shared_memory, served.model.device)
+        if served.model.decoupled:
+            raise UnsupportedError(
+                f"{endpoint} doesn't support models with decoupled transaction policy"
+            )
+        regions, trace = self._admit(served, headers)
         try:
             request = await _decode_in_thread(decode, regions) if large else decode(regions)
-            if trace is not None:
-                _traced(request, trace)
-            if regions.inputs_off_loop:
-                await regions.read_inputs_off_loop()
-            with self._load.counting(served):
+            if reading := _arrived(request, regions, trace):
+                await reading
+            with self._load.counting(served) as counting:
                 ticket = served.submit(request)
                 if submitted is not None:
                     submitted()
@@ -169,24 +208,14 @@ class InferencePipeline:
                     if watch is not None:
                         watch.untrack(ticket, token)
                 if watch is not None and ticket.withdrawn:
-                    raise _Withdrawn
+                    counting.uncounted()
+                    return None
                 response = ticket.outcome()
-                if regions.outputs_off_loop:
-                    await regions.write_outputs_off_loop(response)
-                else:
-                    regions.write_outputs(response)
-                if trace is not None:
-                    trace.outputs(response.outputs)
-        except _Withdrawn:
-            return None
+                if writing := _write(regions, response, trace):
+                    await writing
         finally:
-            regions.close()
-            if trace is not None:  # a failed request's trace too, as Triton's
-                trace.end()
+            _release(regions, trace)
         return request, response
-
-    def _sample(self, served: ServedModel, headers: Mapping[Any, Any] | None) -> Trace | None:
-        return self._tracing.sample(served.model.name, served.version, headers)
 
     async def infer_decoupled(
         self,
@@ -200,28 +229,21 @@ class InferencePipeline:
         of its answers with its final flag, the last one final. Cancelling this
         withdraws the request (the model sees it cancelled). A traced request's trace
         holds every response's outputs, and ends with the last."""
-        served.admit()
-        trace = self._sample(served, headers) if self._tracing.active else None
-        regions = RequestRegions(self._shared_memory, served.model.device)
+        regions, trace = self._admit(served, headers)
         try:
             request = decode(regions)
-            if trace is not None:
-                _traced(request, trace)
-            if regions.inputs_off_loop:
-                await regions.read_inputs_off_loop()
-            with self._load.counting(served):
+            if reading := _arrived(request, regions, trace):
+                await reading
+            with self._load.counting(served) as counting:
                 ticket = served.submit(request)
                 answers = ticket.answers()
                 assert answers is not None, "a decoupled model's ticket has answers"
                 try:
                     async for answer, final in answers:
-                        if isinstance(answer, InferenceResponse):
-                            if regions.outputs_off_loop:
-                                await regions.write_outputs_off_loop(answer)
-                            else:
-                                regions.write_outputs(answer)
-                            if trace is not None:
-                                trace.outputs(answer.outputs)
+                        if isinstance(answer, InferenceResponse) and (
+                            writing := _write(regions, answer, trace)
+                        ):
+                            await writing
                         await deliver(answer, final)
                 except trio.Cancelled:
                     ticket.withdraw()
@@ -230,29 +252,60 @@ class InferencePipeline:
                     try:
                         ticket.outcome()
                     except InferenceServerError:
-                        raise _Delivered from None  # counted as an error, already answered
-        except _Delivered:
-            pass
+                        counting.failed()  # already answered to the client
         finally:
-            regions.close()
-            if trace is not None:
-                trace.end()
+            _release(regions, trace)
+
+    def _admit(
+        self, served: ServedModel, headers: Mapping[Any, Any] | None
+    ) -> tuple[RequestRegions, Trace | None]:
+        """Admit a request to ``served`` (a full queue refuses it before it is decoded):
+        the regions its decode leases and its trace, if it is traced; ``_release``
+        gives them back."""
+        served.admit()
+        trace = self._sample(served, headers) if self._tracing.active else None
+        return RequestRegions(self._shared_memory, served.model.device), trace
+
+    def _sample(self, served: ServedModel, headers: Mapping[Any, Any] | None) -> Trace | None:
+        return self._tracing.sample(served.model.name, served.version, headers)
 
 
-def _traced(request: InferenceRequest, trace: Trace) -> None:
-    """A decoded request that is traced: it carries its trace to the runner."""
-    trace.request_id = request.id
-    trace.inputs(request.inputs.values())
-    trace.ended_by_request = True
-    request.trace = trace
+# The steps around the wait are plain functions that hand back what is left to await, if
+# anything: most requests have nothing to read or write off the loop, and a coroutine
+# per step cost the paired benchmark's small requests 1.5% more CPU.
 
 
-def refuse_decoupled(served: ServedModel, endpoint: str) -> None:
-    """Unary endpoints cannot answer a decoupled model (Triton's message)."""
-    if served.model.decoupled:
-        raise UnsupportedError(
-            f"{endpoint} doesn't support models with decoupled transaction policy"
-        )
+def _arrived(
+    request: InferenceRequest, regions: RequestRegions, trace: Trace | None
+) -> Awaitable[None] | None:
+    """A decoded request, traced if it is; the read of its inputs that wait off the loop
+    (a device, a large window), to await, if it has any."""
+    if trace is not None:
+        trace.request_id = request.id
+        trace.inputs(request.inputs.values())
+        trace.ended_by_request = True
+        request.trace = trace  # the runner stamps it
+    return regions.read_inputs_off_loop() if regions.inputs_off_loop else None
+
+
+def _write(
+    regions: RequestRegions, response: InferenceResponse, trace: Trace | None
+) -> Awaitable[None] | None:
+    """``response``'s outputs recorded by the trace and written where the request placed
+    them in shared memory; the write off the loop (a device, a large window), to await,
+    if there is one."""
+    if trace is not None:
+        trace.outputs(response.outputs)
+    if regions.outputs_off_loop:
+        return regions.write_outputs_off_loop(response)
+    regions.write_outputs(response)
+    return None
+
+
+def _release(regions: RequestRegions, trace: Trace | None) -> None:
+    regions.close()
+    if trace is not None:  # a failed request's trace too, as Triton's
+        trace.end()
 
 
 async def _decode_in_thread(decode: Decode, regions: RequestRegions) -> InferenceRequest:
@@ -264,11 +317,3 @@ async def _decode_in_thread(decode: Decode, regions: RequestRegions) -> Inferenc
         return await trio.to_thread.run_sync(decode, regions)
     finally:
         regions.leasing_from_thread = False
-
-
-class _Delivered(Exception):
-    """The request failed and its front end was told so."""
-
-
-class _Withdrawn(BaseException):
-    """The watch withdrew the request: like a cancellation, it is not counted as load."""

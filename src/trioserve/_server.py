@@ -3,7 +3,7 @@
     open_server(config)                 async context manager (the root nursery)
     ├── repository.run                  one task tree per model version
     ├── REST front end                  our HTTP/1.1 core, or Hypercorn
-    ├── gRPC front end                  config.grpc_server: "trio" or "grpclib" (grpclib
+    ├── gRPC front end                  config.grpc_server: "builtin" or "grpclib" (grpclib
     │                                   through trio-asyncio), one method table
     └── metrics listener                GET /metrics on its own port, when configured
 
@@ -37,15 +37,14 @@ from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
 from ._inprocess import InProcessFrontEnd
 from ._model import Model
-from ._repository import ModelRepository, ServedModel
+from ._served import ModelRepository, ServedModel
 from ._types import InferenceResponse
 from .grpc import serve_grpc_core
-from .metrics._llm_telemetry import LLMMetricFamilies
+from .metrics import CountersCollector, LLMMetricFamilies
 from .models import load_checkpoint_model
 from .repository import RepositoryManager, configure_onnxruntime
-from .rest._app import RestApp
-from .rest._endpoints import build_app
-from .scheduler import GenerativeRunner, ResponseCache, runner_class
+from .rest import HTTP_COUNTERS, HttpStatistics, RestApp, build_app, serve_http11, serve_metrics
+from .scheduler import GenerativeRunner, RequestIds, ResponseCache, runner_class
 from .shm import SharedMemoryRegistry
 
 logger = logging.getLogger("trioserve")
@@ -165,9 +164,10 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
     llm_metrics = LLMMetricFamilies(
         config.models, show_hidden_metrics_for_version=config.show_hidden_metrics_for_version
     )
-    runners = partial(_served, config, cache, llm_metrics)
+    request_ids = RequestIds()  # the server's one source of engine request ids
+    runners = partial(_served, config, cache, llm_metrics, request_ids)
     repository = ModelRepository([] if explicit else runners(config.models))
-    context = server_context(config, repository)
+    context = server_context(config, repository, request_ids=request_ids)
     if context.registry is not None:  # empty until a generative model is served
         context.registry.register(llm_metrics)
     rest_app = build_app(context)
@@ -186,7 +186,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             builtin=config.models,
             mode=config.model_control_mode,
             startup_models=config.load_models,
-            poll_secs=config.repository_poll_secs,
+            poll_secs=config.repository_poll_s,
             strict=config.strict_model_config,
             registry=context.registry,
             checkpoint_loader=load_checkpoint_model,
@@ -241,6 +241,7 @@ def _served(
     config: ServerConfig,
     cache: ResponseCache | None,
     llm_metrics: LLMMetricFamilies,
+    request_ids: RequestIds,
     models: Sequence[Model],
 ) -> list[ServedModel]:
     """What serves each model version: the continuous-batching engine for generative
@@ -251,7 +252,9 @@ def _served(
         for version in model.versions:
             if isinstance(model, GenerativeModel):
                 telemetry = llm_metrics.telemetry(model, version)
-                engine = GenerativeRunner(model, version, telemetry, histogram_bounds_ns=bounds)
+                engine = GenerativeRunner(
+                    model, version, telemetry, histogram_bounds_ns=bounds, request_ids=request_ids
+                )
                 served.append(engine)
             else:
                 cached = _cache_for(model, cache)
@@ -292,12 +295,9 @@ def _rest_front_end(
     serve_http: Callable[..., Awaitable[None]]
     if config.http_server == "hypercorn":
         serve_http = partial(
-            hypercorn_server(), certfile=config.tls_certfile, keyfile=config.tls_keyfile
+            hypercorn_server(), certfile=config.http_tls_certfile, keyfile=config.http_tls_keyfile
         )
     else:
-        from .metrics._counters import CountersCollector
-        from .rest._http11 import HTTP_COUNTERS, HttpStatistics, serve_http11
-
         statistics = HttpStatistics()
         if context.registry is not None:
             context.registry.register(
@@ -322,7 +322,6 @@ def _grpc_front_end(context: ServerContext) -> Callable[..., Awaitable[None]]:
 def _metrics_listener(
     context: ServerContext, registry: CollectorRegistry, port: int
 ) -> Callable[..., Awaitable[None]]:
-    from .rest._metrics import serve_metrics
 
     config = context.config
     return partial(

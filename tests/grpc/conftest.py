@@ -19,7 +19,7 @@ import h2.settings
 import pytest
 import trio
 
-from trioserve._limits import GrpcLimits
+from trioserve import GrpcLimits
 from trioserve.grpc._core import serve_methods
 from trioserve.grpc._generated import grpc_service_pb2 as pb
 from trioserve.grpc._methods import Call, MessageStream, Method, StreamMethod, UnaryMethod

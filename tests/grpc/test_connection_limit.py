@@ -9,8 +9,7 @@ import pytest
 import trio
 
 import trioserve
-from trioserve import Server, ServerConfig
-from trioserve._limits import GrpcLimits
+from trioserve import GrpcLimits, Server, ServerConfig
 from trioserve.grpc._generated import grpc_service_pb2 as pb
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"

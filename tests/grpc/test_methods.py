@@ -26,7 +26,7 @@ from trioserve import (
     UnsupportedError,
 )
 from trioserve._context import server_context
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve.grpc._errors import GRPC_STATUS, GrpcError, GrpcStatus, status_of
 from trioserve.grpc._generated import grpc_service_pb2, health_pb2
 from trioserve.grpc._methods import StreamMethod, UnaryMethod, grpc_methods

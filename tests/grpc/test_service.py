@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 import trioserve
 from trioserve import (
     DynamicBatching,
+    GrpcLimits,
     InferenceRequest,
     Model,
     Server,
@@ -657,7 +658,7 @@ async def test_message_size_limit(nursery: trio.Nursery, grpc_server: str) -> No
         models=reference_zoo(),
         http_port=None,
         grpc_port=0,
-        grpc_max_message_bytes=64 * 1024,
+        grpc_limits=GrpcLimits(max_message_bytes=64 * 1024),
         grpc_server=grpc_server,
     )
     server = await nursery.start(trioserve.serve, config)

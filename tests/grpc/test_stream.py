@@ -20,9 +20,9 @@ import trio
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from trioserve import ServerConfig
+from trioserve import GrpcLimits, ServerConfig
 from trioserve._context import server_context
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve.models import reference_zoo
 from trioserve.scheduler._runner import ModelRunner
 
@@ -40,7 +40,10 @@ async def url(
     repository = ModelRepository([scripted_lm, ModelRunner(simple, "1")])
     await nursery.start(repository.run)
     config = ServerConfig(
-        http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 20, grpc_server=grpc_server
+        http_port=None,
+        grpc_port=0,
+        grpc_limits=GrpcLimits(max_message_bytes=1 << 20),
+        grpc_server=grpc_server,
     )
     return f"127.0.0.1:{await start_grpc(server_context(config, repository))}"
 

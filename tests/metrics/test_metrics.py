@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trioserve import DynamicBatching, InferenceRequest, InputTensor, MetricsConfig, TensorSpec
 from trioserve import model as declare_model
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve._tensor import datatype
 from trioserve.metrics import exposition, server_registry
 from trioserve.metrics._system import CpuCollector, GpuCollector, gpu_collector

@@ -197,6 +197,26 @@ async def test_errors_count_and_cancellations_do_not(
     assert (report.rps_fractional, report.eps) == (2.0, 1.0)  # within the first second
 
 
+async def test_a_count_can_be_marked_failed_or_left_out(
+    nursery: trio.Nursery, autojump_clock: Any
+) -> None:
+    """``failed()``: an error already answered; ``uncounted()``: a request withdrawn for a
+    client that left. Neither needs an exception to cross the count."""
+    runner = ModelRunner(slow_model(), "1")
+    await nursery.start(runner.run)
+    load = LoadReporter(host=no_host_figures())
+    with load.counting(runner) as counting:
+        counting.failed()
+    with load.counting(runner) as counting:
+        counting.uncounted()
+    with pytest.raises(InternalError), load.counting(runner) as counting:
+        counting.uncounted()
+        raise InternalError("nobody is told of this one")
+    report = load.report(runner)
+    assert report is not None
+    assert (report.rps_fractional, report.eps) == (1.0, 1.0)
+
+
 def test_another_clock_counts_without_trio() -> None:
     # No trio run here: the clock given is the only time the reporter reads.
     runner = ModelRunner(slow_model(), "1")

@@ -24,9 +24,9 @@ from grpclib.const import Cardinality
 from tritonclient.grpc import service_pb2
 
 import trioserve
-from trioserve import HttpLimits, ServerConfig, TensorSpec
+from trioserve import GrpcLimits, HttpLimits, ServerConfig, TensorSpec
 from trioserve._context import server_context
-from trioserve._repository import ModelRepository, ServedModel
+from trioserve._served import ModelRepository, ServedModel
 from trioserve.grpc._generated.orca_load_report_pb2 import OrcaLoadReport
 from trioserve.metrics._host_usage import HostUsage
 from trioserve.metrics._orca import LoadReporter
@@ -190,7 +190,10 @@ def serve_rpc(
     async def serve(served: list[ServedModel], load: LoadReporter) -> str:
         repository = await start_models(nursery, served)
         config = ServerConfig(
-            http_port=None, grpc_port=0, grpc_max_message_bytes=1 << 24, grpc_server=grpc_server
+            http_port=None,
+            grpc_port=0,
+            grpc_limits=GrpcLimits(max_message_bytes=1 << 24),
+            grpc_server=grpc_server,
         )
         port = await start_grpc(server_context(config, repository, load=load))
         return f"127.0.0.1:{port}"

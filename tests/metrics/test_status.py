@@ -23,7 +23,7 @@ from trioserve import (
 from trioserve import model as declare_model
 from trioserve._context import server_metadata
 from trioserve._errors import InvalidArgumentError
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve._tensor import datatype
 from trioserve.metrics._status import StatusReport, histogram_percentile
 from trioserve.models import TinyLM

@@ -17,7 +17,7 @@ import trio
 
 from trioserve import ServerConfig, serve
 from trioserve._cli import _parser, config_from_args
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve.models import CheckpointError, CheckpointLM, load_checkpoint_model
 from trioserve.repository import ConfigError
 from trioserve.repository._reading import read_model

@@ -16,7 +16,7 @@ from google.protobuf import text_format
 from tritonclient.utils import InferenceServerException
 
 from trioserve import InferenceRequest, InputTensor, Server, ServerConfig, TensorSpec, model
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve._tensor import datatype
 from trioserve.repository._config import complete_config, model_settings
 from trioserve.repository._ensemble import EnsembleModel, ensemble_steps

@@ -120,7 +120,7 @@ async def test_poll_mode_adds_changes_and_removes_models(
 ) -> None:
     add_model(tmp_path, "kept", [1])
     add_model(tmp_path, "changed", [1])
-    server = await start(nursery, tmp_path, model_control_mode="poll", repository_poll_secs=5.0)
+    server = await start(nursery, tmp_path, model_control_mode="poll", repository_poll_s=5.0)
     assert states(server) == {"changed": [("1", "READY")], "kept": [("1", "READY")]}
     add_model(tmp_path, "added", [1])
     add_model(tmp_path, "changed", [2])  # latest 1: version 2 replaces version 1

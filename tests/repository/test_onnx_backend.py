@@ -199,7 +199,7 @@ from pathlib import Path
 import numpy as np
 
 from trioserve._backend_config import OnnxRuntimeSettings
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve._types import InferenceRequest, InputTensor
 from trioserve.repository import configure_onnxruntime
 from trioserve.repository._reading import read_model

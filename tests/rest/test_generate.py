@@ -20,7 +20,7 @@ import trio
 from trioserve import HttpLimits, ServerConfig
 from trioserve._context import server_context
 from trioserve._inprocess import InProcessFrontEnd
-from trioserve._repository import ModelRepository
+from trioserve._served import ModelRepository
 from trioserve.models import reference_zoo
 from trioserve.rest._endpoints import build_app
 from trioserve.rest._http11 import serve_http11

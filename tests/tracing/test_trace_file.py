@@ -26,7 +26,7 @@ from trioserve import (
 )
 from trioserve._context import server_context
 from trioserve._inprocess import InProcessFrontEnd
-from trioserve._repository import ModelRepository, ServedModel
+from trioserve._served import ModelRepository, ServedModel
 from trioserve._tensor import datatype
 from trioserve.repository._config import complete_config, model_settings
 from trioserve.repository._ensemble import EnsembleModel, ensemble_steps

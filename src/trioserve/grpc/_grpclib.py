@@ -88,7 +88,7 @@ async def serve_grpclib(
         }
         try:
             server = await trio_asyncio.aio_as_trio(_start)(
-                _Servable(mapping), listener, config.grpc_max_message_bytes
+                _Servable(mapping), listener, config.grpc_limits.max_message_bytes
             )
         except BaseException:
             listener.close()  # grpclib owns it only once started

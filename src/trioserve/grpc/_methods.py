@@ -22,8 +22,7 @@ from google.protobuf.message import Message
 from .._context import ServerContext
 from .._errors import unknown_model
 from .._limits import OFF_LOOP_BYTES
-from .._pipeline import refuse_decoupled
-from .._repository import Ticket
+from .._served import Ticket
 from ._call import Call, MessageStream, Method, StreamMethod, UnaryMethod
 from ._codec import (
     model_config_message,
@@ -92,7 +91,7 @@ def grpc_methods(context: ServerContext) -> dict[str, Method]:
     unary["TraceSetting"] = UnaryMethod(pb.TraceSettingRequest, s.trace_setting)
     unary["LogSettings"] = UnaryMethod(pb.LogSettingsRequest, s.log_settings)
     methods: dict[str, Method] = {_SERVICE + rpc: method for rpc, method in unary.items()}
-    stream = StreamInfer(context.repository, context.pipeline, context.load)
+    stream = StreamInfer(context)
     methods[_SERVICE + "ModelStreamInfer"] = StreamMethod(WireRequest, stream.serve)
     methods[_HEALTH_CHECK] = UnaryMethod(health_pb2.HealthCheckRequest, s.health_check)
     return methods
@@ -146,12 +145,12 @@ class _Service:
     async def model_infer(self, request: WireRequest, call: Call) -> Any:
         plan = self._infer_plans.plan(request)
         served = self._repository.get(plan.model_name, plan.model_version)
-        refuse_decoupled(served, "ModelInfer RPC")
         decode = partial(plan.decode, request.raw)
         large = len(request.head) >= OFF_LOOP_BYTES  # raw inputs are views: no decoding
         answered = await self._pipeline.infer(
-            served, decode, _CALL_WATCH, call, large=large, headers=call.metadata
-        )
+            served, decode, _CALL_WATCH, call,
+            endpoint="ModelInfer RPC", large=large, headers=call.metadata,
+        )  # fmt: skip
         if answered is None:
             raise ClientGone("the client cancelled the call")
         _, response = answered

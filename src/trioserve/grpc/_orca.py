@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._repository import ServedModel
-from ..metrics._orca import FORMAT_HEADER, LoadReport, LoadReporter
+from .._served import ServedModel
+from ..metrics import FORMAT_HEADER, LoadReport, LoadReporter
 from ._generated.orca_load_report_pb2 import OrcaLoadReport
 
 if TYPE_CHECKING:

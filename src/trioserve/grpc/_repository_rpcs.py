@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .._errors import InvalidArgumentError, UnsupportedError
-from .._repository import ModelRepository, RepositoryControl
+from .._served import ModelRepository, RepositoryControl
 from ._generated import grpc_service_pb2 as pb
 
 _Answer = Callable[[ModelRepository, Any], Awaitable[Any]]

@@ -7,7 +7,7 @@ import trio
 
 from .._context import ServerContext
 from .._sockets import Address
-from ..metrics._counters import CountersCollector
+from ..metrics import CountersCollector
 from ._call import Method, StreamMethod
 from ._core import serve_methods, tls_context
 from ._h2_connection import H2Connection

@@ -38,11 +38,9 @@ import numpy as np
 import trio
 
 from .._errors import InferenceServerError
-from .._pipeline import InferencePipeline
-from .._repository import Answer, ModelRepository, ServedModel
+from .._served import Answer, ServedModel
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
-from ..metrics._orca import LoadReporter
 from ..scheduler import (
     GenerationChunk,
     GenerativeServed,
@@ -56,6 +54,7 @@ from ._infer_wire import WireReply, WireRequest, stream_reply
 from ._orca import add_load_report
 
 if TYPE_CHECKING:
+    from .._context import ServerContext
     from ._call import Call, MessageStream
 
 logger = logging.getLogger("trioserve.grpc")
@@ -72,12 +71,10 @@ _BYTES = datatype("BYTES")
 class StreamInfer:
     """Serves ModelStreamInfer calls over a model repository."""
 
-    def __init__(
-        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
-    ) -> None:
-        self._repository = repository
-        self._pipeline = pipeline  # tensor requests take ModelInfer's path; generations' ids
-        self._load = load  # generations count toward the server's load reports
+    def __init__(self, context: ServerContext) -> None:
+        self._repository = context.repository
+        self._pipeline = context.pipeline  # tensor requests and generations alike
+        self._load = context.load  # the call's load report
 
     async def serve(self, io: MessageStream, call: Call) -> None:
         """Answer every request of one call; returns when all are answered or the client
@@ -153,16 +150,18 @@ class StreamInfer:
             replies.served = served
             decode = partial(decode_request, message, raw=raw)
             if isinstance(served, GenerativeServed):
-                request = decode()
-                with self._load.counting(served):
-                    await self._generate(served, request, replies)
+                await self._generate(served, decode(), replies)
             elif served.model.decoupled:
                 await self._pipeline.infer_decoupled(
                     served, decode, _Answers(message, replies).deliver, headers=replies.metadata
                 )
             else:
                 _, response = await self._pipeline.infer(
-                    served, decode, submitted=submitted, headers=replies.metadata
+                    served,
+                    decode,
+                    endpoint="ModelStreamInfer RPC",
+                    submitted=submitted,
+                    headers=replies.metadata,
                 )
                 await replies.send(_response(response, final=True))
         except InferenceServerError as exc:
@@ -178,13 +177,13 @@ class StreamInfer:
     ) -> None:
         prompt, given = prompt_and_parameters(request.inputs, request.parameters)
         parameters = read_parameters(given, "vllm", max_num_seqs=served.max_num_seqs)
-        generation = self._pipeline.trace_generation(
-            self._pipeline.generation_request("grpc", prompt, parameters), served, replies.metadata
+        generation = self._pipeline.generation_request(
+            "grpc", served, prompt, parameters, replies.metadata
         )
         empty_final = given.get(EMPTY_FINAL) is True
         n = generation.sampling.n
         unfinished = n
-        async with served.generate(generation) as chunks:
+        async with self._pipeline.generate(served, generation) as chunks:
             async for chunk in chunks:
                 if chunk.finish_reason is not None:
                     unfinished -= 1

@@ -14,7 +14,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from .._log_settings import LogControl
-from .._repository import ModelRepository
+from .._served import ModelRepository
 from ..tracing import SettingsDocument, TraceControl
 from ._generated import grpc_service_pb2 as pb
 

@@ -2,6 +2,21 @@
 TRT-LLM families), the periodic stat logger and ORCA load reports; one registry per
 server instance."""
 
+from ._counters import CountersCollector
+from ._llm_telemetry import LLMMetricFamilies
+from ._orca import FORMAT_HEADER, REPORT_HEADER, LoadReport, LoadReporter
 from ._registry import CONTENT_TYPE, exposition, server_registry
+from ._status import StatusReport
 
-__all__ = ["CONTENT_TYPE", "exposition", "server_registry"]
+__all__ = [
+    "CONTENT_TYPE",
+    "FORMAT_HEADER",
+    "REPORT_HEADER",
+    "CountersCollector",
+    "LLMMetricFamilies",
+    "LoadReport",
+    "LoadReporter",
+    "StatusReport",
+    "exposition",
+    "server_registry",
+]

@@ -3,7 +3,7 @@
     LLMMetricFamilies              one per server: the vLLM and TRT-LLM families (the
                                    token-count buckets fit the largest max_model_len of
                                    the models known at startup, else of the first loaded)
-    └── VllmTelemetry              one per generative model version: its children of
+    └── LLMTelemetry               one per generative model version: its children of
                                    those families, its periodic log line, and the task
                                    that reads its engine's IterationStats
 
@@ -57,11 +57,11 @@ class LLMMetricFamilies(Collector):
 
     def telemetry(
         self, model: GenerativeModel, version: str, *, interval_s: float = 5.0
-    ) -> VllmTelemetry:
+    ) -> LLMTelemetry:
         if self._vllm is None:  # no generative model was known at first: size for this one
             self._vllm = self._vllm_families(model.max_model_len)
         self._joined = True
-        return VllmTelemetry(self, model, version, interval_s=interval_s)
+        return LLMTelemetry(self, model, version, interval_s=interval_s)
 
     def collect(self) -> Iterator[Metric]:
         if not self._joined:
@@ -70,8 +70,9 @@ class LLMMetricFamilies(Collector):
             yield from collector.collect()
 
 
-class VllmTelemetry:
-    """The stats task of one generative model version: metrics and the periodic log."""
+class LLMTelemetry:
+    """The stats task of one generative model version: its vLLM and TRT-LLM metrics and
+    the periodic log."""
 
     def __init__(
         self,

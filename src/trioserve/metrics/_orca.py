@@ -49,7 +49,7 @@ from typing import TypeVar
 import trio
 
 from .._load_facts import KVCacheState
-from .._repository import ServedModel
+from .._served import ServedModel
 from ._host_usage import HostUsage
 from ._recent import RecentActivity, combined_totals
 
@@ -143,17 +143,20 @@ class LoadReporter:
         self._models: dict[tuple[str, str], _ModelLoad] = {}  # by model name and version
         self._by_served: dict[ServedModel, _ModelLoad] = {}  # the same, found faster
 
-    def counting(self, served: ServedModel) -> _Counting:
-        """A request to ``served`` arrives now: ``with`` the result around the step that
-        gives its outcome, and the request is counted when that step ends.
+    def counting(self, served: ServedModel) -> Counting:
+        """A request to ``served`` arrives now: ``with`` the result (a ``Counting``)
+        around the step that gives its outcome, and the request is counted when that
+        step ends.
 
-        Leaving with an exception counts it as an error; a cancellation (a
-        ``BaseException``: the client went away, the server stops) is not counted.
+        Leaving with an exception counts it as an error, and so does ``failed()`` (an
+        error already answered); ``uncounted()`` (a request withdrawn for a client that
+        left) and a cancellation (a ``BaseException``: the client went away, the server
+        stops) are not counted.
         """
         model = self._by_served.get(served)
         if model is None:
             model = self._by_served[served] = self._model(served)
-        return _Counting(model.activity, self._clock)
+        return Counting(model.activity, self._clock)
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
@@ -203,22 +206,34 @@ class LoadReporter:
         )
 
 
-class _Counting:
-    """``LoadReporter.counting``: a class, not a generator, as it runs on every request."""
+class Counting:
+    """One request's count (``LoadReporter.counting``): a class, not a generator, as it
+    runs on every request."""
 
-    __slots__ = ("_activity", "_arrived", "_clock")
+    __slots__ = ("_activity", "_arrived", "_clock", "_failed", "_uncounted")
 
     def __init__(self, activity: RecentActivity, clock: Callable[[], float]) -> None:
         self._activity, self._arrived, self._clock = activity, clock(), clock
+        self._failed = self._uncounted = False
 
-    def __enter__(self) -> None:
-        return None
+    def __enter__(self) -> Counting:
+        return self
+
+    def failed(self) -> None:
+        """The request failed, though the block ends normally (its error was answered)."""
+        self._failed = True
+
+    def uncounted(self) -> None:
+        """Nobody waits for this request's outcome any more: leave it out of the load."""
+        self._uncounted = True
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if kind is None or issubclass(kind, Exception):
-            self._activity.add(self._clock(), arrived=self._arrived, failed=kind is not None)
+        if self._uncounted or not (kind is None or issubclass(kind, Exception)):
+            return
+        failed = self._failed or kind is not None
+        self._activity.add(self._clock(), arrived=self._arrived, failed=failed)
 
 
 def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:

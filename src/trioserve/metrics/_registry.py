@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from .._metrics_config import MetricsConfig
-from .._repository import ModelRepository
+from .._served import ModelRepository
 from .._stats import ModelStatistics
 from ._histograms import LatencyHistogramCollector
 from ._system import CpuCollector, gpu_collector

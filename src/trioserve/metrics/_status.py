@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._repository import ModelRepository, ServedModel
+from .._served import ModelRepository, ServedModel
 from .._stats import ModelStatistics
 
 PERCENTILES = (0.5, 0.9, 0.99)

@@ -6,11 +6,15 @@ from ._manager import ControlMode as ControlMode
 from ._manager import RepositoryManager as RepositoryManager
 from ._manager import decode_file_parameters as decode_file_parameters
 from ._onnx_options import configure as configure_onnxruntime
+from ._own_layout import RepositoryError as RepositoryError
+from ._own_layout import load_repository as load_repository
 
 __all__ = [
     "ConfigError",
     "ControlMode",
+    "RepositoryError",
     "RepositoryManager",
     "configure_onnxruntime",
     "decode_file_parameters",
+    "load_repository",
 ]

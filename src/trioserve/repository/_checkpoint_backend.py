@@ -18,21 +18,16 @@ checkpoint folder (``CheckpointLoader``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._generative import GenerativeModel
 from .._model import Model
 from ._config import CONFIG_FILE, ConfigError, complete_config, model_settings
 from ._generated.model_config_pb2 import ModelConfig
-from ._layout import chosen_versions, version_folders
+from ._layout import Reading, chosen_versions, version_folders
 
 BACKEND = "hf_checkpoint"
 CHECKPOINT_FILE = "config.json"  # what tells a checkpoint folder
-
-# (path, name, *, versions, device, engine settings...) -> the served model
-CheckpointLoader = Callable[..., GenerativeModel]
 
 _INT_SETTINGS = (
     "max_model_len",
@@ -44,10 +39,9 @@ _INT_SETTINGS = (
 _BOOL_SETTINGS = ("enable_prefix_caching",)
 
 
-def checkpoint_models(
-    config: ModelConfig, folder: Path, loader: CheckpointLoader | None
-) -> list[Model]:
+def read_checkpoint(reading: Reading) -> list[Model]:
     """One generative model per version folder (or the model folder as version 1)."""
+    config, folder, loader = reading.config, reading.folder, reading.checkpoint_loader
     where = folder / CONFIG_FILE
     if loader is None:
         raise ConfigError(f"{where}: field 'backend': '{BACKEND}' is not available here")

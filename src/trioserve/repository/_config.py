@@ -3,8 +3,8 @@
 The file is protobuf text format, parsed by protobuf's own ``text_format``. What the file
 leaves out is filled in as Triton does: the name from the folder, the version policy
 (latest 1), one CPU instance group, group names and counts. A backend fills in what it
-can tell from the model itself (``_backends``) before ``model_settings`` turns the
-config into the settings of a served ``Model``.
+can tell from the model itself (its ``read``, a row of ``_backends``) before
+``model_settings`` turns the config into the settings of a served ``Model``.
 
 Every problem is a ``ConfigError`` naming the file, the field and the reason; it fails
 that model only.

@@ -25,7 +25,7 @@ import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import Model, Result
-from .._repository import ModelRepository
+from .._served import ModelRepository
 from .._types import InferenceRequest, InputTensor, RequestedOutput
 from ..tracing import infer_child
 from ._config import CONFIG_FILE, ConfigError

@@ -5,24 +5,45 @@
                                                  config.json (hf_checkpoint: a Hugging Face
                                                  checkpoint, which may also lie in <model>/)
 
-Folders whose name is not a number are ignored as versions, as in Triton.
+Folders whose name is not a number are ignored as versions, as in Triton. Which backend
+a folder names, and what each one's model file is, is ``_backends``' table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from .._generative import GenerativeModel
+from .._served import ModelRepository
 from ._config import CONFIG_FILE, ConfigError
 from ._generated.model_config_pb2 import ModelConfig
+from ._pb_metrics import CustomMetrics
 
-# backend name -> (its platform name, the default model file name)
-BACKENDS = {
-    "python": ("", "model.py"),
-    "onnxruntime": ("onnxruntime_onnx", "model.onnx"),
-    "hf_checkpoint": ("", "config.json"),
-}
-_BY_PLATFORM = {platform: name for name, (platform, _) in BACKENDS.items() if platform}
+# (path, name, *, versions, device, engine settings...) -> the served model
+CheckpointLoader = Callable[..., GenerativeModel]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One model folder as its backend's ``read`` gets it: the config (read, with its
+    backend and platform settled) and what the server lends the models it makes."""
+
+    config: ModelConfig
+    folder: Path
+    default_file: str  # the backend's model file, when the config names none
+    repository: ModelRepository  # what BLS and ensembles call
+    strict: bool  # --strict-model-config: the config says everything, no auto-complete
+    metrics: CustomMetrics | None  # the registry of the python backend's custom metrics
+    checkpoint_loader: CheckpointLoader | None  # what makes an hf_checkpoint model
+
+    def model_file(self, version: Path) -> Path:
+        """The version's model file: ``default_model_filename`` or the backend's default."""
+        path = version / (self.config.default_model_filename or self.default_file)
+        if not path.exists():
+            raise ConfigError(f"{version}: the model file '{path.name}' is missing")
+        return path
 
 
 def model_folders(roots: Sequence[Path]) -> dict[str, Path]:
@@ -73,53 +94,3 @@ def chosen_versions(config: ModelConfig, folder: Path) -> list[int]:
     if not chosen:
         raise ConfigError(f"{folder}: no version folder to serve (numeric folders hold versions)")
     return chosen
-
-
-def detect_backend(config: ModelConfig, folder: Path) -> str:
-    """Fill in ``backend`` and ``platform`` from the config or from the files present."""
-    if config.backend:
-        backend = config.backend
-    elif config.platform:
-        backend = _BY_PLATFORM.get(config.platform, "")
-        if not backend:
-            raise ConfigError(
-                f"{folder / CONFIG_FILE}: field 'platform': '{config.platform}' is not supported"
-                f" (supported: {', '.join(sorted(_BY_PLATFORM))})"
-            )
-    else:
-        backend = _backend_from_files(config, folder)
-    if backend not in BACKENDS:
-        raise ConfigError(
-            f"{folder / CONFIG_FILE}: field 'backend': '{backend}' is not supported "
-            f"(supported: {', '.join(sorted(BACKENDS))})"
-        )
-    config.backend = backend
-    if not config.platform:
-        config.platform = BACKENDS[backend][0]
-    return backend
-
-
-def _backend_from_files(config: ModelConfig, folder: Path) -> str:
-    for version in version_folders(folder).values():
-        for backend, (_, default_file) in BACKENDS.items():
-            name = config.default_model_filename or default_file
-            if (version / name).exists():
-                return backend
-    if (folder / BACKENDS["hf_checkpoint"][1]).is_file():
-        return "hf_checkpoint"
-    raise ConfigError(
-        f"{folder / CONFIG_FILE}: fields 'backend' and 'platform': neither is set and no "
-        f"version folder holds a file that names the backend ({_default_files()})"
-    )
-
-
-def _default_files() -> str:
-    return ", ".join(file for _, file in BACKENDS.values())
-
-
-def model_file(config: ModelConfig, version: Path) -> Path:
-    """The version's model file: ``default_model_filename`` or the backend's default."""
-    path = version / (config.default_model_filename or BACKENDS[config.backend][1])
-    if not path.exists():
-        raise ConfigError(f"{version}: the model file '{path.name}' is missing")
-    return path

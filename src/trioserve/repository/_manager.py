@@ -38,11 +38,10 @@ from prometheus_client import CollectorRegistry
 from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
 from .._model_code import failure_text, model_failure
-from .._repository import LoadTimeout, ModelRepository, ServedModel, UploadedFile
-from ._checkpoint_backend import CheckpointLoader
+from .._served import LoadTimeout, ModelRepository, ServedModel, UploadedFile
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
-from ._layout import model_folders
+from ._layout import CheckpointLoader, model_folders
 from ._pb_metrics import CustomMetrics
 from ._reading import read_model
 

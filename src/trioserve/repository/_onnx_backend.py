@@ -24,8 +24,9 @@ from typing import Any
 
 from .._model import Model, Result
 from .._types import InferenceRequest
-from ._config import CONFIG_FILE, ConfigError, config_document
+from ._config import CONFIG_FILE, ConfigError, complete_config, config_document, model_settings
 from ._generated.model_config_pb2 import DataType, ModelConfig
+from ._layout import Reading, chosen_versions, version_folders
 from ._onnx_options import SessionPlan, base_options, default_max_batch_size, runtime, session_plan
 from ._onnx_tensors import Batch, Layout, check_reshape, string_output_error
 
@@ -92,6 +93,20 @@ def auto_complete_onnx(config: ModelConfig, path: Path) -> None:
                 added.dims.append(1)
                 if skip:  # a scalar per batch element: each request's [B, 1] runs as [B]
                     added.reshape.SetInParent()
+
+
+def read_onnx(reading: Reading) -> list[Model]:
+    """A folder's ONNX Runtime models, one per version (``_backends``' row)."""
+    config, folder = reading.config, reading.folder
+    versions = chosen_versions(config, folder)
+    folders = version_folders(folder)
+    paths = {v: reading.model_file(folders[v]) for v in versions}
+    if not reading.strict:
+        auto_complete_onnx(config, paths[versions[-1]])
+    complete_config(config, folder)
+    check_reshapes(config, folder)
+    settings = model_settings(config, folder)
+    return [OnnxModel(paths[v], config, v, **settings) for v in versions]
 
 
 def check_reshapes(config: ModelConfig, folder: Path) -> None:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import CancelledError, InferenceServerError, InternalError, UnavailableError
-from .._repository import ModelRepository
+from .._served import ModelRepository
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from ..tracing import Trace, infer_child

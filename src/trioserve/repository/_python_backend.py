@@ -21,7 +21,6 @@ thread, even after it returned.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import json
 import logging
@@ -38,12 +37,20 @@ import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
-from .._model_code import failure_text, model_failure, raise_failure
-from .._repository import ModelRepository
+from .._model_code import import_model_code, model_failure, raise_failure
+from .._served import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
-from ._config import ConfigError, config_document, config_json
+from ._config import (
+    CONFIG_FILE,
+    ConfigError,
+    complete_config,
+    config_document,
+    config_json,
+    model_settings,
+)
 from ._generated.model_config_pb2 import ModelConfig, ModelInstanceGroup
+from ._layout import Reading, chosen_versions, version_folders
 from ._pb_link import ServerLink, Serving, serving
 from ._pb_loop import InstanceLoop
 from ._pb_metrics import CustomMetrics, serving_metrics
@@ -62,17 +69,8 @@ def import_model_file(path: Path, model_name: str, version: int) -> type:
     """Import a model.py and return its ``TritonPythonModel`` class."""
     # Models import the utilities by Triton's name; ours stands in for it.
     sys.modules.setdefault(MODULE_NAME, pb_utils)
-    spec = importlib.util.spec_from_file_location(
-        f"trioserve_python_models.{model_name}.v{version}", path
-    )
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"{path}: cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # sys.exit or argparse at import fails this load only
-        failure = model_failure(exc, model_name, "at import")
-        raise ConfigError(f"{path}: failed to import: {failure_text(failure)}") from None
+    module_name = f"trioserve_python_models.{model_name}.v{version}"
+    module = import_model_code(path, module_name, model_name, ConfigError)
     return _model_class(module, path)
 
 
@@ -107,6 +105,28 @@ class _Instance:
     model: Any
     name: str
     loop: InstanceLoop
+
+
+def read_python(reading: Reading) -> list[Model]:
+    """A folder's python-backend models, one per version (``_backends``' row)."""
+    config, folder, strict = reading.config, reading.folder, reading.strict
+    versions = chosen_versions(config, folder)
+    folders = version_folders(folder)
+    files = {v: reading.model_file(folders[v]) for v in versions}
+    classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
+    if not strict:
+        auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
+    if not config.default_model_filename:
+        config.default_model_filename = "model.py"  # what Triton's python backend names
+    complete_config(config, folder)
+    settings = model_settings(config, folder)
+    repository, metrics = reading.repository, reading.metrics
+    return [
+        PythonBackendModel(
+            classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
+        )
+        for v in versions
+    ]
 
 
 class PythonBackendModel(Model):

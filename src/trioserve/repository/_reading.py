@@ -7,18 +7,16 @@
     -> Triton's defaults and checks -> one Model per version
 
 A folder in trioserve's own layout (a ``model.py`` defining ``model``, no config.pbtxt)
-is read as before, by ``_loader``.
+is read as before, by ``_own_layout``; any other by its backend's row of ``_backends``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .._loader import RepositoryError, load_model_folder
 from .._model import Model
-from .._repository import ModelRepository
-from ._checkpoint_backend import BACKEND as CHECKPOINT_BACKEND
-from ._checkpoint_backend import CheckpointLoader, checkpoint_models
+from .._served import ModelRepository
+from ._backends import detect_backend
 from ._config import (
     CONFIG_FILE,
     ConfigError,
@@ -30,9 +28,9 @@ from ._config import (
 from ._ensemble import PLATFORM as ENSEMBLE
 from ._ensemble import EnsembleModel, ensemble_steps
 from ._generated.model_config_pb2 import ModelConfig
-from ._layout import chosen_versions, detect_backend, model_file, version_folders
+from ._layout import CheckpointLoader, Reading, chosen_versions, version_folders
+from ._own_layout import RepositoryError, load_model_folder
 from ._pb_metrics import CustomMetrics
-from ._python_backend import PythonBackendModel, auto_complete, import_model_file
 
 
 def read_model(
@@ -56,34 +54,10 @@ def read_model(
     if config.platform == ENSEMBLE:
         return _read_ensemble(config, folder, repository)
     backend = detect_backend(config, folder)
-    if backend == CHECKPOINT_BACKEND:
-        return checkpoint_models(config, folder, checkpoint_loader)
-    versions = chosen_versions(config, folder)
-    folders = version_folders(folder)
-    if backend == "onnxruntime":
-        from ._onnx_backend import OnnxModel, auto_complete_onnx, check_reshapes
-
-        paths = {v: model_file(config, folders[v]) for v in versions}
-        if not strict:
-            auto_complete_onnx(config, paths[versions[-1]])
-        complete_config(config, folder)
-        check_reshapes(config, folder)
-        settings = model_settings(config, folder)
-        return [OnnxModel(paths[v], config, v, **settings) for v in versions]
-    files = {v: model_file(config, folders[v]) for v in versions}
-    classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
-    if not strict:
-        auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
-    if not config.default_model_filename:
-        config.default_model_filename = "model.py"  # what Triton's python backend names
-    complete_config(config, folder)
-    settings = model_settings(config, folder)
-    return [
-        PythonBackendModel(
-            classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
-        )
-        for v in versions
-    ]
+    reading = Reading(
+        config, folder, backend.default_file, repository, strict, metrics, checkpoint_loader
+    )
+    return backend.read(reading)
 
 
 def _read_ensemble(config: ModelConfig, folder: Path, repository: ModelRepository) -> list[Model]:

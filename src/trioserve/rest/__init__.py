@@ -1,1 +1,35 @@
-"""The REST (HTTP/JSON) front end: HTTP servers, ASGI app and routing."""
+"""The REST (HTTP/JSON) front end: HTTP servers, ASGI app and routing.
+
+``build_app`` makes a server's ``RestApp``; ``serve_http11`` is our HTTP/1.1 server (the
+default, fastest), ``serve_metrics`` the metrics port's. ``serve_hypercorn`` is
+Hypercorn's: an extra, imported only when chosen (``_alternatives``), on first use of
+the name.
+"""
+
+from typing import TYPE_CHECKING
+
+from ._app import RestApp
+from ._endpoints import build_app
+from ._http11 import HTTP_COUNTERS, HttpStatistics, serve_http11
+from ._metrics import serve_metrics
+
+if TYPE_CHECKING:
+    from ._hypercorn import serve_hypercorn as serve_hypercorn
+
+__all__ = [
+    "HTTP_COUNTERS",
+    "HttpStatistics",
+    "RestApp",
+    "build_app",
+    "serve_http11",
+    "serve_hypercorn",
+    "serve_metrics",
+]
+
+
+def __getattr__(name: str) -> object:
+    if name == "serve_hypercorn":
+        from ._hypercorn import serve_hypercorn
+
+        return serve_hypercorn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

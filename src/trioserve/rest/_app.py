@@ -11,14 +11,15 @@ from __future__ import annotations
 import gzip
 import logging
 import zlib
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
-from ._asgi import HANGUP_FD, Receive, Scope, Send, answer_lifespan
+from ._asgi import CANCEL_WITH, CancelWith, Receive, Scope, Send, answer_lifespan
+from ._disconnects import ReceiveWatch
 from ._errors import HttpError, body_too_large, error_body, error_status
 from ._router import Router
 
@@ -36,7 +37,7 @@ class Request:
     body: bytes
     receive: Receive
     send: Send  # for endpoints that stream their response; they then return None
-    hangup: MutableMapping[str, Any] | None  # the HANGUP_FD scope extension, if offered
+    cancel_with: CancelWith  # what to withdraw if the client leaves (``_asgi.CancelWith``)
 
 
 class Response(NamedTuple):
@@ -64,7 +65,10 @@ class RestApp:
     ) -> None:
         self.router = router
         self.max_body_bytes = max_body_bytes
-        self.background = background  # tasks the endpoints rely on while serving
+        # Disconnects under a server that offers no ``trioserve.cancel_with``.
+        self.disconnects = ReceiveWatch()
+        # Tasks the endpoints rely on while serving.
+        self.background = [self.disconnects.run, *background]
 
     async def serve_with(
         self,
@@ -100,7 +104,7 @@ class RestApp:
                 return  # the client went away
             request = Request(
                 scope["method"], scope["path"], params, headers, body, receive, send,
-                _hangup_hint(scope),
+                _cancel_with(scope) or self.disconnects.cancel_with(receive),
             )  # fmt: skip
             response = await endpoint(request)
         except InferenceServerError as exc:
@@ -134,9 +138,10 @@ class RestApp:
         return await trio.to_thread.run_sync(_decompress, body, encoding, self.max_body_bytes)
 
 
-def _hangup_hint(scope: Scope) -> MutableMapping[str, Any] | None:
+def _cancel_with(scope: Scope) -> CancelWith | None:
     extensions = scope.get("extensions")
-    return extensions.get(HANGUP_FD) if extensions else None
+    offered = extensions.get(CANCEL_WITH) if extensions else None
+    return None if offered is None else offered["cancel_with"]
 
 
 def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:

@@ -15,12 +15,15 @@ Receive: TypeAlias = Callable[[], Awaitable[Message]]
 Send: TypeAlias = Callable[[Message], Awaitable[None]]
 ASGIApp: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-HANGUP_FD = "trioserve.hangup_fd"
-"""A scope extension of our HTTP/1.1 core: ``{"fd": n}``, the connection's socket, which
-the app may poll (never read) for the client's hangup while it works on a request; the
-disconnect itself is still learnt through ``receive()``. One dict per connection, the same
-for each of its requests, so the app may keep per-connection state in it under keys of
-its own. Servers without it give no hint."""
+CancelWith: TypeAlias = Callable[[Callable[[], None] | None], None]
+"""``cancel_with(withdraw)``: call ``withdraw`` if the client leaves while the request
+waits; ``cancel_with(None)``: the wait is over. gRPC's ``Call.cancel_with`` contract."""
+
+CANCEL_WITH = "trioserve.cancel_with"
+"""A scope extension of our HTTP/1.1 core: ``{"cancel_with": CancelWith}``, the core's
+watch for the client's hangup (``_http11_hangups.py``), one per connection, cleared at
+the end of each response. Servers without it give none; the app then learns the
+disconnect through ``receive()`` (``rest/_disconnects.py``)."""
 
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:

@@ -12,10 +12,9 @@ from .._context import ServerContext
 from .._errors import InvalidArgumentError
 from .._limits import OFF_LOOP_BYTES
 from .._model_config import model_config, model_metadata
-from .._pipeline import refuse_decoupled
+from .._served import Ticket
 from .._stats import statistics_document
 from ._app import Endpoint, Request, Response, RestApp
-from ._disconnects import DisconnectWatch
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
 from ._json_body import COMPACT
@@ -42,12 +41,26 @@ def _json(document: Any) -> Response:
     return Response(200, COMPACT.encode(document).encode())
 
 
+class _RequestWatch:
+    """A waiting ticket withdrawn when its HTTP client leaves (``_pipeline.Watch``): the
+    twin of gRPC's ``_CallWatch``."""
+
+    def track(self, ticket: Ticket, request: Request) -> Request:
+        request.cancel_with(ticket.withdraw)
+        return request
+
+    def untrack(self, ticket: Ticket, request: Request) -> None:
+        request.cancel_with(None)
+
+
+_REQUEST_WATCH = _RequestWatch()
+
+
 class _Endpoints:
-    def __init__(self, context: ServerContext, disconnects: DisconnectWatch) -> None:
+    def __init__(self, context: ServerContext) -> None:
         self.repository = context.repository
         self.pipeline = context.pipeline
         self.load = context.load
-        self.disconnects = disconnects
         self.server_metadata = _json(context.metadata)
 
     async def live(self, request: Request) -> Response:
@@ -84,15 +97,15 @@ class _Endpoints:
         name = request.params["model"]
         version = request.params.get("version", "")
         served = self.repository.get(name, version)
-        refuse_decoupled(served, "HTTP end point")
         decode = partial(
             decode_request, request.body, _header_length(request.headers), served.model, name,
             version,
         )  # fmt: skip
         large = len(request.body) >= OFF_LOOP_BYTES
         answered = await self.pipeline.infer(
-            served, decode, self.disconnects, request, large=large, headers=request.headers
-        )
+            served, decode, _REQUEST_WATCH, request,
+            endpoint="HTTP end point", large=large, headers=request.headers,
+        )  # fmt: skip
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
@@ -119,9 +132,8 @@ def _header_length(headers: dict[bytes, bytes]) -> int | None:
 
 def build_app(context: ServerContext) -> RestApp:
     """The REST app of the server that ``context`` describes."""
-    disconnects = DisconnectWatch()
-    e = _Endpoints(context, disconnects)
-    generate = GenerateEndpoints(context.repository, context.pipeline, context.load)
+    e = _Endpoints(context)
+    generate = GenerateEndpoints(context)
     router: Router[Endpoint] = Router()
     router.add("GET", "/v2/health/live", e.live)
     router.add("GET", "/v2/health/ready", e.ready)
@@ -137,7 +149,7 @@ def build_app(context: ServerContext) -> RestApp:
         router.add("POST", f"{base}/infer", e.infer)
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
-    openai = OpenAIEndpoints(context.repository, context.pipeline, context.load)
+    openai = OpenAIEndpoints(context)
     router.add("GET", "/v1/models", openai.models)
     router.add("GET", "/v1/models/{model}", openai.model)
     router.add("POST", "/v1/completions", openai.completions)
@@ -149,4 +161,4 @@ def build_app(context: ServerContext) -> RestApp:
     add_logging_routes(router, context.logs, restrictions.get("logging"))
     if context.config.status_page:
         add_status_page(router, context.repository, context.metadata)
-    return RestApp(router, context.config.http_limits.max_body_bytes, background=[disconnects.run])
+    return RestApp(router, context.config.http_limits.max_body_bytes)

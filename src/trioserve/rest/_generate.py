@@ -24,8 +24,9 @@ a sample's last event. The stream simply ends after the last event (no ``[DONE]`
 error before the first piece of text is an ordinary JSON error response; a later one is
 a ``data: {"error": ...}`` event under the 200 already sent.
 
-A client that goes away aborts its request: a task waits on ``receive()`` for the
-disconnect and cancels the generation, whose ``generate()`` block then exits early.
+A client that goes away aborts its request: the generation's cancel scope is registered
+with the request's ``cancel_with`` (the HTTP server's hangup watch, or a ``receive()``
+watcher where it has none), and the ``generate()`` block then exits early.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ from typing import Any, TypeVar
 
 import trio
 
+from .._context import ServerContext
 from .._errors import InferenceServerError, InvalidArgumentError
 from .._pipeline import InferencePipeline
-from .._repository import ModelRepository
-from ..metrics._orca import LoadReporter
 from ..scheduler import (
     TEXT_INPUT,
     GenerationChunk,
@@ -51,7 +51,7 @@ from ..scheduler import (
     read_parameters,
 )
 from ._app import Request, Response
-from ._asgi import Receive
+from ._asgi import CancelWith
 from ._json_body import COMPACT, json_object
 from ._load_report import load_report_header
 
@@ -66,18 +66,16 @@ T = TypeVar("T")
 
 
 class GenerateEndpoints:
-    def __init__(
-        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
-    ) -> None:
-        self.repository = repository
-        self.pipeline = pipeline  # builds the engine's requests
-        self.load = load
+    def __init__(self, context: ServerContext) -> None:
+        self.repository = context.repository
+        self.pipeline = context.pipeline  # builds the engine's requests and runs them
+        self.load = context.load  # the answers' load reports
 
     async def generate(self, request: Request) -> Response | None:
         served, generation, head = self._prepare(request)
 
         async def collect() -> dict[str, Any]:
-            samples = await collect_samples(served, generation)
+            samples = await collect_samples(self.pipeline, served, generation)
             if generation.sampling.n == 1:
                 return {
                     **head,
@@ -86,8 +84,7 @@ class GenerateEndpoints:
                 }
             return {**head, "text_output": samples.texts, "finish_reason": samples.finish_reasons}
 
-        with self.load.counting(served):
-            answered, document = await unless_client_leaves(request.receive, collect)
+        answered, document = await unless_client_leaves(request.cancel_with, collect)
         if not answered:
             return None
         report = load_report_header(self.load, served, request.headers)
@@ -102,10 +99,9 @@ class GenerateEndpoints:
         served, generation, head = self._prepare(request)
         with_index = generation.sampling.n > 1
         send = request.send
-        counted = self.load.counting(served)
 
         async def stream() -> None:
-            async with served.generate(generation) as chunks:
+            async with self.pipeline.generate(served, generation) as chunks:
                 pieces = aiter(chunks)
                 # Wait for the first piece before answering, so that a request the engine
                 # refuses gets an ordinary error response with its status.
@@ -125,8 +121,7 @@ class GenerateEndpoints:
                     logger.exception("generation %s failed", generation.request_id)
                     await send_event(send, {"error": "generation failed unexpectedly"})
 
-        with counted:
-            answered, _ = await unless_client_leaves(request.receive, stream)
+        answered, _ = await unless_client_leaves(request.cancel_with, stream)
         if answered:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
@@ -142,10 +137,8 @@ class GenerateEndpoints:
         parameters = read_parameters(
             _parameters(document), "vllm", max_num_seqs=served.max_num_seqs
         )
-        generation = self.pipeline.trace_generation(
-            self.pipeline.generation_request("http", document.get(TEXT_INPUT), parameters),
-            served,
-            request.headers,
+        generation = self.pipeline.generation_request(
+            "http", served, document.get(TEXT_INPUT), parameters, request.headers
         )
         head: dict[str, Any] = {}
         if "id" in document:
@@ -168,14 +161,14 @@ class CollectedSamples:
 
 
 async def collect_samples(
-    served: GenerativeServed, generation: GenerationRequest
+    pipeline: InferencePipeline, served: GenerativeServed, generation: GenerationRequest
 ) -> CollectedSamples:
     n = generation.sampling.n
     texts: list[list[str]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
     tokens = 0
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    async with served.generate(generation) as chunks:
+    async with pipeline.generate(served, generation) as chunks:
         async for chunk in chunks:
             texts[chunk.index].append(chunk.text)
             tokens += len(chunk.token_ids)
@@ -232,37 +225,14 @@ async def send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> N
 
 
 async def unless_client_leaves(
-    receive: Receive, work: Callable[[], Awaitable[T]]
+    cancel_with: CancelWith, work: Callable[[], Awaitable[T]]
 ) -> tuple[bool, T | None]:
-    """Run ``work``, cancelled if the client disconnects first: (finished, its result).
-
-    Failures of ``work`` are raised here, outside the nursery, so they arrive as
-    themselves rather than inside an exception group.
-    """
-    left = False
-    result: T | None = None
-    failure: Exception | None = None
-
-    async def watch(scope: trio.CancelScope) -> None:
-        nonlocal left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        left = True
-        scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(watch, nursery.cancel_scope)
+    """Run ``work``, cancelled if the client leaves first (``cancel_with``, the
+    request's): (finished, its result)."""
+    with trio.CancelScope() as scope:
+        cancel_with(scope.cancel)
         try:
-            result = await work()
-        except Exception as exc:
-            failure = exc
-        nursery.cancel_scope.cancel()
-    if failure is not None:
-        try:
-            raise failure
+            return True, await work()
         finally:
-            # The traceback holds this frame: were ``failure`` still in it, the cycle
-            # would keep the request's data (a refused prompt's tokens) until a full
-            # collection.
-            failure = None
-    return not left, result
+            cancel_with(None)
+    return False, None

@@ -11,7 +11,9 @@ Design (why it is shaped like this):
   per server counts how long each connection has been idle or reading a head and cancels
   the connection's scope when it is over (see ``_Server.sweep_timeouts``).
 * Disconnect detection is lazy: nobody reads the socket while the app runs unless the app
-  asks. Once the request body is complete, ``receive()`` waits for the socket to become
+  asks, by awaiting ``receive()`` or by registering what to give up if the client hangs
+  up (the ``trioserve.cancel_with`` scope extension: ``_http11_hangups.py``, polled from
+  one task per server, no task or system call per request). Once the request body is complete, ``receive()`` waits for the socket to become
   readable; bytes that arrive are kept for the next (pipelined) request, EOF means the
   client went away and ``receive()`` returns ``http.disconnect``. Finishing the response
   ends that wait too (also ``http.disconnect``). Apps that never call ``receive()`` after
@@ -43,9 +45,10 @@ from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writab
 
 from .._limits import HttpLimits
 from .._sockets import serve_tcp
-from ._asgi import HANGUP_FD, ASGIApp
+from ._asgi import CANCEL_WITH, ASGIApp
 from ._errors import HttpError
 from ._http11_exchange import RECV_SIZE, Exchange
+from ._http11_hangups import Hangups
 from ._http11_parser import (
     CLOSE,
     RequestHead,
@@ -84,12 +87,15 @@ HTTP_COUNTERS = {
 
 
 class _Server:
-    __slots__ = ("app", "connections", "date", "limits", "shutting_down", "statistics")
+    __slots__ = (
+        "app", "connections", "date", "hangups", "limits", "shutting_down", "statistics",
+    )  # fmt: skip
 
     def __init__(self, app: ASGIApp, limits: HttpLimits, statistics: HttpStatistics) -> None:
         self.app = app
         self.limits = limits
         self.statistics = statistics
+        self.hangups = Hangups()  # the clients that leave while their request waits
         self.connections: set[Connection] = set()
         self.shutting_down = False
         # The ``date`` line, refreshed by the sweeper (at least once a second) rather than
@@ -101,6 +107,12 @@ class _Server:
         for conn in list(self.connections):
             if conn.phase == _IDLE:
                 conn.expire()
+
+    async def sweep(self) -> None:
+        """The server's background: the timeouts' sweeper and the hangup watch."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.hangups.run)
+            await self.sweep_timeouts()
 
     async def sweep_timeouts(self) -> None:
         """Enforce idle and header timeouts for all connections from one task.
@@ -165,6 +177,7 @@ class Connection:
         "expired",
         "extensions",
         "fd",
+        "hangup",
         "limits",
         "local",
         "peer_closed",
@@ -189,8 +202,9 @@ class Connection:
         self.limits = server.limits
         self.sock = sock
         self.fd = sock.fileno()
+        self.hangup = server.hangups.hook(self)
         # The ASGI scope's extensions, the same for each request on this connection.
-        self.extensions = {HANGUP_FD: {"fd": self.fd}}
+        self.extensions = {CANCEL_WITH: {"cancel_with": self.hangup.cancel_with}}
         self.client = client
         self.local = local
         # Unparsed input is buf[pos:]; bytes + offset so a whole request parses without copies.
@@ -222,6 +236,7 @@ class Connection:
             logger.exception("HTTP connection from %s:%d failed", *self.client)
         finally:
             self.server.connections.discard(self)
+            self.server.hangups.closed(self.hangup)
             notify_closing(self.sock)
             self.sock.close()
 
@@ -237,7 +252,10 @@ class Connection:
             if head is None:
                 return
             request = Exchange(self, head)
-            if not await request.run(self.server.app):
+            carries_on = await request.run(self.server.app)
+            if self.hangup.withdraw is not None:  # the response is over: nothing waits
+                self.hangup.cancel_with(None)
+            if not carries_on:
                 if not self.peer_closed:
                     await self._linger_close()
                 return
@@ -465,6 +483,6 @@ async def serve_http11(
     """
     server = _Server(app, limits, HttpStatistics() if statistics is None else statistics)
     await serve_tcp(
-        host, port, server.accepted, server.sweep_timeouts, server.begin_shutdown,
+        host, port, server.accepted, server.sweep, server.begin_shutdown,
         shutdown_trigger=shutdown_trigger, task_status=task_status,
     )  # fmt: skip

@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from .._repository import ServedModel
-from ..metrics._orca import FORMAT_HEADER, REPORT_HEADER, LoadReporter
+from .._served import ServedModel
+from ..metrics import FORMAT_HEADER, REPORT_HEADER, LoadReporter
 
 logger = logging.getLogger("trioserve.http")
 

@@ -36,11 +36,9 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
+from .._context import ServerContext
 from .._errors import ErrorKind, InferenceServerError, InvalidArgumentError, NotFoundError
 from .._generative import GenerativeModel
-from .._pipeline import InferencePipeline
-from .._repository import ModelRepository
-from ..metrics._orca import LoadReporter
 from ..scheduler import (
     GenerationChunk,
     GenerationRequest,
@@ -92,12 +90,10 @@ class _Call:
 
 
 class OpenAIEndpoints:
-    def __init__(
-        self, repository: ModelRepository, pipeline: InferencePipeline, load: LoadReporter
-    ) -> None:
-        self.repository = repository
-        self.pipeline = pipeline  # builds the engine's requests
-        self.load = load
+    def __init__(self, context: ServerContext) -> None:
+        self.repository = context.repository
+        self.pipeline = context.pipeline  # builds the engine's requests and runs them
+        self.load = context.load  # the answers' load reports
         self._created = int(time.time())  # the models' "created": when the server started
 
     async def models(self, request: Request) -> Response:
@@ -128,13 +124,12 @@ class OpenAIEndpoints:
         return await self._answer(request, self._chat_call)
 
     async def _answer(
-        self, request: Request, prepare: Callable[[dict[str, Any]], Awaitable[_Call]]
+        self,
+        request: Request,
+        prepare: Callable[[dict[str, Any], dict[bytes, bytes]], Awaitable[_Call]],
     ) -> Response | None:
         try:
-            call = await prepare(json_object(request.body))
-            traced = self.pipeline.trace_generation(call.generation, call.served, request.headers)
-            if traced is not call.generation:
-                call = replace(call, generation=traced)
+            call = await prepare(json_object(request.body), request.headers)
             if call.options.stream:
                 await self._stream(request, call)
                 return None  # answered as it went, or the client went away
@@ -156,7 +151,9 @@ class OpenAIEndpoints:
             options = replace(options, parameters=parameters)
         return served, model, options
 
-    async def _completion_call(self, document: dict[str, Any]) -> _Call:
+    async def _completion_call(
+        self, document: dict[str, Any], headers: dict[bytes, bytes]
+    ) -> _Call:
         served, model, options = self._read(document, chat=False)
         prompt = completion_prompt(document)
         if prompt.token_ids is not None:
@@ -168,9 +165,10 @@ class OpenAIEndpoints:
             text = prompt.text
             ids = await _tokenized(model.encode, text, model.name)
         echo = text if options.echo else ""
-        return self._call(served, options, options.parameters, text, ids, chat=False, echo=echo)
+        parameters = options.parameters
+        return self._call(served, options, parameters, text, ids, headers, chat=False, echo=echo)
 
-    async def _chat_call(self, document: dict[str, Any]) -> _Call:
+    async def _chat_call(self, document: dict[str, Any], headers: dict[bytes, bytes]) -> _Call:
         served, model, options = self._read(document, chat=True)
         messages = chat_messages(document)
         add_generation_prompt = document.get("add_generation_prompt", True)
@@ -189,7 +187,7 @@ class OpenAIEndpoints:
             parameters = parameters._replace(sampling=replace(parameters.sampling, max_tokens=room))
         last = messages[-1]
         echo = last["content"] if options.echo and last["role"] == "assistant" else ""
-        return self._call(served, options, parameters, text, ids, chat=True, echo=echo)
+        return self._call(served, options, parameters, text, ids, headers, chat=True, echo=echo)
 
     def _call(
         self,
@@ -198,18 +196,20 @@ class OpenAIEndpoints:
         parameters: RequestParameters,
         text: str,
         ids: list[int],
+        headers: dict[bytes, bytes],
         *,
         chat: bool,
         echo: str,
     ) -> _Call:
-        generation = self.pipeline.generation_request("openai", text, parameters)
+        generation = self.pipeline.generation_request(
+            "openai", served, text, parameters, headers, prompt_token_ids=tuple(ids)
+        )
         head = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "",  # set per answer
             "created": int(time.time()),
             "model": options.model,
         }
-        generation = replace(generation, prompt_token_ids=tuple(ids))
         model = served.model
         assert isinstance(model, GenerativeModel)
         return _Call(served, generation, options, chat, echo, head, len(ids), model.decode)
@@ -224,9 +224,8 @@ class OpenAIEndpoints:
         return found
 
     async def _complete(self, request: Request, call: _Call) -> Response | None:
-        work = partial(collect_samples, call.served, call.generation)
-        with self.load.counting(call.served):
-            answered, samples = await unless_client_leaves(request.receive, work)
+        work = partial(collect_samples, self.pipeline, call.served, call.generation)
+        answered, samples = await unless_client_leaves(request.cancel_with, work)
         if not answered or samples is None:
             return None
         choices = []
@@ -267,7 +266,7 @@ class OpenAIEndpoints:
 
         async def stream() -> None:
             started = False
-            async with call.served.generate(call.generation) as chunks:
+            async with self.pipeline.generate(call.served, call.generation) as chunks:
                 try:
                     async for chunk in chunks:
                         events.generated_tokens += len(chunk.token_ids)
@@ -292,8 +291,7 @@ class OpenAIEndpoints:
                 await send_event(send, events.usage())
             await _send_bytes(send, _DONE)
 
-        with self.load.counting(call.served):
-            answered, _ = await unless_client_leaves(request.receive, stream)
+        answered, _ = await unless_client_leaves(request.cancel_with, stream)
         if answered:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 

@@ -15,8 +15,8 @@ import trio
 
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._limits import OFF_LOOP_BYTES
-from .._repository import ModelRepository, RepositoryControl, UploadedFile
 from .._restricted import Restriction
+from .._served import ModelRepository, RepositoryControl, UploadedFile
 from ..repository import decode_file_parameters
 from ._app import Endpoint, Request, Response
 from ._json_body import COMPACT, json_object

@@ -14,8 +14,8 @@ from typing import Any
 
 import trio
 
-from .._repository import ModelRepository
-from ..metrics._status import StatusReport
+from .._served import ModelRepository
+from ..metrics import StatusReport
 from ._app import Endpoint, Request, Response
 from ._router import Router
 

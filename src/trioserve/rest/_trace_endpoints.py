@@ -16,8 +16,8 @@ from typing import Any
 
 from .._errors import InvalidArgumentError
 from .._log_settings import LogControl
-from .._repository import ModelRepository
 from .._restricted import Restriction
+from .._served import ModelRepository
 from ..tracing import TraceControl
 from ._app import Endpoint, Request, Response
 from ._json_body import json_object

@@ -23,7 +23,12 @@ from ._generation import (
     TokenLogprob,
     generative,
 )
-from ._generation_input import TEXT_INPUT, generation_request, prompt_and_parameters
+from ._generation_input import (
+    TEXT_INPUT,
+    RequestIds,
+    generation_request,
+    prompt_and_parameters,
+)
 from ._generative_runner import GenerativeRunner
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import Tokenizer, call_tokenizer
@@ -54,6 +59,7 @@ __all__ = [
     "LLMEngine",
     "ModelRunner",
     "ParameterError",
+    "RequestIds",
     "RequestParameters",
     "ResponseCache",
     "SamplingParams",

@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
-from .._repository import Answer
+from .._served import Answer
 
 Deliver = Callable[[Mapping[str, Any] | Exception | None, bool], None]
 

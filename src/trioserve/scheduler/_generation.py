@@ -23,7 +23,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 from .._errors import UnsupportedError
 from .._load_facts import KVCacheState
-from .._repository import ServedModel
+from .._served import ServedModel
 from ..tracing import Trace
 from ._sampling_params import SamplingParams
 

@@ -8,6 +8,7 @@ table's business (``_sampling_params``).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,21 @@ TEXT_INPUT = "text_input"
 # parameters, and whether to stream (the RPC decides that here, so it is read and dropped).
 SAMPLING_PARAMETERS_INPUT = "sampling_parameters"
 STREAM_INPUT = "stream"
+
+
+class RequestIds:
+    """A server's ids for the requests its engines run: one counter for every front end
+    and every generative model, so no two generations share an id (clients' ids may
+    repeat, and are never the engine's)."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self) -> None:
+        self._count = itertools.count(1)
+
+    def next(self, origin: str) -> str:
+        """A new id; ``origin`` names who asked (the front end), for logs and traces."""
+        return f"{origin}-{next(self._count)}"
 
 
 def generation_request(

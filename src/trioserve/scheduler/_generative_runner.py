@@ -22,7 +22,6 @@ the request's ``parameters`` as sampling parameters).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -35,14 +34,14 @@ from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._generative import GenerativeModel
 from .._load_facts import KVCacheState, LoadFacts
 from .._model import Model
-from .._repository import raise_handed_over
+from .._served import raise_handed_over
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._tensor import datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from .._validation import validate_request
 from ._engine import EngineRequest, LLMEngine
 from ._generation import GenerationChunk, GenerationRequest
-from ._generation_input import generation_request, prompt_and_parameters
+from ._generation_input import RequestIds, generation_request, prompt_and_parameters
 from ._llm_stats import FinishedRequest, IterationStats
 from ._model_calls import call_hook, unload
 from ._sampling_params import read_parameters
@@ -166,6 +165,7 @@ class GenerativeRunner:
         *,
         seed: int | None = None,
         histogram_bounds_ns: Sequence[int] = (),
+        request_ids: RequestIds | None = None,
     ) -> None:
         self.model: Model = model  # what ServedModel promises; the engine keeps the full type
         self.version = version
@@ -176,7 +176,8 @@ class GenerativeRunner:
         iterations = self._stats_send if telemetry is not None else None
         self.engine = LLMEngine(model, iterations, seed=seed, outcomes=self)
         self.engine.accepting = False
-        self._ids = itertools.count(1)
+        # The server's ids (a runner of its own, as in tests, counts alone).
+        self._ids = RequestIds() if request_ids is None else request_ids
         self._admissions: trio.Nursery | None = None  # tasks admitting submitted requests
         self._load_facts = LoadFacts(kv_cache=self.engine.kv_cache_state, running=self.num_running)
 
@@ -294,7 +295,7 @@ class GenerativeRunner:
         prompt, given = prompt_and_parameters(request.inputs, request.parameters)
         parameters = read_parameters(given, "vllm", max_num_seqs=self.max_num_seqs)
         generation = generation_request(
-            request.id or f"infer-{next(self._ids)}", prompt, parameters, trio.current_time()
+            self._ids.next("infer"), prompt, parameters, trio.current_time()
         )
         if request.trace is None:
             return generation

@@ -11,7 +11,7 @@ import trio
 
 from .._errors import CancelledError, InferenceServerError, InternalError, UnavailableError
 from .._model_code import failure_message
-from .._repository import Answer, raise_handed_over
+from .._served import Answer, raise_handed_over
 from .._stats import ExecutionTimes
 from .._types import InferenceRequest, InferenceResponse
 from ._batching import QueuedItem

@@ -13,8 +13,9 @@
 """
 
 from .._stats import BatchStat, DurationStat, FailureReason, ModelStatistics
+from ..grpc import GrpcCallError, GrpcChannel, StreamingCall
 from ._gated import GatedModel, gated
-from ._grpc_channel import GrpcCallError, GrpcChannel, StreamingCall, open_grpc_channel
+from ._grpc_channel import open_grpc_channel
 from ._server import batch_size_counts, model_statistics, open_test_server
 from ._thread import server_in_thread
 from ._timed import ExecutedBatch, TimedModel, timed

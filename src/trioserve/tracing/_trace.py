@@ -235,7 +235,7 @@ class GenerationRecord:
 
 
 class _Served(Protocol):
-    """A served model version (``_repository.ServedModel``)."""
+    """A served model version (``_served.ServedModel``)."""
 
     @property
     def model(self) -> Any: ...

@@ -1,4 +1,4 @@
-"""Loading models defined in Python from a model repository folder.
+"""trioserve's own repository layout: models defined in Python, no config.pbtxt.
 
 Layout (Triton's, with ``model.py`` in place of ``config.pbtxt`` + backend)::
 
@@ -11,11 +11,10 @@ made with ``@trioserve.model``). The folder names the model, as in Triton.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-from ._model import Model
-from ._model_code import model_failure
+from .._model import Model
+from .._model_code import import_model_code
 
 
 class RepositoryError(Exception):
@@ -53,15 +52,7 @@ def load_model_folder(folder: Path) -> list[Model]:
 
 def _load(path: Path, name: str, version: str | None) -> Model:
     module_name = f"trioserve_repository.{name}.v{version or 'default'}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RepositoryError(f"{path}: cannot be imported")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as exc:  # sys.exit or argparse at import fails this load only
-        failure = model_failure(exc, name, "at import")
-        raise RepositoryError(f"{path}: failed to import: {failure!r}") from None
+    module = import_model_code(path, module_name, name, RepositoryError)
     loaded = getattr(module, "model", None)
     if not isinstance(loaded, Model):
         raise RepositoryError(f"{path}: defines no module-level 'model' that is a trioserve.Model")
