@@ -148,7 +148,7 @@ async def serve_grpc_core(
     if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
         tls = tls_context(config.grpc_tls_certfile, config.grpc_tls_keyfile)
     statistics = CoreStatistics()
-    collector = CountersCollector("trioserve_grpc_", statistics, _COUNTERS)
+    collector = CountersCollector("trioserve_grpc_", statistics, GRPC_COUNTERS)
     if context.registry is not None:
         context.registry.register(collector)
     try:
@@ -168,7 +168,7 @@ async def serve_grpc_core(
             context.registry.unregister(collector)
 
 
-_COUNTERS = {
+GRPC_COUNTERS = {
     "protocol_errors": "gRPC connections ended with GOAWAY for a protocol error",
     "stream_errors": "gRPC streams reset for a protocol error",
     "refused_streams": "gRPC streams refused (over the concurrency limit or after GOAWAY)",
@@ -205,9 +205,11 @@ async def serve_methods(
     tls: ssl.SSLContext | None = None,
     statistics: CoreStatistics | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    listeners: list[socket.socket] | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``methods`` over HTTP/2 on ``host:port`` until cancelled or shut down.
+    """Serve ``methods`` over HTTP/2 on ``host:port`` (or on ``listeners``, bound
+    already) until cancelled or shut down.
 
     Reports the bound ``(host, port)`` pairs once listening (port 0 picks a free one).
     """
@@ -215,5 +217,5 @@ async def serve_methods(
     server = _CoreServer(methods, limits, max_message_bytes, tls, counts)
     await serve_tcp(
         host, port, server.accepted, server.sweep_idle, server.begin_shutdown,
-        shutdown_trigger=shutdown_trigger, task_status=task_status,
+        shutdown_trigger=shutdown_trigger, listeners=listeners, task_status=task_status,
     )  # fmt: skip

@@ -23,11 +23,10 @@ import select
 from collections import OrderedDict
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from .._repository import Ticket
 from ._app import Request
 from ._asgi import Receive
 
@@ -36,13 +35,20 @@ _HANGUP_EVENTS = (
     | getattr(select, "EPOLLHUP", 0)
     | getattr(select, "EPOLLET", 0)
 )
-_SOCKET_KEY = "disconnect_watch"  # where a connection's _Socket lives in its hangup hint
+_SOCKET_KEY = "disconnect_watch"
+
+
+class Withdrawable(Protocol):
+    """What the watch withdraws: a model's ticket, or a call a front-end worker
+    process forwarded to the core process."""
+
+    def withdraw(self) -> None: ...  # where a connection's _Socket lives in its hangup hint
 
 
 @dataclass(eq=False, slots=True)
 class _Entry:
     since: float
-    ticket: Ticket
+    ticket: Withdrawable
     receive: Receive
     hint: MutableMapping[str, Any] | None  # the connection's HANGUP_FD extension, if any
     watcher: trio.CancelScope | None = None
@@ -66,21 +72,21 @@ class _Socket:
 class DisconnectWatch:
     def __init__(self, grace_s: float = 0.005) -> None:
         self.grace_s = grace_s
-        self._waiting: OrderedDict[Ticket, _Entry] = OrderedDict()  # oldest first, unwatched
+        self._waiting: OrderedDict[Withdrawable, _Entry] = OrderedDict()  # oldest first, unwatched
         self._arrived = trio.Event()
         self._hangups: select.epoll | None = None  # opened by run(), on Linux
         # fd -> the last connection that joined the hangup set with it. A closed socket
         # leaves the set by itself, so an entry may be stale until its fd is reused.
         self._sockets: dict[int, _Socket] = {}
 
-    def track(self, ticket: Ticket, request: Request) -> _Entry:
+    def track(self, ticket: Withdrawable, request: Request) -> _Entry:
         entry = _Entry(trio.current_time(), ticket, request.receive, request.hangup)
         self._waiting[ticket] = entry
         if not self._arrived.is_set():
             self._arrived.set()
         return entry
 
-    def untrack(self, ticket: Ticket, entry: _Entry) -> None:
+    def untrack(self, ticket: Withdrawable, entry: _Entry) -> None:
         """The request is answered (or abandoned): stop tracking or watching it."""
         if self._waiting.pop(ticket, None) is not None:
             return
@@ -161,7 +167,7 @@ class DisconnectWatch:
                     self._start_watcher(watchers, entry)
 
 
-async def _watch(ticket: Ticket, receive: Receive, scope: trio.CancelScope) -> None:
+async def _watch(ticket: Withdrawable, receive: Receive, scope: trio.CancelScope) -> None:
     with scope:
         while (await receive())["type"] != "http.disconnect":
             pass

@@ -128,7 +128,7 @@ def build_app(context: ServerContext) -> RestApp:
     router.add("GET", "/v2", e.metadata)
     router.add("GET", "/v2/models/stats", e.statistics)
     if context.registry is not None:
-        router.add("GET", "/metrics", metrics_endpoint(context.registry))
+        router.add("GET", "/metrics", metrics_endpoint(context.registry, context.metrics_sources))
     for base in (_MODEL, _VERSION):
         router.add("GET", base, e.model_metadata)
         router.add("GET", f"{base}/ready", e.model_ready)

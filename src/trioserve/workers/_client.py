@@ -1,0 +1,111 @@
+"""A front-end worker's end of its link to the core process: calls forwarded under
+numbers, their answers matched back (``ipc.Replies``), blocks freed both ways."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ..ipc import Block, Replies, SegmentMap, TrioChannel
+from ._wire import (
+    ANSWER,
+    CANCEL,
+    COUNTERS,
+    DRAIN,
+    FREE,
+    PULL,
+    Outbound,
+    Payload,
+    new_arena,
+    read,
+    unwrap,
+)
+
+logger = logging.getLogger("trioserve.workers")
+
+Answer = tuple[Any, ...]
+
+
+class CoreClient:
+    """Forwards calls to the core and hands each its answers."""
+
+    def __init__(
+        self,
+        channel: TrioChannel,
+        nursery: trio.Nursery,
+        counters: Callable[[], dict[str, dict[str, int]]],
+    ) -> None:
+        self.out = Outbound(channel, new_arena())
+        self.peer = SegmentMap()
+        self.replies: Replies[Answer] = Replies()
+        self.drain = trio.Event()  # the core asks this worker to drain and exit
+        self.forwarded = 0  # calls forwarded: this worker's share of the traffic
+        self._nursery = nursery  # for frames sent from synchronous code (cancels, frees)
+        self._counters = counters
+        self._frees: list[Block] = []
+
+    async def run(self, frames: list[tuple[Any, list[int]]]) -> None:
+        """Receive until the core closes the link (raises ``ipc.LinkClosed``)."""
+        channel = self.out.channel
+        while True:
+            for message, fds in frames:
+                self._dispatch(unwrap(message, fds, self.peer))
+            frames = await channel.receive()
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == ANSWER:
+            _, call, item, last = message
+            if not self.replies.deliver(call, item, last=last):
+                self.release(item)  # the call was withdrawn: nobody reads its blocks
+        elif kind == FREE:
+            for block in message[1]:
+                self.out.arena.free(block)
+        elif kind == PULL:
+            self._send_soon((COUNTERS, message[1], self._counters()))
+        elif kind == DRAIN:
+            self.drain.set()
+        else:
+            logger.error("the core sent an unknown message kind %r", kind)
+
+    def open(self) -> tuple[int, trio.MemoryReceiveChannel[Answer | BaseException]]:
+        self.forwarded += 1
+        return self.replies.open()
+
+    def cancel(self, call: int, answers: trio.MemoryReceiveChannel[Answer | BaseException]) -> None:
+        """The client left: the core withdraws the call; answers already here are
+        dropped (their blocks freed)."""
+        self.replies.withdraw(call)
+        while True:
+            try:
+                item = answers.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self.release(item)
+        self._send_soon((CANCEL, call))
+
+    def take(self, payload: Payload) -> bytes | memoryview:
+        """A payload's bytes; a block's stay valid until ``free(payload)``."""
+        return read(payload, self.peer)
+
+    def free(self, payload: Payload) -> None:
+        if isinstance(payload, Block):
+            if not self._frees:
+                self._nursery.start_soon(self._send_frees)
+            self._frees.append(payload)
+
+    def release(self, item: Answer | BaseException) -> None:
+        """Free the blocks of an answer nobody will read."""
+        if isinstance(item, tuple):
+            for value in item:
+                self.free(value)
+
+    async def _send_frees(self) -> None:
+        blocks, self._frees = self._frees, []
+        await self.out.send((FREE, blocks))
+
+    def _send_soon(self, message: tuple[Any, ...]) -> None:
+        self._nursery.start_soon(self.out.send, message)
