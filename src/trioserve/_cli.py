@@ -418,9 +418,9 @@ async def run_until_signalled(
             ):  # fmt: skip
                 for host, port in addresses:
                     logger.info("%s service listening on %s:%d", kind, host, port)
-            logger.info("serving models: %s", ", ".join(server.repository.names()))
             if ports_file is not None:
                 _write_ports(ports_file, http, grpc, server.metrics_addresses)
+            logger.info("serving models: %s", ", ".join(server.repository.names()))
             _gc.tune()
             async with trio.open_nursery() as collector:
                 collector.start_soon(_gc.collect_periodically)
