@@ -114,6 +114,8 @@ FORBIDDEN = {
     "_cli": {"testing"},
     "_server": {"testing", "_cli"},
     "_alternatives": {"testing", "_cli", "_server"},  # the optional front ends, for _server
+    # Front-end worker processes: beside _server (the CLI starts them over a server).
+    "workers": {"testing", "_cli", "_server"},
     "rest": {"grpc", "testing", "_cli", "_server"},
     "grpc": {"rest", "testing", "_cli", "_server"},
     "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models", "repository"},

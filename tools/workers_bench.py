@@ -65,7 +65,9 @@ def _start(python: str, workers: int, cpus: str, grpc: bool) -> tuple[subprocess
     return process, ports["grpc" if grpc else "http"]
 
 
-def _load(mode: str, port: int, args: argparse.Namespace, files: Path, connections: int) -> subprocess.Popen[str]:
+def _load(
+    mode: str, port: int, args: argparse.Namespace, files: Path, connections: int
+) -> subprocess.Popen[str]:
     pin = ["taskset", "-c", args.client_cpus]
     if mode == "grpc":
         command = [
@@ -96,10 +98,13 @@ def _answered(mode: str, output: str) -> int:
     return int(found.group(1))
 
 
-def _round(mode: str, connections: int, args: argparse.Namespace, files: Path) -> list[tuple[float, float]]:
+def _round(
+    mode: str, connections: int, args: argparse.Namespace, files: Path
+) -> list[tuple[float, float]]:
     """Both servers under load at once: (µs of CPU per request, requests/s) of each."""
     servers = [
-        _start(args.python, workers, args.server_cpus, mode == "grpc") for workers in (0, args.workers)
+        _start(args.python, workers, args.server_cpus, mode == "grpc")
+        for workers in (0, args.workers)
     ]
     try:
         time.sleep(1)
@@ -144,10 +149,14 @@ def main() -> None:
         files = Path(tmp)
         _write_files(files)
         for mode in args.modes.split(","):
-            counts = [1] if mode.startswith("big-") else [int(c) for c in args.connections.split(",")]
+            counts = (
+                [1] if mode.startswith("big-") else [int(c) for c in args.connections.split(",")]
+            )
             for connections in counts:
                 for number in range(args.rounds):
-                    (one_cost, one_rate), (fwd_cost, fwd_rate) = _round(mode, connections, args, files)
+                    (one_cost, one_rate), (fwd_cost, fwd_rate) = _round(
+                        mode, connections, args, files
+                    )
                     line = (
                         f"{mode:16} c={connections:<3} round {number + 1}: one process "
                         f"{one_cost:7.1f} µs/req {one_rate:7.0f} req/s; forwarded "

@@ -246,6 +246,8 @@ def test_restricted_apis_and_limits(served: Served) -> None:
         f"http://{served.url}/v2/models/simple/infer", content=b"x" * 200_001, timeout=TIMEOUT
     )
     assert too_big.status_code == 413 and "error" in too_big.json()
-    with grpcclient.InferenceServerClient(served.grpc_url) as client:
-        with pytest.raises(InferenceServerException, match="unknown model"):
-            client.get_model_metadata("no_such_model")
+    with (
+        grpcclient.InferenceServerClient(served.grpc_url) as client,
+        pytest.raises(InferenceServerException, match="unknown model"),
+    ):
+        client.get_model_metadata("no_such_model")
