@@ -451,7 +451,12 @@ def _worker_pool(server: Server, config: ServerConfig, workers: int) -> WorkerPo
     context = server.context
     assert context is not None
     pool = WorkerPool(
-        workers, config, server.rest_app, grpc_methods(context), logging.getLogger().level
+        workers,
+        config,
+        context,
+        server.rest_app,
+        grpc_methods(context),
+        logging.getLogger().level,
     )
     if context.registry is not None:
         for collector in pool.collectors():

@@ -18,11 +18,20 @@ from typing import Any
 
 import trio
 
+from .._context import ServerContext
+from .._errors import ErrorKind, InferenceServerError
+from .._pipeline import refuse_decoupled
+from .._repository import ServedModel
+from .._tensor import array_from_raw, array_to_raw, datatype
+from .._types import InferenceRequest, InputTensor, RequestedOutput
 from ..grpc._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
 from ..grpc._infer_wire import WireReply
 from ..grpc._methods import Method, UnaryMethod
+from ..grpc._orca import add_load_report
 from ..ipc import Block, LinkClosed, Replies, SegmentMap, TrioChannel
+from ..metrics._orca import FORMAT_HEADER
 from ..rest._app import RestApp
+from ..rest._load_report import load_report_header
 from ._wire import (
     ANSWER,
     BODY,
@@ -34,7 +43,9 @@ from ._wire import (
     GRPC_STREAM,
     HALF_CLOSE,
     HTTP,
+    INFER,
     MESSAGE,
+    OUTCOME,
     PULL,
     REPLY,
     START,
@@ -54,9 +65,14 @@ class WorkerLink:
     """Serves one worker's calls until its link closes."""
 
     def __init__(
-        self, channel: TrioChannel, rest_app: RestApp, grpc_methods: Mapping[str, Method]
+        self,
+        channel: TrioChannel,
+        context: ServerContext,
+        rest_app: RestApp,
+        grpc_methods: Mapping[str, Method],
     ) -> None:
         self.channel = channel
+        self._context = context
         self.out = Outbound(channel, new_arena())
         self.peer = SegmentMap()
         self._rest_app = rest_app
@@ -96,7 +112,9 @@ class WorkerLink:
 
     def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == HTTP:
+        if kind == INFER:
+            calls.start_soon(self._infer, *message[1:])
+        elif kind == HTTP:
             calls.start_soon(self._http, *message[1:])
         elif kind == GRPC:
             calls.start_soon(self._grpc_unary, *message[1:])
@@ -138,6 +156,74 @@ class WorkerLink:
             with contextlib.suppress(LinkClosed):
                 await self.out.send((FREE, [payload]))
 
+    async def _infer(
+        self,
+        call: int,
+        endpoint: str,
+        model: str,
+        version: str,
+        request_id: str,
+        parameters: dict[str, Any],
+        inputs: list[Tensor],
+        outputs: list[tuple[str, dict[str, Any]]],
+        report: tuple[str, Any] | None,
+    ) -> None:
+        """An inference the worker decoded: the pipeline reads its inputs in place."""
+        context = self._context
+        outcome: tuple[Any, ...]
+        blocks: list[Payload] = []
+        with trio.CancelScope() as cancel:
+            self._calls[call] = cancel
+            try:
+                served = context.repository.get(model, version)
+                refuse_decoupled(served, endpoint)
+
+                def decode(regions: object) -> InferenceRequest:
+                    return InferenceRequest(
+                        model, version, self._input_tensors(inputs),
+                        [RequestedOutput(name, params) for name, params in outputs],
+                        request_id, parameters,
+                    )  # fmt: skip
+
+                _, response = await context.pipeline.infer(served, decode)
+                tensors = []
+                for tensor in response.outputs:
+                    payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
+                    blocks.append(payload)
+                    tensors.append(
+                        (
+                            tensor.name,
+                            tensor.datatype.name,
+                            tensor.shape,
+                            payload,
+                            tensor.parameters,
+                        )
+                    )
+                outcome = (
+                    OUTCOME, None, response.model_name, response.model_version, response.id,
+                    response.parameters, tensors, _load_report(context, served, report),
+                )  # fmt: skip
+            except Exception as exc:
+                outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
+            finally:
+                del self._calls[call]
+                for given in inputs:
+                    await self._release(given[3])
+        if cancel.cancelled_caught:
+            for payload in blocks:  # nobody reads them
+                if isinstance(payload, Block):
+                    self.out.arena.free(payload)
+            return
+        await self._answer(call, outcome, True, *blocks)
+
+    def _input_tensors(self, inputs: list[Tensor]) -> dict[str, InputTensor]:
+        tensors = {}
+        for name, type_name, shape, payload, params in inputs:
+            dt = datatype(type_name)
+            data = array_from_raw(dt, shape, read(payload, self.peer), f"input '{name}'")
+            tensors[name] = InputTensor(name, dt, shape, data, params)
+        return tensors
+
     async def _http(
         self,
         call: int,
@@ -163,6 +249,7 @@ class WorkerLink:
             raise AssertionError("unreachable")
 
         start: tuple[Any, ...] | None = None
+        answered: list[bool] = []  # something went to the client
 
         async def send(message: Mapping[str, Any]) -> None:
             # The head waits for the first body chunk: one frame for a whole response.
@@ -174,12 +261,18 @@ class WorkerLink:
                 chunk = self.out.pack(message.get("body", b""))
                 item = (BODY, chunk, more) if start is None else (*start, chunk, more)
                 start = None
+                answered.append(True)
                 await self._answer(call, item, not more, chunk)
 
         with trio.CancelScope() as cancel:
             self._calls[call] = cancel
             try:
                 await self._rest_app(scope, receive, send)
+            except Exception:  # a bug of ours: answered 500, the link goes on
+                logger.exception("a forwarded HTTP request failed")
+                if start is not None or not answered:
+                    item = (START, 500, [(b"content-type", b"application/json")])
+                    await self._answer(call, (*item, b'{"error":"internal error"}', False), True)
             finally:
                 del self._calls[call]
                 await self._release(body)
@@ -232,6 +325,30 @@ class WorkerLink:
                 del self._calls[call]
                 self._streams.pop(call, None)
         await self._answer(call, (END, status, text, forwarded.trailers, b""), True)
+
+
+Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
+
+
+def _error(exc: Exception) -> tuple[str, str]:
+    """A failed inference's (kind, message); anything but an ``InferenceServerError`` is
+    a bug of ours, logged and answered INTERNAL (the link and its other calls go on)."""
+    if isinstance(exc, InferenceServerError):
+        return exc.kind.name, exc.message
+    logger.exception("a forwarded inference failed")
+    return ErrorKind.INTERNAL.name, f"internal error: {exc!r}"
+
+
+def _load_report(context: ServerContext, served: ServedModel, asked: tuple[str, Any] | None) -> Any:
+    """The load report an INFER asked for: REST's header, or gRPC's trailers."""
+    if asked is None:
+        return None
+    transport, wanted = asked
+    if transport == "http":
+        return load_report_header(context.load, served, {FORMAT_HEADER: wanted})
+    call = _ForwardedCall({FORMAT_HEADER.decode(): wanted})
+    add_load_report(call, context.load, served)
+    return call.trailers
 
 
 def _parts(reply: Any) -> list[bytes | memoryview]:

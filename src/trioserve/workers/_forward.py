@@ -14,13 +14,14 @@ from typing import Any
 
 import trio
 
-from .._errors import UnavailableError
+from .._errors import NotFoundError, UnavailableError
 from ..grpc._call import Call, MessageStream
 from ..grpc._errors import GrpcError, GrpcStatus
 from ..grpc._infer_wire import WireReply
 from ..grpc._methods import Method, StreamMethod, UnaryMethod
 from ..rest._app import Endpoint, Request
 from ..rest._disconnects import DisconnectWatch
+from ..rest._errors import HttpError
 from ..rest._router import Router
 from ._client import Answer, CoreClient
 from ._wire import BODY, GRPC, GRPC_STREAM, HALF_CLOSE, HTTP, MESSAGE, REPLY, START
@@ -29,17 +30,21 @@ _CORE_GONE = "the server's core process is gone"
 
 
 class ForwardAll(Router[Endpoint]):
-    """A router that sends every request to one endpoint: the core routes."""
+    """A router with the routes the worker answers itself (added as to any router); every
+    other request goes to ``fallback``, which forwards it: the core routes it."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, fallback: Endpoint) -> None:
         super().__init__()
-        self._endpoint = endpoint
+        self._fallback = fallback
 
     def resolve(self, method: str, path: str) -> tuple[Endpoint, dict[str, str]]:
-        return self._endpoint, {}
+        try:
+            return super().resolve(method, path)
+        except (NotFoundError, HttpError):
+            return self._fallback, {}
 
 
-class _Withdraw:
+class Withdraw:
     """A forwarded call as ``DisconnectWatch`` withdraws it."""
 
     __slots__ = ("answers", "call", "client")
@@ -69,7 +74,7 @@ class RestForwarder:
         headers = [(k, v) for k, v in request.headers.items() if k != b"content-encoding"]
         message = (HTTP, call, request.method, request.path, b"", headers, body)
         await client.out.send(message, body)
-        handle = _Withdraw(client, call, answers)
+        handle = Withdraw(client, call, answers)
         token = self._disconnects.track(handle, request)
         done = started = False
         try:
@@ -104,7 +109,7 @@ class RestForwarder:
         return not more
 
 
-class _Raw:
+class Raw:
     """A request message left as its bytes: the core parses it."""
 
     @staticmethod
@@ -117,9 +122,9 @@ def forwarding_methods(client: CoreClient, paths: Mapping[str, bool]) -> dict[st
     methods: dict[str, Method] = {}
     for path, streaming in paths.items():
         if streaming:
-            methods[path] = StreamMethod(_Raw, partial(_forward_stream, client, path))
+            methods[path] = StreamMethod(Raw, partial(_forward_stream, client, path))
         else:
-            methods[path] = UnaryMethod(_Raw, partial(_forward_unary, client, path))
+            methods[path] = UnaryMethod(Raw, partial(forward_unary, client, path))
     return methods
 
 
@@ -143,7 +148,7 @@ def _end(call: Call, item: Answer | BaseException) -> None:
         raise GrpcError(GrpcStatus(status), text)
 
 
-async def _forward_unary(client: CoreClient, path: str, data: bytes, call: Call) -> WireReply:
+async def forward_unary(client: CoreClient, path: str, data: bytes, call: Call) -> WireReply:
     number, answers = client.open()
     payload = client.out.pack(data)
     await client.out.send((GRPC, number, path, dict(call.metadata), payload), payload)

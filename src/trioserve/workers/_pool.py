@@ -22,6 +22,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily
 
 from .._config import ServerConfig
+from .._context import ServerContext
 from .._limits import GrpcLimits, HttpLimits
 from .._sockets import Address, bind_tcp, bound_addresses, close_all
 from ..grpc._core import GRPC_COUNTERS, with_reflection
@@ -52,12 +53,14 @@ class WorkerPool:
         self,
         count: int,
         config: ServerConfig,
+        context: ServerContext,
         rest_app: RestApp,
         methods: Mapping[str, Method],
         log_level: int,
     ) -> None:
         self.count = count
         self._config = config
+        self._context = context
         self._rest_app = rest_app
         self._methods = with_reflection(dict(methods))
         self._log_level = log_level
@@ -121,7 +124,7 @@ class WorkerPool:
             child.close()
             self._processes[index] = process
             channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
-            link = WorkerLink(channel, self._rest_app, self._methods)
+            link = WorkerLink(channel, self._context, self._rest_app, self._methods)
             try:
                 settings = self._settings(index, len(http))
                 await channel.send((CONFIG, settings), [s.fileno() for s in (*http, *grpc)])

@@ -5,6 +5,8 @@ bytes pickle in a few microseconds). A call is numbered by the worker that forwa
 the core answers under the same number.
 
 worker -> core:
+    (INFER, call, endpoint, model, version, id, parameters, inputs, outputs, report)
+                                                         an inference the worker decoded
     (HTTP, call, method, path, query, headers, body)     a REST request (body decompressed)
     (GRPC, call, path, metadata, message)                a unary gRPC call
     (GRPC_STREAM, call, path, metadata)                  a streaming call opens
@@ -21,7 +23,11 @@ core -> worker:
     (PULL, pull)                                         a scrape wants the counters
     (DRAIN,)                                             stop accepting, finish, exit
 
-An HTTP call is answered by ``(START, status, headers)`` then ``(BODY, data, more)``
+An INFER is answered by one ``(OUTCOME, error, model, version, id, parameters, outputs,
+report)``: its tensors as ``(name, datatype, shape, payload, parameters)`` (raw, as the
+binary extension and gRPC carry them), ``error`` as ``(kind, message)`` or None,
+``report`` the load report asked for (``("http", format)`` or ``("grpc", format)`` in
+the INFER: a header, or trailers). An HTTP call is answered by ``(START, status, headers)`` then ``(BODY, data, more)``
 items; a gRPC call by one ``(END, status, message, trailers, reply)`` (a unary call's
 reply rides in it; a stream's ``(REPLY, data)`` items come before, and its END's reply
 is empty).
@@ -43,8 +49,8 @@ from .._limits import GrpcLimits, HttpLimits
 from ..ipc import Arena, Block, SegmentMap, TrioChannel
 
 HTTP, GRPC, GRPC_STREAM, MESSAGE, HALF_CLOSE, CANCEL, FREE, COUNTERS, READY = range(9)
-CONFIG, ANSWER, PULL, DRAIN, SEGMENTS = range(9, 14)
-START, BODY, REPLY, END = range(4)
+CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER = range(9, 15)
+START, BODY, REPLY, END, OUTCOME = range(5)
 
 INLINE_BYTES = 64 * 1024  # below this a copy into the frame costs less than a block
 _ARENA_BYTES = 64 * 1024 * 1024  # the first segment of each side's arena

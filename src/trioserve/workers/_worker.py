@@ -22,15 +22,19 @@ import trio
 
 from ..grpc._core import serve_methods, tls_context, with_reflection
 from ..grpc._h2_guard import CoreStatistics
+from ..grpc._methods import UnaryMethod
 from ..ipc import LinkClosed, TrioChannel
 from ..rest._app import RestApp
 from ..rest._disconnects import DisconnectWatch
 from ..rest._http11 import HttpStatistics, serve_http11
 from ._client import CoreClient
-from ._forward import ForwardAll, RestForwarder, forwarding_methods
+from ._fast_infer import InferForwarder
+from ._forward import ForwardAll, Raw, RestForwarder, forwarding_methods
 from ._wire import CONFIG, READY
 
 logger = logging.getLogger("trioserve.workers")
+
+_MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"  # decoded here (the fast path)
 
 
 class CoreGone(Exception):
@@ -63,15 +67,16 @@ async def serve_worker(channel: TrioChannel) -> None:
         nursery.start_soon(_watch_core, client, frames[1:])
         nursery.start_soon(_drain_on_sigterm, client)
         stop = trio.Event()
+        disconnects = DisconnectWatch()
+        generic = RestForwarder(client, disconnects)
+        infer = InferForwarder(client, disconnects, generic)
+        router = ForwardAll(generic)
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            router.add("POST", f"{base}/infer", infer.rest)
         async with trio.open_nursery() as front_ends:
             if http_listeners:
-                disconnects = DisconnectWatch()
                 limits = settings.http_limits
-                app = RestApp(
-                    ForwardAll(RestForwarder(client, disconnects)),
-                    limits.max_body_bytes,
-                    background=[disconnects.run],
-                )
+                app = RestApp(router, limits.max_body_bytes, background=[disconnects.run])
                 serve = partial(
                     serve_http11, app, settings.host, 0, limits, shutdown_trigger=stop.wait,
                     statistics=http_statistics, listeners=http_listeners,
@@ -79,7 +84,9 @@ async def serve_worker(channel: TrioChannel) -> None:
                 await front_ends.start(app.serve_with, serve)
             if grpc_listeners:
                 tls = None if settings.grpc_tls is None else tls_context(*settings.grpc_tls)
-                methods = with_reflection(forwarding_methods(client, settings.grpc_paths))
+                methods = forwarding_methods(client, settings.grpc_paths)
+                methods[_MODEL_INFER] = UnaryMethod(Raw, partial(infer.grpc, _MODEL_INFER))
+                methods = with_reflection(methods)
                 serve = partial(
                     serve_methods, methods, settings.host, 0, settings.grpc_limits,
                     max_message_bytes=settings.grpc_max_message_bytes, tls=tls,

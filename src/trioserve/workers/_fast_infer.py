@@ -1,0 +1,161 @@
+"""Inference requests decoded in the worker: the fast path.
+
+REST infer (JSON and binary tensor data) and gRPC ModelInfer are decoded here, with the
+same codecs one process uses; the core receives one INFER frame (names, datatypes,
+shapes, parameters, and each tensor's raw bytes: in the frame when small, else written
+once into this worker's arena and read in place by the core), runs its pipeline and
+answers with the outputs' raw bytes, which are encoded here. The core validates the
+request against its model, as it validates every request.
+
+What the core alone can read goes the generic way (``_forward``): requests that name
+shared-memory regions (the registry lives in the core) and REST's raw single-input
+body (its meaning depends on the model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import trio
+
+from .._errors import ErrorKind, InferenceServerError
+from .._limits import OFF_LOOP_BYTES
+from .._model import Model
+from .._tensor import array_from_raw, array_to_raw, datatype
+from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from ..grpc._call import Call
+from ..grpc._errors import ClientGone, parse_message
+from ..grpc._infer_wire import InferPlans, ReplyHeads, WireReply, WireRequest
+from ..metrics._orca import FORMAT_HEADER
+from ..rest._app import Request, Response
+from ..rest._disconnects import DisconnectWatch
+from ..rest._endpoints import header_length, infer_response
+from ..rest._infer_codec import decode_request
+from ._client import Answer, CoreClient
+from ._forward import RestForwarder, Withdraw, forward_unary
+from ._wire import INFER, Payload
+
+_SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
+_NO_MODEL = cast(Model, None)  # decode_request reads the model only for a raw body
+_GRPC_FORMAT = FORMAT_HEADER.decode()
+
+
+class InferForwarder:
+    """REST's infer endpoint and gRPC's ModelInfer, decoded in the worker."""
+
+    def __init__(
+        self, client: CoreClient, disconnects: DisconnectWatch, generic: RestForwarder
+    ) -> None:
+        self._client = client
+        self._disconnects = disconnects
+        self._generic = generic
+        self._plans = InferPlans()
+        self._reply_heads = ReplyHeads()
+
+    async def rest(self, request: Request) -> Response | None:
+        body = request.body
+        length = header_length(request.headers)
+        head = body if length is None else body[:length]
+        if length == 0 or _SHARED_MEMORY in head:
+            await self._generic(request)  # answers the client itself
+            return None
+        name, version = request.params["model"], request.params.get("version", "")
+        if len(body) >= OFF_LOOP_BYTES:  # a large JSON body takes a while
+            inference = await trio.to_thread.run_sync(
+                decode_request, body, length, _NO_MODEL, name, version
+            )
+        else:
+            inference = decode_request(body, length, _NO_MODEL, name, version)
+        report = request.headers.get(FORMAT_HEADER)
+        wanted = None if report is None else ("http", report)
+        call, answers = await self._send(inference, "HTTP end point", wanted)
+        handle = Withdraw(self._client, call, answers)
+        token = self._disconnects.track(handle, request)
+        try:
+            outcome = await self._outcome(call, answers)
+        finally:
+            self._disconnects.untrack(handle, token)
+        if outcome is None:
+            return None  # withdrawn: the client left
+        try:
+            result = self._response(outcome)
+            return await infer_response(inference, result, outcome[7])
+        finally:
+            self._client.release(outcome)
+
+    async def grpc(self, path: str, data: bytes, call: Call) -> Any:
+        wire = parse_message(WireRequest, data)
+        if _SHARED_MEMORY in wire.head:
+            return await forward_unary(self._client, path, data, call)
+        plan = self._plans.plan(wire)
+        inference = plan.decode(wire.raw, None)  # type: ignore[arg-type]
+        report = call.metadata.get(_GRPC_FORMAT)
+        wanted = None if report is None else ("grpc", report)
+        number, answers = await self._send(inference, "ModelInfer RPC", wanted)
+        call.cancel_with(Withdraw(self._client, number, answers).withdraw)
+        outcome = await self._outcome(number, answers)
+        if outcome is None:
+            raise ClientGone("the client cancelled the call")
+        try:
+            reply = self._reply_heads.encode(self._response(outcome))
+            # The HTTP/2 core sends the reply after this returns: its parts must not be
+            # views of blocks freed here.
+            reply = WireReply([bytes(part) for part in reply.parts])
+        finally:
+            self._client.release(outcome)
+        for key, value in outcome[7] or ():
+            call.add_trailer(key, value)
+        return reply
+
+    async def _send(
+        self, inference: InferenceRequest, endpoint: str, report: tuple[str, Any] | None
+    ) -> tuple[int, Any]:
+        client = self._client
+        call, answers = client.open()
+        payloads: list[Payload] = []
+        inputs = []
+        for tensor in inference.inputs.values():
+            payload = client.out.pack(array_to_raw(tensor.data, tensor.datatype))
+            payloads.append(payload)
+            inputs.append(
+                (tensor.name, tensor.datatype.name, tensor.shape, payload, dict(tensor.parameters))
+            )
+        outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
+        message = (
+            INFER, call, endpoint, inference.model_name, inference.model_version, inference.id,
+            dict(inference.parameters), inputs, outputs, report,
+        )  # fmt: skip
+        await client.out.send(message, *payloads)
+        return call, answers
+
+    async def _outcome(self, call: int, answers: Any) -> Answer | None:
+        """The OUTCOME; None if the call was withdrawn meanwhile. Cancelled: withdrawn."""
+        try:
+            item: Answer | BaseException = await answers.receive()
+        except trio.EndOfChannel:
+            return None
+        except BaseException:
+            self._client.cancel(call, answers)
+            raise
+        if isinstance(item, BaseException):
+            raise InferenceServerError("the server's core process is gone")
+        error = item[1]
+        if error is not None:
+            raise _rebuilt(*error)
+        return item
+
+    def _response(self, outcome: Answer) -> InferenceResponse:
+        _, _, model, version, request_id, parameters, tensors, _ = outcome
+        outputs = []
+        for name, type_name, shape, payload, params in tensors:
+            dt = datatype(type_name)
+            data = array_from_raw(dt, shape, self._client.take(payload), f"output '{name}'")
+            outputs.append(OutputTensor(name, dt, data, params))
+        return InferenceResponse(model, version, outputs, request_id, parameters)
+
+
+def _rebuilt(kind: str, message: str) -> InferenceServerError:
+    """The core's error as the worker raises it: same kind (hence status), same message."""
+    error = InferenceServerError(message)
+    error.kind = ErrorKind[kind]
+    return error
