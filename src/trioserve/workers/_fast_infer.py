@@ -31,7 +31,7 @@ from ..rest._app import Request, Response
 from ..rest._disconnects import DisconnectWatch
 from ..rest._endpoints import header_length, infer_response
 from ..rest._infer_codec import decode_request
-from ._client import Answer, CoreClient
+from ._client import WITHDRAWN, Answer, CoreClient, Pending
 from ._forward import RestForwarder, Withdraw, forward_unary
 from ._wire import INFER, Payload
 
@@ -68,11 +68,11 @@ class InferForwarder:
             inference = decode_request(body, length, _NO_MODEL, name, version)
         report = request.headers.get(FORMAT_HEADER)
         wanted = None if report is None else ("http", report)
-        call, answers = await self._send(inference, "HTTP end point", wanted)
-        handle = Withdraw(self._client, call, answers)
+        pending = await self._send(inference, "HTTP end point", wanted)
+        handle = Withdraw(self._client, pending)
         token = self._disconnects.track(handle, request)
         try:
-            outcome = await self._outcome(call, answers)
+            outcome = await self._outcome(pending)
         finally:
             self._disconnects.untrack(handle, token)
         if outcome is None:
@@ -91,9 +91,9 @@ class InferForwarder:
         inference = plan.decode(wire.raw, None)  # type: ignore[arg-type]
         report = call.metadata.get(_GRPC_FORMAT)
         wanted = None if report is None else ("grpc", report)
-        number, answers = await self._send(inference, "ModelInfer RPC", wanted)
-        call.cancel_with(Withdraw(self._client, number, answers).withdraw)
-        outcome = await self._outcome(number, answers)
+        pending = await self._send(inference, "ModelInfer RPC", wanted)
+        call.cancel_with(Withdraw(self._client, pending).withdraw)
+        outcome = await self._outcome(pending)
         if outcome is None:
             raise ClientGone("the client cancelled the call")
         try:
@@ -109,9 +109,9 @@ class InferForwarder:
 
     async def _send(
         self, inference: InferenceRequest, endpoint: str, report: tuple[str, Any] | None
-    ) -> tuple[int, Any]:
+    ) -> Pending:
         client = self._client
-        call, answers = client.open()
+        pending = client.open_pending()
         payloads: list[Payload] = []
         inputs = []
         for tensor in inference.inputs.values():
@@ -122,23 +122,21 @@ class InferForwarder:
             )
         outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
         message = (
-            INFER, call, endpoint, inference.model_name, inference.model_version, inference.id,
+            INFER, pending.call, endpoint, inference.model_name, inference.model_version, inference.id,
             dict(inference.parameters), inputs, outputs, report,
         )  # fmt: skip
         await client.out.send(message, *payloads)
-        return call, answers
+        return pending
 
-    async def _outcome(self, call: int, answers: Any) -> Answer | None:
+    async def _outcome(self, pending: Pending) -> Answer | None:
         """The OUTCOME; None if the call was withdrawn meanwhile. Cancelled: withdrawn."""
         try:
-            item: Answer | BaseException = await answers.receive()
-        except trio.EndOfChannel:
-            return None
+            item = await pending.wait()
         except BaseException:
-            self._client.cancel(call, answers)
+            self._client.cancel_pending(pending)
             raise
-        if isinstance(item, BaseException):
-            raise InferenceServerError("the server's core process is gone")
+        if item is WITHDRAWN:
+            return None
         error = item[1]
         if error is not None:
             raise _rebuilt(*error)

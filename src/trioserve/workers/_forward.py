@@ -23,7 +23,7 @@ from ..rest._app import Endpoint, Request
 from ..rest._disconnects import DisconnectWatch
 from ..rest._errors import HttpError
 from ..rest._router import Router
-from ._client import Answer, CoreClient
+from ._client import Answer, CoreClient, Pending
 from ._wire import BODY, GRPC, GRPC_STREAM, HALF_CLOSE, HTTP, MESSAGE, REPLY, START
 
 _CORE_GONE = "the server's core process is gone"
@@ -45,17 +45,21 @@ class ForwardAll(Router[Endpoint]):
 
 
 class Withdraw:
-    """A forwarded call as ``DisconnectWatch`` withdraws it."""
+    """A forwarded call as ``DisconnectWatch`` withdraws it: a single-answer call
+    (``Pending``), or one with several answers (its number and their channel)."""
 
     __slots__ = ("answers", "call", "client")
 
-    def __init__(self, client: CoreClient, call: int, answers: Any) -> None:
+    def __init__(self, client: CoreClient, call: Pending | int, answers: Any = None) -> None:
         self.client = client
         self.call = call
         self.answers = answers
 
     def withdraw(self) -> None:
-        self.client.cancel(self.call, self.answers)
+        if isinstance(self.call, Pending):
+            self.client.cancel_pending(self.call)
+        else:
+            self.client.cancel(self.call, self.answers)
 
 
 class RestForwarder:
