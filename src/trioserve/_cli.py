@@ -34,7 +34,7 @@ from ._version import __version__
 from .grpc._methods import grpc_methods
 from .scheduler import cache_size_from_flags
 from .tracing import trace_config_from_flags
-from .workers import WorkerPool
+from .workers import WorkerPool, WorkerStartError
 
 logger = logging.getLogger("trioserve")
 
@@ -509,6 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     del sys.argv[1:]
     try:
         trio.run(run_until_signalled, config, args.workers, args.ports_file)
+    except* WorkerStartError as group:
+        sys.exit(f"error: creating server: {group.exceptions[0]}")
     except* StartupError as group:
         # Triton's words, after the log has named each model that failed and why.
         sys.exit(f"error: creating server: Internal - {group.exceptions[0]}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -251,3 +252,49 @@ def test_restricted_apis_and_limits(served: Served) -> None:
         pytest.raises(InferenceServerException, match="unknown model"),
     ):
         client.get_model_metadata("no_such_model")
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient])
+def test_large_and_bytes_tensors_round_trip(served: Served, module: Any) -> None:
+    """A tensor over 64 KiB crosses in shared memory both ways (under this server's body
+    limit); BYTES in their raw form."""
+    url = served.url if module is httpclient else served.grpc_url
+    big = np.random.default_rng(0).random(32 * 1024, dtype=np.float32)
+    words = np.array([b"one", b"", "três".encode(), b"\x00four"], dtype=np.object_)
+    binary = {"binary_data": True} if module is httpclient else {}
+    with module.InferenceServerClient(url) as client:
+        for _ in range(3):  # blocks freed and reused
+            tensor = module.InferInput("INPUT0", [big.size], "FP32")
+            tensor.set_data_from_numpy(big, **binary)
+            np.testing.assert_array_equal(
+                client.infer("identity_fp32", [tensor]).as_numpy("OUTPUT0"), big
+            )
+        tensor = module.InferInput("INPUT0", [len(words)], "BYTES")
+        tensor.set_data_from_numpy(words, **binary)
+        answer = client.infer("identity_bytes", [tensor]).as_numpy("OUTPUT0")
+        assert [bytes(w) for w in answer] == list(words)
+
+
+def test_model_stream_infer_is_forwarded(served: Served) -> None:
+    results: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        results.append(error if error is not None else result.as_numpy("OUTPUT0"))
+        if len(results) == 3:
+            done.set()
+
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    with grpcclient.InferenceServerClient(served.grpc_url) as client:
+        client.start_stream(callback)
+        for _ in range(3):
+            inputs = []
+            for name in ("INPUT0", "INPUT1"):
+                tensor = grpcclient.InferInput(name, [1, 16], "INT32")
+                tensor.set_data_from_numpy(a)
+                inputs.append(tensor)
+            client.async_stream_infer("simple", inputs)
+        assert done.wait(TIMEOUT)
+        client.stop_stream()
+    for result in results:
+        np.testing.assert_array_equal(result, a + a)

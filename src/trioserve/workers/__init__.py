@@ -9,6 +9,6 @@ large bodies and messages through shared memory; the core answers with the code 
 process runs (``_core_link``). ``WorkerPool`` (``_pool``) starts, restarts and drains them.
 """
 
-from ._pool import Ports, WorkerPool
+from ._pool import Ports, WorkerPool, WorkerStartError
 
-__all__ = ["Ports", "WorkerPool"]
+__all__ = ["Ports", "WorkerPool", "WorkerStartError"]

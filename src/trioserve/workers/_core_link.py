@@ -26,7 +26,7 @@ from .._tensor import array_from_raw, array_to_raw, datatype
 from .._types import InferenceRequest, InputTensor, RequestedOutput
 from ..grpc._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
 from ..grpc._infer_wire import WireReply
-from ..grpc._methods import Method, UnaryMethod
+from ..grpc._methods import Method, StreamMethod, UnaryMethod
 from ..grpc._orca import add_load_report
 from ..ipc import Block, LinkClosed, Replies, SegmentMap, TrioChannel
 from ..metrics._orca import FORMAT_HEADER
@@ -309,14 +309,15 @@ class WorkerLink:
         metadata: dict[str, str],
         messages: trio.MemoryReceiveChannel[Payload],
     ) -> None:
-        method = self._grpc_methods[path]
+        method = self._grpc_methods.get(path)
         forwarded = _ForwardedCall(metadata)
-        stream = _ForwardedStream(self, call, method, messages)
         status, text = GrpcStatus.OK, ""
         with trio.CancelScope() as cancel:
             self._calls[call] = cancel
             try:
-                await method.handler(stream, forwarded)
+                if not isinstance(method, StreamMethod):
+                    raise GrpcError(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
+                await method.handler(_ForwardedStream(self, call, method, messages), forwarded)
             except ClientGone:
                 status, text = GrpcStatus.CANCELLED, "the client cancelled the call"
             except Exception as exc:

@@ -40,6 +40,10 @@ _RESTART_BACKOFF_S = 1.0  # a worker that dies this soon after starting waits th
 _PULL_TIMEOUT_S = 1.0  # a scrape waits this long for a worker's counters
 
 
+class WorkerStartError(Exception):
+    """A worker died before it served: the server cannot start."""
+
+
 @dataclass(frozen=True)
 class Ports:
     http: list[Address]
@@ -133,6 +137,12 @@ class WorkerPool:
                     raise LinkClosed(f"worker {index} did not start: {frames[0][0]!r}")
             except LinkClosed:
                 channel.close()
+                if not started:  # it cannot start at all: say so rather than wait
+                    process.kill()
+                    status = await process.wait()
+                    raise WorkerStartError(
+                        f"front-end worker {index} exited with status {status} before serving"
+                    ) from None
             else:
                 self.links[index] = link
                 if not started:
