@@ -278,7 +278,8 @@ def conduct(args: argparse.Namespace) -> str:
     base = {p: results.get((p, 1)) for p in ("http", "grpc")}
     lines = [
         f"simple [1,16] INT32, {args.connections} connections, {args.duration:g} s per point "
-        f"after {args.warmup:g} s warm-up; {len(cpus)} cores; Python {sys.version.split()[0]}",
+        f"after {args.warmup:g} s warm-up; {len(cpus)} cores; server: {args.python} "
+        f"({_version(args.python)})",
         f"{'workers':>7} {'server cores':>12} {'load cores':>10} "
         f"{'HTTP req/s':>11} {'x W=1':>6} {'gRPC req/s':>11} {'x W=1':>6}",
     ]
@@ -290,6 +291,11 @@ def conduct(args: argparse.Namespace) -> str:
             cells.append(f"{rate:>11.0f} {ratio:>6}")
         lines.append(f"{workers:>7} {server_cores:>12} {load_count:>10} {' '.join(cells)}")
     return "\n".join(lines)
+
+
+def _version(python: str) -> str:
+    command = [python, "-c", "import sys; print(sys.version.split()[0])"]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main() -> None:
