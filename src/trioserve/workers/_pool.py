@@ -127,7 +127,7 @@ class WorkerPool:
             )
             child.close()
             self._processes[index] = process
-            channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
+            channel = TrioChannel(trio.socket.from_stdlib_socket(parent), coalesce=True)
             link = WorkerLink(channel, self._context, self._rest_app, self._methods)
             try:
                 settings = self._settings(index, len(http))

@@ -125,7 +125,7 @@ def main(argv: list[str]) -> None:
     )
 
     async def run() -> None:
-        await serve_worker(TrioChannel(trio.socket.from_stdlib_socket(link)))
+        await serve_worker(TrioChannel(trio.socket.from_stdlib_socket(link), coalesce=True))
 
     try:
         trio.run(run)
