@@ -167,6 +167,7 @@ class WorkerLink:
         inputs: list[Tensor],
         outputs: list[tuple[str, dict[str, Any]]],
         report: tuple[str, Any] | None,
+        trace_context: dict[Any, Any] | None,
     ) -> None:
         """An inference the worker decoded: the pipeline reads its inputs in place."""
         context = self._context
@@ -185,7 +186,7 @@ class WorkerLink:
                         request_id, parameters,
                     )  # fmt: skip
 
-                _, response = await context.pipeline.infer(served, decode)
+                _, response = await context.pipeline.infer(served, decode, headers=trace_context)
                 tensors = []
                 for tensor in response.outputs:
                     payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))

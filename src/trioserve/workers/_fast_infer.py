@@ -14,6 +14,7 @@ body (its meaning depends on the model).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import trio
@@ -38,6 +39,7 @@ from ._wire import INFER, Payload
 _SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
 _NO_MODEL = cast(Model, None)  # decode_request reads the model only for a raw body
 _GRPC_FORMAT = FORMAT_HEADER.decode()
+_TRACE_HEADERS = ("traceparent", "tracestate", b"traceparent", b"tracestate")
 
 
 class InferForwarder:
@@ -68,7 +70,7 @@ class InferForwarder:
             inference = decode_request(body, length, _NO_MODEL, name, version)
         report = request.headers.get(FORMAT_HEADER)
         wanted = None if report is None else ("http", report)
-        pending = await self._send(inference, "HTTP end point", wanted)
+        pending = await self._send(inference, "HTTP end point", wanted, request.headers)
         handle = Withdraw(self._client, pending)
         token = self._disconnects.track(handle, request)
         try:
@@ -91,7 +93,7 @@ class InferForwarder:
         inference = plan.decode(wire.raw, None)  # type: ignore[arg-type]
         report = call.metadata.get(_GRPC_FORMAT)
         wanted = None if report is None else ("grpc", report)
-        pending = await self._send(inference, "ModelInfer RPC", wanted)
+        pending = await self._send(inference, "ModelInfer RPC", wanted, call.metadata)
         call.cancel_with(Withdraw(self._client, pending).withdraw)
         outcome = await self._outcome(pending)
         if outcome is None:
@@ -108,7 +110,11 @@ class InferForwarder:
         return reply
 
     async def _send(
-        self, inference: InferenceRequest, endpoint: str, report: tuple[str, Any] | None
+        self,
+        inference: InferenceRequest,
+        endpoint: str,
+        report: tuple[str, Any] | None,
+        headers: Mapping[Any, Any],
     ) -> Pending:
         client = self._client
         pending = client.open_pending()
@@ -123,7 +129,7 @@ class InferForwarder:
         outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
         message = (
             INFER, pending.call, endpoint, inference.model_name, inference.model_version, inference.id,
-            dict(inference.parameters), inputs, outputs, report,
+            dict(inference.parameters), inputs, outputs, report, _trace_context(headers),
         )  # fmt: skip
         await client.out.send(message, *payloads)
         return pending
@@ -150,6 +156,17 @@ class InferForwarder:
             data = array_from_raw(dt, shape, self._client.take(payload), f"output '{name}'")
             outputs.append(OutputTensor(name, dt, data, params))
         return InferenceResponse(model, version, outputs, request_id, parameters)
+
+
+def _trace_context(headers: Mapping[Any, Any]) -> dict[Any, Any] | None:
+    """A client's W3C trace context among its headers (HTTP: bytes; gRPC: str), for the
+    core's tracing; None (nearly always) when there is none."""
+    carried = {}
+    for name in _TRACE_HEADERS:
+        value = headers.get(name)
+        if value is not None:
+            carried[name] = value
+    return carried or None
 
 
 def _rebuilt(kind: str, message: str) -> InferenceServerError:

@@ -5,8 +5,8 @@ bytes pickle in a few microseconds). A call is numbered by the worker that forwa
 the core answers under the same number.
 
 worker -> core:
-    (INFER, call, endpoint, model, version, id, parameters, inputs, outputs, report)
-                                                         an inference the worker decoded
+    (INFER, call, endpoint, model, version, id, parameters, inputs, outputs, report,
+     trace_context)                                      an inference the worker decoded
     (HTTP, call, method, path, query, headers, body)     a REST request (body decompressed)
     (GRPC, call, path, metadata, message)                a unary gRPC call
     (GRPC_STREAM, call, path, metadata)                  a streaming call opens
