@@ -215,13 +215,7 @@ def test_a_client_that_leaves_withdraws_its_request(served: Served) -> None:
     """A stream whose client disconnects is withdrawn in the core: the generation is
     aborted (counted as a failure, CANCELED), not run to its end."""
 
-    def outcomes() -> tuple[int, int]:
-        with grpcclient.InferenceServerClient(served.grpc_url) as client:
-            stats = client.get_inference_statistics("tiny_lm", as_json=True)["model_stats"][0]
-        counts = stats["inference_stats"]
-        return int(counts["success"].get("count", 0)), int(counts["fail"].get("count", 0))
-
-    succeeded, failed = outcomes()
+    succeeded, failed = _tiny_lm_outcomes(served)
     leaver = socket.create_connection(("127.0.0.1", served.http))
     body = json.dumps({"text_input": "Hello", "max_tokens": 1000, "ignore_eos": True}).encode()
     leaver.sendall(
@@ -230,9 +224,34 @@ def test_a_client_that_leaves_withdraws_its_request(served: Served) -> None:
     )
     assert b"data: " in leaver.recv(65536)  # the generation runs
     leaver.close()
-    while outcomes() == (succeeded, failed):  # until the generation ends, one way or the other
+    while _tiny_lm_outcomes(served) == (succeeded, failed):  # until the generation ends
         pass
-    assert outcomes() == (succeeded, failed + 1)
+    assert _tiny_lm_outcomes(served) == (succeeded, failed + 1)
+
+
+def test_a_cancelled_grpc_stream_withdraws_its_generation(served: Served) -> None:
+    succeeded, failed = _tiny_lm_outcomes(served)
+    first = threading.Event()
+    client = grpcclient.InferenceServerClient(served.grpc_url)
+    client.start_stream(callback=lambda result, error: first.set())
+    prompt = grpcclient.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"Hello"], dtype=np.object_))
+    parameters = {"max_tokens": 1000, "ignore_eos": True}
+    client.async_stream_infer("tiny_lm", [prompt], parameters=parameters)
+    assert first.wait(TIMEOUT)  # the generation runs
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    while _tiny_lm_outcomes(served) == (succeeded, failed):  # until the generation ends
+        pass
+    assert _tiny_lm_outcomes(served) == (succeeded, failed + 1)
+
+
+def _tiny_lm_outcomes(served: Served) -> tuple[int, int]:
+    """tiny_lm's requests that succeeded and failed (a withdrawn one fails, CANCELED)."""
+    with grpcclient.InferenceServerClient(served.grpc_url) as client:
+        stats = client.get_inference_statistics("tiny_lm", as_json=True)["model_stats"][0]
+    counts = stats["inference_stats"]
+    return int(counts["success"].get("count", 0)), int(counts["fail"].get("count", 0))
 
 
 def test_restricted_apis_and_limits(served: Served) -> None:
