@@ -46,6 +46,7 @@ async def serve_worker(channel: TrioChannel) -> None:
     frames = await channel.receive()
     (kind, settings), fds = frames[0]
     assert kind == CONFIG, "the core sends CONFIG first"
+    logging.getLogger().setLevel(settings.log_level)  # the core's --log-level
     listeners = [socket.socket(fileno=fd) for fd in fds]
     for listener in listeners:
         listener.setblocking(False)
