@@ -317,3 +317,15 @@ def test_model_stream_infer_is_forwarded(served: Served) -> None:
         client.stop_stream()
     for result in results:
         np.testing.assert_array_equal(result, a + a)
+
+
+def test_one_status_page_for_every_connection(served: Served) -> None:
+    """The page's clock starts at its first document: one page (the core's) for all."""
+    documents = [
+        httpx.get(f"http://{served.url}/status.json", timeout=TIMEOUT).json() for _ in range(8)
+    ]  # a new connection each, over both workers
+    watched = [document["server"]["watched_seconds"] for document in documents]
+    assert watched == sorted(watched) and all(seconds > 0 for seconds in watched[1:])
+    assert "simple" in {model["name"] for model in documents[-1]["models"]}
+    page = httpx.get(f"http://{served.url}/", timeout=TIMEOUT)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
