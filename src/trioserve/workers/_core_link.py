@@ -149,12 +149,13 @@ class WorkerLink:
         with contextlib.suppress(LinkClosed):  # the worker is gone; serve() cancels the rest
             await self.out.send((ANSWER, call, item, last), *payloads)
 
-    async def _release(self, payload: Payload) -> None:
-        """The worker's block, read: it may reuse it. (The send is shielded: this runs in
-        the ``finally`` of cancelled calls too.)"""
-        if isinstance(payload, Block):
+    async def _release(self, *payloads: Payload) -> None:
+        """The worker's blocks, read: it may reuse them. (The send is shielded: this runs
+        in the ``finally`` of cancelled calls too.)"""
+        blocks = [payload for payload in payloads if isinstance(payload, Block)]
+        if blocks:
             with contextlib.suppress(LinkClosed):
-                await self.out.send((FREE, [payload]))
+                await self.out.send((FREE, blocks))
 
     async def _infer(
         self,
@@ -208,8 +209,7 @@ class WorkerLink:
                 outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
             finally:
                 del self._calls[call]
-                for given in inputs:
-                    await self._release(given[3])
+                await self._release(*(given[3] for given in inputs))
         if cancel.cancelled_caught:
             for payload in blocks:  # nobody reads them
                 if isinstance(payload, Block):
