@@ -113,26 +113,54 @@ _ABOVE_CORE = {
     "shm",
     "models",
     "repository",
+    "workers",
 }
 FORBIDDEN = {
     "__init__": {"testing"},
     "__main__": {"testing"},
     "_cli": {"testing"},
-    "_server": {"testing", "_cli"},
-    "_alternatives": {"testing", "_cli", "_server"},  # the optional front ends, for _server
-    "rest": {"grpc", "testing", "_cli", "_server"},
-    "grpc": {"rest", "testing", "_cli", "_server"},
-    "scheduler": {"rest", "grpc", "testing", "_cli", "_server", "metrics", "models", "repository"},
+    "_server": {"workers", "testing", "_cli"},
+    "_alternatives": {
+        "workers",
+        "testing",
+        "_cli",
+        "_server",
+    },  # the optional front ends, for _server
+    # Front-end worker processes: beside _server (the CLI starts them over a server).
+    "workers": {"testing", "_cli", "_server"},
+    "rest": {"workers", "grpc", "testing", "_cli", "_server"},
+    "grpc": {"workers", "rest", "testing", "_cli", "_server"},
+    "scheduler": {
+        "workers",
+        "rest",
+        "grpc",
+        "testing",
+        "_cli",
+        "_server",
+        "metrics",
+        "models",
+        "repository",
+    },
     # Triton repositories build on the core only; the server hands them its runners.
-    "repository": {"rest", "grpc", "testing", "_cli", "_server", "scheduler", "metrics", "models"},
-    "metrics": {"rest", "grpc", "testing", "_cli", "_server", "models"},
+    "repository": {
+        "workers",
+        "rest",
+        "grpc",
+        "testing",
+        "_cli",
+        "_server",
+        "scheduler",
+        "metrics",
+        "models",
+    },
+    "metrics": {"workers", "rest", "grpc", "testing", "_cli", "_server", "models"},
     "shm": _ABOVE_CORE - {"shm"},
-    "models": {"rest", "grpc", "testing", "_cli", "_server"},
+    "models": {"workers", "rest", "grpc", "testing", "_cli", "_server"},
     "testing": set(),
     # The core's two rooms that gather the floors below for every front end.
-    "_pipeline": {"rest", "grpc", "testing", "_cli", "_server", "models"},
-    "_context": {"rest", "grpc", "testing", "_cli", "_server", "models"},
-    "_inprocess": {"rest", "grpc", "testing", "_cli", "_server", "models"},
+    "_pipeline": {"workers", "rest", "grpc", "testing", "_cli", "_server", "models"},
+    "_context": {"workers", "rest", "grpc", "testing", "_cli", "_server", "models"},
+    "_inprocess": {"workers", "rest", "grpc", "testing", "_cli", "_server", "models"},
 }
 # Third-party libraries that one place alone may import.
 OWNERS: dict[str, str | tuple[str, ...]] = {

@@ -7,6 +7,7 @@ Flags follow tritonserver's names where one exists (``--model-repository``,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -27,13 +28,17 @@ from ._log_settings import FORMATS, LogConfig
 from ._metrics_config import metrics_config_from_flags
 from ._model import Model
 from ._restricted import parse_restrictions
-from ._server import StartupError, open_server
+from ._server import Address, Server, StartupError, open_server
 from ._version import __version__
+from .grpc import grpc_methods
 from .repository import RepositoryError
 from .scheduler import cache_size_from_flags
 from .tracing import trace_config_from_flags
+from .workers import WorkerPool, WorkerStartError
 
 logger = logging.getLogger("trioserve")
+
+DEFAULT_WORKERS = 0  # see README, "Front-end workers"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -190,6 +195,21 @@ def _parser() -> argparse.ArgumentParser:
             flag, dest=field, type=kind, default=getattr(grpc_defaults, field), help=text
         )
     run.add_argument("--exit-timeout-secs", type=float, default=30.0)
+    run.add_argument(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        metavar="N",
+        help="front-end worker processes serving the HTTP and gRPC ports over one core "
+        f"process that holds the models (default {DEFAULT_WORKERS}; 0: one process "
+        "serves everything)",
+    )
+    run.add_argument(
+        "--ports-file",
+        type=Path,
+        help="once serving, write the bound ports here as JSON "
+        '({"http": N, "grpc": N, "metrics": N}; null where off)',
+    )
     run.add_argument(
         "--max-shared-memory-regions",
         type=int,
@@ -391,17 +411,28 @@ def _checkpoint_models(flags: list[str], device: Literal["cpu", "gpu"]) -> list[
     return models
 
 
-async def run_until_signalled(config: ServerConfig) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down gracefully."""
+async def run_until_signalled(
+    config: ServerConfig, workers: int = 0, ports_file: Path | None = None
+) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully. ``workers``: front-end
+    worker processes serving the HTTP and gRPC ports (0: this process serves them)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_server(config) as server:
+        # With workers, this process (the core) listens on the metrics port alone.
+        core = replace(config, http_port=None, grpc_port=None) if workers else config
+        async with open_server(core) as server, trio.open_nursery() as pool_nursery:
+            http, grpc = server.http_addresses, server.grpc_addresses
+            pool = None
+            if workers:
+                pool = _worker_pool(server, config, workers)
+                ports = await pool_nursery.start(pool.run)
+                http, grpc = ports.http, ports.grpc
             for kind, addresses in (
-                ("HTTP", server.http_addresses),
-                ("gRPC", server.grpc_addresses),
-                ("Metrics", server.metrics_addresses),
-            ):
+                ("HTTP", http), ("gRPC", grpc), ("Metrics", server.metrics_addresses),
+            ):  # fmt: skip
                 for host, port in addresses:
                     logger.info("%s service listening on %s:%d", kind, host, port)
+            if ports_file is not None:
+                _write_ports(ports_file, http, grpc, server.metrics_addresses)
             logger.info("serving models: %s", ", ".join(server.repository.names()))
             _gc.tune()
             async with trio.open_nursery() as collector:
@@ -416,8 +447,47 @@ async def run_until_signalled(config: ServerConfig) -> None:
                 collector.cancel_scope.cancel()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_exit_on_another_signal, signals)
+                if pool is not None:
+                    await pool.drain()  # the core answers the workers' calls in flight
                 await server.shutdown()
                 nursery.cancel_scope.cancel()
+
+
+def _check_workers(workers: int, config: ServerConfig) -> None:
+    if workers < 0:
+        raise ValueError("--workers must be >= 0")
+    if workers and (config.http_server != "builtin" or config.grpc_server != "builtin"):
+        raise ValueError("--workers runs the built-in HTTP and gRPC servers only")
+
+
+def _worker_pool(server: Server, config: ServerConfig, workers: int) -> WorkerPool:
+    context = server.context
+    assert context is not None
+    pool = WorkerPool(
+        workers,
+        config,
+        context,
+        server.rest_app,
+        grpc_methods(context),
+        logging.getLogger().level,
+    )
+    if context.registry is not None:
+        for collector in pool.collectors():
+            context.registry.register(collector)  # type: ignore[arg-type]
+        context.metrics_sources.append(pool.refresh_counters)
+    return pool
+
+
+def _write_ports(
+    path: Path, http: list[Address], grpc: list[Address], metrics: list[Address]
+) -> None:
+    ports = {
+        kind: addresses[0][1] if addresses else None
+        for kind, addresses in (("http", http), ("grpc", grpc), ("metrics", metrics))
+    }
+    partial_path = path.with_name(path.name + ".partial")
+    partial_path.write_text(json.dumps(ports))
+    partial_path.replace(path)  # readers never see half a file
 
 
 async def _exit_on_another_signal(signals: AsyncIterator[int]) -> None:
@@ -443,6 +513,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = config_from_args(args)
         check_alternatives(config)
+        _check_workers(args.workers, config)
     except (RepositoryError, ValueError) as exc:
         sys.exit(f"trioserve: {exc}")
     # Model code sees the command line of a script started without arguments, as it
@@ -450,7 +521,9 @@ def main(argv: list[str] | None = None) -> None:
     # must not read, and exit on, the server's flags.
     del sys.argv[1:]
     try:
-        trio.run(run_until_signalled, config)
+        trio.run(run_until_signalled, config, args.workers, args.ports_file)
+    except* WorkerStartError as group:
+        sys.exit(f"error: creating server: {group.exceptions[0]}")
     except* StartupError as group:
         # Triton's words, after the log has named each model that failed and why.
         sys.exit(f"error: creating server: Internal - {group.exceptions[0]}")

@@ -9,7 +9,8 @@ registered over REST is the one gRPC reads, and both report the same load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -53,6 +54,9 @@ class ServerContext:
     stop_accepting: trio.Event  # set: front ends refuse new work and drain
     tracing: TraceControl  # the trace extension's settings; ``pipeline`` samples with it
     logs: LogControl  # the logging extension's settings
+    # Awaited before each scrape of ``registry``: sources that report their figures only
+    # when asked (front-end worker processes, ``trioserve.workers``).
+    metrics_sources: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 def server_context(

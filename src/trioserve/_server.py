@@ -70,6 +70,8 @@ class Server:
     _context: ServerContext  # what front ends serve (``testing.open_grpc_channel``)
     registry: CollectorRegistry | None = None  # the server's Prometheus metrics
     metrics_addresses: list[Address] = field(default_factory=list)  # the metrics port's
+    # What its front ends share; front-end worker processes serve calls through it.
+    context: ServerContext | None = None
 
     @property
     def http_port(self) -> int | None:
@@ -227,6 +229,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             _context=context,
             registry=context.registry,
             metrics_addresses=metrics,
+            context=context,
         )
         try:
             yield server
@@ -331,4 +334,5 @@ def _metrics_listener(
         port,
         config.http_limits,
         shutdown_trigger=context.stop_accepting.wait,
+        sources=context.metrics_sources,
     )

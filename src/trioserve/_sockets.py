@@ -21,9 +21,10 @@ _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.E
 _BACKOFF_S = 0.1
 
 
-async def bind_tcp(host: str, port: int) -> list[socket.socket]:
+async def bind_tcp(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
     """Non-blocking listening sockets on every address ``host`` names, one port for all
-    (port 0 picks a free one)."""
+    (port 0 picks a free one). ``reuse_port``: with ``SO_REUSEPORT``, so that several
+    sets bound to the same port share its connections (the kernel spreads them)."""
     infos = await trio.socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
@@ -37,6 +38,8 @@ async def bind_tcp(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, type_, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             if port == 0 and len(sockets) > 1:
@@ -101,6 +104,7 @@ async def serve_tcp(
     begin_shutdown: Callable[[], None],
     *,
     shutdown_trigger: Callable[[], Awaitable[object]] | None,
+    listeners: list[socket.socket] | None = None,
     task_status: trio.TaskStatus[list[Address]],
 ) -> None:
     """Accept on ``host:port`` until cancelled or shut down; a core's task tree.
@@ -108,9 +112,11 @@ async def serve_tcp(
     ``accepted(connections)`` gives what starts each connection in ``connections``;
     ``sweep`` runs beside them (the core's timeouts). When ``shutdown_trigger`` returns:
     the listeners close, ``begin_shutdown`` tells the connections, and this returns once
-    every connection has ended.
+    every connection has ended. ``listeners``: sockets bound already (a front-end worker
+    process's, handed over by the process that bound them), used instead of binding.
     """
-    listeners = await bind_tcp(host, port)
+    if listeners is None:
+        listeners = await bind_tcp(host, port)
     try:
         async with trio.open_nursery() as sweeper:
             sweeper.start_soon(sweep)

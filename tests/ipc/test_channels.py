@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import textwrap
 
@@ -164,3 +165,26 @@ async def test_replies_reach_their_callers_and_a_dead_link_fails_the_rest() -> N
     rest = [a async for a in streamed_answers]
     assert rest[:2] == ["a", "b"] and isinstance(rest[2], LinkClosed)
     assert len(replies) == 0
+
+
+@pytest.mark.parametrize("coalesce", [False, True])
+async def test_coalescing_sends_the_frames_of_one_turn_in_one_write(coalesce: bool) -> None:
+    """Without it, the first send of a turn writes its frame alone (the others, queued
+    while it wrote, go in a second write); with it, every frame sent in the same turn of
+    the event loop goes out in one write."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = TrioChannel(trio.socket.from_stdlib_socket(ours), coalesce=coalesce)
+    peer = TrioChannel(trio.socket.from_stdlib_socket(theirs))
+    try:
+        async with trio.open_nursery() as nursery:
+            for call in range(10):
+                nursery.start_soon(channel.send, ("call", call))
+        assert channel.frames_sent == 10
+        assert channel.writes == (1 if coalesce else 2)
+        received: list[object] = []
+        while len(received) < 10:
+            received += [message for message, _ in await peer.receive()]
+        assert sorted(received) == [("call", n) for n in range(10)]  # trio orders tasks freely
+    finally:
+        channel.close()
+        peer.close()

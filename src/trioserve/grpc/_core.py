@@ -142,9 +142,11 @@ async def serve_methods(
     tls: ssl.SSLContext | None = None,
     statistics: CoreStatistics | None = None,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
+    listeners: list[socket.socket] | None = None,
     task_status: trio.TaskStatus[list[Address]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``methods`` over HTTP/2 on ``host:port`` until cancelled or shut down.
+    """Serve ``methods`` over HTTP/2 on ``host:port`` (or on ``listeners``, bound
+    already) until cancelled or shut down.
 
     Reports the bound ``(host, port)`` pairs once listening (port 0 picks a free one).
     """
@@ -152,5 +154,5 @@ async def serve_methods(
     server = _CoreServer(methods, limits, max_message_bytes, tls, counts)
     await serve_tcp(
         host, port, server.accepted, server.sweep_idle, server.begin_shutdown,
-        shutdown_trigger=shutdown_trigger, task_status=task_status,
+        shutdown_trigger=shutdown_trigger, listeners=listeners, task_status=task_status,
     )  # fmt: skip

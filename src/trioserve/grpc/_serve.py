@@ -30,7 +30,7 @@ async def serve_grpc_core(
     if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
         tls = tls_context(config.grpc_tls_certfile, config.grpc_tls_keyfile)
     statistics = CoreStatistics()
-    collector = CountersCollector("trioserve_grpc_", statistics, _COUNTERS)
+    collector = CountersCollector("trioserve_grpc_", statistics, GRPC_COUNTERS)
     if context.registry is not None:
         context.registry.register(collector)
     try:
@@ -50,7 +50,7 @@ async def serve_grpc_core(
             context.registry.unregister(collector)
 
 
-_COUNTERS = {
+GRPC_COUNTERS = {
     "protocol_errors": "gRPC connections ended with GOAWAY for a protocol error",
     "stream_errors": "gRPC streams reset for a protocol error",
     "refused_streams": "gRPC streams refused (over the concurrency limit or after GOAWAY)",

@@ -8,19 +8,37 @@ the name.
 
 from typing import TYPE_CHECKING
 
+from ._app import Endpoint as Endpoint
+from ._app import Request as Request
+from ._app import Response as Response
 from ._app import RestApp
 from ._endpoints import build_app
+from ._endpoints import header_length as header_length
+from ._endpoints import infer_response as infer_response
+from ._errors import HttpError as HttpError
 from ._http11 import HTTP_COUNTERS, HttpStatistics, serve_http11
+from ._infer_codec import decode_request as decode_request
+from ._load_report import load_report_header as load_report_header
 from ._metrics import serve_metrics
+from ._router import Router as Router
 
 if TYPE_CHECKING:
     from ._hypercorn import serve_hypercorn as serve_hypercorn
 
 __all__ = [
     "HTTP_COUNTERS",
+    "Endpoint",
+    "HttpError",
     "HttpStatistics",
+    "Request",
+    "Response",
     "RestApp",
+    "Router",
     "build_app",
+    "decode_request",
+    "header_length",
+    "infer_response",
+    "load_report_header",
     "serve_http11",
     "serve_hypercorn",
     "serve_metrics",

@@ -14,6 +14,7 @@ from .._limits import OFF_LOOP_BYTES
 from .._model_config import model_config, model_metadata
 from .._served import Ticket
 from .._stats import statistics_document
+from .._types import InferenceRequest, InferenceResponse
 from ._app import Endpoint, Request, Response, RestApp
 from ._generate import GenerateEndpoints
 from ._infer_codec import decode_request, encode_response
@@ -98,7 +99,7 @@ class _Endpoints:
         version = request.params.get("version", "")
         served = self.repository.get(name, version)
         decode = partial(
-            decode_request, request.body, _header_length(request.headers), served.model, name,
+            decode_request, request.body, header_length(request.headers), served.model, name,
             version,
         )  # fmt: skip
         large = len(request.body) >= OFF_LOOP_BYTES
@@ -109,19 +110,31 @@ class _Endpoints:
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
-        if sum(t.data.nbytes for t in result.outputs) >= OFF_LOOP_BYTES:
-            body, header_length = await trio.to_thread.run_sync(encode_response, result, inference)
-        else:
-            body, header_length = encode_response(result, inference)
-        load_report = load_report_header(self.load, served, request.headers)
-        headers: tuple[tuple[bytes, bytes], ...] = () if load_report is None else (load_report,)
-        if header_length is None:
-            return Response(200, body, headers=headers, compressible=True)
-        headers += ((b"inference-header-content-length", str(header_length).encode()),)
-        return Response(200, body, b"application/octet-stream", headers, compressible=True)
+        return await infer_response(
+            inference, result, load_report_header(self.load, served, request.headers)
+        )
 
 
-def _header_length(headers: dict[bytes, bytes]) -> int | None:
+async def infer_response(
+    inference: InferenceRequest, result: InferenceResponse, load_report: Header | None
+) -> Response:
+    """An inference's HTTP response (JSON, or binary outputs after the JSON header)."""
+    if sum(t.data.nbytes for t in result.outputs) >= OFF_LOOP_BYTES:
+        body, header_length = await trio.to_thread.run_sync(encode_response, result, inference)
+    else:
+        body, header_length = encode_response(result, inference)
+    headers: tuple[Header, ...] = () if load_report is None else (load_report,)
+    if header_length is None:
+        return Response(200, body, headers=headers, compressible=True)
+    headers += ((b"inference-header-content-length", str(header_length).encode()),)
+    return Response(200, body, b"application/octet-stream", headers, compressible=True)
+
+
+Header = tuple[bytes, bytes]
+
+
+def header_length(headers: dict[bytes, bytes]) -> int | None:
+    """The binary extension's JSON header length (Inference-Header-Content-Length)."""
     value = headers.get(b"inference-header-content-length")
     if value is None:
         return None
@@ -140,7 +153,7 @@ def build_app(context: ServerContext) -> RestApp:
     router.add("GET", "/v2", e.metadata)
     router.add("GET", "/v2/models/stats", e.statistics)
     if context.registry is not None:
-        router.add("GET", "/metrics", metrics_endpoint(context.registry))
+        router.add("GET", "/metrics", metrics_endpoint(context.registry, context.metrics_sources))
     for base in (_MODEL, _VERSION):
         router.add("GET", base, e.model_metadata)
         router.add("GET", f"{base}/ready", e.model_ready)

@@ -471,10 +471,11 @@ async def serve_http11(
     *,
     shutdown_trigger: Callable[[], Awaitable[object]] | None = None,
     statistics: HttpStatistics | None = None,
+    listeners: list[socket.socket] | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` over HTTP/1.1 on ``host:port`` until cancelled or shut down,
-    counting what the limits turn away in ``statistics``.
+    """Serve ``app`` over HTTP/1.1 on ``host:port`` (or on ``listeners``, bound already)
+    until cancelled or shut down, counting what the limits turn away in ``statistics``.
 
     ``task_status.started`` gets the bound ``(host, port)`` pairs (port 0 picks one). When
     ``shutdown_trigger`` returns, new connections are refused, idle keep-alive connections
@@ -484,5 +485,5 @@ async def serve_http11(
     server = _Server(app, limits, HttpStatistics() if statistics is None else statistics)
     await serve_tcp(
         host, port, server.accepted, server.sweep, server.begin_shutdown,
-        shutdown_trigger=shutdown_trigger, task_status=task_status,
+        shutdown_trigger=shutdown_trigger, listeners=listeners, task_status=task_status,
     )  # fmt: skip

@@ -1,0 +1,169 @@
+"""A front-end worker's end of its link to the core process: calls forwarded under
+numbers, their answers matched back (``ipc.Replies``), blocks freed both ways."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from ..ipc import Block, Replies, SegmentMap, TrioChannel
+from ._wire import (
+    ANSWER,
+    CANCEL,
+    COUNTERS,
+    DRAIN,
+    FREE,
+    PULL,
+    Outbound,
+    Payload,
+    new_arena,
+    read,
+    unwrap,
+)
+
+logger = logging.getLogger("trioserve.workers")
+
+Answer = tuple[Any, ...]
+WITHDRAWN: Answer = ()  # a single-answer call's answer once its client has left
+
+
+class Pending:
+    """The one answer one task awaits (an INFER's OUTCOME), without a memory channel:
+    the task parks until the answer comes, as a scheduler ticket's does. A channel per
+    request cost a tenth of a small request's CPU."""
+
+    __slots__ = ("answer", "call", "task")
+
+    def __init__(self, call: int) -> None:
+        self.call = call
+        self.answer: Answer | None = None
+        self.task: trio.lowlevel.Task | None = None
+
+    async def wait(self) -> Answer:
+        if self.answer is None:
+            self.task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort)
+        assert self.answer is not None
+        return self.answer
+
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        self.task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def resolve(self, answer: Answer) -> None:
+        self.answer = answer
+        task, self.task = self.task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+
+class CoreClient:
+    """Forwards calls to the core and hands each its answers."""
+
+    def __init__(
+        self,
+        channel: TrioChannel,
+        nursery: trio.Nursery,
+        counters: Callable[[], dict[str, dict[str, int]]],
+    ) -> None:
+        self.out = Outbound(channel, new_arena())
+        self.peer = SegmentMap()
+        self.replies: Replies[Answer] = Replies()
+        self.drain = trio.Event()  # the core asks this worker to drain and exit
+        self.forwarded = 0  # calls forwarded: this worker's share of the traffic
+        self._nursery = nursery  # for frames sent from synchronous code (cancels, frees)
+        self._counters = counters
+        self._frees: list[Block] = []
+        # Single-answer calls, numbered below zero (``Replies`` numbers the others).
+        self._pending: dict[int, Pending] = {}
+        self._pending_ids = itertools.count(-1, -1)
+
+    async def run(self, frames: list[tuple[Any, list[int]]]) -> None:
+        """Receive until the core closes the link (raises ``ipc.LinkClosed``)."""
+        channel = self.out.channel
+        while True:
+            for message, fds in frames:
+                self._dispatch(unwrap(message, fds, self.peer))
+            frames = await channel.receive()
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == ANSWER:
+            _, call, item, last = message
+            if call < 0:
+                pending = self._pending.pop(call, None)
+                if pending is not None:
+                    pending.resolve(item)
+                else:
+                    self.release(item)  # the call was withdrawn: nobody reads its blocks
+            elif not self.replies.deliver(call, item, last=last):
+                self.release(item)
+        elif kind == FREE:
+            for block in message[1]:
+                self.out.arena.free(block)
+        elif kind == PULL:
+            self._send_soon((COUNTERS, message[1], self._counters()))
+        elif kind == DRAIN:
+            self.drain.set()
+        else:
+            logger.error("the core sent an unknown message kind %r", kind)
+
+    def open(self) -> tuple[int, trio.MemoryReceiveChannel[Answer | BaseException]]:
+        self.forwarded += 1
+        return self.replies.open()
+
+    def open_pending(self) -> Pending:
+        """A new single-answer call."""
+        self.forwarded += 1
+        pending = Pending(next(self._pending_ids))
+        self._pending[pending.call] = pending
+        return pending
+
+    def cancel_pending(self, pending: Pending) -> None:
+        """The client left before its answer was read: the core withdraws the call, and
+        its waiter wakes with ``WITHDRAWN``; an answer that came is dropped."""
+        if self._pending.pop(pending.call, None) is not None:
+            self._send_soon((CANCEL, pending.call))
+            pending.resolve(WITHDRAWN)
+        elif pending.answer is not None and pending.answer is not WITHDRAWN:
+            self.release(pending.answer)
+            pending.answer = WITHDRAWN
+
+    def cancel(self, call: int, answers: trio.MemoryReceiveChannel[Answer | BaseException]) -> None:
+        """The client left: the core withdraws the call; answers already here are
+        dropped (their blocks freed)."""
+        self.replies.withdraw(call)
+        while True:
+            try:
+                item = answers.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self.release(item)
+        self._send_soon((CANCEL, call))
+
+    def take(self, payload: Payload) -> bytes | memoryview:
+        """A payload's bytes; a block's stay valid until ``free(payload)``."""
+        return read(payload, self.peer)
+
+    def free(self, payload: Payload) -> None:
+        if isinstance(payload, Block):
+            if not self._frees:
+                self._nursery.start_soon(self._send_frees)
+            self._frees.append(payload)
+
+    def release(self, item: Answer | BaseException) -> None:
+        """Free the blocks of an answer nobody will read."""
+        if isinstance(item, tuple):
+            for value in item:
+                self.free(value)
+
+    async def _send_frees(self) -> None:
+        blocks, self._frees = self._frees, []
+        await self.out.send((FREE, blocks))
+
+    def _send_soon(self, message: tuple[Any, ...]) -> None:
+        self._nursery.start_soon(self.out.send, message)

@@ -1,0 +1,408 @@
+"""The core process's end of one front-end worker's link: it runs each forwarded call
+through the same code a single process runs (the REST app, the gRPC method table), so
+every connection, whichever worker took it, gets the same answer.
+
+Each call runs in a task of its own under a cancel scope: a CANCEL from the worker (its
+client left) cancels it, which withdraws a waiting request from its model's queue, as
+a client's disconnect does in one process. When the link dies (the worker exited), every
+call of that worker is cancelled the same way; other workers' calls go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from .._context import ServerContext
+from .._errors import ErrorKind, InferenceServerError
+from .._served import ServedModel
+from .._tensor import array_from_raw, array_to_raw, datatype
+from .._types import InferenceRequest, InputTensor, RequestedOutput
+from ..grpc import (
+    ClientGone,
+    GrpcError,
+    GrpcStatus,
+    Method,
+    StreamMethod,
+    UnaryMethod,
+    WireReply,
+    add_load_report,
+    parse_message,
+    status_of,
+)
+from ..ipc import Block, LinkClosed, Replies, SegmentMap, TrioChannel
+from ..metrics import FORMAT_HEADER
+from ..rest import RestApp, load_report_header
+from ._wire import (
+    ANSWER,
+    BODY,
+    CANCEL,
+    COUNTERS,
+    END,
+    FREE,
+    GRPC,
+    GRPC_STREAM,
+    HALF_CLOSE,
+    HTTP,
+    INFER,
+    MESSAGE,
+    OUTCOME,
+    PULL,
+    REPLY,
+    START,
+    Outbound,
+    Payload,
+    new_arena,
+    read,
+    unwrap,
+)
+
+logger = logging.getLogger("trioserve.workers")
+
+Snapshot = dict[str, dict[str, int]]  # counter group ("http", "grpc", "worker") -> counts
+
+
+class WorkerLink:
+    """Serves one worker's calls until its link closes."""
+
+    def __init__(
+        self,
+        channel: TrioChannel,
+        context: ServerContext,
+        rest_app: RestApp,
+        grpc_methods: Mapping[str, Method],
+    ) -> None:
+        self.channel = channel
+        self._context = context
+        self.out = Outbound(channel, new_arena())
+        self.peer = SegmentMap()
+        self._rest_app = rest_app
+        self._grpc_methods = grpc_methods
+        self._calls: dict[int, trio.CancelScope] = {}
+        self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
+        self._pulls: Replies[Snapshot] = Replies()
+
+    async def serve(self, frames: list[tuple[Any, list[int]]]) -> None:
+        """Answer calls until the worker closes the link; ``frames``: received already."""
+        try:
+            async with trio.open_nursery() as calls:
+                try:
+                    while True:
+                        for message, fds in frames:
+                            self._dispatch(calls, unwrap(message, fds, self.peer))
+                        frames = await self.channel.receive()
+                except LinkClosed:
+                    calls.cancel_scope.cancel()  # the worker's clients are gone with it
+        finally:
+            self._pulls.fail_all(LinkClosed("the worker exited"))
+            self.channel.close()
+            self.peer.close()
+            self.out.arena.close()
+
+    async def counters(self) -> Snapshot:
+        """The worker's counters now (raises ``LinkClosed`` if it is gone)."""
+        pull, answers = self._pulls.open()
+        try:
+            await self.out.send((PULL, pull))
+            answer = await answers.receive()
+        finally:
+            self._pulls.withdraw(pull)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == INFER:
+            calls.start_soon(self._infer, *message[1:])
+        elif kind == HTTP:
+            calls.start_soon(self._http, *message[1:])
+        elif kind == GRPC:
+            calls.start_soon(self._grpc_unary, *message[1:])
+        elif kind == GRPC_STREAM:
+            send, receive = trio.open_memory_channel[Payload](math.inf)
+            self._streams[message[1]] = send
+            _, call, path, metadata = message
+            calls.start_soon(self._grpc_stream, call, path, metadata, receive)
+        elif kind == MESSAGE:
+            stream = self._streams.get(message[1])
+            if stream is not None:
+                stream.send_nowait(message[2])
+        elif kind == HALF_CLOSE:
+            stream = self._streams.pop(message[1], None)
+            if stream is not None:
+                stream.close()
+        elif kind == CANCEL:
+            scope = self._calls.get(message[1])
+            if scope is not None:
+                scope.cancel()
+        elif kind == FREE:
+            for block in message[1]:
+                self.out.arena.free(block)
+        elif kind == COUNTERS:
+            self._pulls.deliver(message[1], message[2])
+        else:
+            logger.error("a worker sent an unknown message kind %r", kind)
+
+    async def _answer(
+        self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
+    ) -> None:
+        with contextlib.suppress(LinkClosed):  # the worker is gone; serve() cancels the rest
+            await self.out.send((ANSWER, call, item, last), *payloads)
+
+    async def _release(self, *payloads: Payload) -> None:
+        """The worker's blocks, read: it may reuse them. (The send is shielded: this runs
+        in the ``finally`` of cancelled calls too.)"""
+        blocks = [payload for payload in payloads if isinstance(payload, Block)]
+        if blocks:
+            with contextlib.suppress(LinkClosed):
+                await self.out.send((FREE, blocks))
+
+    async def _infer(
+        self,
+        call: int,
+        endpoint: str,
+        model: str,
+        version: str,
+        request_id: str,
+        parameters: dict[str, Any],
+        inputs: list[Tensor],
+        outputs: list[tuple[str, dict[str, Any]]],
+        report: tuple[str, Any] | None,
+        trace_context: dict[Any, Any] | None,
+    ) -> None:
+        """An inference the worker decoded: the pipeline reads its inputs in place."""
+        context = self._context
+        outcome: tuple[Any, ...]
+        blocks: list[Payload] = []
+        with trio.CancelScope() as cancel:
+            self._calls[call] = cancel
+            try:
+                served = context.repository.get(model, version)
+
+                def decode(regions: object) -> InferenceRequest:
+                    return InferenceRequest(
+                        model, version, self._input_tensors(inputs),
+                        [RequestedOutput(name, params) for name, params in outputs],
+                        request_id, parameters,
+                    )  # fmt: skip
+
+                _, response = await context.pipeline.infer(
+                    served, decode, endpoint=endpoint, headers=trace_context
+                )
+                tensors = []
+                for tensor in response.outputs:
+                    payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
+                    blocks.append(payload)
+                    tensors.append(
+                        (
+                            tensor.name,
+                            tensor.datatype.name,
+                            tensor.shape,
+                            payload,
+                            tensor.parameters,
+                        )
+                    )
+                outcome = (
+                    OUTCOME, None, response.model_name, response.model_version, response.id,
+                    response.parameters, tensors, _load_report(context, served, report),
+                )  # fmt: skip
+            except Exception as exc:
+                outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
+            finally:
+                del self._calls[call]
+                await self._release(*(given[3] for given in inputs))
+        if cancel.cancelled_caught:
+            for payload in blocks:  # nobody reads them
+                if isinstance(payload, Block):
+                    self.out.arena.free(payload)
+            return
+        await self._answer(call, outcome, True, *blocks)
+
+    def _input_tensors(self, inputs: list[Tensor]) -> dict[str, InputTensor]:
+        tensors = {}
+        for name, type_name, shape, payload, params in inputs:
+            dt = datatype(type_name)
+            data = array_from_raw(dt, shape, read(payload, self.peer), f"input '{name}'")
+            tensors[name] = InputTensor(name, dt, shape, data, params)
+        return tensors
+
+    async def _http(
+        self,
+        call: int,
+        method: str,
+        path: str,
+        query: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: Payload,
+    ) -> None:
+        # The body is handed to the app once and not kept here: once the app is done,
+        # nothing of this process reads the worker's block, which it may then reuse.
+        unread = [read(body, self.peer)]
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": method, "path": path, "raw_path": path.encode(), "query_string": query,
+            "headers": headers, "scheme": "http",
+        }  # fmt: skip
+
+        async def receive() -> dict[str, Any]:
+            if unread:
+                return {"type": "http.request", "body": unread.pop(), "more_body": False}
+            await trio.sleep_forever()  # cancelled when the worker's client leaves
+            raise AssertionError("unreachable")
+
+        start: tuple[Any, ...] | None = None
+        answered: list[bool] = []  # something went to the client
+
+        async def send(message: Mapping[str, Any]) -> None:
+            # The head waits for the first body chunk: one frame for a whole response.
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = (START, message["status"], list(message.get("headers", ())))
+            elif message["type"] == "http.response.body":
+                more = message.get("more_body", False)
+                chunk = self.out.pack(message.get("body", b""))
+                item = (BODY, chunk, more) if start is None else (*start, chunk, more)
+                start = None
+                answered.append(True)
+                await self._answer(call, item, not more, chunk)
+
+        with trio.CancelScope() as cancel:
+            self._calls[call] = cancel
+            try:
+                await self._rest_app(scope, receive, send)
+            except Exception:  # a bug of ours: answered 500, the link goes on
+                logger.exception("a forwarded HTTP request failed")
+                if start is not None or not answered:
+                    item = (START, 500, [(b"content-type", b"application/json")])
+                    await self._answer(call, (*item, b'{"error":"internal error"}', False), True)
+            finally:
+                del self._calls[call]
+                await self._release(body)
+
+    async def _grpc_unary(
+        self, call: int, path: str, metadata: dict[str, str], message: Payload
+    ) -> None:
+        method = self._grpc_methods.get(path)
+        forwarded = _ForwardedCall(metadata)
+        reply: Payload = b""
+        with trio.CancelScope() as cancel:
+            self._calls[call] = cancel
+            try:
+                if not isinstance(method, UnaryMethod):
+                    raise GrpcError(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
+                request = parse_message(method.request_type, read(message, self.peer))
+                answer = await method.handler(request, forwarded)
+                reply = self.out.pack_parts(_parts(answer))
+                status, text = GrpcStatus.OK, ""
+            except ClientGone:
+                status, text = GrpcStatus.CANCELLED, "the client cancelled the call"
+            except Exception as exc:
+                status, text = status_of(exc)
+            finally:
+                del self._calls[call]
+                await self._release(message)
+            item = (END, status, text, forwarded.trailers, reply)
+            await self._answer(call, item, True, reply)
+
+    async def _grpc_stream(
+        self,
+        call: int,
+        path: str,
+        metadata: dict[str, str],
+        messages: trio.MemoryReceiveChannel[Payload],
+    ) -> None:
+        method = self._grpc_methods.get(path)
+        forwarded = _ForwardedCall(metadata)
+        status, text = GrpcStatus.OK, ""
+        with trio.CancelScope() as cancel:
+            self._calls[call] = cancel
+            try:
+                if not isinstance(method, StreamMethod):
+                    raise GrpcError(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
+                await method.handler(_ForwardedStream(self, call, method, messages), forwarded)
+            except ClientGone:
+                status, text = GrpcStatus.CANCELLED, "the client cancelled the call"
+            except Exception as exc:
+                status, text = status_of(exc)
+            finally:
+                del self._calls[call]
+                self._streams.pop(call, None)
+        await self._answer(call, (END, status, text, forwarded.trailers, b""), True)
+
+
+Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
+
+
+def _error(exc: Exception) -> tuple[str, str]:
+    """A failed inference's (kind, message); anything but an ``InferenceServerError`` is
+    a bug of ours, logged and answered INTERNAL (the link and its other calls go on)."""
+    if isinstance(exc, InferenceServerError):
+        return exc.kind.name, exc.message
+    logger.exception("a forwarded inference failed")
+    return ErrorKind.INTERNAL.name, f"internal error: {exc!r}"
+
+
+def _load_report(context: ServerContext, served: ServedModel, asked: tuple[str, Any] | None) -> Any:
+    """The load report an INFER asked for: REST's header, or gRPC's trailers."""
+    if asked is None:
+        return None
+    transport, wanted = asked
+    if transport == "http":
+        return load_report_header(context.load, served, {FORMAT_HEADER: wanted})
+    call = _ForwardedCall({FORMAT_HEADER.decode(): wanted})
+    add_load_report(call, context.load, served)
+    return call.trailers
+
+
+def _parts(reply: Any) -> list[bytes | memoryview]:
+    return reply.parts if isinstance(reply, WireReply) else [reply.SerializeToString()]
+
+
+class _ForwardedCall:
+    """What a handler sees of a call a worker forwarded (``grpc._call.Call``)."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata = metadata
+        self.trailers: list[tuple[str, bytes]] = []
+
+    def add_trailer(self, key: str, value: bytes) -> None:
+        self.trailers.append((key, value))
+
+    def cancel_with(self, withdraw: object) -> None:
+        pass  # a forwarded call runs under a cancel scope, which a CANCEL cancels
+
+
+class _ForwardedStream:
+    """A forwarded streaming call's messages (``grpc._call.MessageStream``)."""
+
+    def __init__(
+        self,
+        link: WorkerLink,
+        call: int,
+        method: Method,
+        messages: trio.MemoryReceiveChannel[Payload],
+    ) -> None:
+        self._link = link
+        self._call = call
+        self._method = method
+        self._messages = messages
+
+    async def recv(self) -> Any | None:
+        try:
+            payload = await self._messages.receive()
+        except trio.EndOfChannel:
+            return None
+        try:
+            return parse_message(self._method.request_type, read(payload, self._link.peer))
+        finally:
+            await self._link._release(payload)
+
+    async def send(self, message: Any) -> None:
+        data = self._link.out.pack_parts(_parts(message))
+        await self._link._answer(self._call, (REPLY, data), False, data)

@@ -1,0 +1,168 @@
+"""Inference requests decoded in the worker: the fast path.
+
+REST infer (JSON and binary tensor data) and gRPC ModelInfer are decoded here, with the
+same codecs one process uses; the core receives one INFER frame (names, datatypes,
+shapes, parameters, and each tensor's raw bytes: in the frame when small, else written
+once into this worker's arena and read in place by the core), runs its pipeline and
+answers with the outputs' raw bytes, which are encoded here. The core validates the
+request against its model, as it validates every request.
+
+What the core alone can read goes the generic way (``_forward``): requests that name
+shared-memory regions (the registry lives in the core) and REST's raw single-input
+body (its meaning depends on the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, cast
+
+import trio
+
+from .._errors import ErrorKind, InferenceServerError
+from .._limits import OFF_LOOP_BYTES
+from .._model import Model
+from .._tensor import array_from_raw, array_to_raw, datatype
+from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from ..grpc import Call, ClientGone, InferPlans, ReplyHeads, WireReply, WireRequest, parse_message
+from ..metrics import FORMAT_HEADER
+from ..rest import Request, Response, decode_request, header_length, infer_response
+from ._client import WITHDRAWN, Answer, CoreClient, Pending
+from ._forward import RestForwarder, Withdraw, forward_unary
+from ._wire import INFER, Payload
+
+_SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
+_NO_MODEL = cast(Model, None)  # decode_request reads the model only for a raw body
+_GRPC_FORMAT = FORMAT_HEADER.decode()
+_TRACE_HEADERS = ("traceparent", "tracestate", b"traceparent", b"tracestate")
+
+
+class InferForwarder:
+    """REST's infer endpoint and gRPC's ModelInfer, decoded in the worker."""
+
+    def __init__(self, client: CoreClient, generic: RestForwarder) -> None:
+        self._client = client
+        self._generic = generic
+        self._plans = InferPlans()
+        self._reply_heads = ReplyHeads()
+
+    async def rest(self, request: Request) -> Response | None:
+        body = request.body
+        length = header_length(request.headers)
+        head = body if length is None else body[:length]
+        if length == 0 or _SHARED_MEMORY in head:
+            await self._generic(request)  # answers the client itself
+            return None
+        name, version = request.params["model"], request.params.get("version", "")
+        if len(body) >= OFF_LOOP_BYTES:  # a large JSON body takes a while
+            inference = await trio.to_thread.run_sync(
+                decode_request, body, length, _NO_MODEL, name, version
+            )
+        else:
+            inference = decode_request(body, length, _NO_MODEL, name, version)
+        report = request.headers.get(FORMAT_HEADER)
+        wanted = None if report is None else ("http", report)
+        pending = await self._send(inference, "HTTP end point", wanted, request.headers)
+        handle = Withdraw(self._client, pending)
+        request.cancel_with(handle.withdraw)
+        try:
+            outcome = await self._outcome(pending)
+        finally:
+            request.cancel_with(None)
+        if outcome is None:
+            return None  # withdrawn: the client left
+        try:
+            result = self._response(outcome)
+            return await infer_response(inference, result, outcome[7])
+        finally:
+            self._client.release(outcome)
+
+    async def grpc(self, path: str, data: bytes, call: Call) -> Any:
+        wire = parse_message(WireRequest, data)
+        if _SHARED_MEMORY in wire.head:
+            return await forward_unary(self._client, path, data, call)
+        plan = self._plans.plan(wire)
+        inference = plan.decode(wire.raw, None)  # type: ignore[arg-type]
+        report = call.metadata.get(_GRPC_FORMAT)
+        wanted = None if report is None else ("grpc", report)
+        pending = await self._send(inference, "ModelInfer RPC", wanted, call.metadata)
+        call.cancel_with(Withdraw(self._client, pending).withdraw)
+        outcome = await self._outcome(pending)
+        if outcome is None:
+            raise ClientGone("the client cancelled the call")
+        try:
+            reply = self._reply_heads.encode(self._response(outcome))
+            # The HTTP/2 core sends the reply after this returns: its parts must not be
+            # views of blocks freed here.
+            reply = WireReply([bytes(part) for part in reply.parts])
+        finally:
+            self._client.release(outcome)
+        for key, value in outcome[7] or ():
+            call.add_trailer(key, value)
+        return reply
+
+    async def _send(
+        self,
+        inference: InferenceRequest,
+        endpoint: str,
+        report: tuple[str, Any] | None,
+        headers: Mapping[Any, Any],
+    ) -> Pending:
+        client = self._client
+        pending = client.open_pending()
+        payloads: list[Payload] = []
+        inputs = []
+        for tensor in inference.inputs.values():
+            payload = client.out.pack(array_to_raw(tensor.data, tensor.datatype))
+            payloads.append(payload)
+            inputs.append(
+                (tensor.name, tensor.datatype.name, tensor.shape, payload, dict(tensor.parameters))
+            )
+        outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
+        message = (
+            INFER, pending.call, endpoint, inference.model_name, inference.model_version, inference.id,
+            dict(inference.parameters), inputs, outputs, report, _trace_context(headers),
+        )  # fmt: skip
+        await client.out.send(message, *payloads)
+        return pending
+
+    async def _outcome(self, pending: Pending) -> Answer | None:
+        """The OUTCOME; None if the call was withdrawn meanwhile. Cancelled: withdrawn."""
+        try:
+            item = await pending.wait()
+        except BaseException:
+            self._client.cancel_pending(pending)
+            raise
+        if item is WITHDRAWN:
+            return None
+        error = item[1]
+        if error is not None:
+            raise _rebuilt(*error)
+        return item
+
+    def _response(self, outcome: Answer) -> InferenceResponse:
+        _, _, model, version, request_id, parameters, tensors, _ = outcome
+        outputs = []
+        for name, type_name, shape, payload, params in tensors:
+            dt = datatype(type_name)
+            data = array_from_raw(dt, shape, self._client.take(payload), f"output '{name}'")
+            outputs.append(OutputTensor(name, dt, data, params))
+        return InferenceResponse(model, version, outputs, request_id, parameters)
+
+
+def _trace_context(headers: Mapping[Any, Any]) -> dict[Any, Any] | None:
+    """A client's W3C trace context among its headers (HTTP: bytes; gRPC: str), for the
+    core's tracing; None (nearly always) when there is none."""
+    carried = {}
+    for name in _TRACE_HEADERS:
+        value = headers.get(name)
+        if value is not None:
+            carried[name] = value
+    return carried or None
+
+
+def _rebuilt(kind: str, message: str) -> InferenceServerError:
+    """The core's error as the worker raises it: same kind (hence status), same message."""
+    error = InferenceServerError(message)
+    error.kind = ErrorKind[kind]
+    return error

@@ -1,0 +1,203 @@
+"""What a front-end worker serves: the REST app and the gRPC method table of one
+process, with each endpoint and method replaced by its forwarding to the core.
+
+The worker does the protocol work (accepting, HTTP/1.1 and HTTP/2, TLS, body limits,
+decompression, gRPC framing and limits); the core answers every call with the code a
+single process runs, so answers cannot differ between connections or workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import trio
+
+from .._errors import NotFoundError, UnavailableError
+from ..grpc import (
+    Call,
+    GrpcError,
+    GrpcStatus,
+    MessageStream,
+    Method,
+    StreamMethod,
+    UnaryMethod,
+    WireReply,
+)
+from ..rest import Endpoint, HttpError, Request, Router
+from ._client import Answer, CoreClient, Pending
+from ._wire import BODY, GRPC, GRPC_STREAM, HALF_CLOSE, HTTP, MESSAGE, REPLY, START
+
+_CORE_GONE = "the server's core process is gone"
+
+
+class ForwardAll(Router[Endpoint]):
+    """A router with the routes the worker answers itself (added as to any router); every
+    other request goes to ``fallback``, which forwards it: the core routes it."""
+
+    def __init__(self, fallback: Endpoint) -> None:
+        super().__init__()
+        self._fallback = fallback
+
+    def resolve(self, method: str, path: str) -> tuple[Endpoint, dict[str, str]]:
+        try:
+            return super().resolve(method, path)
+        except (NotFoundError, HttpError):
+            return self._fallback, {}
+
+
+class Withdraw:
+    """A forwarded call as a client that leaves withdraws it (``Request.cancel_with``): a single-answer call
+    (``Pending``), or one with several answers (its number and their channel)."""
+
+    __slots__ = ("answers", "call", "client")
+
+    def __init__(self, client: CoreClient, call: Pending | int, answers: Any = None) -> None:
+        self.client = client
+        self.call = call
+        self.answers = answers
+
+    def withdraw(self) -> None:
+        if isinstance(self.call, Pending):
+            self.client.cancel_pending(self.call)
+        else:
+            self.client.cancel(self.call, self.answers)
+
+
+class RestForwarder:
+    """The REST endpoint of every path: the request goes to the core, its answer (whole
+    or streamed) back to the client; a client that leaves withdraws it there."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self._client = client
+
+    async def __call__(self, request: Request) -> None:
+        client = self._client
+        call, answers = client.open()
+        body = client.out.pack(request.body)
+        # Decompressed here already: the core must not inflate it again.
+        headers = [(k, v) for k, v in request.headers.items() if k != b"content-encoding"]
+        message = (HTTP, call, request.method, request.path, b"", headers, body)
+        await client.out.send(message, body)
+        handle = Withdraw(client, call, answers)
+        request.cancel_with(handle.withdraw)
+        done = started = False
+        try:
+            async for item in answers:
+                if isinstance(item, BaseException):  # the link died: the core is gone
+                    done = True
+                    if not started:
+                        raise UnavailableError(_CORE_GONE)
+                    break
+                started = True
+                done = await self._relay(request, item)
+        finally:
+            request.cancel_with(None)
+            if not done:
+                client.cancel(call, answers)
+
+    async def _relay(self, request: Request, item: Answer) -> bool:
+        """Send one answer item to the client; True once the response is complete."""
+        client = self._client
+        if item[0] == START:
+            _, status, headers, chunk, more = item
+            start = {"type": "http.response.start", "status": status, "headers": headers}
+            await request.send(start)
+        else:
+            _, chunk, more = item
+            assert item[0] == BODY
+        try:
+            body = {"type": "http.response.body", "body": client.take(chunk), "more_body": more}
+            await request.send(body)  # written (or the client gone) when this returns
+        finally:
+            client.free(chunk)
+        return not more
+
+
+class Raw:
+    """A request message left as its bytes: the core parses it."""
+
+    @staticmethod
+    def FromString(data: bytes) -> bytes:
+        return data
+
+
+def forwarding_methods(client: CoreClient, paths: Mapping[str, bool]) -> dict[str, Method]:
+    """The core's gRPC method table (``paths``: path -> streaming?), each forwarded."""
+    methods: dict[str, Method] = {}
+    for path, streaming in paths.items():
+        if streaming:
+            methods[path] = StreamMethod(Raw, partial(_forward_stream, client, path))
+        else:
+            methods[path] = UnaryMethod(Raw, partial(forward_unary, client, path))
+    return methods
+
+
+def _reply(client: CoreClient, payload: Any) -> WireReply:
+    data = client.take(payload)
+    # The HTTP/2 core may hold a reply's parts after send_reply returns: a block's bytes
+    # are copied out before it is freed.
+    reply = WireReply([bytes(data) if isinstance(data, memoryview) else data])
+    client.free(payload)
+    return reply
+
+
+def _end(call: Call, item: Answer | BaseException) -> None:
+    """Apply a call's END (trailers, status): raise for a status other than OK."""
+    if isinstance(item, BaseException):
+        raise GrpcError(GrpcStatus.UNAVAILABLE, _CORE_GONE)
+    _, status, text, trailers = item[:4]
+    for key, value in trailers:
+        call.add_trailer(key, value)
+    if status != GrpcStatus.OK:
+        raise GrpcError(GrpcStatus(status), text)
+
+
+async def forward_unary(client: CoreClient, path: str, data: bytes, call: Call) -> WireReply:
+    number, answers = client.open()
+    payload = client.out.pack(data)
+    await client.out.send((GRPC, number, path, dict(call.metadata), payload), payload)
+    call.cancel_with(partial(client.cancel, number, answers))
+    try:
+        item = await answers.receive()
+    except BaseException:
+        client.cancel(number, answers)
+        raise
+    try:
+        _end(call, item)
+    except GrpcError:
+        client.release(item)
+        raise
+    assert isinstance(item, tuple)
+    return _reply(client, item[4])
+
+
+async def _forward_stream(
+    client: CoreClient, path: str, messages: MessageStream, call: Call
+) -> None:
+    number, answers = client.open()
+    await client.out.send((GRPC_STREAM, number, path, dict(call.metadata)))
+    ended = False
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pump, client, number, messages)
+            async for item in answers:
+                if isinstance(item, tuple) and item[0] == REPLY:
+                    await messages.send(_reply(client, item[1]))
+                    continue
+                ended = True
+                nursery.cancel_scope.cancel()
+                _end(call, item)
+                break
+    finally:
+        if not ended:
+            client.cancel(number, answers)
+
+
+async def _pump(client: CoreClient, number: int, messages: MessageStream) -> None:
+    """The client's messages to the core, then its half-close."""
+    while (message := await messages.recv()) is not None:
+        payload = client.out.pack(message)
+        await client.out.send((MESSAGE, number, payload), payload)
+    await client.out.send((HALF_CLOSE, number))

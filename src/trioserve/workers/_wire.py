@@ -1,0 +1,131 @@
+"""What the core process and its front-end workers say to each other over one link.
+
+Every message is a tuple whose first item is its kind (a small int: tuples of ints and
+bytes pickle in a few microseconds). A call is numbered by the worker that forwards it;
+the core answers under the same number.
+
+worker -> core:
+    (INFER, call, endpoint, model, version, id, parameters, inputs, outputs, report,
+     trace_context)                                      an inference the worker decoded
+    (HTTP, call, method, path, query, headers, body)     a REST request (body decompressed)
+    (GRPC, call, path, metadata, message)                a unary gRPC call
+    (GRPC_STREAM, call, path, metadata)                  a streaming call opens
+    (MESSAGE, call, message)                             its next request message
+    (HALF_CLOSE, call)                                   the client sent its last one
+    (CANCEL, call)                                       the client left: withdraw the call
+    (FREE, blocks)                                       the core's blocks, read and sent
+    (COUNTERS, pull, snapshot)                           the answer to a pull
+    (READY,)                                             listening, after CONFIG
+core -> worker:
+    (CONFIG, settings)                                   first, with the listening sockets
+    (ANSWER, call, item, last)                           an answer to a call (see below)
+    (FREE, blocks)                                       the worker's blocks, done with
+    (PULL, pull)                                         a scrape wants the counters
+    (DRAIN,)                                             stop accepting, finish, exit
+
+An INFER is answered by one ``(OUTCOME, error, model, version, id, parameters, outputs,
+report)``: its tensors as ``(name, datatype, shape, payload, parameters)`` (raw, as the
+binary extension and gRPC carry them), ``error`` as ``(kind, message)`` or None,
+``report`` the load report asked for (``("http", format)`` or ``("grpc", format)`` in
+the INFER: a header, or trailers). An HTTP call is answered by ``(START, status, headers)`` then ``(BODY, data, more)``
+items; a gRPC call by one ``(END, status, message, trailers, reply)`` (a unary call's
+reply rides in it; a stream's ``(REPLY, data)`` items come before, and its END's reply
+is empty).
+
+Bodies and messages (``Payload``) below ``INLINE_BYTES`` travel inside the frame;
+larger ones are written once into the sender's ``Arena`` and travel as a ``Block``,
+read in place by the peer, which sends the block back in a FREE once it is done. A
+frame that uses a segment the peer has not seen yet is wrapped in
+``(SEGMENTS, [(segment, size)...], frame)`` carrying the segments' descriptors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._limits import GrpcLimits, HttpLimits
+from ..ipc import Arena, Block, SegmentMap, TrioChannel
+
+HTTP, GRPC, GRPC_STREAM, MESSAGE, HALF_CLOSE, CANCEL, FREE, COUNTERS, READY = range(9)
+CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER = range(9, 15)
+START, BODY, REPLY, END, OUTCOME = range(5)
+
+INLINE_BYTES = 64 * 1024  # below this a copy into the frame costs less than a block
+_ARENA_BYTES = 64 * 1024 * 1024  # the first segment of each side's arena
+_ARENA_GROWTH = 64 * 1024 * 1024
+
+Payload = bytes | Block
+
+
+def new_arena() -> Arena:
+    return Arena(_ARENA_BYTES, _ARENA_GROWTH)
+
+
+class Outbound:
+    """One side's sending half: its channel and the arena its large payloads go into."""
+
+    def __init__(self, channel: TrioChannel, arena: Arena) -> None:
+        self.channel = channel
+        self.arena = arena
+
+    def pack(self, data: bytes | bytearray | memoryview) -> Payload:
+        """``data`` as it travels: in the frame, or copied once into a block."""
+        if len(data) < INLINE_BYTES:
+            return bytes(data)
+        return self.arena.write(data)
+
+    def pack_parts(self, parts: Sequence[bytes | memoryview]) -> Payload:
+        """Parts of one message, joined on the way (into the frame or a block)."""
+        size = sum(map(len, parts))
+        if size < INLINE_BYTES:
+            return b"".join(parts)
+        block = self.arena.allocate(size)
+        view, offset = self.arena.view(block), 0
+        for part in parts:
+            view[offset : offset + len(part)] = part
+            offset += len(part)
+        return block
+
+    async def send(self, message: tuple[Any, ...], *payloads: object) -> None:
+        """Send ``message``; ``payloads``: those of its items that may be blocks, whose
+        segments are announced with it if the peer has not seen them."""
+        blocks = [p for p in payloads if isinstance(p, Block)]
+        fresh = self.arena.unannounced(blocks) if blocks else []
+        if not fresh:
+            await self.channel.send(message)
+            return
+        segments = [(segment, size) for segment, _, size in fresh]
+        await self.channel.send((SEGMENTS, segments, message), [fd for _, fd, _ in fresh])
+
+
+def unwrap(message: tuple[Any, ...], fds: list[int], peer: SegmentMap) -> tuple[Any, ...]:
+    """The frame inside a SEGMENTS wrapper, its segments mapped; others as they are."""
+    if message[0] != SEGMENTS:
+        return message
+    _, segments, inner = message
+    for (segment, size), fd in zip(segments, fds, strict=True):
+        peer.add(segment, fd, size)
+    return inner  # type: ignore[no-any-return]
+
+
+def read(payload: Payload, peer: SegmentMap) -> bytes | memoryview:
+    """A payload's bytes: the frame's own, or a view of the peer's block (no copy)."""
+    return payload if isinstance(payload, bytes) else peer.view(payload)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker needs to serve (CONFIG), beside its listening sockets, which ride
+    with the frame: ``http_sockets`` of them first, then the gRPC ones."""
+
+    index: int
+    host: str
+    http_limits: HttpLimits
+    grpc_limits: GrpcLimits
+    grpc_tls: tuple[str, str] | None  # certificate and key files
+    grpc_paths: dict[str, bool]  # the core's gRPC methods: path -> streaming?
+    http_sockets: int
+    exit_timeout_s: float
+    log_level: int

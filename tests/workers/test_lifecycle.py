@@ -1,0 +1,122 @@
+"""``trioserve run --workers 2``: draining on SIGTERM, a killed worker restarted while
+the other serves on, the core's death stopping every worker, connection limits shared
+out and their refusals summed (real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+
+import httpx
+import pytest
+
+from ._served import TIMEOUT, Served
+
+_DELAY = "/v2/models/delay/infer"
+
+
+def _delay_body(milliseconds: float) -> dict[str, object]:
+    return {
+        "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [milliseconds]}]
+    }
+
+
+def _forwarded(served: Served) -> float:
+    return sum(served.metric(f'trioserve_worker_calls_total{{worker="{n}"}}') for n in (0, 1))
+
+
+def test_sigterm_drains_every_worker() -> None:
+    served = Served()
+    try:
+        answers: list[int] = []
+
+        def slow() -> None:
+            reply = httpx.post(
+                f"http://{served.url}{_DELAY}", json=_delay_body(1000), timeout=TIMEOUT
+            )
+            answers.append(reply.status_code)
+
+        request = threading.Thread(target=slow)
+        request.start()
+        while _forwarded(served) < 1:  # in flight in the core
+            pass
+        served.process.send_signal(signal.SIGTERM)
+        served.wait_for("received SIGTERM: draining")
+        request.join(timeout=TIMEOUT)
+        assert answers == [200]  # answered, then the server went
+        assert served.process.wait(timeout=TIMEOUT) == 0
+        served.wait_log_closed()  # the workers exited too
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://{served.url}/v2/health/live", timeout=TIMEOUT)
+    finally:
+        served.stop()
+
+
+def test_a_killed_worker_is_restarted_and_the_other_serves_on() -> None:
+    served = Served()
+    try:
+        # Keep-alive connections spread over both workers (raw sockets: a client library
+        # would quietly reconnect).
+        connections = [socket.create_connection(("127.0.0.1", served.http)) for _ in range(12)]
+        for sock in connections:
+            assert _live(sock)
+        victim = served.worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        served.wait_for(rf"front-end worker \d \(pid {victim}\) exited with status -9")
+        kept = [_live(sock) for sock in connections]
+        assert any(kept) and not all(kept)  # the other worker's connections serve on
+        # New connections all succeed: those the kernel gives the restarting worker wait
+        # in its listening socket's backlog, which the core kept open.
+        for _ in range(12):
+            assert (
+                httpx.get(f"http://{served.url}/v2/health/ready", timeout=TIMEOUT).status_code
+                == 200
+            )
+        served.wait_for(r"front-end worker \d \(pid \d+\) serving")
+        assert served.metric("trioserve_worker_restarts_total") == 1
+        assert len(served.worker_pids()) == 2 and victim not in served.worker_pids()
+        for sock in connections:
+            sock.close()
+    finally:
+        assert served.stop() == 0
+
+
+def _live(sock: socket.socket) -> bool:
+    """One request on a keep-alive connection: answered 200, or the connection is dead."""
+    try:
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+        return sock.recv(65536).startswith(b"HTTP/1.1 200")
+    except ConnectionError:
+        return False
+
+
+def test_the_core_dying_stops_every_worker_with_a_message() -> None:
+    served = Served()
+    try:
+        assert len(served.worker_pids()) == 2
+        served.process.kill()
+        served.wait_log_closed()  # every process that held the log has exited
+        gone = [line for line in served.log if "the core process is gone" in line]
+        assert len(gone) == 2
+    finally:
+        served.stop()
+
+
+def test_the_connection_limit_is_shared_and_its_refusals_summed() -> None:
+    served = Served("--http-max-connections", "2")  # one per worker
+    try:
+        # The kernel spreads connections by their ports: with 24, each worker gets some
+        # (all on one: a chance of 2 in 2**24).
+        sockets = [socket.create_connection(("127.0.0.1", served.http)) for _ in range(24)]
+        for sock in sockets:
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n")
+        statuses = [sock.recv(65536).split(b" ", 2)[1] for sock in sockets]
+        for sock in sockets:
+            sock.close()
+        refused = statuses.count(b"503")
+        assert statuses.count(b"200") == 2 and refused == 22  # one connection per worker
+        assert served.metric("trioserve_http_refused_connections_total") == refused
+    finally:
+        assert served.stop() == 0

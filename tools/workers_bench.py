@@ -1,0 +1,172 @@
+"""CPU per request of the forwarded path (``--workers N``) against one process.
+
+    python tools/workers_bench.py                                   # every mode, 8 and 64
+    python tools/workers_bench.py --modes http-json --connections 8 --duration 10 --rounds 3
+    python tools/workers_bench.py --python /tmp/vdeb/bin/python     # another interpreter
+
+Two servers of this checkout run at once, pinned to the same core (``--server-cpus``),
+one with ``--workers 0`` (one process) and one with ``--workers N`` (a core process and
+N front-end workers), each under its own load generator on another core (wrk for HTTP,
+h2load for gRPC): they share the core's slow and fast moments alike, as in
+``paired_bench.py``. A server's CPU time is that of all its processes (user + system,
+``/proc``); divided by the requests it answered, it is its cost per request. The figure
+to read is the ratio of the two costs (forwarded / one process).
+
+Modes: ``http-json`` and ``http-binary`` (``simple``), ``grpc`` (``simple``, raw
+tensors, h2load), ``big-http-binary`` (one 16 MiB FP32 tensor through
+``identity_fp32``, where MiB/s each way is printed too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import _LUA, grpc_request, http_body, model_of
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and its children (the workers), user + system."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _start(python: str, workers: int, cpus: str, grpc: bool) -> tuple[subprocess.Popen[bytes], int]:
+    ports_file = Path(tempfile.mkdtemp()) / "ports.json"
+    command = ["taskset", "-c", cpus, python, "-m", "trioserve", "run", "--host", "127.0.0.1"]
+    command += ["--http-port", "0", "--grpc-port", "0", "--workers", str(workers)]
+    command += ["--ports-file", str(ports_file), "--log-level", "warning"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    process = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + 120
+    while not ports_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.1)
+    ports = json.loads(ports_file.read_text())
+    return process, ports["grpc" if grpc else "http"]
+
+
+def _load(
+    mode: str, port: int, args: argparse.Namespace, files: Path, connections: int
+) -> subprocess.Popen[str]:
+    pin = ["taskset", "-c", args.client_cpus]
+    if mode == "grpc":
+        command = [
+            *pin, "h2load", "-n", "1000000000", "-D", str(args.duration),
+            "-c", str(connections), "-m", "1",
+            "-H", "content-type: application/grpc", "-H", "te: trailers",
+            "-d", str(files / "grpc"), f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer",
+        ]  # fmt: skip
+    else:
+        command = [
+            *pin, "wrk", "-t1", f"-c{connections}", f"-d{args.duration}s",
+            "-s", str(files / f"{mode}.lua"), f"http://127.0.0.1:{port}/v2/models/{model_of(mode)}/infer",
+        ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+
+
+def _answered(mode: str, output: str) -> int:
+    if mode == "grpc":
+        found = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded", output)
+        if found is None or found.group(1) != found.group(2):
+            raise RuntimeError(f"h2load saw failures:\n{output}")
+        return int(found.group(2))
+    if "Non-2xx" in output:
+        raise RuntimeError(f"a server answered errors:\n{output}")
+    found = re.search(r"(\d+) requests in", output)
+    if found is None:
+        raise RuntimeError(f"no request count in wrk's output:\n{output}")
+    return int(found.group(1))
+
+
+def _round(
+    mode: str, connections: int, args: argparse.Namespace, files: Path
+) -> list[tuple[float, float]]:
+    """Both servers under load at once: (µs of CPU per request, requests/s) of each."""
+    servers = [
+        _start(args.python, workers, args.server_cpus, mode == "grpc")
+        for workers in (0, args.workers)
+    ]
+    try:
+        time.sleep(1)
+        before = [_tree_cpu_seconds(process.pid) for process, _ in servers]
+        loads = [_load(mode, port, args, files, connections) for _, port in servers]
+        outputs = [load.communicate()[0] for load in loads]
+        after = [_tree_cpu_seconds(process.pid) for process, _ in servers]
+    finally:
+        for process, _ in servers:
+            process.terminate()
+            process.wait(timeout=60)
+    results = []
+    for output, start, end in zip(outputs, before, after, strict=True):
+        answered = _answered(mode, output)
+        results.append((1e6 * (end - start) / answered, answered / args.duration))
+    return results
+
+
+def _write_files(files: Path) -> None:
+    for mode in ("http-json", "http-binary", "big-http-binary"):
+        body, headers = http_body(mode)
+        (files / mode).write_bytes(body)
+        lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
+        (files / f"{mode}.lua").write_text(_LUA.format(body=files / mode, headers=lines))
+    message = grpc_request("grpc").SerializeToString()
+    (files / "grpc").write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="http-json,http-binary,grpc,big-http-binary")
+    parser.add_argument("--connections", default="8,64", help="per server; big modes use 1")
+    parser.add_argument("--workers", type=int, default=1, help="the forwarded side's N")
+    parser.add_argument("--duration", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--server-cpus", default="0")
+    parser.add_argument("--client-cpus", default="1")
+    parser.add_argument("--python", default=sys.executable)
+    args = parser.parse_args()
+    print(f"python: {args.python}; forwarded side: --workers {args.workers}")
+    with tempfile.TemporaryDirectory() as tmp:
+        files = Path(tmp)
+        _write_files(files)
+        for mode in args.modes.split(","):
+            counts = (
+                [1] if mode.startswith("big-") else [int(c) for c in args.connections.split(",")]
+            )
+            for connections in counts:
+                for number in range(args.rounds):
+                    (one_cost, one_rate), (fwd_cost, fwd_rate) = _round(
+                        mode, connections, args, files
+                    )
+                    line = (
+                        f"{mode:16} c={connections:<3} round {number + 1}: one process "
+                        f"{one_cost:7.1f} µs/req {one_rate:7.0f} req/s; forwarded "
+                        f"{fwd_cost:7.1f} µs/req {fwd_rate:7.0f} req/s; CPU ratio {fwd_cost / one_cost:.3f}"
+                    )
+                    if mode.startswith("big-"):
+                        mib = 16
+                        line += f"; MiB/s each way {one_rate * mib:.0f} vs {fwd_rate * mib:.0f}"
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
