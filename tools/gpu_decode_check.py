@@ -1,0 +1,537 @@
+"""The GPU forward on a CUDA device: correctness against the numpy forward and timings.
+
+    PYTHONPATH=src python tools/gpu_decode_check.py [--skip-1b] [--steps 32]
+
+It imports trioserve's model modules without the package's front ends (see
+``bare_packages``), so numpy and cupy are all the checks need; the engine section also
+needs trio, outcome and sniffio: where the image lacks them, put their wheels on
+PYTHONPATH (``PYTHONPATH=src:wheels/trio-...whl:...``: pure-Python wheels import as
+they are).
+
+Needs cupy and a CUDA device; torch and transformers are used when present (the
+same-dtype reference). Prints one JSON object per line, each with a ``section``:
+
+- ``env``: devices and versions;
+- ``kernel``: each kernel against its numpy arithmetic (max abs error), float32 and
+  float16 storage;
+- ``forward``: a small Llama (float32) and tiny_lm, GPU logits against numpy's over a
+  step of prompt chunks and decodes, eager and through the decode graphs;
+- ``greedy``: greedy tokens of a few prompts for ``--steps`` steps, GPU against numpy
+  float32 (and against transformers in float16 for the 1 B model);
+- ``timing``: decode step medians at batch 1/16/64 with and without graphs, tokens or
+  logits copied back; prefill of 64 x 128 tokens; tiny_lm on the GPU and the CPU;
+- ``engine``: the 1 B model served by the engine in-process: 1 and 64 concurrent greedy
+  streams, tokens/s and TTFT.
+
+Every section catches its own failure and prints it (``error``, ``traceback``), so one
+failure hides nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "trioserve"
+
+
+def bare_packages() -> None:
+    """Make ``trioserve`` and ``trioserve.models`` importable without running their
+    ``__init__``: the package's starts with the server's front ends, whose packages
+    (trio, protobuf at the version its generated code wants...) a GPU image may lack.
+    The model modules need numpy and cupy alone; the engine section also needs trio,
+    outcome and sniffio (pure-Python wheels on PYTHONPATH will do)."""
+    for name, folder in (("trioserve", SRC), ("trioserve.models", SRC / "models")):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [str(folder)]
+            sys.modules[name] = module
+
+
+bare_packages()
+
+from trioserve._generative import GenerativeModel, StepSequence  # noqa: E402
+from trioserve.models._gpu_forward import GpuForward  # noqa: E402
+from trioserve.models._llama import (  # noqa: E402
+    LlamaConfig,
+    LlamaForward,
+    LlamaWeights,
+    _rotate,
+    gpu_parts,
+)
+from trioserve.models._paged_attention import PagedAttention, StepLayout  # noqa: E402
+from trioserve.models._tiny_lm import TinyLM  # noqa: E402
+
+BLOCK = 16
+ONE_B = {
+    "model_type": "llama",
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+}
+SMALL = {**ONE_B, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}  # fmt: skip
+
+
+def emit(section: str, **fields: Any) -> None:
+    print(json.dumps({"section": section, **fields}, default=str), flush=True)
+
+
+@contextmanager
+def guarded(section: str, **context: Any) -> Iterator[None]:
+    started = time.perf_counter()
+    try:
+        yield
+    except Exception as exc:
+        emit(section, **context, error=repr(exc), traceback=traceback.format_exc()[-3000:])
+    finally:
+        emit("elapsed", of=section, **context, seconds=round(time.perf_counter() - started, 2))
+
+
+def random_tensors(config: dict[str, Any], seed: int, dtype: Any) -> dict[str, np.ndarray]:
+    """A Hugging Face Llama state dict of random weights (std 0.02, norms near 1)."""
+    rng = np.random.default_rng(seed)
+    h, i = config["hidden_size"], config["intermediate_size"]
+    d = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+
+    def normal(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
+
+    def norm() -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(h, dtype=np.float32)).astype(dtype)
+
+    tensors = {"model.embed_tokens.weight": normal(config["vocab_size"], h),
+               "model.norm.weight": norm(), "lm_head.weight": normal(config["vocab_size"], h)}  # fmt: skip
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        tensors |= {
+            p + "input_layernorm.weight": norm(),
+            p + "post_attention_layernorm.weight": norm(),
+            p + "self_attn.q_proj.weight": normal(h, h),
+            p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h),
+            p + "self_attn.o_proj.weight": normal(h, h),
+            p + "mlp.gate_proj.weight": normal(i, h),
+            p + "mlp.up_proj.weight": normal(i, h),
+            p + "mlp.down_proj.weight": normal(h, i),
+        }
+    return tensors
+
+
+def gpu_llama(cp: Any, config: LlamaConfig, tensors: Any, dtype: Any, **sizes: Any) -> GpuForward:
+    weights = LlamaWeights(cp, config, tensors, dtype)
+    return GpuForward(cp, *gpu_parts(cp, config, weights), num_layers=config.num_layers, **sizes)
+
+
+class NumpyLlama:
+    def __init__(self, config: LlamaConfig, tensors: Any, num_blocks: int) -> None:
+        self.forward = LlamaForward(np, config, LlamaWeights(np, config, tensors), BLOCK)
+        c = config
+        cache = (c.num_layers, num_blocks, BLOCK, c.num_kv_heads, c.head_dim)
+        self.k, self.v = np.zeros(cache, np.float32), np.zeros(cache, np.float32)
+
+    def __call__(self, batch: Sequence[StepSequence]) -> np.ndarray:
+        return self.forward(batch, self.k, self.v)
+
+
+def tables(lengths: Sequence[int], first: int = 0) -> list[list[int]]:
+    """Consecutive cache blocks for sequences of ``lengths`` tokens."""
+    out, block = [], first
+    for length in lengths:
+        count = -(-length // BLOCK)
+        out.append(list(range(block, block + count)))
+        block += count
+    return out
+
+
+def greedy(step: Callable[[list[StepSequence]], np.ndarray], prompts: list[list[int]],
+           steps: int, tokens_only: bool = False) -> list[list[int]]:  # fmt: skip
+    """Greedy continuations of ``prompts`` (all in one batch) for ``steps`` steps."""
+    blocks = tables([len(p) + steps for p in prompts])
+    batch = [StepSequence(p, 0, t) for p, t in zip(prompts, blocks, strict=True)]
+    made: list[list[int]] = [[] for _ in prompts]
+    for _ in range(steps):
+        out = step(batch)
+        chosen = out if tokens_only else out.argmax(axis=1)
+        for row, token in enumerate(chosen.tolist()):
+            made[row].append(int(token))
+        batch = [StepSequence([m[-1]], len(p) + len(m) - 1, t)
+                 for p, m, t in zip(prompts, made, blocks, strict=True)]  # fmt: skip
+    return made
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """How far two greedy runs agree: identical sequences, and the first divergence."""
+    first = [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), None)
+             for p, q in zip(a, b, strict=True)]  # fmt: skip
+    return {"identical": sum(f is None for f in first), "of": len(a), "first_divergence": first}
+
+
+def mixed_batch(prompt_lengths: Sequence[int], decode_contexts: Sequence[int],
+                vocab: int, seed: int) -> tuple[list[StepSequence], list[StepSequence]]:  # fmt: skip
+    """A step that fills the caches (prompts), then one mixing chunks and decodes."""
+    rng = np.random.default_rng(seed)
+    lengths = [*prompt_lengths, *decode_contexts]
+    blocks = tables([n + 40 for n in lengths])
+    fill = [StepSequence(rng.integers(0, vocab, n).tolist(), 0, t)
+            for n, t in zip(lengths, blocks, strict=True)]  # fmt: skip
+    mixed = [StepSequence(rng.integers(0, vocab, 7).tolist(), n, t)
+             for n, t in zip(prompt_lengths, blocks, strict=False)]  # fmt: skip
+    mixed += [StepSequence([int(rng.integers(0, vocab))], n, t)
+              for n, t in zip(decode_contexts, blocks[len(prompt_lengths):], strict=True)]  # fmt: skip
+    return fill, mixed
+
+
+def median_ms(run: Callable[[], Any], sync: Callable[[], Any], count: int = 50) -> float:
+    for _ in range(3):
+        run()
+    sync()
+    times = []
+    for _ in range(count):
+        started = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1000, 3)
+
+
+def check_kernels(cp: Any, dtype: Any) -> None:
+    """Each kernel against the numpy arithmetic it replaces."""
+    from trioserve.models._cuda_source import ATTENTION_WARPS
+    from trioserve.models._gpu_inputs import pack_step, part
+
+    config = LlamaConfig.from_hf(SMALL)
+    c = config
+    fw = gpu_llama(cp, config, random_tensors(SMALL, 1, np.float32), dtype, num_kv_blocks=64,
+                   block_size=BLOCK, max_model_len=256, max_num_seqs=4, graphs=False)  # fmt: skip
+    rng = np.random.default_rng(2)
+    name = np.dtype(dtype).name
+
+    def stored(a: np.ndarray) -> Any:
+        return cp.asarray(a.astype(dtype))
+
+    def error(gpu: Any, ref: np.ndarray) -> float:
+        return float(np.abs(cp.asnumpy(gpu).astype(np.float64) - ref).max())
+
+    def report(kernel: str, value: float, **extra: Any) -> None:
+        emit("kernel", kernel=kernel, dtype=name, max_abs_error=value, **extra)
+
+    rows, h = 5, c.hidden_size
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    delta = rng.standard_normal((rows, h)).astype(np.float32)
+    weight = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    for mode, label in ((0, "add_norm rms"), (1, "add_norm layer")):
+        residual, out = stored(x), cp.empty((rows, h), dtype)
+        fw.kernels("add_norm", (rows,), 256, residual, stored(delta), np.int32(1),
+                   stored(weight), out, np.int32(h), np.float32(1e-5), np.int32(mode))  # fmt: skip
+        r = x.astype(dtype).astype(np.float64) + delta.astype(dtype)
+        if mode == 0:
+            ref = r / np.sqrt((r * r).mean(-1, keepdims=True) + 1e-5) * weight.astype(dtype)
+        else:
+            ref = (r - r.mean(-1, keepdims=True)) / np.sqrt(r.var(-1, keepdims=True) + 1e-5)
+        report(label, error(out, ref), residual_error=error(residual, r))
+
+    a = rng.standard_normal((rows, h)).astype(np.float32)
+    b = (rng.standard_normal((h, 384)) * 0.05).astype(np.float32)
+    out = cp.empty((rows, 384), dtype)
+    with fw.stream:
+        fw.gemm(stored(a), stored(b), out)
+    fw.stream.synchronize()
+    report("gemm", error(out, a.astype(dtype).astype(np.float64) @ b.astype(dtype)),
+           direct_cublas=fw.gemm.direct)  # fmt: skip
+
+    width = c.intermediate_size
+    gu = rng.standard_normal((rows, 2 * width)).astype(np.float32)
+    out = cp.empty((rows, width), dtype)
+    fw.kernels("activate", (8,), 256, stored(gu), out, np.int64(rows), np.int32(width),
+               np.int32(0))  # fmt: skip
+    g, u = np.split(gu.astype(dtype).astype(np.float64), 2, axis=1)
+    report("activate swiglu", error(out, g / (1 + np.exp(-g)) * u))
+
+    heads, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    qkv = rng.standard_normal((rows, (heads + 2 * kvh) * d)).astype(np.float32)
+    positions = np.array([0, 5, 100, 255, 17])
+    slots = np.array([3, 40, 77, -1, 1000])
+    q_out = cp.empty((rows, heads, d), dtype)
+    kc, vc = fw.k_cache[0], fw.v_cache[0]
+    kc[...] = 0
+    vc[...] = 0
+    fw.kernels("rope_cache_write", (rows,), 128, stored(qkv), fw._nothing, np.int32(0),
+               fw.cos, fw.sin, np.int32(1), cp.asarray(positions, np.int32),
+               cp.asarray(slots, np.int32), q_out, kc, vc, np.int32(heads), np.int32(kvh),
+               np.int32(d))  # fmt: skip
+    cos, sin = LlamaForward(np, config, None, BLOCK)._rotation(positions)  # type: ignore[arg-type]
+    qkv64 = qkv.astype(dtype).astype(np.float64)
+    q_ref = _rotate(np, qkv64[:, : heads * d].reshape(rows, heads, d), cos, sin)
+    k_ref = _rotate(np, qkv64[:, heads * d : (heads + kvh) * d].reshape(rows, kvh, d), cos, sin)
+    v_ref = qkv64[:, (heads + kvh) * d :].reshape(rows, kvh, d)
+    kept = slots >= 0
+    k_got = kc.reshape(-1, kvh, d)[cp.asarray(slots[kept])]
+    v_got = vc.reshape(-1, kvh, d)[cp.asarray(slots[kept])]
+    report("rope_cache_write", error(q_out, q_ref), k_error=error(k_got, k_ref[kept]),
+           v_error=error(v_got, v_ref[kept]),
+           padding_row_untouched=bool(int(cp.count_nonzero(kc)) == kept.sum() * kvh * d))  # fmt: skip
+
+    fill, mixed = mixed_batch([30, 0], [1, 16, 17, 200], c.vocab_size, 3)
+    del fill
+    mixed[1] = StepSequence(mixed[1].token_ids, 0, mixed[1].block_table)  # a first chunk
+    count = sum(len(e.token_ids) for e in mixed)
+    q = rng.standard_normal((count, heads, d)).astype(dtype).astype(np.float32)
+    k = rng.standard_normal((count, kvh, d)).astype(dtype).astype(np.float32)
+    v = rng.standard_normal((count, kvh, d)).astype(dtype).astype(np.float32)
+    k_np = rng.standard_normal(kc.shape).astype(dtype).astype(np.float32)
+    v_np = rng.standard_normal(vc.shape).astype(dtype).astype(np.float32)
+    layout = StepLayout.of(np, mixed, BLOCK)
+    ref = PagedAttention(np, d)(q, k, v, k_np, v_np, mixed, layout)
+    packed = pack_step(mixed, BLOCK)
+    ints = cp.asarray(packed.ints)
+    views = {n: part(ints, n, packed.rows, packed.entries, packed.width)
+             for n in ("token_rows", "positions", "block_tables")}  # fmt: skip
+    out = cp.empty((count, heads, d), dtype)
+    fw.kernels("paged_attention", (count, heads), 32 * ATTENTION_WARPS, stored(q), out,
+               stored(k_np), stored(v_np), views["token_rows"], views["positions"],
+               views["block_tables"], np.int32(packed.width), np.int32(heads), np.int32(kvh),
+               np.int32(d), np.int32(BLOCK), np.float32(d**-0.5))  # fmt: skip
+    report("paged_attention", error(out, ref), tokens=count)
+
+    logits = rng.standard_normal((6, c.vocab_size)).astype(dtype)
+    tokens = cp.empty(6, np.int32)
+    fw.kernels("argmax_rows", (6,), 256, cp.asarray(logits), tokens, np.int32(c.vocab_size))
+    emit("kernel", kernel="argmax_rows", dtype=name,
+         equal=bool((cp.asnumpy(tokens) == logits.argmax(1)).all()))  # fmt: skip
+
+
+def check_forwards(cp: Any) -> None:
+    """Whole steps: a small Llama in float32 and tiny_lm, GPU logits against numpy's."""
+    config = LlamaConfig.from_hf(SMALL)
+    tensors = random_tensors(SMALL, 4, np.float32)
+    reference = NumpyLlama(config, tensors, 128)
+    gpu = gpu_llama(cp, config, tensors, np.float32, num_kv_blocks=128, block_size=BLOCK,
+                    max_model_len=512, max_num_seqs=8)  # fmt: skip
+    fill, mixed = mixed_batch([30, 3], [1, 16, 17, 200], config.vocab_size, 5)
+    decode = [StepSequence([7], e.start + 7, e.block_table) for e in mixed[:2]] + [
+        StepSequence([9], e.start + 1, e.block_table) for e in mixed[2:]
+    ]
+    for label, batch in (("fill", fill), ("mixed", mixed), ("decode (graph)", decode)):
+        ref, got = reference(batch), gpu.step(batch)
+        emit("forward", model="llama-small fp32", step=label, max_abs_error=float(
+            np.abs(ref - got).max()), argmax_equal=bool((ref.argmax(1) == got.argmax(1)).all()),
+            graphs=sorted(gpu._decode), graph_failures=gpu.graph_failures)  # fmt: skip
+    cpu, device = TinyLM(), TinyLM(device="gpu")
+    cpu.load()
+    device.load()
+    emit("forward", model="tiny_lm", on_gpu=device.gpu is not None)
+    fill, mixed = mixed_batch([30, 3], [1, 16, 17, 200], 256, 6)
+    for label, batch in (("fill", fill), ("mixed", mixed)):
+        ref, got = cpu.step(batch), device.step(batch)
+        emit("forward", model="tiny_lm", step=label, max_abs_error=float(np.abs(ref - got).max()))
+
+
+class RandomLlama(GenerativeModel):  # type: ignore[misc]
+    """The random 1 B model for the engine: tokens are byte values, its forward given."""
+
+    def __init__(self, forward: GpuForward, max_num_seqs: int, num_blocks: int) -> None:
+        super().__init__("random_llama", eos_token_id=0, max_model_len=2048,
+                         num_kv_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
+                         device="gpu")  # fmt: skip
+        self.gpu = forward
+
+    def load(self) -> None:
+        pass  # loaded already
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in token_ids)
+
+    @property
+    def greedy_on_device(self) -> bool:
+        return True
+
+    def step(self, batch: Sequence[StepSequence]) -> np.ndarray:
+        return self.gpu.step(batch)
+
+    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray:
+        return self.gpu.step(batch, greedy=True)
+
+
+def check_1b(cp: Any, steps: int, engine_seconds: float) -> None:
+    config = LlamaConfig.from_hf(ONE_B)
+    started = time.perf_counter()
+    tensors = random_tensors(ONE_B, 7, np.float16)
+    emit("setup", model="llama-1b fp16", weights_seconds=round(time.perf_counter() - started, 1))
+    sequences, context = 64, 128
+    blocks_per_sequence = -(-(context + 96) // BLOCK)
+    num_blocks = sequences * blocks_per_sequence + 64
+    started = time.perf_counter()
+    gpu = gpu_llama(cp, config, tensors, np.float16, num_kv_blocks=num_blocks, block_size=BLOCK,
+                    max_model_len=2048, max_num_seqs=sequences)  # fmt: skip
+    emit("setup", model="llama-1b fp16", load_and_capture_seconds=round(
+        time.perf_counter() - started, 1), graphs=sorted(gpu._decode),
+         graph_failures=gpu.graph_failures, direct_cublas=gpu.gemm.direct)  # fmt: skip
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 17, 33, 64)]
+    on_gpu: list[list[int]] = []
+    with guarded("greedy", model="llama-1b fp16"):
+        on_gpu = greedy(lambda b: gpu.step(b, greedy=True), prompts, steps, tokens_only=True)
+        on_gpu_logits = greedy(gpu.step, prompts, steps)
+        emit("greedy", model="llama-1b fp16", against="gpu logits path",
+             **agreement(on_gpu, on_gpu_logits))  # fmt: skip
+        with guarded("greedy", model="llama-1b", against="transformers fp16"):
+            emit("greedy", model="llama-1b fp16", against="transformers fp16",
+                 **agreement(on_gpu, transformers_greedy(tensors, prompts, steps)))  # fmt: skip
+    with guarded("timing", model="llama-1b fp16"):
+        time_model(gpu, config.vocab_size, sequences, context, "llama-1b fp16")
+    with guarded("engine", model="llama-1b fp16"):
+        run_engine(RandomLlama(gpu, sequences, num_blocks), engine_seconds)
+    with guarded("greedy", model="llama-1b", against="numpy fp32"):  # the slowest, last
+        blocks = sum(len(t) for t in tables([len(p) + steps for p in prompts]))
+        reference = NumpyLlama(config, tensors, blocks)
+        emit("greedy", model="llama-1b fp16", against="numpy fp32",
+             **agreement(on_gpu, greedy(reference, prompts, steps)))  # fmt: skip
+
+
+def transformers_greedy(tensors: Any, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(**{k: v for k, v in ONE_B.items() if k != "model_type"})
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).half().eval()
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in tensors.items()})
+    made = []
+    with torch.no_grad():
+        for prompt in prompts:  # one at a time: no padding to differ in
+            ids = torch.tensor([prompt], device="cuda")
+            out = model(ids, use_cache=True)
+            past, tokens = out.past_key_values, []
+            for _ in range(steps):
+                token = int(out.logits[0, -1].argmax())
+                tokens.append(token)
+                out = model(torch.tensor([[token]], device="cuda"), past_key_values=past,
+                            use_cache=True)  # fmt: skip
+                past = out.past_key_values
+            made.append(tokens)
+    del model
+    torch.cuda.empty_cache()
+    return made
+
+
+def time_model(gpu: GpuForward, vocab: int, sequences: int, context: int,
+               label: str) -> None:  # fmt: skip
+    rng = np.random.default_rng(9)
+    blocks = tables([context + 64] * sequences)
+    prompts = [StepSequence(rng.integers(3, vocab, context).tolist(), 0, t) for t in blocks]
+    sync = gpu.stream.synchronize
+    prefill = median_ms(lambda: gpu.step(prompts, greedy=True), sync, count=5)
+    emit("timing", model=label, what=f"prefill {sequences} x {context} tokens", ms=prefill,
+         tokens_per_s=round(sequences * context / prefill * 1000))  # fmt: skip
+    batches = {b: [StepSequence([5], context, t) for t in blocks[:b]] for b in (1, 16, 64)}
+    for graphs in (True, False):
+        gpu.use_graphs = graphs
+        for b, batch in batches.items():
+            if b > sequences:
+                continue
+            greedy_ms = median_ms(lambda: gpu.step(batch, greedy=True), sync)  # noqa: B023
+            logits_ms = median_ms(lambda: gpu.step(batch), sync)  # noqa: B023
+            fields: dict[str, Any] = {}
+            if graphs and b in gpu._decode:
+                _, graph = gpu._decode[b]
+                fields["graph_only_ms"] = median_ms(lambda: graph.launch(gpu.stream), sync)  # noqa: B023
+            emit("timing", model=label, what="decode step", batch=b, graphs=graphs,
+                 tokens_back_ms=greedy_ms, logits_back_ms=logits_ms, **fields)  # fmt: skip
+    gpu.use_graphs = True
+
+
+def check_tiny(cp: Any) -> None:
+    """tiny_lm: greedy tokens and decode steps, GPU against CPU."""
+    cpu, device = TinyLM(), TinyLM(device="gpu")
+    cpu.load()
+    device.load()
+    assert device.gpu is not None, "tiny_lm did not take the GPU forward"
+    prompts = [list(b"paged attention"), list(b"on the device, in one graph"), list(b"x")]
+    emit("greedy", model="tiny_lm", against="numpy fp32",
+         **agreement(greedy(device.step_greedy, prompts, 32, tokens_only=True),
+                     greedy(cpu.step, prompts, 32)))  # fmt: skip
+    rng = np.random.default_rng(10)
+    blocks = tables([96] * 64)
+    for b in (1, 16, 64):
+        prompts_b = [StepSequence(rng.integers(0, 256, 64).tolist(), 0, t) for t in blocks[:b]]
+        cpu.step(prompts_b)
+        device.step(prompts_b)
+        batch = [StepSequence([5], 64, t) for t in blocks[:b]]
+        emit("timing", model="tiny_lm", what="decode step", batch=b,
+             gpu_tokens_back_ms=median_ms(lambda: device.step_greedy(batch), lambda: None),  # noqa: B023
+             gpu_logits_back_ms=median_ms(lambda: device.step(batch), lambda: None),  # noqa: B023
+             cpu_ms=median_ms(lambda: cpu.step(batch), lambda: None))  # noqa: B023  # fmt: skip
+
+
+def run_engine(model: GenerativeModel, seconds: float) -> None:
+    """The engine serving ``model`` in-process: greedy 64-token streams."""
+    import trio
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    # what the bench imports from the packages' faces, which bare_packages left empty
+    sys.modules["trioserve"].GenerativeModel = GenerativeModel  # type: ignore[attr-defined]
+    sys.modules["trioserve"].StepSequence = StepSequence  # type: ignore[attr-defined]
+    sys.modules["trioserve.models"].TinyLM = TinyLM  # type: ignore[attr-defined]
+    from llm_engine_bench import load_run
+
+    for concurrency in (1, 64):
+        result = trio.run(load_run, concurrency, seconds, 64, model)
+        emit("engine", model=model.name, streams=concurrency,
+             **{k: round(v, 1) for k, v in result.items()})  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--skip-1b", action="store_true")
+    parser.add_argument("--engine-seconds", type=float, default=6.0)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    with guarded("env"):
+        import cupy as cp
+
+        emit("env", cupy=cp.__version__, device=cp.cuda.runtime.getDeviceProperties(0)["name"],
+             cuda_runtime=cp.cuda.runtime.runtimeGetVersion(), python=sys.version.split()[0])  # fmt: skip
+        for package in ("torch", "transformers"):
+            try:
+                emit("env", **{package: __import__(package).__version__})
+            except ImportError:
+                emit("env", **{package: None})
+    for dtype in (np.float32, np.float16):
+        with guarded("kernel", dtype=np.dtype(dtype).name):
+            check_kernels(cp, dtype)
+    with guarded("forward"):
+        check_forwards(cp)
+    with guarded("tiny_lm"):
+        check_tiny(cp)
+    if not args.skip_1b:
+        with guarded("llama-1b"):
+            check_1b(cp, args.steps, args.engine_seconds)
+    emit("done", seconds=round(time.perf_counter() - started, 1))
+
+
+if __name__ == "__main__":
+    main()
