@@ -488,7 +488,12 @@ def check_tiny(cp: Any) -> None:
 
 def run_engine(model: GenerativeModel, seconds: float) -> None:
     """The engine serving ``model`` in-process: greedy 64-token streams."""
-    import trio
+    try:
+        import trio
+    except ImportError:
+        emit("engine", skipped="trio is not installed: put the wheels of trio, outcome and "
+             "sniffio (pip download --no-deps trio outcome sniffio) on PYTHONPATH")  # fmt: skip
+        return
 
     sys.path.insert(0, str(Path(__file__).parent))
     # what the bench imports from the packages' faces, which bare_packages left empty
