@@ -10,6 +10,10 @@ endpoint) and ``generation_config.json`` (its ``eos_token_id`` wins over config.
 Nothing is downloaded. The configuration and tokenizer are read at once, so that a bad
 folder fails before serving starts; the weights are read by ``load``.
 
+With ``device="gpu"`` and cupy with a CUDA device, ``load`` builds the GPU forward
+(``_gpu_forward.py``) instead of the numpy one: weights in float32 for a float32
+checkpoint, float16 otherwise (cupy has no bfloat16), and ``step_greedy`` serves.
+
 The ``checkpoints`` extra installs ``safetensors`` and ``tokenizers``.
 """
 
@@ -112,15 +116,7 @@ class CheckpointLM(GenerativeModel):
         c = self.config
         if xp is not np:
             weights = LlamaWeights(xp, c, tensors, gpu_dtype(tensors))
-            self.gpu = GpuForward(
-                xp,
-                *gpu_parts(xp, c, weights),
-                num_layers=c.num_layers,
-                num_kv_blocks=self.num_kv_blocks,
-                block_size=self.block_size,
-                max_model_len=self.max_model_len,
-                max_num_seqs=self.max_num_seqs,
-            )
+            self.gpu = GpuForward.serving(self, xp, *gpu_parts(xp, c, weights), c.num_layers)
             self.k_cache, self.v_cache = self.gpu.k_cache, self.gpu.v_cache
             return
         weights = LlamaWeights(xp, c, tensors)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from .._generative import StepSequence
+from .._generative import GenerativeModel, StepSequence
 from ._cuda_source import ATTENTION_WARPS, KERNEL_NAMES, MAX_HEAD_DIM, SOURCE
 from ._gpu_inputs import bucket_for, decode_buckets, is_decode, pack_step, packed_size, part
 
@@ -228,6 +228,28 @@ class GpuForward:
                 for bucket in self.buckets:
                     self._capture(bucket)
         self.stream.synchronize()
+
+    @classmethod
+    def serving(
+        cls,
+        model: GenerativeModel,
+        cupy: ModuleType,
+        shape: GpuShape,
+        weights: GpuWeights,
+        num_layers: int,
+    ) -> GpuForward:
+        """The forward of ``model``: its cache and decode graphs sized by the model's
+        engine settings."""
+        return cls(
+            cupy,
+            shape,
+            weights,
+            num_layers=num_layers,
+            num_kv_blocks=model.num_kv_blocks,
+            block_size=model.block_size,
+            max_model_len=model.max_model_len,
+            max_num_seqs=model.max_num_seqs,
+        )
 
     # -- the engine's side ----------------------------------------------------------
 

@@ -158,16 +158,7 @@ class TinyLM(GenerativeModel):
             lm_head=self.xp.ascontiguousarray(w["embed"].T),
             logit_bias=w["bias"],
         )
-        return GpuForward(
-            self.xp,
-            shape,
-            weights,
-            num_layers=s.n_layers,
-            num_kv_blocks=self.num_kv_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-        )
+        return GpuForward.serving(self, self.xp, shape, weights, s.n_layers)
 
     def unload(self) -> None:
         self.weights = {}
