@@ -314,10 +314,14 @@ def check_kernels(cp: Any, dtype: Any) -> None:
     report("paged_attention", error(out, ref), tokens=count)
 
     logits = rng.standard_normal((6, c.vocab_size)).astype(dtype)
-    tokens = cp.empty(6, np.int32)
-    fw.kernels("argmax_rows", (6,), 256, cp.asarray(logits), tokens, np.int32(c.vocab_size))
+    bias = rng.standard_normal(c.vocab_size).astype(np.float32)
+    widened, tokens = cp.empty((6, c.vocab_size), np.float32), cp.empty(6, np.int32)
+    fw.kernels("widen_logits", (8,), 256, cp.asarray(logits), cp.asarray(bias), np.int32(1),
+               widened, np.int64(logits.size), np.int32(c.vocab_size))  # fmt: skip
+    report("widen_logits", error(widened, logits.astype(np.float64) + bias))
+    fw.kernels("argmax_rows", (6,), 256, widened, tokens, np.int32(c.vocab_size))
     emit("kernel", kernel="argmax_rows", dtype=name,
-         equal=bool((cp.asnumpy(tokens) == logits.argmax(1)).all()))  # fmt: skip
+         equal=bool((cp.asnumpy(tokens) == cp.asnumpy(widened).argmax(1)).all()))  # fmt: skip
 
 
 def check_forwards(cp: Any) -> None:

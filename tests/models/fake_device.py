@@ -236,6 +236,12 @@ def _paged_attention(grid: Any, q: Any, out: Any, k_cache: Any, v_cache: Any, to
             result[token, head] = weights / weights.sum() @ v_rows[slots, kv]
 
 
+def _widen_logits(grid: Any, logits: Any, bias: Any, has_bias: Any, out: Any, total: Any,
+                  vocab: Any) -> None:  # fmt: skip
+    widened = logits.reshape(-1, vocab).astype(np.float32)
+    out.reshape(-1, vocab)[...] = widened + bias if has_bias else widened
+
+
 def _argmax_rows(grid: Any, logits: Any, tokens: Any, vocab: Any) -> None:
     tokens[: grid[0]] = logits[: grid[0]].argmax(axis=1)
 
@@ -246,6 +252,7 @@ _KERNELS = {
     "rope_cache_write": _rope_cache_write,
     "activate": _activate,
     "paged_attention": _paged_attention,
+    "widen_logits": _widen_logits,
     "argmax_rows": _argmax_rows,
 }
 

@@ -22,8 +22,10 @@ Kernels, all ``extern "C"``:
   ``h / (heads / kv_heads)``), online softmax in float per warp, warps merged at the
   end; serves decode (one token per sequence) and prefill chunks of several sequences
   in one launch alike;
-- ``argmax_rows``: greedy token of each logits row (the first of equal maxima, as
-  numpy's argmax).
+- ``widen_logits``: the logits as float32 (what the engine samples from), plus a bias
+  per vocabulary entry (tiny_lm's), in place where they are float32 already;
+- ``argmax_rows``: greedy token of each float32 logits row (the first of equal maxima,
+  as numpy's argmax).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ KERNEL_NAMES = (
     "rope_cache_write",
     "activate",
     "paged_attention",
+    "widen_logits",
     "argmax_rows",
 )
 
@@ -263,15 +266,26 @@ extern "C" __global__ void paged_attention(
     }
 }
 
-extern "C" __global__ void argmax_rows(const scalar_t* logits, int* tokens, int vocab)
+extern "C" __global__ void widen_logits(
+    const scalar_t* logits, const float* bias, int has_bias, float* out, long long total,
+    int vocab)
+{
+    for (long long n = blockIdx.x * (long long)blockDim.x + threadIdx.x; n < total;
+         n += (long long)gridDim.x * blockDim.x) {
+        float v = to_f(logits[n]);
+        out[n] = has_bias ? v + bias[n % vocab] : v;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* logits, int* tokens, int vocab)
 {
     __shared__ float best_value[32];
     __shared__ int best_index[32];
-    const scalar_t* row = logits + (long long)blockIdx.x * vocab;
+    const float* row = logits + (long long)blockIdx.x * vocab;
     float value = NEG_INF;
     int index = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = to_f(row[i]);
+        float v = row[i];
         if (v > value || (v == value && i < index)) { value = v; index = i; }
     }
     for (int o = 16; o > 0; o >>= 1) {

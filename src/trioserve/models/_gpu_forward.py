@@ -339,11 +339,15 @@ class GpuForward:
         if ws.last is not None:
             last = xp.take(ws.normed, ws.part("last_rows"), axis=0, out=ws.last)
         gemm(last, w.lm_head, ws.logits)
-        if w.logit_bias is not None:
-            xp.add(ws.logits, w.logit_bias, out=ws.logits)
-        run("argmax_rows", (ws.entries,), _THREADS, ws.logits, ws.tokens, np.int32(s.vocab))
-        if ws.logits32 is not ws.logits:
-            xp.copyto(ws.logits32, ws.logits)
+        biased = w.logit_bias is not None
+        if biased or ws.logits32 is not ws.logits:
+            total = ws.entries * s.vocab
+            run(
+                "widen_logits", (min(-(-total // _THREADS), 65535),), _THREADS,
+                ws.logits, w.logit_bias if biased else self._nothing_f32, np.int32(biased),
+                ws.logits32, np.int64(total), np.int32(s.vocab),
+            )  # fmt: skip
+        run("argmax_rows", (ws.entries,), _THREADS, ws.logits32, ws.tokens, np.int32(s.vocab))
 
     def _add_norm(self, ws: _Workspace, add: bool, weight: Array | None) -> None:
         self.kernels(
