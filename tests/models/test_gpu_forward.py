@@ -75,15 +75,15 @@ def fresh_device() -> None:
 
 
 def forwards(
-    variant: str, dtype: Any = np.float32, max_num_seqs: int = 4
+    variant: str, dtype: Any = np.float32, max_num_seqs: int = 4, xp: Any = fake_device
 ) -> tuple[GpuForward, Any]:
-    """The GPU forward on the stand-in, and the numpy forward as a step function."""
+    """The GPU forward on ``xp`` (the stand-in), and the numpy forward as a step function."""
     document = {**CONFIG, **VARIANTS[variant]}
     config = LlamaConfig.from_hf(document)
     tensors = llama_tensors(document)
-    weights = LlamaWeights(fake_device, config, tensors, dtype)
+    weights = LlamaWeights(xp, config, tensors, dtype)
     gpu = GpuForward(
-        fake_device, *gpu_parts(fake_device, config, weights), num_layers=2,
+        xp, *gpu_parts(xp, config, weights), num_layers=2,
         num_kv_blocks=40, block_size=BLOCK, max_model_len=64, max_num_seqs=max_num_seqs,
     )  # fmt: skip
     reference = LlamaForward(np, config, LlamaWeights(np, config, tensors), BLOCK)
@@ -119,6 +119,33 @@ def test_steps_match_the_numpy_forward(variant: str) -> None:
         tokens = gpu.step(batch, greedy=True) if not decode else None
         if tokens is not None:
             assert tokens.tolist() == expected.argmax(axis=1).tolist()
+
+
+def _cuda_devices() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_on_a_device_steps_match_the_numpy_forward(variant: str) -> None:
+    import cupy
+
+    gpu, reference = forwards(variant, xp=cupy)
+    assert gpu.graph_failures == {} and sorted(gpu._decode) == [1, 2, 4]
+    for batch in steps():
+        expected = reference(batch)
+        np.testing.assert_allclose(gpu.step(batch), expected, rtol=1e-3, atol=1e-3)
+        # the same step again (it writes the same K/V), its tokens chosen on the device
+        assert gpu.step(batch, greedy=True).tolist() == expected.argmax(axis=1).tolist()
+    half, _ = forwards(variant, dtype=np.float16, xp=cupy)
+    for batch in steps():
+        np.testing.assert_allclose(half.step(batch), reference(batch), atol=0.05)
 
 
 def test_greedy_decode_through_a_graph_gives_the_argmax() -> None:
