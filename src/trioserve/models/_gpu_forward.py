@@ -4,13 +4,14 @@ The numpy forward (``_llama.py``, ``_tiny_lm.py`` over ``_paged_attention.py``) 
 reference; this is the same arithmetic arranged for a GPU:
 
 - weights in the storage dtype (float16, or float32), float accumulation in the norms,
-  the softmax and attention, cuBLAS for every matrix product (``cupy.matmul``);
+  the softmax and attention, one cuBLAS GemmEx call per matrix product (``Gemm``);
 - all of a step's sequences in one batched forward: each layer is an add+norm kernel, a
   QKV matmul, one kernel for biases, rotary and the KV-cache write, one paged-attention
   kernel for every token of every sequence, the output matmul, an add+norm, the MLP's
   two matmuls around one activation kernel (``_cuda_source.py`` has the kernels);
-- the greedy token of each sequence by a device argmax, so a step whose samples are all
-  greedy copies back only token ids (``step(batch, greedy=True)``);
+- the logits widened to float32 and each sequence's greedy token by a device argmax, so
+  a step whose samples are all greedy copies back only token ids
+  (``step(batch, greedy=True)``), any other step its float32 logits;
 - a decode step (one token per sequence) runs as one CUDA graph launch: a graph is
   captured at load for each batch-size bucket (1, 2, 4, ... ``max_num_seqs``) over
   buffers of its own that live as long as the graph, the batch padded to its bucket;
