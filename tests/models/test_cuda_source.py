@@ -73,7 +73,7 @@ def _compile(options: list[str]) -> tuple[int, str, bytes]:
 
 @pytest.mark.parametrize("storage", ["float", "half"])
 def test_kernels_compile_for_hopper(storage):
-    options = ["--gpu-architecture=compute_90", "--std=c++17"]
+    options = ["--gpu-architecture=compute_90"]
     if storage == "half":
         options.append("-DTS_HALF")
     result, log, ptx = _compile(options)

@@ -89,7 +89,7 @@ class _Kernels:
     """The module compiled for one storage dtype."""
 
     def __init__(self, cupy: ModuleType, dtype: np.dtype[Any]) -> None:
-        options = ("--std=c++17", "-DTS_HALF") if dtype == np.float16 else ("--std=c++17",)
+        options = ("-DTS_HALF",) if dtype == np.float16 else ()
         module = cupy.RawModule(code=SOURCE, options=options)
         self.functions = {name: module.get_function(name) for name in KERNEL_NAMES}
 
