@@ -1,6 +1,6 @@
 """The GPU forward on a CUDA device: correctness against the numpy forward and timings.
 
-    PYTHONPATH=src python tools/gpu_decode_check.py [--skip-1b] [--steps 32]
+    PYTHONPATH=src python tools/gpu_decode_check.py [--skip-1b] [--skip-graphs] [--steps 32]
 
 It imports trioserve's model modules without the package's front ends (see
 ``bare_packages``), so numpy and cupy are all the checks need; the engine section also
@@ -15,13 +15,16 @@ same-dtype reference). Prints one JSON object per line, each with a ``section``:
 - ``kernel``: each kernel against its numpy arithmetic (max abs error), float32 and
   float16 storage;
 - ``forward``: a small Llama (float32) and tiny_lm, GPU logits against numpy's over a
-  step of prompt chunks and decodes, eager and through the decode graphs;
+  step of prompt chunks, a mixed step and decodes;
 - ``greedy``: greedy tokens of a few prompts for ``--steps`` steps, GPU against numpy
-  float32 (and against transformers in float16 for the 1 B model);
-- ``timing``: decode step medians at batch 1/16/64 with and without graphs, tokens or
-  logits copied back; prefill of 64 x 128 tokens; tiny_lm on the GPU and the CPU;
+  float32 (and against transformers in float16 for the 1 B model), with the gap
+  between the top two logits where they first differ;
+- ``timing``: decode step medians at batch 1/16/64, tokens or logits copied back;
+  prefill of 64 x 128 tokens; tiny_lm on the GPU and the CPU;
 - ``engine``: the 1 B model served by the engine in-process: 1 and 64 concurrent greedy
-  streams, tokens/s and TTFT.
+  streams, tokens/s and TTFT;
+- then, in a child process, the same with decode CUDA graphs (``graphs``): what was
+  captured, the replay against numpy and the eager forward, timings, the engine.
 
 Every section catches its own failure and prints it (``error``, ``traceback``), so one
 failure hides nothing else.
@@ -30,188 +33,37 @@ failure hides nothing else.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
+import subprocess
 import sys
 import time
-import traceback
-import types
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "trioserve"
-
-
-def bare_packages() -> None:
-    """Make ``trioserve`` and ``trioserve.models`` importable without running their
-    ``__init__``: the package's starts with the server's front ends, whose packages
-    (trio, protobuf at the version its generated code wants...) a GPU image may lack.
-    The model modules need numpy and cupy alone; the engine section also needs trio,
-    outcome and sniffio (pure-Python wheels on PYTHONPATH will do)."""
-    for name, folder in (("trioserve", SRC), ("trioserve.models", SRC / "models")):
-        if name not in sys.modules:
-            module = types.ModuleType(name)
-            module.__path__ = [str(folder)]
-            sys.modules[name] = module
-
-
-bare_packages()
-
-from trioserve._generative import GenerativeModel, StepSequence  # noqa: E402
-from trioserve.models._gpu_forward import GpuForward  # noqa: E402
-from trioserve.models._llama import (  # noqa: E402
-    LlamaConfig,
-    LlamaForward,
-    LlamaWeights,
-    _rotate,
-    gpu_parts,
+from gpu_check_common import (  # first: it makes trioserve's model modules importable
+    BLOCK,
+    CONTEXT,
+    ONE_B,
+    SEQUENCES,
+    SMALL,
+    NumpyLlama,
+    agreement,
+    emit,
+    gpu_llama,
+    greedy,
+    guarded,
+    median_ms,
+    mixed_batch,
+    random_tensors,
+    tables,
 )
-from trioserve.models._paged_attention import PagedAttention, StepLayout  # noqa: E402
-from trioserve.models._tiny_lm import TinyLM  # noqa: E402
-
-BLOCK = 16
-ONE_B = {
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": False,
-}
-SMALL = {**ONE_B, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
-         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2}  # fmt: skip
-
-
-def emit(section: str, **fields: Any) -> None:
-    print(json.dumps({"section": section, **fields}, default=str), flush=True)
-
-
-@contextmanager
-def guarded(section: str, **context: Any) -> Iterator[None]:
-    started = time.perf_counter()
-    try:
-        yield
-    except Exception as exc:
-        emit(section, **context, error=repr(exc), traceback=traceback.format_exc()[-3000:])
-    finally:
-        emit("elapsed", of=section, **context, seconds=round(time.perf_counter() - started, 2))
-
-
-def random_tensors(config: dict[str, Any], seed: int, dtype: Any) -> dict[str, np.ndarray]:
-    """A Hugging Face Llama state dict of random weights (std 0.02, norms near 1)."""
-    rng = np.random.default_rng(seed)
-    h, i = config["hidden_size"], config["intermediate_size"]
-    d = h // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * d
-
-    def normal(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
-
-    def norm() -> np.ndarray:
-        return (1 + 0.1 * rng.standard_normal(h, dtype=np.float32)).astype(dtype)
-
-    tensors = {"model.embed_tokens.weight": normal(config["vocab_size"], h),
-               "model.norm.weight": norm(), "lm_head.weight": normal(config["vocab_size"], h)}  # fmt: skip
-    for n in range(config["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        tensors |= {
-            p + "input_layernorm.weight": norm(),
-            p + "post_attention_layernorm.weight": norm(),
-            p + "self_attn.q_proj.weight": normal(h, h),
-            p + "self_attn.k_proj.weight": normal(kv, h),
-            p + "self_attn.v_proj.weight": normal(kv, h),
-            p + "self_attn.o_proj.weight": normal(h, h),
-            p + "mlp.gate_proj.weight": normal(i, h),
-            p + "mlp.up_proj.weight": normal(i, h),
-            p + "mlp.down_proj.weight": normal(h, i),
-        }
-    return tensors
-
-
-def gpu_llama(cp: Any, config: LlamaConfig, tensors: Any, dtype: Any, **sizes: Any) -> GpuForward:
-    weights = LlamaWeights(cp, config, tensors, dtype)
-    return GpuForward(cp, *gpu_parts(cp, config, weights), num_layers=config.num_layers, **sizes)
-
-
-class NumpyLlama:
-    def __init__(self, config: LlamaConfig, tensors: Any, num_blocks: int) -> None:
-        self.forward = LlamaForward(np, config, LlamaWeights(np, config, tensors), BLOCK)
-        c = config
-        cache = (c.num_layers, num_blocks, BLOCK, c.num_kv_heads, c.head_dim)
-        self.k, self.v = np.zeros(cache, np.float32), np.zeros(cache, np.float32)
-
-    def __call__(self, batch: Sequence[StepSequence]) -> np.ndarray:
-        return self.forward(batch, self.k, self.v)
-
-
-def tables(lengths: Sequence[int], first: int = 0) -> list[list[int]]:
-    """Consecutive cache blocks for sequences of ``lengths`` tokens."""
-    out, block = [], first
-    for length in lengths:
-        count = -(-length // BLOCK)
-        out.append(list(range(block, block + count)))
-        block += count
-    return out
-
-
-def greedy(step: Callable[[list[StepSequence]], np.ndarray], prompts: list[list[int]],
-           steps: int, tokens_only: bool = False) -> list[list[int]]:  # fmt: skip
-    """Greedy continuations of ``prompts`` (all in one batch) for ``steps`` steps."""
-    blocks = tables([len(p) + steps for p in prompts])
-    batch = [StepSequence(p, 0, t) for p, t in zip(prompts, blocks, strict=True)]
-    made: list[list[int]] = [[] for _ in prompts]
-    for _ in range(steps):
-        out = step(batch)
-        chosen = out if tokens_only else out.argmax(axis=1)
-        for row, token in enumerate(chosen.tolist()):
-            made[row].append(int(token))
-        batch = [StepSequence([m[-1]], len(p) + len(m) - 1, t)
-                 for p, m, t in zip(prompts, made, blocks, strict=True)]  # fmt: skip
-    return made
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
-    """How far two greedy runs agree: identical sequences, and the first divergence."""
-    first = [next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), None)
-             for p, q in zip(a, b, strict=True)]  # fmt: skip
-    return {"identical": sum(f is None for f in first), "of": len(a), "first_divergence": first}
-
-
-def mixed_batch(prompt_lengths: Sequence[int], decode_contexts: Sequence[int],
-                vocab: int, seed: int) -> tuple[list[StepSequence], list[StepSequence]]:  # fmt: skip
-    """A step that fills the caches (prompts), then one mixing chunks and decodes."""
-    rng = np.random.default_rng(seed)
-    lengths = [*prompt_lengths, *decode_contexts]
-    blocks = tables([n + 40 for n in lengths])
-    fill = [StepSequence(rng.integers(0, vocab, n).tolist(), 0, t)
-            for n, t in zip(lengths, blocks, strict=True)]  # fmt: skip
-    mixed = [StepSequence(rng.integers(0, vocab, 7).tolist(), n, t)
-             for n, t in zip(prompt_lengths, blocks, strict=False)]  # fmt: skip
-    mixed += [StepSequence([int(rng.integers(0, vocab))], n, t)
-              for n, t in zip(decode_contexts, blocks[len(prompt_lengths):], strict=True)]  # fmt: skip
-    return fill, mixed
-
-
-def median_ms(run: Callable[[], Any], sync: Callable[[], Any], count: int = 50) -> float:
-    for _ in range(3):
-        run()
-    sync()
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - started)
-    return round(statistics.median(times) * 1000, 3)
+from trioserve._generative import GenerativeModel, StepSequence
+from trioserve.models._gpu_forward import GpuForward
+from trioserve.models._llama import LlamaConfig, LlamaForward, _rotate
+from trioserve.models._paged_attention import PagedAttention, StepLayout
+from trioserve.models._tiny_lm import TinyLM
 
 
 def check_kernels(cp: Any, dtype: Any) -> None:
@@ -324,22 +176,24 @@ def check_kernels(cp: Any, dtype: Any) -> None:
          equal=bool((cp.asnumpy(tokens) == cp.asnumpy(widened).argmax(1)).all()))  # fmt: skip
 
 
-def check_forwards(cp: Any) -> None:
+def check_forwards(cp: Any, graphs: bool = False) -> None:
     """Whole steps: a small Llama in float32 and tiny_lm, GPU logits against numpy's."""
     config = LlamaConfig.from_hf(SMALL)
     tensors = random_tensors(SMALL, 4, np.float32)
     reference = NumpyLlama(config, tensors, 128)
     gpu = gpu_llama(cp, config, tensors, np.float32, num_kv_blocks=128, block_size=BLOCK,
-                    max_model_len=512, max_num_seqs=8)  # fmt: skip
+                    max_model_len=512, max_num_seqs=8, graphs=graphs)  # fmt: skip
     fill, mixed = mixed_batch([30, 3], [1, 16, 17, 200], config.vocab_size, 5)
     decode = [StepSequence([7], e.start + 7, e.block_table) for e in mixed[:2]] + [
         StepSequence([9], e.start + 1, e.block_table) for e in mixed[2:]
     ]
-    for label, batch in (("fill", fill), ("mixed", mixed), ("decode (graph)", decode)):
+    for label, batch in (("fill", fill), ("mixed", mixed), ("decode", decode)):
         ref, got = reference(batch), gpu.step(batch)
-        emit("forward", model="llama-small fp32", step=label, max_abs_error=float(
+        emit("forward", model="llama-small fp32", step=label, graphs_asked=graphs, max_abs_error=float(
             np.abs(ref - got).max()), argmax_equal=bool((ref.argmax(1) == got.argmax(1)).all()),
             graphs=sorted(gpu._decode), graph_failures=gpu.graph_failures)  # fmt: skip
+    if graphs:
+        return
     cpu, device = TinyLM(), TinyLM(device="gpu")
     cpu.load()
     device.load()
@@ -379,40 +233,79 @@ class RandomLlama(GenerativeModel):  # type: ignore[misc]
         return self.gpu.step(batch, greedy=True)
 
 
-def check_1b(cp: Any, steps: int, engine_seconds: float) -> None:
+def load_1b(cp: Any, graphs: bool) -> tuple[LlamaConfig, Any, GpuForward, int]:
+    """The random 1 B model in float16: its config, host tensors, forward, cache blocks."""
     config = LlamaConfig.from_hf(ONE_B)
     started = time.perf_counter()
-    tensors = random_tensors(ONE_B, 7, np.float16)
+    try:
+        tensors = random_tensors(ONE_B, 7, np.float16, cp)
+    except Exception as exc:  # a cupy without the Generator API: numpy draws them
+        emit("setup", model="llama-1b fp16", device_random=repr(exc))
+        tensors = random_tensors(ONE_B, 7, np.float16)
     emit("setup", model="llama-1b fp16", weights_seconds=round(time.perf_counter() - started, 1))
-    sequences, context = 64, 128
-    blocks_per_sequence = -(-(context + 96) // BLOCK)
-    num_blocks = sequences * blocks_per_sequence + 64
+    num_blocks = SEQUENCES * -(-(CONTEXT + 96) // BLOCK) + 64
     started = time.perf_counter()
     gpu = gpu_llama(cp, config, tensors, np.float16, num_kv_blocks=num_blocks, block_size=BLOCK,
-                    max_model_len=2048, max_num_seqs=sequences)  # fmt: skip
-    emit("setup", model="llama-1b fp16", load_and_capture_seconds=round(
-        time.perf_counter() - started, 1), graphs=sorted(gpu._decode),
-         graph_failures=gpu.graph_failures, direct_cublas=gpu.gemm.direct)  # fmt: skip
+                    max_model_len=2048, max_num_seqs=SEQUENCES, graphs=graphs)  # fmt: skip
+    emit("setup", model="llama-1b fp16", load_seconds=round(time.perf_counter() - started, 1),
+         graphs_asked=graphs, graphs=sorted(gpu._decode), graph_failures=gpu.graph_failures,
+         direct_cublas=gpu.gemm.direct)  # fmt: skip
+    return config, tensors, gpu, num_blocks
+
+
+def prompts_1b(vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(8)
-    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (5, 17, 33, 64)]
+    return [rng.integers(3, vocab, n).tolist() for n in (5, 17, 33, 64)]
+
+
+def check_1b(cp: Any, steps: int, engine_seconds: float) -> None:
+    """The 1 B model, eager: greedy tokens against transformers and numpy, timings,
+    the engine."""
+    config, tensors, gpu, num_blocks = load_1b(cp, graphs=False)
+    prompts = prompts_1b(config.vocab_size)
     on_gpu: list[list[int]] = []
+    margins: list[list[float]] = []
     with guarded("greedy", model="llama-1b fp16"):
         on_gpu = greedy(lambda b: gpu.step(b, greedy=True), prompts, steps, tokens_only=True)
-        on_gpu_logits = greedy(gpu.step, prompts, steps)
+        on_gpu_logits = greedy(gpu.step, prompts, steps, margins=margins)
         emit("greedy", model="llama-1b fp16", against="gpu logits path",
              **agreement(on_gpu, on_gpu_logits))  # fmt: skip
         with guarded("greedy", model="llama-1b", against="transformers fp16"):
             emit("greedy", model="llama-1b fp16", against="transformers fp16",
-                 **agreement(on_gpu, transformers_greedy(tensors, prompts, steps)))  # fmt: skip
+                 **agreement(on_gpu, transformers_greedy(tensors, prompts, steps), margins))  # fmt: skip
     with guarded("timing", model="llama-1b fp16"):
-        time_model(gpu, config.vocab_size, sequences, context, "llama-1b fp16")
+        time_model(gpu, config.vocab_size, "llama-1b fp16")
     with guarded("engine", model="llama-1b fp16"):
-        run_engine(RandomLlama(gpu, sequences, num_blocks), engine_seconds)
+        run_engine(RandomLlama(gpu, SEQUENCES, num_blocks), engine_seconds)
     with guarded("greedy", model="llama-1b", against="numpy fp32"):  # the slowest, last
         blocks = sum(len(t) for t in tables([len(p) + steps for p in prompts]))
         reference = NumpyLlama(config, tensors, blocks)
         emit("greedy", model="llama-1b fp16", against="numpy fp32",
-             **agreement(on_gpu, greedy(reference, prompts, steps)))  # fmt: skip
+             **agreement(on_gpu, greedy(reference, prompts, steps), margins))  # fmt: skip
+
+
+def check_graphs(cp: Any, steps: int, engine_seconds: float) -> None:
+    """The decode graphs (run in a process of their own: see main): capture, replay
+    against numpy and the eager forward, timings, the engine on them."""
+    with guarded("forward", graphs=True):
+        check_forwards(cp, graphs=True)
+    with guarded("llama-1b", graphs=True):
+        config, _, gpu, num_blocks = load_1b(cp, graphs=True)
+        if not gpu._decode:
+            return
+        prompts = prompts_1b(config.vocab_size)
+        with guarded("greedy", model="llama-1b fp16", graphs=True):
+            step = lambda b: gpu.step(b, greedy=True)  # noqa: E731
+            through_graphs = greedy(step, prompts, steps, tokens_only=True)
+            gpu.use_graphs = False
+            eager = greedy(step, prompts, steps, tokens_only=True)
+            gpu.use_graphs = True
+            emit("greedy", model="llama-1b fp16", graphs=True, against="eager",
+                 **agreement(through_graphs, eager))  # fmt: skip
+        with guarded("timing", model="llama-1b fp16", graphs=True):
+            time_model(gpu, config.vocab_size, "llama-1b fp16", graphs=(True, False))
+        with guarded("engine", model="llama-1b fp16", graphs=True):
+            run_engine(RandomLlama(gpu, SEQUENCES, num_blocks), engine_seconds)
 
 
 def transformers_greedy(tensors: Any, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -441,28 +334,26 @@ def transformers_greedy(tensors: Any, prompts: list[list[int]], steps: int) -> l
     return made
 
 
-def time_model(gpu: GpuForward, vocab: int, sequences: int, context: int,
-               label: str) -> None:  # fmt: skip
+def time_model(gpu: GpuForward, vocab: int, label: str,
+               graphs: Sequence[bool] = (False,)) -> None:  # fmt: skip
     rng = np.random.default_rng(9)
-    blocks = tables([context + 64] * sequences)
-    prompts = [StepSequence(rng.integers(3, vocab, context).tolist(), 0, t) for t in blocks]
+    blocks = tables([CONTEXT + 64] * SEQUENCES)
+    prompts = [StepSequence(rng.integers(3, vocab, CONTEXT).tolist(), 0, t) for t in blocks]
     sync = gpu.stream.synchronize
     prefill = median_ms(lambda: gpu.step(prompts, greedy=True), sync, count=5)
-    emit("timing", model=label, what=f"prefill {sequences} x {context} tokens", ms=prefill,
-         tokens_per_s=round(sequences * context / prefill * 1000))  # fmt: skip
-    batches = {b: [StepSequence([5], context, t) for t in blocks[:b]] for b in (1, 16, 64)}
-    for graphs in (True, False):
-        gpu.use_graphs = graphs
+    emit("timing", model=label, what=f"prefill {SEQUENCES} x {CONTEXT} tokens", ms=prefill,
+         tokens_per_s=round(SEQUENCES * CONTEXT / prefill * 1000))  # fmt: skip
+    batches = {b: [StepSequence([5], CONTEXT, t) for t in blocks[:b]] for b in (1, 16, 64)}
+    for use in graphs:
+        gpu.use_graphs = use
         for b, batch in batches.items():
-            if b > sequences:
-                continue
             greedy_ms = median_ms(lambda: gpu.step(batch, greedy=True), sync)  # noqa: B023
             logits_ms = median_ms(lambda: gpu.step(batch), sync)  # noqa: B023
             fields: dict[str, Any] = {}
-            if graphs and b in gpu._decode:
+            if use and b in gpu._decode:
                 _, graph = gpu._decode[b]
                 fields["graph_only_ms"] = median_ms(lambda: graph.launch(gpu.stream), sync)  # noqa: B023
-            emit("timing", model=label, what="decode step", batch=b, graphs=graphs,
+            emit("timing", model=label, what="decode step", batch=b, graphs=use,
                  tokens_back_ms=greedy_ms, logits_back_ms=logits_ms, **fields)  # fmt: skip
     gpu.use_graphs = True
 
@@ -517,11 +408,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--skip-1b", action="store_true")
     parser.add_argument("--engine-seconds", type=float, default=6.0)
+    parser.add_argument("--skip-graphs", action="store_true")
+    parser.add_argument("--graphs-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     started = time.perf_counter()
-    with guarded("env"):
-        import cupy as cp
+    import cupy as cp
 
+    if args.graphs_only:
+        check_graphs(cp, args.steps, args.engine_seconds / 2)
+        return
+    with guarded("env"):
         emit("env", cupy=cp.__version__, device=cp.cuda.runtime.getDeviceProperties(0)["name"],
              cuda_runtime=cp.cuda.runtime.runtimeGetVersion(), python=sys.version.split()[0])  # fmt: skip
         for package in ("torch", "transformers"):
@@ -539,6 +435,14 @@ def main() -> None:
     if not args.skip_1b:
         with guarded("llama-1b"):
             check_1b(cp, args.steps, args.engine_seconds)
+    if not args.skip_graphs:
+        # In a process of its own: the capture calls libcublas through ctypes, and what
+        # goes wrong there may take the process with it (it prints its own lines).
+        command = [sys.executable, __file__, "--graphs-only", "--steps", str(args.steps),
+                   "--engine-seconds", str(args.engine_seconds)]  # fmt: skip
+        sys.stdout.flush()
+        finished = subprocess.run(command, check=False)
+        emit("graphs", exit_code=finished.returncode)
     emit("done", seconds=round(time.perf_counter() - started, 1))
 
 

@@ -74,6 +74,9 @@ def arange(*args: Any, dtype: Any = None) -> DeviceArray:
     return _allocated(np.arange(*args, dtype=dtype))
 
 
+allclose = np.allclose
+
+
 def concatenate(arrays: Any, axis: int = 0) -> DeviceArray:
     return _allocated(np.concatenate(arrays, axis=axis))
 

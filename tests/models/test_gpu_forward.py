@@ -75,7 +75,11 @@ def fresh_device() -> None:
 
 
 def forwards(
-    variant: str, dtype: Any = np.float32, max_num_seqs: int = 4, xp: Any = fake_device
+    variant: str,
+    dtype: Any = np.float32,
+    max_num_seqs: int = 4,
+    xp: Any = fake_device,
+    graphs: bool = True,
 ) -> tuple[GpuForward, Any]:
     """The GPU forward on ``xp`` (the stand-in), and the numpy forward as a step function."""
     document = {**CONFIG, **VARIANTS[variant]}
@@ -85,7 +89,9 @@ def forwards(
     gpu = GpuForward(
         xp, *gpu_parts(xp, config, weights), num_layers=2,
         num_kv_blocks=40, block_size=BLOCK, max_model_len=64, max_num_seqs=max_num_seqs,
+        graphs=graphs,
     )  # fmt: skip
+    fake_device.state.launches = fake_device.state.graph_launches = 0  # the load's own
     reference = LlamaForward(np, config, LlamaWeights(np, config, tensors), BLOCK)
     cache = (2, 40, BLOCK, config.num_kv_heads, config.head_dim)
     k, v = np.zeros(cache, np.float32), np.zeros(cache, np.float32)
@@ -184,6 +190,31 @@ def test_an_allocation_during_capture_leaves_that_bucket_eager(monkeypatch) -> N
     gpu, reference = forwards("gqa")
     assert gpu._decode == {} and sorted(gpu.graph_failures) == [1, 2, 4]
     assert "allocated 4 bytes during graph capture" in gpu.graph_failures[1]
+    for batch in steps():
+        np.testing.assert_allclose(gpu.step(batch), reference(batch), rtol=1e-4, atol=1e-4)
+    assert fake_device.state.graph_launches == 0
+
+
+def test_a_graph_whose_replay_differs_is_not_used(monkeypatch) -> None:
+    """A product run at capture time instead of recorded (as a cuBLAS call on another
+    stream would be): the replay reads what the NaN-filled buffers hold, and the check
+    after capture refuses the graph."""
+
+    def unrecorded(a: Any, b: Any, out: Any) -> Any:
+        np.matmul(a.astype(np.float64), b, out=out, casting="unsafe")
+        return out
+
+    monkeypatch.setattr(fake_device, "matmul", unrecorded)
+    gpu, reference = forwards("gqa")
+    assert gpu._decode == {}
+    assert "replay differs from the eager forward" in gpu.graph_failures[1]
+    for batch in steps():
+        np.testing.assert_allclose(gpu.step(batch), reference(batch), rtol=1e-4, atol=1e-4)
+
+
+def test_eager_unless_asked() -> None:
+    gpu, reference = forwards("gqa", graphs=False)
+    assert gpu._decode == {} and gpu.graph_failures == {}
     for batch in steps():
         np.testing.assert_allclose(gpu.step(batch), reference(batch), rtol=1e-4, atol=1e-4)
     assert fake_device.state.graph_launches == 0

@@ -12,13 +12,17 @@ reference; this is the same arithmetic arranged for a GPU:
 - the logits widened to float32 and each sequence's greedy token by a device argmax, so
   a step whose samples are all greedy copies back only token ids
   (``step(batch, greedy=True)``), any other step its float32 logits;
-- a decode step (one token per sequence) runs as one CUDA graph launch: a graph is
-  captured at load for each batch-size bucket (1, 2, 4, ... ``max_num_seqs``) over
-  buffers of its own that live as long as the graph, the batch padded to its bucket;
-  its integers are copied into the bucket's input buffer first (``_gpu_inputs.py``).
-  Capture runs under an allocator that refuses every allocation, so no operation can
-  leave the graph pointing into memory the pool hands out again; a bucket whose capture
-  fails runs eagerly (``graph_failures`` says why).
+- with ``graphs=True``, a decode step (one token per sequence) runs as one CUDA graph
+  launch: a graph is captured at load for each batch-size bucket (1, 2, 4, ...
+  ``max_num_seqs``) over buffers of its own that live as long as the graph, the batch
+  padded to its bucket; its integers are copied into the bucket's input buffer first
+  (``_gpu_inputs.py``). Capture runs under an allocator that refuses every allocation,
+  so no operation can leave the graph pointing into memory the pool hands out again;
+  the products go to libcublas itself (``_cublas.py``: cupy refuses cuBLAS calls while
+  capturing); a graph is kept only if its replay matches the eager forward, and a
+  bucket without one runs eagerly (``graph_failures`` says why). Served models run
+  eagerly (``serving``): the eager forward meets its step-time goals, and the graphs'
+  capture path has yet to be seen working on a device.
 
 A ``GpuForward`` owns the KV cache and is driven from one thread at a time (the
 engine's steps never overlap); its work runs on a stream of its own.
@@ -31,11 +35,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from .._generative import GenerativeModel, StepSequence
+from ._cublas import Gemm
 from ._cuda_source import ATTENTION_WARPS, KERNEL_NAMES, MAX_HEAD_DIM, SOURCE
 from ._gpu_inputs import bucket_for, decode_buckets, is_decode, pack_step, packed_size, part
 
@@ -124,54 +129,11 @@ class _Workspace:
     def part(self, name: str) -> Array:
         return part(self.ints, name, self.rows, self.entries, self.width)
 
-
-class Gemm:
-    """``out = a @ b`` for C-contiguous 2-D arrays of one dtype, by one cuBLAS GemmEx
-    call (float accumulation) on the current stream (cupy sets the handle's): no
-    temporary, no copy, nothing a graph capture could trip on. Checked against
-    ``cupy.matmul`` once, on ``stream``, the current one; should cuBLAS refuse the call,
-    every product goes through ``cupy.matmul`` instead."""
-
-    _OP_N = 0
-    _CUDA_TYPES: ClassVar = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}  # CUDA_R_32F, _16F
-    _COMPUTE_32F = 68  # CUBLAS_COMPUTE_32F
-    _ALGO_DEFAULT = -1
-
-    def __init__(self, cupy: ModuleType, stream: Any) -> None:
-        self.cupy = cupy
-        self._one = np.ones(1, np.float32)  # host scalars: cuBLAS's default pointer mode
-        self._zero = np.zeros(1, np.float32)
-        self.direct = True
-        try:
-            a = cupy.arange(6, dtype=np.float16).reshape(2, 3)
-            b = cupy.arange(12, dtype=np.float16).reshape(3, 4)
-            out = cupy.empty((2, 4), np.float16)
-            self(a, b, out)
-            stream.synchronize()
-            if not bool(cupy.array_equal(out, cupy.matmul(a, b))):
-                raise RuntimeError("cuBLAS GemmEx disagrees with cupy.matmul")
-        except Exception as exc:
-            logger.warning("direct cuBLAS products unavailable, using cupy.matmul: %r", exc)
-            self.direct = False
-
-    def __call__(self, a: Array, b: Array, out: Array) -> None:
-        if not self.direct:
-            self.cupy.matmul(a, b, out=out)
-            return
-        from cupy.cuda import cublas
-
-        rows, inner = a.shape
-        columns = b.shape[1]
-        kind = self._CUDA_TYPES[np.dtype(a.dtype)]
-        handle = self.cupy.cuda.device.get_cublas_handle()
-        # Row-major out = a @ b is column-major out^T = b^T @ a^T: b first.
-        cublas.gemmEx(
-            handle, self._OP_N, self._OP_N, columns, rows, inner,
-            self._one.ctypes.data, b.data.ptr, kind, columns,
-            a.data.ptr, kind, inner,
-            self._zero.ctypes.data, out.data.ptr, kind, columns,
-            self._COMPUTE_32F, self._ALGO_DEFAULT,
-        )  # fmt: skip
+    def intermediates(self) -> list[Array]:
+        """The float buffers a forward writes before it reads them."""
+        found = [self.residual, self.normed, self.delta, self.qkv, self.q, self.attended,
+                 self.mlp_in, self.mlp_out, self.logits, self.logits32]  # fmt: skip
+        return found if self.last is None else [*found, self.last]
 
 
 def _refuse_allocation(size: int) -> Any:
@@ -192,7 +154,7 @@ class GpuForward:
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,
-        graphs: bool = True,
+        graphs: bool = False,
     ) -> None:
         if shape.head_dim > MAX_HEAD_DIM or shape.head_dim % 2:
             raise ValueError(f"head_dim {shape.head_dim}: the GPU forward serves even ones <= 256")
@@ -377,7 +339,8 @@ class GpuForward:
 
     def _capture(self, bucket: int) -> None:
         """The decode graph of ``bucket`` sequences, over buffers of its own (on the
-        forward's stream, the current one)."""
+        forward's stream, the current one), kept only if its replay gives what the
+        eager forward gives."""
         cupy = self.xp
         ws = _Workspace(cupy, self.shape, self.dtype, bucket, bucket, self.table_width)
         ws.part("slots")[...] = -1  # the warm-up and the capture write no cache slot
@@ -388,7 +351,9 @@ class GpuForward:
             self._launch(ws)  # loads every kernel, lets cuBLAS settle its choices
             stream.synchronize()
             mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-            with cupy.cuda.using_allocator(_refuse_allocation):
+            # capturing() first: it may allocate cuBLAS's workspace, which the refusing
+            # allocator would not let it do.
+            with self.gemm.capturing(), cupy.cuda.using_allocator(_refuse_allocation):
                 if mode is None:
                     stream.begin_capture()
                 else:
@@ -401,8 +366,27 @@ class GpuForward:
                     raise
                 graph = stream.end_capture()
             stream.synchronize()
+            self._check_replay(ws, graph)
         except Exception as exc:
             logger.warning("decode graph for %d sequences not captured: %r", bucket, exc)
             self.graph_failures[bucket] = repr(exc)
             return
         self._decode[bucket] = (ws, graph)
+
+    def _check_replay(self, ws: _Workspace, graph: Any) -> None:
+        """Raise unless a replay of ``graph`` computes the eager forward's logits: for
+        distinct tokens, over buffers first filled with NaN, so that a product or kernel
+        the capture missed (run at capture time instead of recorded) shows."""
+        cupy = self.xp
+        rows = ws.rows
+        ws.part("tokens")[...] = cupy.arange(1, rows + 1, dtype=np.int32) % self.shape.vocab
+        self._launch(ws)
+        expected = ws.logits32.copy()
+        for buffer in ws.intermediates():
+            buffer.fill(np.nan)
+        ws.tokens.fill(-1)
+        graph.launch(self.stream)
+        self.stream.synchronize()
+        if not bool(cupy.allclose(ws.logits32, expected, rtol=1e-2, atol=1e-2)):
+            raise RuntimeError("the graph's replay differs from the eager forward")
+        ws.part("tokens")[...] = 0
