@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +290,22 @@ def check_graphs(cp: Any, steps: int, engine_seconds: float) -> None:
     against numpy and the eager forward, timings, the engine on them."""
     with guarded("forward", graphs=True):
         check_forwards(cp, graphs=True)
+    with guarded("tiny_lm", graphs=True):
+        device = TinyLM(device="gpu")
+        device.load()
+        eager = device.gpu
+        device.gpu = device.gpu_forward(graphs=True)
+        emit("setup", model="tiny_lm", graphs=sorted(device.gpu._decode),
+             graph_failures=device.gpu.graph_failures)  # fmt: skip
+        blocks = tables([96] * 64)
+        for b in (1, 16, 64):
+            batch = [StepSequence([5], 64, t) for t in blocks[:b]]
+            timed = {}
+            for label, forward in (("graphs", device.gpu), ("eager", eager)):
+                forward.step([StepSequence(list(range(64)), 0, t) for t in blocks[:b]])
+                step = partial(forward.step, batch, greedy=True)
+                timed[f"{label}_tokens_back_ms"] = median_ms(step, lambda: None)
+            emit("timing", model="tiny_lm", what="decode step", batch=b, **timed)
     with guarded("llama-1b", graphs=True):
         config, _, gpu, num_blocks = load_1b(cp, graphs=True)
         if not gpu._decode:

@@ -200,9 +200,10 @@ class GpuForward:
         shape: GpuShape,
         weights: GpuWeights,
         num_layers: int,
+        graphs: bool = False,
     ) -> GpuForward:
         """The forward of ``model``: its cache and decode graphs sized by the model's
-        engine settings."""
+        engine settings. Eager unless asked (see the module docstring)."""
         return cls(
             cupy,
             shape,
@@ -212,6 +213,7 @@ class GpuForward:
             block_size=model.block_size,
             max_model_len=model.max_model_len,
             max_num_seqs=model.max_num_seqs,
+            graphs=graphs,
         )
 
     # -- the engine's side ----------------------------------------------------------

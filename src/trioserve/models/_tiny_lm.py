@@ -118,14 +118,15 @@ class TinyLM(GenerativeModel):
                 f"{layer}.down": init(s.d_ff, s.d_model),
             }
         if xp is not np:
-            self.gpu = self._gpu_forward()
+            self.gpu = self.gpu_forward()
             self.k_cache, self.v_cache = self.gpu.k_cache, self.gpu.v_cache
             return
         cache = (s.n_layers, self.num_kv_blocks, self.block_size, s.n_heads, s.head_dim)
         self.k_cache = xp.zeros(cache, dtype=xp.float32)
         self.v_cache = xp.zeros(cache, dtype=xp.float32)
 
-    def _gpu_forward(self) -> GpuForward:
+    def gpu_forward(self, graphs: bool = False) -> GpuForward:
+        """The GPU forward over this model's weights (loaded on cupy)."""
         s, w = self.shape, self.weights
         shape = GpuShape(
             vocab=VOCAB,
@@ -158,7 +159,7 @@ class TinyLM(GenerativeModel):
             lm_head=self.xp.ascontiguousarray(w["embed"].T),
             logit_bias=w["bias"],
         )
-        return GpuForward.serving(self, self.xp, shape, weights, s.n_layers)
+        return GpuForward.serving(self, self.xp, shape, weights, s.n_layers, graphs)
 
     def unload(self) -> None:
         self.weights = {}
