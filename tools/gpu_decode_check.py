@@ -192,7 +192,7 @@ def check_forwards(cp: Any, graphs: bool = False) -> None:
         ref, got = reference(batch), gpu.step(batch)
         emit("forward", model="llama-small fp32", step=label, graphs_asked=graphs, max_abs_error=float(
             np.abs(ref - got).max()), argmax_equal=bool((ref.argmax(1) == got.argmax(1)).all()),
-            graphs=sorted(gpu._decode), graph_failures=gpu.graph_failures)  # fmt: skip
+            graphs=gpu.graphed, graph_failures=gpu.graph_failures)  # fmt: skip
     if graphs:
         return
     cpu, device = TinyLM(), TinyLM(device="gpu")
@@ -249,7 +249,7 @@ def load_1b(cp: Any, graphs: bool) -> tuple[LlamaConfig, Any, GpuForward, int]:
     gpu = gpu_llama(cp, config, tensors, np.float16, num_kv_blocks=num_blocks, block_size=BLOCK,
                     max_model_len=2048, max_num_seqs=SEQUENCES, graphs=graphs)  # fmt: skip
     emit("setup", model="llama-1b fp16", load_seconds=round(time.perf_counter() - started, 1),
-         graphs_asked=graphs, graphs=sorted(gpu._decode), graph_failures=gpu.graph_failures,
+         graphs_asked=graphs, graphs=gpu.graphed, graph_failures=gpu.graph_failures,
          direct_cublas=gpu.gemm.direct)  # fmt: skip
     return config, tensors, gpu, num_blocks
 
@@ -295,7 +295,7 @@ def check_graphs(cp: Any, steps: int, engine_seconds: float) -> None:
         device.load()
         eager = device.gpu
         device.gpu = device.gpu_forward(graphs=True)
-        emit("setup", model="tiny_lm", graphs=sorted(device.gpu._decode),
+        emit("setup", model="tiny_lm", graphs=device.gpu.graphed,
              graph_failures=device.gpu.graph_failures)  # fmt: skip
         blocks = tables([96] * 64)
         for b in (1, 16, 64):
@@ -308,7 +308,7 @@ def check_graphs(cp: Any, steps: int, engine_seconds: float) -> None:
             emit("timing", model="tiny_lm", what="decode step", batch=b, **timed)
     with guarded("llama-1b", graphs=True):
         config, _, gpu, num_blocks = load_1b(cp, graphs=True)
-        if not gpu._decode:
+        if not gpu.graphed:
             return
         prompts = prompts_1b(config.vocab_size)
         with guarded("greedy", model="llama-1b fp16", graphs=True):
@@ -367,8 +367,8 @@ def time_model(gpu: GpuForward, vocab: int, label: str,
             greedy_ms = median_ms(lambda: gpu.step(batch, greedy=True), sync)  # noqa: B023
             logits_ms = median_ms(lambda: gpu.step(batch), sync)  # noqa: B023
             fields: dict[str, Any] = {}
-            if use and b in gpu._decode:
-                _, graph = gpu._decode[b]
+            graph = gpu.graph(b)
+            if use and graph is not None:
                 fields["graph_only_ms"] = median_ms(lambda: graph.launch(gpu.stream), sync)  # noqa: B023
             emit("timing", model=label, what="decode step", batch=b, graphs=use,
                  tokens_back_ms=greedy_ms, logits_back_ms=logits_ms, **fields)  # fmt: skip

@@ -37,6 +37,7 @@ class _State:
     allocator: Callable[[int], Any] | None = None
     launches = 0
     graph_launches = 0
+    allocations = 0
 
 
 state = _State()
@@ -47,6 +48,7 @@ def _device(array: Any) -> DeviceArray:
 
 
 def _allocated(array: Any) -> DeviceArray:
+    state.allocations += 1
     if state.allocator is not None:
         state.allocator(array.nbytes)
     return _device(array)

@@ -114,7 +114,7 @@ def steps() -> list[list[StepSequence]]:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_steps_match_the_numpy_forward(variant: str) -> None:
     gpu, reference = forwards(variant)
-    assert sorted(gpu._decode) == [1, 2, 4]  # every bucket captured
+    assert gpu.graphed == [1, 2, 4]  # every bucket captured
     for batch in steps():
         launched = fake_device.state.graph_launches
         expected = reference(batch)
@@ -143,7 +143,7 @@ def test_on_a_device_steps_match_the_numpy_forward(variant: str) -> None:
     import cupy
 
     gpu, reference = forwards(variant, xp=cupy)
-    assert gpu.graph_failures == {} and sorted(gpu._decode) == [1, 2, 4]
+    assert gpu.graph_failures == {} and gpu.graphed == [1, 2, 4]
     for batch in steps():
         expected = reference(batch)
         np.testing.assert_allclose(gpu.step(batch), expected, rtol=1e-3, atol=1e-3)
@@ -188,7 +188,7 @@ def test_an_allocation_during_capture_leaves_that_bucket_eager(monkeypatch) -> N
 
     monkeypatch.setattr(GpuForward, "_launch", allocating)
     gpu, reference = forwards("gqa")
-    assert gpu._decode == {} and sorted(gpu.graph_failures) == [1, 2, 4]
+    assert gpu.graphed == [] and sorted(gpu.graph_failures) == [1, 2, 4]
     assert "allocated 4 bytes during graph capture" in gpu.graph_failures[1]
     for batch in steps():
         np.testing.assert_allclose(gpu.step(batch), reference(batch), rtol=1e-4, atol=1e-4)
@@ -206,7 +206,7 @@ def test_a_graph_whose_replay_differs_is_not_used(monkeypatch) -> None:
 
     monkeypatch.setattr(fake_device, "matmul", unrecorded)
     gpu, reference = forwards("gqa")
-    assert gpu._decode == {}
+    assert gpu.graphed == []
     assert "replay differs from the eager forward" in gpu.graph_failures[1]
     for batch in steps():
         np.testing.assert_allclose(gpu.step(batch), reference(batch), rtol=1e-4, atol=1e-4)
@@ -214,10 +214,14 @@ def test_a_graph_whose_replay_differs_is_not_used(monkeypatch) -> None:
 
 def test_eager_unless_asked() -> None:
     gpu, reference = forwards("gqa", graphs=False)
-    assert gpu._decode == {} and gpu.graph_failures == {}
+    assert gpu.graphed == [] and gpu.graph_failures == {}
     for batch in steps():
         np.testing.assert_allclose(gpu.step(batch), reference(batch), rtol=1e-4, atol=1e-4)
     assert fake_device.state.graph_launches == 0
+    # A decode step runs over its bucket's buffers, made once: it allocates nothing.
+    before = fake_device.state.allocations
+    gpu.step(steps()[3], greedy=True)
+    assert fake_device.state.allocations == before
 
 
 def test_float16_storage_follows_the_float32_forward() -> None:

@@ -170,7 +170,8 @@ class GpuForward:
         self.buckets = decode_buckets(max_num_seqs)
         self.use_graphs = graphs  # False: every step eager (a comparison)
         self.graph_failures: dict[int, str] = {}
-        self._decode: dict[int, tuple[_Workspace, Any]] = {}  # bucket: (buffers, graph)
+        # bucket: (buffers, graph or None)
+        self._decode: dict[int, tuple[_Workspace, Any]] = {}
         self._pinned: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
         self._turn = 0
         self.kernels = _Kernels(cupy, self.dtype)
@@ -224,11 +225,14 @@ class GpuForward:
         entries = len(batch)
         bucket = bucket_for(entries, self.buckets) if is_decode(batch) else None
         with self.stream:
-            if self.use_graphs and bucket in self._decode:
-                workspace, graph = self._decode[bucket]
+            if bucket is not None:  # padded to its bucket, over the bucket's buffers
+                workspace, graph = self._bucket(bucket)
                 packed = pack_step(batch, self.block_size, pad_to=bucket, width=workspace.width)
                 workspace.ints.set(packed.ints, stream=self.stream)
-                graph.launch(self.stream)
+                if graph is not None and self.use_graphs:
+                    graph.launch(self.stream)
+                else:
+                    self._launch(workspace)
             else:
                 packed = pack_step(batch, self.block_size)
                 workspace = _Workspace(
@@ -256,6 +260,25 @@ class GpuForward:
             array = np.frombuffer(memory, np.float32, entries * self.shape.vocab)
             self._pinned[key] = array.reshape(entries, self.shape.vocab)
         return self._pinned[key]
+
+    @property
+    def graphed(self) -> list[int]:
+        """The buckets whose decode steps run as one graph launch."""
+        return sorted(b for b, (_, graph) in self._decode.items() if graph is not None)
+
+    def graph(self, bucket: int) -> Any:
+        """The decode graph of ``bucket`` (None: none was captured)."""
+        return self._decode.get(bucket, (None, None))[1]
+
+    def _bucket(self, bucket: int) -> tuple[_Workspace, Any]:
+        """A decode bucket's buffers (made at first use when eager) and its graph, if
+        one was captured: decode steps allocate nothing."""
+        if bucket not in self._decode:
+            workspace = _Workspace(
+                self.xp, self.shape, self.dtype, bucket, bucket, self.table_width
+            )
+            self._decode[bucket] = (workspace, None)
+        return self._decode[bucket]
 
     # -- the forward ----------------------------------------------------------------
 
