@@ -132,8 +132,11 @@ async def one_run(
     return statistics.median(model.gaps) * 1e6, cpu
 
 
-async def load_run(concurrency: int, duration: float, max_tokens: int) -> dict[str, float]:
-    model = TinyLM()
+async def load_run(
+    concurrency: int, duration: float, max_tokens: int, model: GenerativeModel | None = None
+) -> dict[str, float]:
+    """Streaming clients on ``model`` (tiny_lm by default), which the runner loads."""
+    model = model or TinyLM()
     runner = GenerativeRunner(model, "1", LLMMetricFamilies([model]).telemetry(model, "1"))
     ttft: list[float] = []
     itl: list[float] = []

@@ -128,5 +128,18 @@ class GenerativeModel(Model):
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     @property
+    def greedy_on_device(self) -> bool:
+        """Whether ``step_greedy`` serves (a model on a GPU says so once loaded)."""
+        return False
+
+    def step_greedy(self, batch: Sequence[StepSequence]) -> Logits | Awaitable[Logits]:
+        """Process ``batch`` as ``step`` does, but return each entry's argmax token id,
+        shape ``(len(batch),)``, instead of its logits. The engine calls it instead of
+        ``step`` when ``greedy_on_device`` is true and every sample of the step is greedy
+        with no penalty and no logprobs: a model on a GPU then copies back token ids, not
+        a vocabulary of logits per sequence. It runs as ``step`` does."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step_greedy()")
+
+    @property
     def steps_async(self) -> bool:
         return inspect.iscoroutinefunction(self.step)

@@ -18,7 +18,7 @@ import trio
 from trioserve import ServerConfig, serve
 from trioserve._cli import _parser, config_from_args
 from trioserve._served import ModelRepository
-from trioserve.models import CheckpointError, CheckpointLM, load_checkpoint_model
+from trioserve.models import CheckpointError, CheckpointLM, _checkpoint, load_checkpoint_model
 from trioserve.repository import ConfigError
 from trioserve.repository._reading import read_model
 
@@ -27,6 +27,8 @@ pytest.importorskip("tokenizers")
 
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from . import fake_device
 
 TIMEOUT = 60
 WORDS = [f"w{i}" for i in range(61)]
@@ -265,7 +267,7 @@ PROMPTS = [
 STEPS = 12
 
 
-async def served_words(folder: Path, nursery: trio.Nursery) -> list[list[str]]:
+async def served_words(folder: Path, nursery: trio.Nursery, device: str = "cpu") -> list[list[str]]:
     """Each of PROMPTS completed greedily for STEPS tokens by the checkpoint in
     ``folder``, served, as words."""
     # Small blocks and a small token budget: many blocks per sequence, chunked prefill,
@@ -278,6 +280,7 @@ async def served_words(folder: Path, nursery: trio.Nursery) -> list[list[str]]:
         block_size=4,
         max_num_seqs=8,
         max_num_batched_tokens=16,
+        device=device,
     )
     server = await nursery.start(serve, ServerConfig(models=[model], http_port=0, grpc_port=None))
     body = {"model": "tiny_llama", "max_tokens": STEPS, "temperature": 0, "ignore_eos": True}
@@ -313,6 +316,34 @@ async def test_served_greedy_tokens_match_the_reference(
     for i, prompt in enumerate(PROMPTS):
         expected = reference_greedy(tensors, config, prompt, STEPS)
         assert served[i] == words_of(expected), f"prompt {i}"
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "rope-yarn", "mistral-head-dim"])
+async def test_the_gpu_forward_serves_the_reference_tokens(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch, variant: str
+) -> None:
+    """Served with ``device="gpu"``: the GPU forward, on the numpy stand-in for cupy
+    (``fake_device``: its host side, graphs and greedy tokens chosen by the model)."""
+    monkeypatch.setattr(
+        _checkpoint, "array_module", lambda device: fake_device if device == "gpu" else np
+    )
+    fake_device.state.launches = 0
+    config = {**BASE_CONFIG, **VARIANTS[variant]}
+    tensors = write_checkpoint(tmp_path / variant, config)
+    served = await served_words(tmp_path / variant, nursery, device="gpu")
+    for i, prompt in enumerate(PROMPTS):
+        expected = reference_greedy(tensors, config, prompt, STEPS)
+        assert served[i] == words_of(expected), f"prompt {i}"
+    assert fake_device.state.launches > 0  # the GPU forward's kernels ran
+
+
+def test_a_gpu_serves_float32_checkpoints_in_float32_and_others_in_float16() -> None:
+    import ml_dtypes
+
+    floats = {"a": np.zeros(2, np.float32)}
+    assert _checkpoint.gpu_dtype(floats) is np.float32
+    assert _checkpoint.gpu_dtype({**floats, "b": np.zeros(2, np.float16)}) is np.float16
+    assert _checkpoint.gpu_dtype({"b": np.zeros(2, ml_dtypes.bfloat16)}) is np.float16
 
 
 def test_tokenizer_chat_template_and_special_tokens(tmp_path: Path) -> None:

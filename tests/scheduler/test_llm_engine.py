@@ -606,3 +606,57 @@ async def test_a_response_that_cannot_be_built_fails_its_request(nursery, autoju
     assert response.outputs[0].data.tolist() == [b"no"]
     assert _failures(runner)[0] == {"BACKEND": 1}
     assert runner.inference_statistics().success.count == 1
+
+
+class DeviceGreedyLM(CountingLM):
+    """Chooses greedy tokens itself (``step_greedy``), as a model on a GPU does."""
+
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        self.kinds: list[str] = []  # "logits" or "tokens", per step
+
+    @property
+    def greedy_on_device(self) -> bool:
+        return True
+
+    async def step(self, batch: Sequence[StepSequence]):
+        self.kinds.append("logits")
+        return await super().step(batch)
+
+    async def step_greedy(self, batch: Sequence[StepSequence]):
+        self.kinds.append("tokens")
+        logits = await super().step(batch)
+        return logits.argmax(axis=1).astype(np.int32)
+
+
+async def test_greedy_steps_take_tokens_from_the_model(nursery, autojump_clock):
+    model = DeviceGreedyLM()
+    runner = GenerativeRunner(model, "1")
+    await nursery.start(runner.run)
+    assert await _generate(runner, "a", max_tokens=4, temperature=0) == "bcde"
+    assert model.kinds == ["tokens"] * 4
+    # Penalties, logprobs and random draws need the logits: those steps return them.
+    model.kinds.clear()
+    assert await _generate(runner, "a", max_tokens=2, temperature=0, logprobs=1) == "bc"
+    assert await _generate(runner, "k", max_tokens=2, top_k=1, repetition_penalty=1.5) == "lm"
+    assert await _generate(runner, "a", max_tokens=2, temperature=1.0, seed=3) != ""
+    assert model.kinds == ["logits"] * 6
+    # One request that needs logits makes its whole step return them.
+    model.kinds.clear()
+    async with trio.open_nursery() as both:
+        both.start_soon(partial(_generate, runner, "a", max_tokens=3, temperature=0))
+        both.start_soon(partial(_generate, runner, "b", max_tokens=3, temperature=0, logprobs=0))
+    assert set(model.kinds) == {"logits"}
+
+
+class WrongTokensLM(DeviceGreedyLM):
+    async def step_greedy(self, batch: Sequence[StepSequence]):
+        return np.zeros((len(batch), 2), np.int32)  # logits-shaped: not tokens
+
+
+async def test_greedy_tokens_of_the_wrong_shape_fail_the_step(nursery, autojump_clock):
+    runner = GenerativeRunner(WrongTokensLM(), "1")
+    await nursery.start(runner.run)
+    with pytest.raises(InternalError, match=r"returned tokens of shape \(1, 2\) for a batch of 1"):
+        await _generate(runner, "a", max_tokens=2, temperature=0)
+    assert _failures(runner)[0] == {"BACKEND": 1}

@@ -10,6 +10,10 @@ endpoint) and ``generation_config.json`` (its ``eos_token_id`` wins over config.
 Nothing is downloaded. The configuration and tokenizer are read at once, so that a bad
 folder fails before serving starts; the weights are read by ``load``.
 
+With ``device="gpu"`` and cupy with a CUDA device, ``load`` builds the GPU forward
+(``_gpu_forward.py``) instead of the numpy one: weights in float32 for a float32
+checkpoint, float16 otherwise (cupy has no bfloat16), and ``step_greedy`` serves.
+
 The ``checkpoints`` extra installs ``safetensors`` and ``tokenizers``.
 """
 
@@ -23,7 +27,8 @@ from typing import Any, Literal
 import numpy as np
 
 from .._generative import GenerativeModel, StepSequence
-from ._llama import CheckpointError, LlamaConfig, LlamaForward, LlamaWeights
+from ._gpu_forward import GpuForward
+from ._llama import CheckpointError, LlamaConfig, LlamaForward, LlamaWeights, gpu_parts
 from ._tiny_lm import Array, array_module
 
 _DEFAULT_MAX_MODEL_LEN = 4096  # unless asked: a CPU has no use for 128k-token contexts
@@ -94,6 +99,7 @@ class CheckpointLM(GenerativeModel):
             if (text := _token_text(tokenizer_config.get(key))) is not None
         }
         self.forward: LlamaForward | None = None
+        self.gpu: GpuForward | None = None
         self.k_cache: Array = None
         self.v_cache: Array = None
 
@@ -107,15 +113,20 @@ class CheckpointLM(GenerativeModel):
         tensors: dict[str, Any] = {}
         for file in files:
             tensors.update(load_file(file))
-        weights = LlamaWeights(xp, self.config, tensors)
         c = self.config
+        if xp is not np:
+            weights = LlamaWeights(xp, c, tensors, gpu_dtype(tensors))
+            self.gpu = GpuForward.serving(self, xp, *gpu_parts(xp, c, weights), c.num_layers)
+            self.k_cache, self.v_cache = self.gpu.k_cache, self.gpu.v_cache
+            return
+        weights = LlamaWeights(xp, c, tensors)
         cache = (c.num_layers, self.num_kv_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = xp.zeros(cache, dtype=xp.float32)
         self.v_cache = xp.zeros(cache, dtype=xp.float32)
         self.forward = LlamaForward(xp, c, weights, self.block_size)
 
     def unload(self) -> None:
-        self.forward = None
+        self.forward = self.gpu = None
         self.k_cache = self.v_cache = None
 
     def encode(self, text: str) -> list[int]:
@@ -127,15 +138,32 @@ class CheckpointLM(GenerativeModel):
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
+    @property
+    def greedy_on_device(self) -> bool:
+        return self.gpu is not None
+
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        if self.gpu is not None:
+            return self.gpu.step(batch)
         assert self.forward is not None, "step before load"
         return self.forward(batch, self.k_cache, self.v_cache)
+
+    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        assert self.gpu is not None, "greedy steps on the device only"
+        return self.gpu.step(batch, greedy=True)
 
 
 def load_checkpoint_model(path: str | Path, name: str, **settings: Any) -> CheckpointLM:
     """The checkpoint folder ``path`` served as model ``name``; ``settings`` size its
     engine (``max_model_len``, ``num_kv_blocks``, ``block_size``, ``max_num_seqs``...)."""
     return CheckpointLM(path, name, **settings)
+
+
+def gpu_dtype(tensors: dict[str, Any]) -> type[np.floating[Any]]:
+    """The GPU forward's storage dtype: float32 for a float32 checkpoint, float16 for
+    the rest (cupy has no bfloat16: a bfloat16 checkpoint is served in float16)."""
+    kinds = {np.asarray(t).dtype for t in tensors.values()}
+    return np.float32 if kinds == {np.dtype(np.float32)} else np.float16
 
 
 def _json(path: Path, *, required: bool = True) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._generative import StepSequence
+from ._gpu_forward import GpuLayer, GpuShape, GpuWeights
 from ._paged_attention import Array, PagedAttention, StepLayout
 from ._rope import Rope, RopeError, read_rope
 
@@ -80,13 +81,20 @@ class LlamaConfig:
 
 
 class LlamaWeights:
-    """A checkpoint's tensors, float32 on the array module, laid out for the forward pass."""
+    """A checkpoint's tensors on the array module, laid out for the forward pass: float32
+    for the numpy forward, the GPU forward's storage dtype for it."""
 
-    def __init__(self, xp: ModuleType, config: LlamaConfig, tensors: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        xp: ModuleType,
+        config: LlamaConfig,
+        tensors: Mapping[str, Any],
+        dtype: type[np.floating[Any]] = np.float32,
+    ) -> None:
         def take(name: str, *, transpose: bool = False) -> Array:
             if name not in tensors:
                 raise CheckpointError(f"the checkpoint lacks tensor {name!r}")
-            array = np.asarray(tensors[name]).astype(np.float32)
+            array = np.asarray(tensors[name]).astype(dtype)
             return xp.asarray(np.ascontiguousarray(array.T) if transpose else array)
 
         self.embed = take("model.embed_tokens.weight")
@@ -173,6 +181,46 @@ class LlamaForward:
             self.xp.asarray((np.cos(angles) * factor).astype(np.float32)),
             self.xp.asarray((np.sin(angles) * factor).astype(np.float32)),
         )
+
+
+def gpu_parts(
+    xp: ModuleType, config: LlamaConfig, weights: LlamaWeights
+) -> tuple[GpuShape, GpuWeights]:
+    """What the GPU forward takes, from weights loaded on cupy (``xp``)."""
+    c = config
+    shape = GpuShape(
+        vocab=c.vocab_size,
+        hidden=c.hidden_size,
+        heads=c.num_heads,
+        kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        mlp_width=c.intermediate_size,
+        norm="rms",
+        eps=c.rms_norm_eps,
+        mlp="swiglu",
+        inverse_frequencies=c.rope.inverse_frequencies,
+        attention_factor=c.rope.attention_factor,
+    )
+    layers = [
+        GpuLayer(
+            input_norm=layer["input_norm"],
+            qkv=layer["qkv"],
+            qkv_bias=layer.get("qkv_bias"),
+            o=layer["o"],
+            post_norm=layer["post_norm"],
+            up=layer["gate_up"],
+            down=layer["down"],
+        )
+        for layer in weights.layers
+    ]
+    return shape, GpuWeights(
+        embed=weights.embed,
+        positions=None,
+        layers=layers,
+        final_norm=weights.norm,
+        lm_head=xp.ascontiguousarray(weights.lm_head),  # a tied head is the embedding's .T
+        logit_bias=None,
+    )
 
 
 def _rotate(xp: ModuleType, x: Array, cos: Array, sin: Array) -> Array:

@@ -7,7 +7,8 @@ ReLU MLP, and attention that reads K/V from the engine's cache blocks through ea
 sequence's block table, exactly as a production model would.
 
 It runs on numpy; with the ``gpu`` extra (cupy) and a CUDA device present and
-``device="gpu"``, the same code runs on cupy. Dimensions are small so that a step of
+``device="gpu"``, it runs on the GPU forward of the checkpoint models
+(``_gpu_forward.py``: fused kernels, decode steps as CUDA graphs) in float32. Dimensions are small so that a step of
 64 decoding sequences takes a few milliseconds on a CPU, which keeps benchmarks about
 the server rather than the model.
 """
@@ -22,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .._generative import GenerativeModel, StepSequence
+from ._gpu_forward import GpuForward, GpuLayer, GpuShape, GpuWeights
 from ._paged_attention import PagedAttention, StepLayout
 
 Array = Any  # numpy or cupy ndarray
@@ -89,6 +91,7 @@ class TinyLM(GenerativeModel):
         self.weights: dict[str, Array] = {}
         self.k_cache: Array = None
         self.v_cache: Array = None
+        self.gpu: GpuForward | None = None
 
     def load(self) -> None:
         xp = self.xp = array_module(self.device)
@@ -114,13 +117,57 @@ class TinyLM(GenerativeModel):
                 f"{layer}.up": init(s.d_model, s.d_ff),
                 f"{layer}.down": init(s.d_ff, s.d_model),
             }
+        if xp is not np:
+            self.gpu = self.gpu_forward()
+            self.k_cache, self.v_cache = self.gpu.k_cache, self.gpu.v_cache
+            return
         cache = (s.n_layers, self.num_kv_blocks, self.block_size, s.n_heads, s.head_dim)
         self.k_cache = xp.zeros(cache, dtype=xp.float32)
         self.v_cache = xp.zeros(cache, dtype=xp.float32)
 
+    def gpu_forward(self, graphs: bool = False) -> GpuForward:
+        """The GPU forward over this model's weights (loaded on cupy)."""
+        s, w = self.shape, self.weights
+        shape = GpuShape(
+            vocab=VOCAB,
+            hidden=s.d_model,
+            heads=s.n_heads,
+            kv_heads=s.n_heads,
+            head_dim=s.head_dim,
+            mlp_width=s.d_ff,
+            norm="layer",
+            eps=1e-5,
+            mlp="relu",
+        )
+        layers = [
+            GpuLayer(
+                input_norm=None,
+                qkv=w[f"{layer}.qkv"],
+                qkv_bias=None,
+                o=w[f"{layer}.out"],
+                post_norm=None,
+                up=w[f"{layer}.up"],
+                down=w[f"{layer}.down"],
+            )
+            for layer in range(s.n_layers)
+        ]
+        weights = GpuWeights(
+            embed=w["embed"],
+            positions=w["pos"],
+            layers=layers,
+            final_norm=None,
+            lm_head=self.xp.ascontiguousarray(w["embed"].T),
+            logit_bias=w["bias"],
+        )
+        return GpuForward.serving(self, self.xp, shape, weights, s.n_layers, graphs)
+
     def unload(self) -> None:
         self.weights = {}
-        self.k_cache = self.v_cache = None
+        self.k_cache = self.v_cache = self.gpu = None
+
+    @property
+    def greedy_on_device(self) -> bool:
+        return self.gpu is not None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
@@ -132,7 +179,13 @@ class TinyLM(GenerativeModel):
             data = bytes(t for t in token_ids if t < EOS)
         return data.decode(errors="replace")
 
+    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        assert self.gpu is not None, "greedy steps on the device only"
+        return self.gpu.step(batch, greedy=True)
+
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        if self.gpu is not None:
+            return self.gpu.step(batch)
         xp, w, s = self.xp, self.weights, self.shape
         layout = StepLayout.of(xp, batch, self.block_size)
         attention = PagedAttention(xp, s.head_dim)
@@ -146,8 +199,10 @@ class TinyLM(GenerativeModel):
             attended = attention(q, k, v, self.k_cache[layer], self.v_cache[layer], batch, layout)
             x = x + attended.reshape(-1, s.d_model) @ w[f"{layer}.out"]
             x = x + xp.maximum(_norm(xp, x) @ w[f"{layer}.up"], 0) @ w[f"{layer}.down"]
-        logits = _norm(xp, x[xp.asarray(layout.last_tokens)]) @ w["embed"].T + w["bias"]
-        return logits.get() if xp is not np else logits  # type: ignore[no-any-return]
+        logits: np.ndarray[Any, Any] = (
+            _norm(xp, x[xp.asarray(layout.last_tokens)]) @ w["embed"].T + w["bias"]
+        )
+        return logits
 
 
 def _norm(xp: ModuleType, x: Array) -> Array:

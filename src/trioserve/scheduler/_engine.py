@@ -48,7 +48,14 @@ from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
 from ._model_calls import call_tokenizer
-from ._sampling import Draw, choose_tokens, draws_logprobs, sample_generator
+from ._sampling import (
+    Draw,
+    choose_tokens,
+    draws_logprobs,
+    is_greedy,
+    is_penalised,
+    sample_generator,
+)
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -260,7 +267,7 @@ class LLMEngine:
             await trio.lowlevel.checkpoint()
             return
         try:
-            logits = await self._step(batch)
+            logits = await self._step(batch, self._greedy_on_device(plan))
         except Exception as exc:
             self._fail_step(plan, exc)
             return
@@ -304,19 +311,33 @@ class LLMEngine:
         self._requests.discard(record)
         self._logprob_requests -= record.request.sampling.logprobs is not None
 
+    def _greedy_on_device(self, plan: StepPlan) -> bool:
+        """Whether the model picks this step's tokens itself (``step_greedy``): it can,
+        and every sample of the step takes the plain argmax and asks no logprobs."""
+        if not self.model.greedy_on_device:
+            return False
+        for seq, _ in plan.chunks:
+            params = seq.owner.request.sampling
+            if not is_greedy(params) or is_penalised(params) or params.logprobs is not None:
+                return False
+        return True
+
     @trio.lowlevel.enable_ki_protection  # see _model_code: a Ctrl-C is not the model's
-    async def _step(self, batch: list[StepSequence]) -> np.ndarray[Any, Any]:
+    async def _step(self, batch: list[StepSequence], greedy: bool) -> np.ndarray[Any, Any]:
+        """The step's logits (batch, vocab), or with ``greedy`` its tokens (batch,)."""
+        step = self.model.step_greedy if greedy else self.model.step
         try:
             if self.model.steps_async:
-                logits = await self.model.step(batch)  # type: ignore[misc]
+                logits = await step(batch)  # type: ignore[misc]
             else:
-                logits = await trio.to_thread.run_sync(self.model.step, batch)
+                logits = await trio.to_thread.run_sync(step, batch)
         except BaseException as exc:
             raise_failure(exc, self.model.name, "in step")
         logits = np.asarray(logits)
-        if logits.ndim != 2 or logits.shape[0] != len(batch):
+        if logits.ndim != 1 + (not greedy) or logits.shape[0] != len(batch):
+            what = "tokens" if greedy else "logits"
             raise RuntimeError(
-                f"model '{self.model.name}' step returned logits of shape {logits.shape} "
+                f"model '{self.model.name}' step returned {what} of shape {logits.shape} "
                 f"for a batch of {len(batch)}"
             )
         return logits
@@ -412,6 +433,8 @@ class LLMEngine:
     def _choose_all(
         self, logits: np.ndarray[Any, Any], draws: list[Draw]
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        if logits.ndim == 1:  # the model chose greedy tokens on its device (step_greedy)
+            return [int(logits[d.row]) for d in draws], [None] * len(draws)
         tokens = choose_tokens(logits, draws)
         logprobs: list[TokenLogprob | None] = [None] * len(draws)
         if self._logprob_requests:

@@ -1,0 +1,306 @@
+"""A stand-in for cupy on the host, for the GPU forward's tests on machines with no GPU.
+
+Arrays are numpy arrays with cupy's ``set``/``get``; each kernel of
+``_cuda_source.py`` is its numpy arithmetic, taking the same arguments in the same
+order as the CUDA function; a stream captures what is launched on it while capturing
+and a graph replays it, so a forward that reads anything but its captured buffers goes
+wrong here as it would on a device. Allocation under ``using_allocator`` goes through
+the given allocator, as cupy's does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+float16, float32, int32 = np.float16, np.float32, np.int32
+
+
+class DeviceArray(np.ndarray):
+    def set(self, host: Any, stream: Any = None) -> None:
+        self[...] = host
+
+    def get(self, stream: Any = None, out: Any = None) -> Any:
+        if out is None:
+            return np.array(self).view(np.ndarray)
+        out[...] = self
+        return out
+
+
+class _State:
+    recording: list[Callable[[], None]] | None = None
+    allocator: Callable[[int], Any] | None = None
+    launches = 0
+    graph_launches = 0
+    allocations = 0
+
+
+state = _State()
+
+
+def _device(array: Any) -> DeviceArray:
+    return np.asarray(array).view(DeviceArray)
+
+
+def _allocated(array: Any) -> DeviceArray:
+    state.allocations += 1
+    if state.allocator is not None:
+        state.allocator(array.nbytes)
+    return _device(array)
+
+
+def zeros(shape: Any, dtype: Any = float) -> DeviceArray:
+    return _allocated(np.zeros(shape, dtype))
+
+
+def empty(shape: Any, dtype: Any = float) -> DeviceArray:
+    return _allocated(
+        np.full(shape, np.nan, dtype) if np.dtype(dtype).kind == "f" else np.zeros(shape, dtype)
+    )
+
+
+def asarray(array: Any, dtype: Any = None) -> DeviceArray:
+    return _allocated(np.array(array, dtype=dtype))
+
+
+def ascontiguousarray(array: Any) -> DeviceArray:
+    return _allocated(np.ascontiguousarray(array))
+
+
+def arange(*args: Any, dtype: Any = None) -> DeviceArray:
+    return _allocated(np.arange(*args, dtype=dtype))
+
+
+allclose = np.allclose
+
+
+def concatenate(arrays: Any, axis: int = 0) -> DeviceArray:
+    return _allocated(np.concatenate(arrays, axis=axis))
+
+
+def _run(operation: Callable[[], None]) -> None:
+    """Launch on the stream: recorded while capturing, else run now."""
+    if state.recording is not None:
+        state.recording.append(operation)
+    else:
+        state.launches += 1
+        operation()
+
+
+def take(a: Any, indices: Any, axis: int, out: Any) -> Any:
+    _run(lambda: np.take(a, indices, axis=axis, out=out))
+    return out
+
+
+def add(a: Any, b: Any, out: Any) -> Any:
+    _run(lambda: np.add(a, b, out=out))
+    return out
+
+
+def copyto(destination: Any, source: Any) -> None:
+    _run(lambda: np.copyto(destination, source, casting="same_kind"))
+
+
+def matmul(a: Any, b: Any, out: Any) -> Any:
+    _run(lambda: np.matmul(a.astype(np.float64), b, out=out, casting="unsafe"))
+    return out
+
+
+class _Graph:
+    def __init__(self, operations: list[Callable[[], None]]) -> None:
+        self.operations = operations
+
+    def launch(self, stream: Any = None) -> None:
+        state.graph_launches += 1
+        for operation in self.operations:
+            operation()
+
+
+class _Stream:
+    ptr = 0
+
+    def __init__(self, non_blocking: bool = False) -> None:
+        pass
+
+    def __enter__(self) -> _Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def begin_capture(self, mode: Any = None) -> None:
+        state.recording = []
+
+    def end_capture(self) -> _Graph:
+        recorded, state.recording = state.recording or [], None
+        return _Graph(recorded)
+
+
+@contextmanager
+def _using_allocator(allocator: Callable[[int], Any]) -> Iterator[None]:
+    state.allocator = allocator
+    try:
+        yield
+    finally:
+        state.allocator = None
+
+
+cuda = SimpleNamespace(
+    Stream=_Stream,
+    Device=lambda: SimpleNamespace(synchronize=lambda: None),
+    using_allocator=_using_allocator,
+    alloc_pinned_memory=lambda nbytes: bytearray(nbytes),
+    runtime=SimpleNamespace(streamCaptureModeRelaxed=1),
+)
+
+
+# -- the kernels, argument for argument as in _cuda_source.py -------------------------
+
+
+def _embed(grid: Any, tokens: Any, positions: Any, table: Any, position_table: Any,
+           learned: Any, out: Any, hidden: Any) -> None:  # fmt: skip
+    rows = grid[0]
+    x = table[tokens[:rows]].astype(np.float64)
+    if learned:
+        x = x + position_table[positions[:rows]]
+    out[:rows] = x
+
+
+def _add_norm(grid: Any, residual: Any, delta: Any, has_delta: Any, weight: Any, out: Any,
+              hidden: Any, eps: Any, mode: Any) -> None:  # fmt: skip
+    rows = grid[0]
+    if has_delta:
+        residual[:rows] = residual[:rows].astype(np.float64) + delta[:rows]
+    x = residual[:rows].astype(np.float64)
+    if mode == 1:
+        out[:rows] = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
+    else:
+        out[:rows] = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * weight
+
+
+def _rope_cache_write(grid: Any, qkv: Any, bias: Any, has_bias: Any, cos: Any, sin: Any,
+                      use_rope: Any, positions: Any, slots: Any, q_out: Any, k_cache: Any,
+                      v_cache: Any, heads: Any, kv_heads: Any, head_dim: Any) -> None:  # fmt: skip
+    rows = grid[0]
+    x = qkv[:rows].astype(np.float64)
+    if has_bias:
+        x = x + bias
+    x = x.reshape(rows, heads + 2 * kv_heads, head_dim)
+    half = head_dim // 2
+    if use_rope:
+        c = cos[positions[:rows]][:, None, :]
+        s = sin[positions[:rows]][:, None, :]
+        first, second = x[..., :half].copy(), x[..., half:].copy()
+        rotating = slice(0, heads + kv_heads)
+        x[:, rotating, :half] = (first * c - second * s)[:, rotating]
+        x[:, rotating, half:] = (second * c + first * s)[:, rotating]
+    q_out[:rows] = x[:, :heads]
+    k_rows = k_cache.reshape(-1, kv_heads, head_dim)
+    v_rows = v_cache.reshape(-1, kv_heads, head_dim)
+    for row in range(rows):
+        if slots[row] >= 0:
+            k_rows[slots[row]] = x[row, heads : heads + kv_heads]
+            v_rows[slots[row]] = x[row, heads + kv_heads :]
+
+
+def _activate(grid: Any, inputs: Any, out: Any, rows: Any, width: Any, mode: Any) -> None:
+    x = inputs[:rows].astype(np.float64)
+    if mode == 0:
+        gate, up = x[:, :width], x[:, width:]
+        out[:rows] = gate / (1 + np.exp(-gate)) * up
+    else:
+        out[:rows] = np.maximum(x, 0)
+
+
+def _paged_attention(grid: Any, q: Any, out: Any, k_cache: Any, v_cache: Any, token_rows: Any,
+                     positions: Any, block_tables: Any, width: Any, heads: Any, kv_heads: Any,
+                     head_dim: Any, block_size: Any, scale: Any) -> None:  # fmt: skip
+    rows = grid[0]
+    tables = block_tables[: block_tables.size // width * width].reshape(-1, width)
+    k_rows = k_cache.reshape(-1, kv_heads, head_dim)
+    v_rows = v_cache.reshape(-1, kv_heads, head_dim)
+    query = q.reshape(-1, heads, head_dim)
+    result = out.reshape(-1, heads, head_dim)
+    for token in range(rows):
+        context = np.arange(positions[token] + 1)
+        table = tables[token_rows[token]]
+        slots = table[context // block_size] * block_size + context % block_size
+        for head in range(heads):
+            kv = head // (heads // kv_heads)
+            keys = k_rows[slots, kv].astype(np.float64)
+            scores = keys @ query[token, head] * scale
+            weights = np.exp(scores - scores.max())
+            result[token, head] = weights / weights.sum() @ v_rows[slots, kv]
+
+
+def _widen_logits(grid: Any, logits: Any, bias: Any, has_bias: Any, out: Any, total: Any,
+                  vocab: Any) -> None:  # fmt: skip
+    widened = logits.reshape(-1, vocab).astype(np.float32)
+    out.reshape(-1, vocab)[...] = widened + bias if has_bias else widened
+
+
+def _argmax_rows(grid: Any, logits: Any, tokens: Any, vocab: Any) -> None:
+    tokens[: grid[0]] = logits[: grid[0]].argmax(axis=1)
+
+
+_KERNELS = {
+    "embed": _embed,
+    "add_norm": _add_norm,
+    "rope_cache_write": _rope_cache_write,
+    "activate": _activate,
+    "paged_attention": _paged_attention,
+    "widen_logits": _widen_logits,
+    "argmax_rows": _argmax_rows,
+}
+
+
+def signatures(code: str, storage: Any) -> dict[str, list[tuple[str, Any]]]:
+    """Each kernel's parameters in ``code``: (name, what it takes: an array's dtype for a
+    pointer, a numpy scalar type otherwise)."""
+    found = {}
+    for match in re.finditer(r'extern "C" __global__ void (\w+)\(([^)]*)\)', code):
+        params = []
+        for param in match.group(2).split(","):
+            words = param.replace("const ", "").split()
+            kind, name = " ".join(words[:-1]), words[-1]
+            pointer = kind.endswith("*") or name.startswith("*")
+            base = kind.rstrip("*").strip()
+            dtype = {"scalar_t": storage, "float": np.float32, "int": np.int32,
+                     "long long": np.int64}[base]  # fmt: skip
+            params.append((name.lstrip("*"), ("array", np.dtype(dtype)) if pointer else dtype))
+        found[match.group(1)] = params
+    return found
+
+
+class RawModule:
+    """Checks every launch against the CUDA signature (an array of the right dtype,
+    C-contiguous, for a pointer; a numpy scalar of the exact type otherwise), then runs
+    the kernel's numpy arithmetic."""
+
+    def __init__(self, code: str, options: tuple[str, ...] = ()) -> None:
+        storage = np.float16 if "-DTS_HALF" in options else np.float32
+        self.signatures = signatures(code, storage)
+
+    def get_function(self, name: str) -> Callable[..., None]:
+        kernel, signature = _KERNELS[name], self.signatures[name]
+
+        def launch(grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...]) -> None:
+            assert len(args) == len(signature), f"{name}: {len(args)} arguments"
+            for (param, wanted), arg in zip(signature, args, strict=True):
+                if isinstance(wanted, tuple):
+                    assert isinstance(arg, DeviceArray), f"{name}.{param}: {type(arg)}"
+                    assert arg.dtype == wanted[1], f"{name}.{param}: {arg.dtype}"
+                    assert arg.flags.c_contiguous, f"{name}.{param} is not contiguous"
+                else:
+                    assert type(arg) is wanted, f"{name}.{param}: {type(arg)}, not {wanted}"
+            _run(lambda: kernel(grid, *args))
+
+        return launch
