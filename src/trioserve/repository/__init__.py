@@ -4,7 +4,6 @@
 from ._config import ConfigError as ConfigError
 from ._manager import ControlMode as ControlMode
 from ._manager import RepositoryManager as RepositoryManager
-from ._manager import decode_file_parameters as decode_file_parameters
 from ._onnx_options import configure as configure_onnxruntime
 
 __all__ = [
@@ -12,5 +11,4 @@ __all__ = [
     "ControlMode",
     "RepositoryManager",
     "configure_onnxruntime",
-    "decode_file_parameters",
 ]

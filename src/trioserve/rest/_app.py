@@ -37,6 +37,7 @@ class Request:
     receive: Receive
     send: Send  # for endpoints that stream their response; they then return None
     hangup: MutableMapping[str, Any] | None  # the HANGUP_FD scope extension, if offered
+    pieces: BodyPieces | None = None  # the body, for a ``ReadsBody`` endpoint (then b"")
 
 
 class Response(NamedTuple):
@@ -51,6 +52,93 @@ class Response(NamedTuple):
 
 
 Endpoint = Callable[[Request], Awaitable[Response | None]]
+
+
+class ReadsBody:
+    """An endpoint that reads its request's body itself, a piece at a time, from
+    ``Request.pieces`` (a repository upload, too large to hold whole)."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+
+    async def __call__(self, request: Request) -> Response | None:
+        return await self._endpoint(request)
+
+
+class ClientLeft(Exception):
+    """The client went away before the end of the body an endpoint was reading."""
+
+
+class BodyPieces:
+    """A request body as it arrives, within the body limit, inflated if compressed:
+    ``next()`` gives its pieces, then b"" at its end."""
+
+    __slots__ = (
+        "_ended", "_headers", "_inflated", "_inflater", "_limit", "_receive", "_received",
+        "_unconsumed",
+    )  # fmt: skip
+    _INFLATED_PIECE = 1024 * 1024  # bytes inflated at a time: a millisecond's work
+
+    def __init__(self, receive: Receive, headers: dict[bytes, bytes], limit: int) -> None:
+        self._receive = receive
+        self._headers = headers
+        self._limit = limit
+        self._received = 0  # bytes as sent
+        self._ended = False
+        # For next() only (read_body inflates whole bodies itself, in a worker thread).
+        self._inflater: zlib._Decompress | None = None
+        self._inflated = 0  # bytes once inflated
+        self._unconsumed = b""  # compressed bytes the last piece left to inflate
+
+    async def next(self) -> bytes:
+        encoding = self._headers.get(b"content-encoding")
+        if encoding is None or encoding == b"identity":
+            return await self.next_raw()
+        if self._inflater is None:
+            self._inflater = _inflater(encoding)
+        while True:
+            if not self._unconsumed:
+                if self._ended:
+                    return self._inflation_ended()
+                self._unconsumed = await self.next_raw()
+            else:
+                await trio.lowlevel.checkpoint()  # between inflated pieces of one chunk
+            piece = self._inflate(self._unconsumed)
+            self._unconsumed = self._inflater.unconsumed_tail
+            if piece:
+                return piece
+
+    async def next_raw(self) -> bytes:
+        """The next piece as the client sent it; b"" at the end."""
+        while not self._ended:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientLeft
+            chunk: bytes = message.get("body", b"")
+            self._received += len(chunk)
+            if self._received > self._limit:
+                raise body_too_large(self._limit)
+            self._ended = not message.get("more_body", False)
+            if chunk:
+                return chunk
+        return b""
+
+    def _inflate(self, data: bytes) -> bytes:
+        assert self._inflater is not None
+        try:
+            piece = self._inflater.decompress(data, self._INFLATED_PIECE)
+        except zlib.error as exc:
+            raise InvalidArgumentError(f"malformed compressed body: {exc}") from None
+        self._inflated += len(piece)
+        if self._inflated > self._limit:
+            raise body_too_large(self._limit)
+        return piece
+
+    def _inflation_ended(self) -> bytes:
+        assert self._inflater is not None
+        if not self._inflater.eof:
+            raise InvalidArgumentError("truncated compressed body")
+        return b""
 
 
 class RestApp:
@@ -95,14 +183,18 @@ class RestApp:
         headers = dict(scope["headers"])
         try:
             endpoint, params = self.router.resolve(scope["method"], scope["path"])
-            body = await self._read_body(receive, headers)
-            if body is None:
-                return  # the client went away
+            pieces = BodyPieces(receive, headers, self.max_body_bytes)
+            if isinstance(endpoint, ReadsBody):
+                body = b""
+            else:
+                body = await self._read_body(pieces, headers)
             request = Request(
                 scope["method"], scope["path"], params, headers, body, receive, send,
-                _hangup_hint(scope),
+                _hangup_hint(scope), pieces,
             )  # fmt: skip
             response = await endpoint(request)
+        except ClientLeft:
+            return  # nobody to answer
         except InferenceServerError as exc:
             response = Response(error_status(exc), error_body(exc.message))
         except HttpError as exc:
@@ -111,20 +203,10 @@ class RestApp:
             return  # answered by the endpoint itself, or the client went away
         await _send(send, response, headers)
 
-    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | None:
+    async def _read_body(self, pieces: BodyPieces, headers: dict[bytes, bytes]) -> bytes:
         chunks: list[bytes] = []
-        total = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_body_bytes:
-                raise body_too_large(self.max_body_bytes)
+        while chunk := await pieces.next_raw():
             chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         encoding = headers.get(b"content-encoding")
         if encoding is None or encoding == b"identity":
@@ -139,14 +221,16 @@ def _hangup_hint(scope: Scope) -> MutableMapping[str, Any] | None:
     return extensions.get(HANGUP_FD) if extensions else None
 
 
-def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+def _inflater(encoding: bytes) -> zlib._Decompress:
     if encoding == b"gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == b"deflate":
-        wbits = zlib.MAX_WBITS
-    else:
-        raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
-    inflater = zlib.decompressobj(wbits)
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if encoding == b"deflate":
+        return zlib.decompressobj(zlib.MAX_WBITS)
+    raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    inflater = _inflater(encoding)
     try:
         data = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
