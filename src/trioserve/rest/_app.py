@@ -128,16 +128,19 @@ class BodyPieces:
         try:
             piece = self._inflater.decompress(data, self._INFLATED_PIECE)
         except zlib.error as exc:
-            raise InvalidArgumentError(f"malformed compressed body: {exc}") from None
+            raise InvalidArgumentError(f"malformed {self._encoding()} body: {exc}") from None
         self._inflated += len(piece)
         if self._inflated > self._limit:
             raise body_too_large(self._limit)
         return piece
 
+    def _encoding(self) -> str:
+        return self._headers[b"content-encoding"].decode()
+
     def _inflation_ended(self) -> bytes:
         assert self._inflater is not None
         if not self._inflater.eof:
-            raise InvalidArgumentError("truncated compressed body")
+            raise InvalidArgumentError(f"truncated {self._encoding()} body")
         return b""
 
 

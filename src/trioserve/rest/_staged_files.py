@@ -43,38 +43,48 @@ class StagedFile:
 
 class Base64Writer:
     """Decodes one value's base64 text, given in pieces cut anywhere, into its staged
-    file. Strict, as the whole text would be decoded: only the alphabet, whole quanta,
-    and padding only at the very end."""
+    file, accepting exactly what ``binascii.a2b_base64(text, strict_mode=True)`` accepts
+    of the whole text: only the alphabet, and padding only at the very end."""
+
+    _PADDING_KEPT = 8  # a longer run of "=" means what this many do
 
     def __init__(self, file: StagedFile) -> None:
         self._file = file
         self._out: BinaryIO | None = file.staged.open("wb")
-        self._carry = ""  # the last piece's characters past its whole quanta
-        self._padded = False  # a quantum with padding was decoded: nothing may follow
+        # What is not decoded yet: the last whole quantum, which the text's end is read
+        # with (padding is judged by what precedes it), a partial one, and any "=".
+        self._carry = ""
 
     def write(self, text: str) -> None:
         if self._out is None:  # found invalid already: the rest is read and dropped
             return
         text = self._carry + text
-        whole = len(text) - len(text) % 4
-        self._carry = text[whole:]
-        if not whole:
+        data = text.rstrip("=")
+        padding = len(text) - len(data)
+        ready = len(data) - len(data) % 4 - 4  # decode all but the last whole quantum
+        if ready <= 0:
+            self._carry = text[: len(data) + self._PADDING_KEPT]
             return
+        if "=" in text[:ready]:  # padding, then more text
+            self._invalid()
+            return
+        self._carry = text[ready : len(data) + min(padding, self._PADDING_KEPT)]
+        self._decode(text[:ready])
+
+    def end(self) -> None:
+        """The value's closing quote: what is left is decoded as the text's end."""
+        if self._out is not None and self._carry:
+            self._decode(self._carry)
+        self.close()
+
+    def _decode(self, text: str) -> None:
+        assert self._out is not None
         try:
-            if self._padded:
-                raise ValueError("data after padding")
-            data = binascii.a2b_base64(text[:whole].encode("ascii"), strict_mode=True)
+            data = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
         except (ValueError, UnicodeEncodeError):
             self._invalid()
             return
-        self._padded = text[whole - 1] == "="
         self._out.write(data)
-
-    def end(self) -> None:
-        """The value's closing quote: a partial quantum left over is invalid."""
-        if self._carry:
-            self._invalid()
-        self.close()
 
     def close(self) -> None:
         if self._out is not None:
