@@ -81,8 +81,13 @@ class H2Connection:
         max_message_bytes: int,
         statistics: CoreStatistics,
         roster: IdleRoster,
+        *,
+        greeted: bytes | None = None,
     ) -> None:
         self._transport = transport
+        # The server's opening frames went out as the socket was accepted, and this is
+        # what the client had sent then (_core.greet); None: they are sent here.
+        self._greeted = greeted
         self._max_message = max_message_bytes
         self._limits = limits
         self._stats = statistics
@@ -197,13 +202,15 @@ class H2Connection:
 
     async def _read_forever(self) -> None:
         transport = self._transport
-        buf = b""
+        greeted, self._greeted = self._greeted, None  # its bytes are the reader's now
+        buf = greeted or b""
         while len(buf) < len(h2.PREFACE) and h2.PREFACE.startswith(buf):
             buf += await self._recv()
         if not buf.startswith(h2.PREFACE):
             raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-        self._outbox.queue(h2.opening_frames(self._limits))
-        self._outbox.flush()
+        if greeted is None:
+            self._outbox.queue(h2.opening_frames(self._limits))
+            self._outbox.flush()
         pos = len(h2.PREFACE)
         first = True
         max_frame = self._limits.max_frame_bytes
