@@ -75,6 +75,10 @@ class StartOrder:
     def __len__(self) -> int:
         return len(self._quiet) + len(self._asking)
 
+    @property
+    def quiet(self) -> int:
+        return len(self._quiet)
+
     def arrived(self, key: int) -> None:
         self._quiet[key] = None
 
@@ -177,18 +181,18 @@ class _Pending:
             waiting.received += data
         return len(waiting.received) >= _READ_MOST or self.greeting.asks(waiting.received)
 
-    def make_room(self) -> bool:
-        """Close the quiet socket that waited longest if all ``max_pending`` wait;
-        whether there is room for one more."""
+    def can_make_room(self) -> bool:
+        return len(self.waiting) < self.max_pending or self.order.quiet > 0
+
+    def make_room(self) -> None:
+        """Close the quiet socket that waited longest if all ``max_pending`` wait."""
         if len(self.waiting) < self.max_pending:
-            return True
+            return
         fd = self.order.oldest_quiet()
-        if fd is None:
-            return False
+        assert fd is not None  # see can_make_room
         self.watch.unregister(fd)
         self.waiting.pop(fd).sock.close()
         self.evicted()
-        return True
 
     def take(self, most: int) -> Iterator[_Waiting]:
         for fd in self.order.take(most):
@@ -237,7 +241,7 @@ async def _accept(listener: socket.socket, pending: _Pending) -> None:
     """Take the clients the listen queue holds, up to ``_ACCEPTS_PER_TURN`` of them,
     making room among the ``max_pending`` waiting if need be."""
     for _ in range(_ACCEPTS_PER_TURN):
-        if not pending.make_room():
+        if not pending.can_make_room():  # all asked: the rest wait in the listen queue
             return
         try:
             sock, addr = listener.accept()
@@ -248,6 +252,7 @@ async def _accept(listener: socket.socket, pending: _Pending) -> None:
                 logger.error("accept failed (%s); pausing briefly", exc)
                 await trio.sleep(_BACKOFF_S)
             return
+        pending.make_room()
         pending.add(sock, (addr[0], addr[1]))
 
 
