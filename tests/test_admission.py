@@ -1,6 +1,7 @@
 """Fair accepting (``_admission.py``): a client that asks something is started before a
 crowd of quiet ones, a bounded number of connections start per turn of the event loop,
-and past ``max_pending`` the quiet one that waited longest makes room.
+and past ``max_pending`` the quiet one that waited longest makes room; a crowd leaving
+the gRPC port at once tears down a bounded number a turn.
 
 The policy (``StartOrder``) is tested alone with exact expectations; the acceptor with
 real sockets on 127.0.0.1, under trio's mock clock (autojump: nothing here waits on
@@ -23,8 +24,9 @@ import pytest
 import trio
 import trio.testing
 
-from trioserve import Server, ServerConfig
+from trioserve import Server, ServerConfig, _admission
 from trioserve._admission import _STARTS_PER_TURN, StartOrder, accept_forever
+from trioserve.grpc._h2_guard import IdleRoster
 from trioserve.testing import server_in_thread
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -47,17 +49,17 @@ def test_those_that_asked_start_first_in_turn_then_the_quiet_newest_first() -> N
 
 
 class Turns:
-    """Counts the turns of the event loop (a task that checkpoints in a loop), and which
-    clients (by their port) each started connection came from, with its turn."""
+    """Counts the acceptor's turns (the checkpoints it yields at), and which clients (by
+    their port) each started connection came from, with its turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.turn = 0
         self.started: list[tuple[int, int, bytes]] = []  # (turn, client port, received)
+        monkeypatch.setattr(_admission, "checkpoint", self.checkpoint)
 
-    async def count(self) -> None:
-        while True:
-            await trio.lowlevel.checkpoint()
-            self.turn += 1
+    async def checkpoint(self) -> None:
+        self.turn += 1
+        await trio.lowlevel.checkpoint()
 
     def accepted(
         self, sock: socket.socket, client: tuple[str, int], local: object, received: bytes
@@ -101,7 +103,6 @@ def port(sock: socket.socket) -> int:
 async def run_until(turns: Turns, listener: socket.socket, started: int, **options: Any) -> None:
     """Accept on ``listener`` until ``started`` connections started."""
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(turns.count)
         nursery.start_soon(partial(accept_forever, listener, turns.accepted, **options))
         while len(turns.started) < started:
             await trio.lowlevel.checkpoint()
@@ -109,7 +110,10 @@ async def run_until(turns: Turns, listener: socket.socket, started: int, **optio
 
 
 async def test_a_client_that_asked_starts_ahead_of_the_crowd(
-    autojump_clock: trio.testing.MockClock, listener: socket.socket, clients: ExitStack
+    autojump_clock: trio.testing.MockClock,
+    listener: socket.socket,
+    clients: ExitStack,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """41 clients wait in the listen queue, the first of which sent a byte (without a
     greeting, any byte asks): the first turn starts the 16 newest (the byte is not
@@ -117,7 +121,7 @@ async def test_a_client_that_asked_starts_ahead_of_the_crowd(
     next newest, and so on: 16 a turn, never more."""
     crowd = connect(listener, clients, 41)
     crowd[0].send(b"G")
-    turns = Turns()
+    turns = Turns(monkeypatch)
     await run_until(turns, listener, 41)
     ports = [port(sock) for sock in crowd]
     assert _STARTS_PER_TURN == 16
@@ -143,7 +147,10 @@ class Greeter:
 
 
 async def test_with_a_greeting_only_a_question_puts_a_client_ahead(
-    autojump_clock: trio.testing.MockClock, listener: socket.socket, clients: ExitStack
+    autojump_clock: trio.testing.MockClock,
+    listener: socket.socket,
+    clients: ExitStack,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each client is greeted and what it sent is read (then handed to its connection):
     bytes that ask nothing leave it quiet; a client that leaves is closed unstarted."""
@@ -153,7 +160,7 @@ async def test_with_a_greeting_only_a_question_puts_a_client_ahead(
         sock.send(b"hello")
     crowd[0].send(b"?")  # asks, before it is taken
     crowd[1].close()  # leaves before it is taken
-    turns = Turns()
+    turns = Turns(monkeypatch)
     await run_until(turns, listener, 19, greeting=Greeter())
     assert turns.batches() == [[ports[0], *ports[:3:-1]], ports[3:0:-1]]
     assert {received for _, _, received in turns.started} == {b"hello", b"hello?"}
@@ -163,11 +170,14 @@ async def test_with_a_greeting_only_a_question_puts_a_client_ahead(
 
 
 async def test_past_max_pending_the_quiet_one_that_waited_longest_makes_room(
-    autojump_clock: trio.testing.MockClock, listener: socket.socket, clients: ExitStack
+    autojump_clock: trio.testing.MockClock,
+    listener: socket.socket,
+    clients: ExitStack,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     crowd = connect(listener, clients, 6)
     evictions: list[None] = []
-    turns = Turns()
+    turns = Turns(monkeypatch)
     await run_until(turns, listener, 4, max_pending=4, evicted=lambda: evictions.append(None))
     ports = [port(sock) for sock in crowd]
     assert turns.batches() == [ports[:1:-1]]
@@ -223,3 +233,26 @@ def test_an_http_probe_is_answered_while_a_crowd_arrives(server: Server) -> None
         assert urllib.request.urlopen(url, timeout=10).status == 200
 
     assert crowd_then_probe(500, ("127.0.0.1", port_number), b"", live) < 1.0
+
+
+async def test_a_leaving_crowd_tears_down_a_bounded_number_a_turn(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``IdleRoster.leave_in_turn``: 64 connections may go in a turn without waiting;
+    the next waits for a turn to pass, and every one of a crowd gets its turn."""
+    roster = IdleRoster()
+    with trio.testing.assert_no_checkpoints():
+        for _ in range(IdleRoster.LEAVING_PER_TURN):
+            await roster.leave_in_turn()
+    with trio.testing.assert_checkpoints():
+        await roster.leave_in_turn()
+    left: list[None] = []
+
+    async def leave() -> None:
+        await roster.leave_in_turn()
+        left.append(None)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(1000):
+            nursery.start_soon(leave)
+    assert len(left) == 1000

@@ -12,7 +12,9 @@ and asks the server if it is live (gRPC ServerLive on a new channel, or
 ``--connections`` connections as fast as it can (each sends the HTTP/2 preface, or
 nothing on the HTTP port), holds them idle, and closes them after ``--hold`` seconds.
 Prints, per round, the probes made, those refused (or failed), and the median, 99th
-percentile and slowest answer, in milliseconds; then the server is stopped.
+percentile and slowest answer, in milliseconds, and the slowest of those begun while
+the crowd arrived (and the second after), and within a second of its close (a crowd
+leaving at once is work too); then the server is stopped.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def burst(port: int, count: int, hold_s: float, preface: bool) -> None:
     raise_descriptor_limit()
     held: list[socket.socket] = []
     failed = 0
+    arriving_at = time.time()
     began = time.perf_counter()
     for _ in range(count):
         try:
@@ -54,25 +57,33 @@ def burst(port: int, count: int, hold_s: float, preface: bool) -> None:
         except OSError:
             failed += 1
     opened_s = time.perf_counter() - began
-    print(json.dumps({"opened": len(held), "failed": failed, "opening_s": opened_s}), flush=True)
     time.sleep(max(0.0, hold_s - opened_s))
+    closing_at = time.time()
     for sock in held:
         sock.close()
+    print(
+        json.dumps(
+            {
+                "opened": len(held), "failed": failed, "opening_s": opened_s,
+                "arriving_at": arriving_at, "closing_at": closing_at,
+            }
+        )
+    )  # fmt: skip
 
 
 def probe(port: int, protocol: str, duration_s: float, interval_s: float) -> None:
-    """Ask every ``interval_s`` on a fresh connection; print each answer's time (ms), or
-    None when the server refused or failed it."""
-    times: list[float | None] = []
+    """Ask every ``interval_s`` on a fresh connection; print when each began (Unix time)
+    and its answer's time (ms), or None when the server refused or failed it."""
+    times: list[tuple[float, float | None]] = []
     ask = _grpc_asker(port) if protocol == "grpc" else _http_asker(port)
     end = time.monotonic() + duration_s
     while time.monotonic() < end:
-        began = time.perf_counter()
+        began, at = time.perf_counter(), time.time()
         try:
             ask()
-            times.append((time.perf_counter() - began) * 1000)
+            times.append((at, (time.perf_counter() - began) * 1000))
         except Exception:  # refused, reset, timed out: counted, not raised
-            times.append(None)
+            times.append((at, None))
         time.sleep(interval_s)
     print(json.dumps(times), flush=True)
 
@@ -145,17 +156,26 @@ def one_round(args: argparse.Namespace, port: int) -> dict[str, float]:
     probed, _ = prober.communicate()
     held, _ = holder.communicate()
     times = json.loads(probed)
-    answered = sorted(t for t in times if t is not None)
-    opened = json.loads(held)
+    answered = sorted(ms for _, ms in times if ms is not None)
+    crowd = json.loads(held)
+
+    def slowest_within(start: float, end: float) -> float:
+        return max((ms or 0.0 for at, ms in times if start <= at < end), default=0.0)
+
+    arrived = crowd["arriving_at"] + crowd["opening_s"]
     return {
         "probes": len(times),
         "refused": len(times) - len(answered),
         "median_ms": statistics.median(answered),
         "p99_ms": answered[min(len(answered) - 1, round(0.99 * (len(answered) - 1)))],
         "max_ms": answered[-1],
-        "burst_opened": opened["opened"],
-        "burst_failed": opened["failed"],
-        "burst_opening_s": round(opened["opening_s"], 2),
+        # the slowest probe begun while the crowd arrived and the second after; around
+        # its close (a second either side); and the rest of the time
+        "arrival_max_ms": slowest_within(crowd["arriving_at"], arrived + 1),
+        "close_max_ms": slowest_within(crowd["closing_at"] - 1, crowd["closing_at"] + 1),
+        "burst_opened": crowd["opened"],
+        "burst_failed": crowd["failed"],
+        "burst_opening_s": round(crowd["opening_s"], 2),
     }
 
 

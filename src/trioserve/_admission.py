@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import trio
-from trio.lowlevel import wait_readable
+from trio.lowlevel import checkpoint, wait_readable
 
 logger = logging.getLogger("trioserve")
 
@@ -232,7 +232,7 @@ async def accept_forever(
                     await _accept(listener, pending)
             for waiting in pending.take(_STARTS_PER_TURN):
                 _start(accepted, waiting)
-            await trio.lowlevel.checkpoint()  # the connections just started, and the rest
+            await checkpoint()  # the connections just started, and the rest run
     finally:
         pending.close()
 
