@@ -73,44 +73,37 @@ class BodyPieces:
     """A request body as it arrives, within the body limit, inflated if compressed:
     ``next()`` gives its pieces, then b"" at its end."""
 
-    __slots__ = (
-        "_ended", "_headers", "_inflated", "_inflater", "_limit", "_receive", "_received",
-        "_unconsumed",
-    )  # fmt: skip
-    _INFLATED_PIECE = 1024 * 1024  # bytes inflated at a time: a millisecond's work
+    __slots__ = ("_headers", "_inflation", "_limit", "_receive", "_received", "ended")
 
     def __init__(self, receive: Receive, headers: dict[bytes, bytes], limit: int) -> None:
         self._receive = receive
         self._headers = headers
         self._limit = limit
         self._received = 0  # bytes as sent
-        self._ended = False
-        # For next() only (read_body inflates whole bodies itself, in a worker thread).
-        self._inflater: zlib._Decompress | None = None
-        self._inflated = 0  # bytes once inflated
-        self._unconsumed = b""  # compressed bytes the last piece left to inflate
+        self.ended = False  # the last piece was received
+        self._inflation: _Inflation | None = None  # next()'s, for a compressed body
 
     async def next(self) -> bytes:
         encoding = self._headers.get(b"content-encoding")
         if encoding is None or encoding == b"identity":
             return await self.next_raw()
-        if self._inflater is None:
-            self._inflater = _inflater(encoding)
+        if self._inflation is None:
+            self._inflation = _Inflation(encoding, self._limit)
+        inflation = self._inflation
         while True:
-            if not self._unconsumed:
-                if self._ended:
-                    return self._inflation_ended()
-                self._unconsumed = await self.next_raw()
+            if not inflation.unconsumed:
+                if self.ended:
+                    return inflation.ended()
+                inflation.unconsumed = await self.next_raw()
             else:
                 await trio.lowlevel.checkpoint()  # between inflated pieces of one chunk
-            piece = self._inflate(self._unconsumed)
-            self._unconsumed = self._inflater.unconsumed_tail
+            piece = inflation.inflate()
             if piece:
                 return piece
 
     async def next_raw(self) -> bytes:
         """The next piece as the client sent it; b"" at the end."""
-        while not self._ended:
+        while not self.ended:
             message = await self._receive()
             if message["type"] == "http.disconnect":
                 raise ClientLeft
@@ -118,29 +111,39 @@ class BodyPieces:
             self._received += len(chunk)
             if self._received > self._limit:
                 raise body_too_large(self._limit)
-            self._ended = not message.get("more_body", False)
+            self.ended = not message.get("more_body", False)
             if chunk:
                 return chunk
         return b""
 
-    def _inflate(self, data: bytes) -> bytes:
-        assert self._inflater is not None
+
+class _Inflation:
+    """A compressed body inflated a MiB at a time (a millisecond's work), within the
+    body limit."""
+
+    _PIECE = 1024 * 1024
+
+    def __init__(self, encoding: bytes, limit: int) -> None:
+        self._encoding = encoding.decode("latin-1")
+        self._inflater = _inflater(encoding)
+        self._limit = limit
+        self._inflated = 0
+        self.unconsumed = b""  # compressed bytes not inflated yet
+
+    def inflate(self) -> bytes:
         try:
-            piece = self._inflater.decompress(data, self._INFLATED_PIECE)
+            piece = self._inflater.decompress(self.unconsumed, self._PIECE)
         except zlib.error as exc:
-            raise InvalidArgumentError(f"malformed {self._encoding()} body: {exc}") from None
+            raise InvalidArgumentError(f"malformed {self._encoding} body: {exc}") from None
+        self.unconsumed = self._inflater.unconsumed_tail
         self._inflated += len(piece)
         if self._inflated > self._limit:
             raise body_too_large(self._limit)
         return piece
 
-    def _encoding(self) -> str:
-        return self._headers[b"content-encoding"].decode()
-
-    def _inflation_ended(self) -> bytes:
-        assert self._inflater is not None
+    def ended(self) -> bytes:
         if not self._inflater.eof:
-            raise InvalidArgumentError(f"truncated {self._encoding()} body")
+            raise InvalidArgumentError(f"truncated {self._encoding} body")
         return b""
 
 
@@ -207,10 +210,12 @@ class RestApp:
         await _send(send, response, headers)
 
     async def _read_body(self, pieces: BodyPieces, headers: dict[bytes, bytes]) -> bytes:
-        chunks: list[bytes] = []
-        while chunk := await pieces.next_raw():
-            chunks.append(chunk)
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        body = await pieces.next_raw()
+        if not pieces.ended:  # (most bodies come whole)
+            chunks = [body]
+            while chunk := await pieces.next_raw():
+                chunks.append(chunk)
+            body = b"".join(chunks)
         encoding = headers.get(b"content-encoding")
         if encoding is None or encoding == b"identity":
             return body
