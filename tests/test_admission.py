@@ -1,7 +1,7 @@
 """Fair accepting (``_admission.py``): a client that asks something is started before a
 crowd of quiet ones, a bounded number of connections start per turn of the event loop,
 and past ``max_pending`` the quiet one that waited longest makes room; a crowd leaving
-the gRPC port at once tears down a bounded number a turn.
+at once is torn down a bounded number a turn.
 
 The policy (``StartOrder``) is tested alone with exact expectations; the acceptor with
 real sockets on 127.0.0.1, under trio's mock clock (autojump: nothing here waits on
@@ -25,8 +25,7 @@ import trio
 import trio.testing
 
 from trioserve import Server, ServerConfig, _admission
-from trioserve._admission import _STARTS_PER_TURN, StartOrder, accept_forever
-from trioserve.grpc._h2_guard import IdleRoster
+from trioserve._admission import _STARTS_PER_TURN, Departures, StartOrder, accept_forever
 from trioserve.testing import server_in_thread
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -238,18 +237,18 @@ def test_an_http_probe_is_answered_while_a_crowd_arrives(server: Server) -> None
 async def test_a_leaving_crowd_tears_down_a_bounded_number_a_turn(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """``IdleRoster.leave_in_turn``: 64 connections may go in a turn without waiting;
+    """``Departures.leave_in_turn``: 64 connections may go in a turn without waiting;
     the next waits for a turn to pass, and every one of a crowd gets its turn."""
-    roster = IdleRoster()
+    departures = Departures()
     with trio.testing.assert_no_checkpoints():
-        for _ in range(IdleRoster.LEAVING_PER_TURN):
-            await roster.leave_in_turn()
+        for _ in range(Departures.PER_TURN):
+            await departures.leave_in_turn()
     with trio.testing.assert_checkpoints():
-        await roster.leave_in_turn()
+        await departures.leave_in_turn()
     left: list[None] = []
 
     async def leave() -> None:
-        await roster.leave_in_turn()
+        await departures.leave_in_turn()
         left.append(None)
 
     async with trio.open_nursery() as nursery:

@@ -20,7 +20,8 @@ listener, ``accept_forever``:
 A client with something to ask is started within a turn or two, however many idle
 connections arrived with it; the idle ones start as the turns allow (the greeted ones
 wait for nothing meanwhile). A client that leaves before its connection starts is
-closed then and there.
+closed then and there. When a crowd leaves at once, the cores tear its connections down
+a bounded number a turn (``Departures``), for the same reason.
 """
 
 from __future__ import annotations
@@ -265,3 +266,40 @@ def _start(accepted: Accepted, waiting: _Waiting) -> None:
         sock.close()
         return
     accepted(sock, waiting.client, (local[0], local[1]), waiting.received)
+
+
+class Departures:
+    """Paces the teardown of connections whose clients left: when thousands leave at
+    once (a crowd's process exits), each connection's teardown takes a turn or a few
+    of the event loop, and all of them in the same turns would make every other client
+    wait the whole time. ``leave_in_turn`` lets ``PER_TURN`` go a turn."""
+
+    __slots__ = ("_leaving", "_pacing", "_turn_budget")
+    PER_TURN = 64
+
+    def __init__(self) -> None:
+        self._leaving = trio.lowlevel.ParkingLot()
+        self._turn_budget = self.PER_TURN  # teardowns still allowed this turn
+        self._pacing = False  # a task grants the next turns' budgets
+
+    async def leave_in_turn(self) -> None:
+        """Return once this connection may tear down: at once, unless many already
+        did this turn."""
+        if self._turn_budget:
+            self._turn_budget -= 1
+            return
+        if not self._pacing:
+            self._pacing = True
+            trio.lowlevel.spawn_system_task(self._pace)
+        await self._leaving.park()
+
+    async def _pace(self) -> None:
+        try:
+            while True:
+                await trio.lowlevel.checkpoint()  # a turn passes
+                self._turn_budget = self.PER_TURN
+                if not self._leaving:
+                    return
+                self._turn_budget -= len(self._leaving.unpark(count=self.PER_TURN))
+        finally:
+            self._pacing = False

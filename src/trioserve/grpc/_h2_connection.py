@@ -142,7 +142,7 @@ class H2Connection:
                         h2.goaway(self._last_stream_id, exc.code, exc.reason.encode())
                     )
                 except _PeerGone:
-                    await self._roster.leave_in_turn()  # not all of a leaving crowd at once
+                    await self._roster.departures.leave_in_turn()  # not a whole crowd at once
                 else:
                     if self._closed_as is not None:
                         count(self._stats, self._closed_as)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import trio
 
+from .._admission import Departures
 from . import _h2_frames as h2
 
 
@@ -184,43 +185,14 @@ class _Closable(Protocol):
 class IdleRoster:
     """A server's connections with no call open, in the order they became idle, so that
     past a share of the connection limit the one idle longest gives way to a new
-    client (closed with GOAWAY) instead of the new client being refused.
+    client (closed with GOAWAY) instead of the new client being refused. Its
+    ``departures`` pace the teardown of connections whose clients left."""
 
-    It also paces the connections whose clients left: when thousands leave at once (a
-    crowd's process exits), each connection's teardown takes a few turns of the event
-    loop, and all of them in the same turns would make every other client wait the
-    whole time; ``leave_in_turn`` lets ``LEAVING_PER_TURN`` go a turn."""
-
-    __slots__ = ("_idle", "_leaving", "_pacing", "_turn_budget")
-    LEAVING_PER_TURN = 64
+    __slots__ = ("_idle", "departures")
 
     def __init__(self) -> None:
         self._idle: dict[_Closable, None] = {}
-        self._leaving = trio.lowlevel.ParkingLot()
-        self._turn_budget = self.LEAVING_PER_TURN  # teardowns still allowed this turn
-        self._pacing = False  # a task grants the next turns' budgets
-
-    async def leave_in_turn(self) -> None:
-        """Return once this connection may tear down: at once, unless many already
-        did this turn."""
-        if self._turn_budget:
-            self._turn_budget -= 1
-            return
-        if not self._pacing:
-            self._pacing = True
-            trio.lowlevel.spawn_system_task(self._pace)
-        await self._leaving.park()
-
-    async def _pace(self) -> None:
-        try:
-            while True:
-                await trio.lowlevel.checkpoint()  # a turn passes
-                self._turn_budget = self.LEAVING_PER_TURN
-                if not self._leaving:
-                    return
-                self._turn_budget -= len(self._leaving.unpark(count=self.LEAVING_PER_TURN))
-        finally:
-            self._pacing = False
+        self.departures = Departures()
 
     def idle(self, connection: _Closable) -> None:
         self._idle.pop(connection, None)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
 
-from .._admission import Accepted, Address
+from .._admission import Accepted, Address, Departures
 from .._limits import HttpLimits
 from .._sockets import serve_tcp
 from ._asgi import HANGUP_FD, ASGIApp
@@ -86,13 +86,16 @@ HTTP_COUNTERS = {
 
 
 class _Server:
-    __slots__ = ("app", "connections", "date", "limits", "shutting_down", "statistics")
+    __slots__ = (
+        "app", "connections", "date", "departures", "limits", "shutting_down", "statistics",
+    )  # fmt: skip
 
     def __init__(self, app: ASGIApp, limits: HttpLimits, statistics: HttpStatistics) -> None:
         self.app = app
         self.limits = limits
         self.statistics = statistics
         self.connections: set[Connection] = set()
+        self.departures = Departures()  # clients that left, torn down a bounded number a turn
         self.shutting_down = False
         # The ``date`` line, refreshed by the sweeper (at least once a second) rather than
         # formatted per response.
@@ -288,6 +291,7 @@ class Connection:
                 buf = b""
             if not buf:
                 self.peer_closed = True
+                await self.server.departures.leave_in_turn()  # not a whole crowd at once
                 return None
             pos = 0
             waited = True
