@@ -9,6 +9,7 @@ A restricted "model-repository" API group answers 403 without the expected heade
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,14 +49,20 @@ class _RepositoryEndpoints:
         """The body is parsed as it arrives (``_load_body``), its files decoded into a
         staging folder that goes with the request; the load moves them into place."""
         assert request.pieces is not None  # a ReadsBody endpoint
-        with tempfile.TemporaryDirectory(prefix="trioserve-upload-") as staging:
-            body = LoadBody(Path(staging))
+        staging = Path(tempfile.mkdtemp(prefix="trioserve-upload-"))
+        try:
+            body = LoadBody(staging)
             try:
                 await _parse(body, request.pieces)
                 config, files = body.finish()
             finally:
                 body.close()
             await self._control().load(request.params["model"], config, files)
+        finally:
+            # What a failed load left there may be hundreds of MiB: removed in a worker
+            # thread, and even when the request is cancelled.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, staging, True)
         return _DONE
 
     async def unload(self, request: Request) -> Response:
