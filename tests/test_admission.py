@@ -255,3 +255,18 @@ async def test_a_leaving_crowd_tears_down_a_bounded_number_a_turn(
         for _ in range(1000):
             nursery.start_soon(leave)
     assert len(left) == 1000
+
+
+async def test_without_epoll_every_client_still_starts_newest_first(
+    autojump_clock: trio.testing.MockClock,
+    listener: socket.socket,
+    clients: ExitStack,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where there is no epoll (not Linux), the acceptor waits on its listener alone."""
+    monkeypatch.delattr(_admission.select, "epoll")
+    crowd = connect(listener, clients, 5)
+    crowd[0].send(b"G")  # cannot be seen to ask: it starts with the quiet ones
+    turns = Turns(monkeypatch)
+    await run_until(turns, listener, 5)
+    assert turns.batches() == [[port(sock) for sock in reversed(crowd)]]

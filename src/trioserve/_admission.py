@@ -50,7 +50,9 @@ _ACCEPTS_PER_TURN = 512  # clients taken from the listen queue in one turn (a fe
 _STARTS_PER_TURN = 16  # connections started in one turn
 _READ_MOST = 64 * 1024  # of a pending client's bytes: past this, it has surely asked
 # A pending socket wakes the acceptor when more arrives or its client hangs up, once.
-_WATCHED = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
+_WATCHED = (
+    getattr(select, "EPOLLIN", 0) | getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLET", 0)
+)
 
 
 class Greeting(Protocol):
@@ -119,16 +121,45 @@ class _Waiting:
         self.received = b""
 
 
+class _ListenerOnly:
+    """Where there is no epoll (not Linux): the acceptor waits on its listener alone and
+    tries to accept each turn, and sockets are never seen to ask (quiet, newest first)."""
+
+    def __init__(self, listener: socket.socket) -> None:
+        self._listener = listener
+
+    def fileno(self) -> int:
+        return self._listener.fileno()
+
+    def poll(self, timeout: float) -> list[tuple[int, int]]:
+        return [(self._listener.fileno(), 0)]  # an accept that finds none costs little
+
+    def register(self, fd: int, events: int) -> None:
+        pass
+
+    def unregister(self, fd: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _Pending:
     """A listener's accepted sockets that wait to start, by descriptor."""
 
     def __init__(
-        self, greeting: Greeting | None, max_pending: int, evicted: Callable[[], object]
+        self,
+        listener: socket.socket,
+        greeting: Greeting | None,
+        max_pending: int,
+        evicted: Callable[[], object],
     ) -> None:
         self.greeting = greeting
         self.max_pending = max_pending
         self.evicted = evicted
-        self.watch = select.epoll()
+        self.watch: select.epoll | _ListenerOnly = (
+            select.epoll() if hasattr(select, "epoll") else _ListenerOnly(listener)
+        )
         self.waiting: dict[int, _Waiting] = {}
         self.order = StartOrder()
 
@@ -219,9 +250,9 @@ async def accept_forever(
     module's docstring). When ``max_pending`` wait, a new client closes the quiet one
     that waited longest (``evicted`` counts it). Running out of descriptors pauses
     accepting briefly (logged) instead of failing."""
-    pending = _Pending(greeting, max_pending, evicted)
+    pending = _Pending(listener, greeting, max_pending, evicted)
     listening = listener.fileno()
-    pending.watch.register(listening, select.EPOLLIN)  # level-triggered: clients wait
+    pending.watch.register(listening, getattr(select, "EPOLLIN", 0))  # level-triggered
     try:
         while True:
             if not pending.waiting:
