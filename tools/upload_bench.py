@@ -5,9 +5,11 @@
 
 Starts ``trioserve run`` in explicit mode, then loads a model through
 ``POST v2/repository/models/<name>/load`` whose ``file:`` parameters carry a data file of
-``--mib`` MiB (and a model.py), while a probe asks ``/v2/health/ready`` back to back.
-Prints the server's resident memory before, at its peak (VmHWM) and after, and the
-probe's longest wait: how long the event loop stood still.
+``--mib`` MiB (and a model.py), while a probe asks ``/v2/health/live`` back to back,
+each time on a new connection. Prints the server's resident memory before, at its peak
+(VmHWM, reset before each upload) and after, and the probe's longest wait: how long the
+event loop stood still. The server is whichever ``trioserve`` this Python imports
+(``PYTHONPATH=OTHER/src`` to measure another build).
 """
 
 from __future__ import annotations
@@ -93,11 +95,14 @@ def main() -> None:
         for line in server.stderr:
             if "HTTP service listening" in line:
                 break
+        # Keep reading what it logs: a full pipe would block the server mid-write.
+        threading.Thread(target=server.stderr.read, daemon=True).start()
         base = f"http://127.0.0.1:{args.port}"
-        before = memory_mib(server.pid)
-        print(f"body {len(body) / 2**20:.0f} MiB; server RSS before {before['VmRSS']:.0f} MiB")
+        print(f"body {len(body) / 2**20:.0f} MiB")
         for attempt in range(args.repeat):
-            probe = Probe(f"{base}/v2/health/ready")
+            Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+            before = memory_mib(server.pid)
+            probe = Probe(f"{base}/v2/health/live")
             probe.start()
             began = time.perf_counter()
             request = urllib.request.Request(f"{base}/v2/repository/models/big/load", body)
@@ -107,7 +112,8 @@ def main() -> None:
             probe.join()
             after = memory_mib(server.pid)
             print(
-                f"upload {attempt + 1}: {took:.2f} s; peak RSS {after['VmHWM']:.0f} MiB "
+                f"upload {attempt + 1}: {took:.2f} s; RSS before {before['VmRSS']:.0f} MiB, "
+                f"peak {after['VmHWM']:.0f} MiB "
                 f"(+{after['VmHWM'] - before['VmRSS']:.0f}); RSS after {after['VmRSS']:.0f} "
                 f"MiB (+{after['VmRSS'] - before['VmRSS']:.0f}); longest probe wait "
                 f"{probe.longest * 1000:.0f} ms"

@@ -1,24 +1,19 @@
 """Listening sockets for the front ends that drive sockets themselves (the HTTP/1.1 core
-and the HTTP/2 core): binding every address of a host name, accepting without ever
-letting an accept error reach the server's nursery, and the task tree both serve in."""
+and the HTTP/2 core): binding every address of a host name, and the task tree both serve
+in. Accepting (fairly, whatever crowd arrives) is ``_admission.py``'s."""
 
 from __future__ import annotations
 
-import errno
-import logging
 import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import trio
-from trio.lowlevel import notify_closing, wait_readable
+from trio.lowlevel import notify_closing
 
-logger = logging.getLogger("trioserve")
+from ._admission import Accepted, Address, Greeting, accept_forever
 
-Address = tuple[str, int]
-
-# Out of descriptors or memory: accepting again at once would spin, so wait a little.
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-_BACKOFF_S = 0.1
+_BACKLOG = 4096  # the listen queue asked for; the kernel caps it (net.core.somaxconn)
 
 
 async def bind_tcp(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
@@ -46,7 +41,7 @@ async def bind_tcp(host: str, port: int, *, reuse_port: bool = False) -> list[so
                 # One ephemeral port for every address of the host name, not one each.
                 addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
             sock.bind(addr)
-            sock.listen(1024)
+            sock.listen(_BACKLOG)
             sock.setblocking(False)
     except BaseException:
         close_all(sockets)
@@ -65,37 +60,6 @@ def close_all(listeners: list[socket.socket]) -> None:
             listener.close()
 
 
-async def accept_forever(
-    listener: socket.socket, accepted: Callable[[socket.socket, Address, Address], None]
-) -> None:
-    """Hand every accepted connection (non-blocking, TCP_NODELAY) to ``accepted`` with
-    the client's and the local address. Running out of descriptors pauses accepting
-    briefly (logged) instead of failing."""
-    while True:
-        await wait_readable(listener)
-        for _ in range(64):  # a burst of accepts per wakeup, then let others run
-            try:
-                sock, addr = listener.accept()
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno in _RESOURCE_ERRNOS:
-                    logger.error("accept failed (%s); pausing briefly", exc)
-                    await trio.sleep(_BACKOFF_S)
-                break
-            sock.setblocking(False)
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                local = sock.getsockname()
-            except OSError:  # reset before we got to it
-                sock.close()
-                continue
-            accepted(sock, (addr[0], addr[1]), (local[0], local[1]))
-
-
-Accepted = Callable[[socket.socket, Address, Address], None]
-
-
 async def serve_tcp(
     host: str,
     port: int,
@@ -103,6 +67,9 @@ async def serve_tcp(
     sweep: Callable[[], Awaitable[object]],
     begin_shutdown: Callable[[], None],
     *,
+    greeting: Greeting | None = None,
+    max_pending: int,
+    evicted: Callable[[], object],
     shutdown_trigger: Callable[[], Awaitable[object]] | None,
     listeners: list[socket.socket] | None = None,
     task_status: trio.TaskStatus[list[Address]],
@@ -110,7 +77,9 @@ async def serve_tcp(
     """Accept on ``host:port`` until cancelled or shut down; a core's task tree.
 
     ``accepted(connections)`` gives what starts each connection in ``connections``;
-    ``sweep`` runs beside them (the core's timeouts). When ``shutdown_trigger`` returns:
+    ``greeting`` greets each socket as it is accepted, and at most ``max_pending`` wait
+    to start (``_admission.accept_forever``; ``evicted`` counts the quiet ones closed
+    to make room). ``sweep`` runs beside them (the core's timeouts). When ``shutdown_trigger`` returns:
     the listeners close, ``begin_shutdown`` tells the connections, and this returns once
     every connection has ended. ``listeners``: sockets bound already (a front-end worker
     process's, handed over by the process that bound them), used instead of binding.
@@ -124,7 +93,11 @@ async def serve_tcp(
                 start = accepted(connections)
                 async with trio.open_nursery() as acceptors:
                     for listener in listeners:
-                        acceptors.start_soon(accept_forever, listener, start)
+                        accept = partial(
+                            accept_forever, greeting=greeting, max_pending=max_pending,
+                            evicted=evicted,
+                        )  # fmt: skip
+                        acceptors.start_soon(accept, listener, start)
                     task_status.started(bound_addresses(listeners))
                     if shutdown_trigger is not None:
                         await shutdown_trigger()

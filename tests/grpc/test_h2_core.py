@@ -21,8 +21,8 @@ import trustme
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trioserve._admission import accept_forever
 from trioserve._limits import GrpcLimits
-from trioserve._sockets import accept_forever
 from trioserve.grpc import _h2_frames as frames
 from trioserve.grpc._core import serve_methods, tls_context
 from trioserve.grpc._errors import ClientGone, GrpcError, GrpcStatus

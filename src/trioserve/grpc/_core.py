@@ -19,8 +19,10 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
+from .._admission import Accepted, Address, Departures
 from .._limits import GrpcLimits
-from .._sockets import Accepted, Address, serve_tcp
+from .._sockets import serve_tcp
+from . import _h2_frames as h2
 from ._call import Method
 from ._h2_connection import H2Connection
 from ._h2_guard import CoreStatistics, IdleRoster
@@ -54,14 +56,16 @@ class _CoreServer:
         self.tls = tls
         self.connections: set[H2Connection] = set()
         self.idle = IdleRoster()
+        self.departures = Departures()  # clients that left, torn down a bounded number a turn
         self.open_sockets = 0  # accepted and not yet closed, TLS handshakes included
         # Past this many open sockets, each new one closes the connection idle longest.
         self.crowded = math.ceil(limits.max_connections * limits.idle_close_share)
         self.statistics = statistics
         self.shutting_down = False
+        self.opening = h2.opening_frames(limits)
 
     def accepted(self, connections: trio.Nursery) -> Accepted:
-        def start(sock: socket.socket, client: Address, local: Address) -> None:
+        def start(sock: socket.socket, client: Address, local: Address, received: bytes) -> None:
             if self.open_sockets >= self.limits.max_connections:
                 # Closed at once, before any HTTP/2 (as gRPC's own servers refuse past
                 # their connection quota): the client's calls fail UNAVAILABLE. No task,
@@ -72,19 +76,50 @@ class _CoreServer:
             if self.open_sockets >= self.crowded:
                 self.idle.evict()
             self.open_sockets += 1
-            connections.start_soon(self._serve, sock)
+            connections.start_soon(self._serve, sock, received)
 
         return start
 
-    async def _serve(self, sock: socket.socket) -> None:
+    def evicted(self) -> None:
+        """A quiet client waiting to start was closed to make room (``_admission``)."""
+        self.statistics.idle_evicted += 1
+
+    def greet(self, sock: socket.socket) -> None:
+        """The server's opening frames, sent as the socket is accepted, before its
+        connection starts (``_admission``): a gRPC client waits for them before it
+        sends a call, and the call then tells that this client has something to ask.
+        Over the connection limit, the client is refused instead, before any HTTP/2."""
+        if self.open_sockets >= self.limits.max_connections:
+            self.statistics.refused_connections += 1
+            raise ConnectionRefusedError("over the connection limit")  # closed at once
+        if sock.send(self.opening) != len(self.opening):  # a fresh socket takes it whole
+            raise ConnectionResetError("the client reads nothing")
+
+    def asks(self, received: bytes) -> bool:
+        """Whether a greeted client sent more than its preface: a frame other than
+        SETTINGS (or its ACK) and WINDOW_UPDATE, such as a call's HEADERS or a PING.
+        Not HTTP/2 at all counts too: its connection will answer that."""
+        preface = h2.PREFACE
+        if not received.startswith(preface):
+            return not preface.startswith(received)
+        pos = len(preface)
+        while pos + h2.FRAME_HEADER_BYTES <= len(received):
+            if received[pos + 3] not in (h2.SETTINGS, h2.WINDOW_UPDATE):
+                return True
+            pos += h2.FRAME_HEADER_BYTES + int.from_bytes(received[pos : pos + 3], "big")
+        return False
+
+    async def _serve(self, sock: socket.socket, received: bytes) -> None:
         try:
-            await self._serve_socket(sock)
+            await self._serve_socket(sock, received)
         finally:
             self.open_sockets -= 1
 
-    async def _serve_socket(self, sock: socket.socket) -> None:
+    async def _serve_socket(self, sock: socket.socket, received: bytes) -> None:
         transport: Transport
+        greeted: bytes | None = None  # not greeted (TLS)
         if self.tls is None:
+            greeted = received
             transport = SocketTransport(sock)
         else:
             try:
@@ -95,7 +130,7 @@ class _CoreServer:
                 return
         connection = H2Connection(
             transport, self.methods, self.limits, self.max_message_bytes, self.statistics,
-            self.idle,
+            self.idle, self.departures, greeted=greeted,
         )  # fmt: skip
         self.connections.add(connection)
         if self.shutting_down:
@@ -154,5 +189,7 @@ async def serve_methods(
     server = _CoreServer(methods, limits, max_message_bytes, tls, counts)
     await serve_tcp(
         host, port, server.accepted, server.sweep_idle, server.begin_shutdown,
-        shutdown_trigger=shutdown_trigger, listeners=listeners, task_status=task_status,
+        greeting=None if tls else server, max_pending=limits.max_connections,
+        evicted=server.evicted, shutdown_trigger=shutdown_trigger, listeners=listeners,
+        task_status=task_status,
     )  # fmt: skip

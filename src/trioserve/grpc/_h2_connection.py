@@ -28,6 +28,7 @@ from typing import cast
 
 import trio
 
+from .._admission import Departures
 from .._limits import GrpcLimits
 from ._call import Method
 from ._errors import GrpcStatus
@@ -59,8 +60,15 @@ class H2Connection:
         max_message_bytes: int,
         statistics: CoreStatistics,
         roster: IdleRoster,
+        departures: Departures,
+        *,
+        greeted: bytes | None = None,
     ) -> None:
         self._transport = transport
+        # The server's opening frames went out as the socket was accepted, and this is
+        # what the client had sent then (_core.greet); None: the state sends them.
+        self._greeted = greeted
+        self._departures = departures
         self._stats = statistics
         self._roster = roster
         self.max_message = max_message_bytes
@@ -90,7 +98,7 @@ class H2Connection:
                     with self._reader:
                         await self._read_forever()
                 except _PeerGone:
-                    pass
+                    await self._departures.leave_in_turn()  # not a whole crowd at once
                 self.state.close()
                 self.state.events.clear()
                 self.outbox.flush()
@@ -124,6 +132,12 @@ class H2Connection:
     async def _read_forever(self) -> None:
         state = self.state
         transport = self._transport
+        greeted, self._greeted = self._greeted, None  # its bytes are the reader's now
+        if greeted is not None:
+            state.opening_sent = True
+            state.receive_data(greeted)
+            self._dispatch()
+            self.outbox.flush()
         while not state.ended:
             view = state.direct_view()
             if view is None:

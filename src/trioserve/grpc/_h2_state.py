@@ -58,6 +58,9 @@ class H2State(H2Streams):
     _data_flags = 0
     _data_stream: H2Stream | None = None
     backlog = False  # bytes received and not parsed yet (``YIELD_FRAMES``)
+    # The server's SETTINGS went out already, as the socket was accepted (``_admission``
+    # greets gRPC clients so that they call at once); else they answer the preface.
+    opening_sent = False
     closed_as: str | None = None  # the counter of an idle connection's close
     # Idle detection (``idle_tick``): how many ticks have passed with no call open and
     # none opened.
@@ -242,7 +245,8 @@ class H2State(H2Streams):
                 return False
             self._pos = len(h2.PREFACE)
             self._mode = _SETTINGS
-            self.out.queue(h2.opening_frames(self._limits))
+            if not self.opening_sent:
+                self.out.queue(h2.opening_frames(self._limits))
         else:  # _SETTINGS: the preface ends in the client's SETTINGS
             if len(buf) - pos < _HEADER_BYTES:
                 return False

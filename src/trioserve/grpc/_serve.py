@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import trio
 
+from .._admission import Address, Departures
 from .._context import ServerContext
-from .._sockets import Address
 from ..metrics import CountersCollector
 from ._call import Method, StreamMethod
 from ._core import serve_methods, tls_context
@@ -85,6 +85,6 @@ async def serve_grpc_stream(context: ServerContext, stream: trio.abc.Stream) -> 
     methods = with_reflection(grpc_methods(context))
     connection = H2Connection(
         StreamTransport(stream), methods, config.grpc_limits, config.grpc_max_message_bytes,
-        CoreStatistics(), IdleRoster(),
+        CoreStatistics(), IdleRoster(), Departures(),
     )  # fmt: skip
     await connection.run()

@@ -4,7 +4,6 @@
 from ._config import ConfigError as ConfigError
 from ._manager import ControlMode as ControlMode
 from ._manager import RepositoryManager as RepositoryManager
-from ._manager import decode_file_parameters as decode_file_parameters
 from ._onnx_options import configure as configure_onnxruntime
 from ._own_layout import RepositoryError as RepositoryError
 from ._own_layout import load_repository as load_repository
@@ -15,6 +14,5 @@ __all__ = [
     "RepositoryError",
     "RepositoryManager",
     "configure_onnxruntime",
-    "decode_file_parameters",
     "load_repository",
 ]

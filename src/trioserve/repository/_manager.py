@@ -20,7 +20,6 @@ load fails, or once another load or an unload replaces the model they made.
 
 from __future__ import annotations
 
-import binascii
 import contextlib
 import copy
 import json
@@ -427,39 +426,3 @@ def _signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
         for p in sorted(folder.rglob("*"))
         if p.is_file() and "__pycache__" not in p.parts
     )
-
-
-def decode_file_parameters(parameters: Mapping[str, object]) -> dict[str, bytes | UploadedFile]:
-    """The ``file:<path>`` parameters of a REST load request (base64 strings), each
-    decoded as it is written to disk."""
-    files: dict[str, bytes | UploadedFile] = {}
-    for key, value in parameters.items():
-        if key.startswith("file:"):
-            if not isinstance(value, str):
-                raise InvalidArgumentError(f"parameter '{key}' must be a base64 string")
-            files[key.removeprefix("file:")] = Base64File(key, value)
-    return files
-
-
-class Base64File:
-    """An uploaded file in base64, decoded a slice at a time straight into its file:
-    never held as a whole in bytes, neither encoded nor decoded."""
-
-    _SLICE = 4 * 1024 * 1024  # characters per slice: a multiple of 4 (whole quanta)
-
-    def __init__(self, parameter: str, text: str) -> None:
-        self._parameter = parameter
-        self._text = text
-
-    def write_to(self, path: Path) -> None:
-        text = self._text
-        with path.open("wb") as out:
-            for start in range(0, len(text), self._SLICE):
-                piece = text[start : start + self._SLICE]
-                try:
-                    # strict: only the alphabet, and padding only at the very end
-                    out.write(binascii.a2b_base64(piece.encode("ascii"), strict_mode=True))
-                except (ValueError, UnicodeEncodeError):
-                    raise InvalidArgumentError(
-                        f"parameter '{self._parameter}' is not valid base64"
-                    ) from None

@@ -38,6 +38,7 @@ class Request:
     receive: Receive
     send: Send  # for endpoints that stream their response; they then return None
     cancel_with: CancelWith  # what to withdraw if the client leaves (``_asgi.CancelWith``)
+    pieces: BodyPieces | None = None  # the body, for a ``ReadsBody`` endpoint (then b"")
 
 
 class Response(NamedTuple):
@@ -52,6 +53,99 @@ class Response(NamedTuple):
 
 
 Endpoint = Callable[[Request], Awaitable[Response | None]]
+
+
+class ReadsBody:
+    """An endpoint that reads its request's body itself, a piece at a time, from
+    ``Request.pieces`` (a repository upload, too large to hold whole)."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+
+    async def __call__(self, request: Request) -> Response | None:
+        return await self._endpoint(request)
+
+
+class ClientLeft(Exception):
+    """The client went away before the end of the body an endpoint was reading."""
+
+
+class BodyPieces:
+    """A request body as it arrives, within the body limit, inflated if compressed:
+    ``next()`` gives its pieces, then b"" at its end."""
+
+    __slots__ = ("_ended", "_headers", "_inflation", "_limit", "_receive", "_received")
+
+    def __init__(self, receive: Receive, headers: dict[bytes, bytes], limit: int) -> None:
+        self._receive = receive
+        self._headers = headers
+        self._limit = limit
+        self._received = 0  # bytes as sent
+        self._ended = False  # the last piece was received
+        self._inflation: _Inflation | None = None  # next()'s, for a compressed body
+
+    async def next(self) -> bytes:
+        encoding = self._headers.get(b"content-encoding")
+        if encoding is None or encoding == b"identity":
+            return await self._next_raw()
+        if self._inflation is None:
+            self._inflation = _Inflation(encoding, self._limit)
+        inflation = self._inflation
+        while True:
+            if not inflation.unconsumed:
+                if self._ended:
+                    return inflation.ended()
+                inflation.unconsumed = await self._next_raw()
+            else:
+                await trio.lowlevel.checkpoint()  # between inflated pieces of one chunk
+            piece = inflation.inflate()
+            if piece:
+                return piece
+
+    async def _next_raw(self) -> bytes:
+        """The next piece as the client sent it; b"" at the end."""
+        while not self._ended:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise ClientLeft
+            chunk: bytes = message.get("body", b"")
+            self._received += len(chunk)
+            if self._received > self._limit:
+                raise body_too_large(self._limit)
+            self._ended = not message.get("more_body", False)
+            if chunk:
+                return chunk
+        return b""
+
+
+class _Inflation:
+    """A compressed body inflated a MiB at a time (a millisecond's work), within the
+    body limit."""
+
+    _PIECE = 1024 * 1024
+
+    def __init__(self, encoding: bytes, limit: int) -> None:
+        self._encoding = encoding.decode("latin-1")
+        self._inflater = _inflater(encoding)
+        self._limit = limit
+        self._inflated = 0
+        self.unconsumed = b""  # compressed bytes not inflated yet
+
+    def inflate(self) -> bytes:
+        try:
+            piece = self._inflater.decompress(self.unconsumed, self._PIECE)
+        except zlib.error as exc:
+            raise InvalidArgumentError(f"malformed {self._encoding} body: {exc}") from None
+        self.unconsumed = self._inflater.unconsumed_tail
+        self._inflated += len(piece)
+        if self._inflated > self._limit:
+            raise body_too_large(self._limit)
+        return piece
+
+    def ended(self) -> bytes:
+        if not self._inflater.eof:
+            raise InvalidArgumentError(f"truncated {self._encoding} body")
+        return b""
 
 
 class RestApp:
@@ -99,14 +193,19 @@ class RestApp:
         headers = dict(scope["headers"])
         try:
             endpoint, params = self.router.resolve(scope["method"], scope["path"])
-            body = await self._read_body(receive, headers)
-            if body is None:
-                return  # the client went away
+            pieces = None
+            if isinstance(endpoint, ReadsBody):
+                body = b""
+                pieces = BodyPieces(receive, headers, self.max_body_bytes)
+            else:
+                body = await self._read_body(receive, headers)
             request = Request(
                 scope["method"], scope["path"], params, headers, body, receive, send,
-                _cancel_with(scope) or self.disconnects.cancel_with(receive),
+                _cancel_with(scope) or self.disconnects.cancel_with(receive), pieces,
             )  # fmt: skip
             response = await endpoint(request)
+        except ClientLeft:
+            return  # nobody to answer
         except InferenceServerError as exc:
             response = Response(error_status(exc), error_body(exc.message))
         except HttpError as exc:
@@ -115,13 +214,15 @@ class RestApp:
             return  # answered by the endpoint itself, or the client went away
         await _send(send, response, headers)
 
-    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | None:
+    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
+        # Not through BodyPieces: this is every request's path, and a call less per
+        # request shows in its CPU time.
         chunks: list[bytes] = []
         total = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return None
+                raise ClientLeft
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > self.max_body_bytes:
@@ -144,14 +245,16 @@ def _cancel_with(scope: Scope) -> CancelWith | None:
     return None if offered is None else offered["cancel_with"]
 
 
-def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+def _inflater(encoding: bytes) -> zlib._Decompress:
     if encoding == b"gzip":
-        wbits = 16 + zlib.MAX_WBITS
-    elif encoding == b"deflate":
-        wbits = zlib.MAX_WBITS
-    else:
-        raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
-    inflater = zlib.decompressobj(wbits)
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    if encoding == b"deflate":
+        return zlib.decompressobj(zlib.MAX_WBITS)
+    raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
+
+
+def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+    inflater = _inflater(encoding)
     try:
         data = inflater.decompress(body, limit + 1)
     except zlib.error as exc:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
 
+from .._admission import Accepted, Address, Departures
 from .._limits import HttpLimits
 from .._sockets import serve_tcp
 from ._asgi import CANCEL_WITH, ASGIApp
@@ -75,20 +76,22 @@ class HttpStatistics:
     refused_connections: int = 0  # answered 503 on accept, over the connection limit
     header_timeouts: int = 0  # answered 408: a request head took too long
     body_timeouts: int = 0  # answered 408: a request body took too long
-    idle_closed: int = 0  # keep-alive connections closed for being idle
+    idle_closed: int = 0  # closed for being idle: keep-alive, or waiting to start in a crowd
 
 
 HTTP_COUNTERS = {
     "refused_connections": "HTTP connections answered 503 for being over the connection limit",
     "header_timeouts": "HTTP requests answered 408 for a request head that took too long",
     "body_timeouts": "HTTP requests answered 408 for a request body that took too long",
-    "idle_closed": "HTTP keep-alive connections closed for being idle",
+    "idle_closed": "HTTP connections closed for being idle (kept alive, or silent while "
+    "a crowd arrived)",
 }
 
 
 class _Server:
     __slots__ = (
-        "app", "connections", "date", "hangups", "limits", "shutting_down", "statistics",
+        "app", "connections", "date", "departures", "hangups", "limits", "shutting_down",
+        "statistics",
     )  # fmt: skip
 
     def __init__(self, app: ASGIApp, limits: HttpLimits, statistics: HttpStatistics) -> None:
@@ -97,6 +100,7 @@ class _Server:
         self.statistics = statistics
         self.hangups = Hangups()  # the clients that leave while their request waits
         self.connections: set[Connection] = set()
+        self.departures = Departures()  # clients that left, torn down a bounded number a turn
         self.shutting_down = False
         # The ``date`` line, refreshed by the sweeper (at least once a second) rather than
         # formatted per response.
@@ -146,15 +150,18 @@ class _Server:
                         self.statistics.header_timeouts += 1
                         conn.expire()
 
-    def accepted(
-        self, nursery: trio.Nursery
-    ) -> Callable[[socket.socket, tuple[str, int], tuple[str, int]], None]:
-        def start(sock: socket.socket, client: tuple[str, int], local: tuple[str, int]) -> None:
+    def evicted(self) -> None:
+        """A silent client waiting to start was closed to make room (``_admission``)."""
+        self.statistics.idle_closed += 1
+
+    def accepted(self, nursery: trio.Nursery) -> Accepted:
+        def start(sock: socket.socket, client: Address, local: Address, received: bytes) -> None:
             if len(self.connections) >= self.limits.max_connections:
                 self.statistics.refused_connections += 1
                 _refuse(sock)
                 return
             conn = Connection(self, sock, client, local)
+            conn.buf = received  # (empty: HTTP/1.1 has no greeting)
             self.connections.add(conn)
             nursery.start_soon(conn.run)
 
@@ -301,6 +308,7 @@ class Connection:
                 buf = b""
             if not buf:
                 self.peer_closed = True
+                await self.server.departures.leave_in_turn()  # not a whole crowd at once
                 return None
             pos = 0
             waited = True
@@ -485,5 +493,6 @@ async def serve_http11(
     server = _Server(app, limits, HttpStatistics() if statistics is None else statistics)
     await serve_tcp(
         host, port, server.accepted, server.sweep, server.begin_shutdown,
+        max_pending=limits.max_connections, evicted=server.evicted,
         shutdown_trigger=shutdown_trigger, listeners=listeners, task_status=task_status,
     )  # fmt: skip

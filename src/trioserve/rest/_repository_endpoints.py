@@ -9,6 +9,9 @@ A restricted "model-repository" API group answers 403 without the expected heade
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -16,14 +19,15 @@ import trio
 from .._errors import InvalidArgumentError, UnsupportedError
 from .._limits import OFF_LOOP_BYTES
 from .._restricted import Restriction
-from .._served import ModelRepository, RepositoryControl, UploadedFile
-from ..repository import decode_file_parameters
-from ._app import Endpoint, Request, Response
+from .._served import ModelRepository, RepositoryControl
+from ._app import BodyPieces, Endpoint, ReadsBody, Request, Response
 from ._json_body import COMPACT, json_object
+from ._load_body import LoadBody
 from ._router import Router
 from ._shm_endpoints import _restricted
 
 _DONE = Response(200, content_type=None)
+_SLICE = 1024 * 1024  # body bytes parsed at a time: a few MiB of memory at most
 
 
 class _RepositoryEndpoints:
@@ -42,11 +46,23 @@ class _RepositoryEndpoints:
         return Response(200, COMPACT.encode(self._control().index(ready)).encode())
 
     async def load(self, request: Request) -> Response:
-        if len(request.body) >= OFF_LOOP_BYTES:  # an upload: parse and decode off the loop
-            config, files = await trio.to_thread.run_sync(_load_parameters, request.body)
-        else:
-            config, files = _load_parameters(request.body)
-        await self._control().load(request.params["model"], config, files)
+        """The body is parsed as it arrives (``_load_body``), its files decoded into a
+        staging folder that goes with the request; the load moves them into place."""
+        assert request.pieces is not None  # a ReadsBody endpoint
+        staging = Path(tempfile.mkdtemp(prefix="trioserve-upload-"))
+        try:
+            body = LoadBody(staging)
+            try:
+                await _parse(body, request.pieces)
+                config, files = body.finish()
+            finally:
+                body.close()
+            await self._control().load(request.params["model"], config, files)
+        finally:
+            # What a failed load left there may be hundreds of MiB: removed in a worker
+            # thread, and even when the request is cancelled.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(shutil.rmtree, staging, True)
         return _DONE
 
     async def unload(self, request: Request) -> Response:
@@ -68,22 +84,35 @@ def _parameters(body: bytes) -> dict[str, Any]:
     return parameters
 
 
-def _load_parameters(body: bytes) -> tuple[str | None, dict[str, bytes | UploadedFile]]:
-    """A load request's config override and uploaded files."""
-    parameters = _parameters(body)
-    config = parameters.get("config")
-    if config is not None and not isinstance(config, str):
-        raise InvalidArgumentError("parameter 'config' must be a JSON string")
-    return config, decode_file_parameters(parameters)
+async def _parse(body: LoadBody, pieces: BodyPieces) -> None:
+    """Feed ``body`` what arrives, a slice at a time; large slices are parsed and decoded
+    in a worker thread, so that the event loop never waits on them."""
+    batch: list[bytes] = []
+    size = 0
+    while True:
+        piece = await pieces.next()
+        batch.append(piece)
+        size += len(piece)
+        if size >= _SLICE or not piece:
+            data = b"".join(batch)
+            batch.clear()
+            size = 0
+            if len(data) >= OFF_LOOP_BYTES:
+                await trio.to_thread.run_sync(body.feed, data)
+            else:
+                body.feed(data)
+        if not piece:
+            return
 
 
 def add_repository_routes(
     router: Router[Endpoint], repository: ModelRepository, restriction: Restriction | None
 ) -> None:
     e = _RepositoryEndpoints(repository)
-    for path, endpoint in (
-        ("/v2/repository/index", e.index),
-        ("/v2/repository/models/{model}/load", e.load),
-        ("/v2/repository/models/{model}/unload", e.unload),
+    for path, endpoint, reads_body in (
+        ("/v2/repository/index", e.index, False),
+        ("/v2/repository/models/{model}/load", e.load, True),
+        ("/v2/repository/models/{model}/unload", e.unload, False),
     ):
-        router.add("POST", path, _restricted(endpoint, restriction))
+        restricted = _restricted(endpoint, restriction)
+        router.add("POST", path, ReadsBody(restricted) if reads_body else restricted)

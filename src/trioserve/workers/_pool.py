@@ -21,10 +21,11 @@ from typing import TypeVar
 import trio
 from prometheus_client.core import CounterMetricFamily
 
+from .._admission import Address
 from .._config import ServerConfig
 from .._context import ServerContext
 from .._limits import GrpcLimits, HttpLimits
-from .._sockets import Address, bind_tcp, bound_addresses, close_all
+from .._sockets import bind_tcp, bound_addresses, close_all
 from ..grpc import GRPC_COUNTERS, Method, StreamMethod, with_reflection
 from ..ipc import LinkClosed, TrioChannel, channel_pair
 from ..metrics import CountersCollector
