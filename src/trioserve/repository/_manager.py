@@ -43,7 +43,7 @@ from ._checkpoint_backend import CheckpointLoader
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
 from ._layout import model_folders
-from ._pb_metrics import CustomMetrics
+from ._pb_metrics_export import CustomMetrics
 from ._reading import read_model
 
 logger = logging.getLogger("trioserve.repository")

@@ -9,18 +9,17 @@ an event, asyncio resolves a future with ``call_soon_threadsafe``). So no call n
 trio worker thread, and an asyncio loop never blocks on one: ``asyncio.gather`` over
 ``async_exec`` calls runs them all at once in trio.
 
-``ServerLink`` is the one door: a model running in another process would be handed a
-link with the same methods that forwards them over a pipe.
+``ServerLink`` is the one door (``_pb_serving.Link``): a model running in an instance
+process is handed ``_pb_remote.RemoteLink``, whose methods forward the same calls over
+the process's link, where the server's ``InstanceProcess`` runs them on a
+``ServerLink``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
@@ -30,7 +29,6 @@ from .._repository import ModelRepository
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from ..tracing import Trace, infer_child
-from ._pb_tensors import TritonModelException
 
 T = TypeVar("T")
 Deliver = Callable[[T | BaseException], None]
@@ -129,26 +127,3 @@ class ServerLink:
         if control is None:
             raise UnavailableError("this server has no model repository to load from")
         return control
-
-
-@dataclass(frozen=True, slots=True)
-class Serving:
-    """The model whose code runs: the server it reaches and the folder of its model.py."""
-
-    link: ServerLink
-    model_dir: Path
-
-
-# The model running on this thread, on its asyncio loop, or in a thread it started with a
-# copy of its context: where its BLS requests go.
-serving: contextvars.ContextVar[Serving] = contextvars.ContextVar("serving")
-
-
-def current(what: str) -> Serving:
-    found = serving.get(None)
-    if found is None:
-        raise TritonModelException(
-            f"{what} reaches the server only from a model's initialize, execute or finalize "
-            "(or code they run with their context)"
-        )
-    return found

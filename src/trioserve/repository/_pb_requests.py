@@ -23,12 +23,13 @@ from .._tensor import datatype
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from .._types import InputTensor, RequestedOutput, ResponseSender
-from ..tracing import Trace
-from ._pb_link import current
+from ._pb_serving import current
 from ._pb_tensors import Tensor, TritonError, TritonModelException, server_error, triton_error
 
 if TYPE_CHECKING:  # asyncio is imported once model code runs a loop, not with the server
     import asyncio
+
+    from ..tracing import Trace
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2

@@ -31,7 +31,7 @@ from ._ensemble import PLATFORM as ENSEMBLE
 from ._ensemble import EnsembleModel, ensemble_steps
 from ._generated.model_config_pb2 import ModelConfig
 from ._layout import chosen_versions, detect_backend, model_file, version_folders
-from ._pb_metrics import CustomMetrics
+from ._pb_metrics_export import CustomMetrics
 from ._python_backend import PythonBackendModel, auto_complete, import_model_file
 
 
