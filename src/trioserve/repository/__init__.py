@@ -14,3 +14,4 @@ __all__ = [
     "configure_onnxruntime",
     "decode_file_parameters",
 ]
+from ._pb_processes import PythonOptions as PythonOptions

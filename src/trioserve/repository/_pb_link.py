@@ -18,7 +18,6 @@ the process's link, where the server's ``InstanceProcess`` runs them on a
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -29,13 +28,14 @@ from .._repository import ModelRepository
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from ..tracing import Trace, infer_child
+from ._pb_serving import Waiting
 
 T = TypeVar("T")
 Deliver = Callable[[T | BaseException], None]
 Stream = Callable[[CoreResponse | InferenceServerError | None, bool], None]
 
 
-class ServerLink:
+class ServerLink(Waiting):
     """The server, as the code of its Python-backend models sees it."""
 
     def __init__(self, repository: ModelRepository, token: trio.lowlevel.TrioToken) -> None:
@@ -70,21 +70,6 @@ class ServerLink:
     def _cancel(self, scope: trio.CancelScope) -> None:
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(scope.cancel)
-
-    def wait(self, work: Callable[[], Awaitable[T]]) -> T:
-        """``work``'s result, from a thread that may block (never a trio thread)."""
-        done = threading.Event()
-        box: list[T | BaseException] = []
-
-        def deliver(outcome: T | BaseException) -> None:
-            box.append(outcome)
-            done.set()
-
-        self.start(work, deliver)
-        done.wait()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
 
     # --- what runs in trio ----------------------------------------------------------
 

@@ -9,6 +9,7 @@ module imports nothing but the standard library: instance processes import it.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,28 @@ class Link(Protocol):
     def unload(self, name: str, unload_dependents: bool) -> Any: ...
 
     def model_ready(self, name: str, version: str) -> Any: ...
+
+
+class Waiting:
+    """``Link.wait`` made of ``start``: a thread blocks on an event the outcome sets."""
+
+    def start(self, work: Callable[[], Any], deliver: Callable[[Any], None]) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def wait(self, work: Callable[[], Any]) -> Any:
+        """``work``'s result, from a thread that may block (never the event loop's)."""
+        done = threading.Event()
+        box: list[Any] = []
+
+        def deliver(outcome: Any) -> None:
+            box.append(outcome)
+            done.set()
+
+        self.start(work, deliver)
+        done.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,7 @@ class PythonBackendModel(Model):
         self._class = model_class
         self._config = config
         self._folder = folder
+        self._model_file = model_file
         self._model_dir = model_file.parent
         self._repository = repository
         self._metrics = metrics

@@ -32,6 +32,7 @@ from ._ensemble import EnsembleModel, ensemble_steps
 from ._generated.model_config_pb2 import ModelConfig
 from ._layout import chosen_versions, detect_backend, model_file, version_folders
 from ._pb_metrics_export import CustomMetrics
+from ._pb_processes import ProcessBackendModel, PythonOptions
 from ._python_backend import PythonBackendModel, auto_complete, import_model_file
 
 
@@ -43,6 +44,7 @@ def read_model(
     strict: bool = False,
     metrics: CustomMetrics | None = None,
     checkpoint_loader: CheckpointLoader | None = None,
+    python: PythonOptions | None = None,
 ) -> list[Model]:
     """The folder's models, one per version; ConfigError says why it cannot serve."""
     if override is None and _own_layout(folder):
@@ -78,6 +80,22 @@ def read_model(
         config.default_model_filename = "model.py"  # what Triton's python backend names
     complete_config(config, folder)
     settings = model_settings(config, folder)
+    python = python or PythonOptions()
+    if python.mode_of(settings["parameters"], folder.name) == "process":
+        return [
+            ProcessBackendModel(
+                classes[v],
+                config,
+                folders[v].parent,
+                v,
+                repository,
+                metrics,
+                files[v],
+                options=python,
+                **settings,
+            )
+            for v in versions
+        ]
     return [
         PythonBackendModel(
             classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
