@@ -16,9 +16,9 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,17 +27,24 @@ from .._tensor import datatype, datatype_of
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from .._types import OutputTensor
-from ..ipc._arena import Block
+from ..ipc._arena import Arena, Block, SegmentMap
 from ..ipc._blocking import LinkClosed
 from ._pb_metrics import MetricError, _FamilyState
 from ._pb_serving import Waiting
 from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, read_tensor
 
-if TYPE_CHECKING:
-    from ._pb_stub import Stub
-
 Deliver = Callable[[Any], None]
 Push = Callable[[Any, bool], None]
+
+
+class Stub(Protocol):
+    """The instance process's end of the link (``_pb_stub.Stub``)."""
+
+    arena: Arena  # the process's own: outputs, BLS inputs
+    server_memory: SegmentMap  # the server's arena, mapped
+    link: RemoteLink
+
+    def send(self, message: tuple[Any, ...], blocks: Sequence[Block] = ()) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
