@@ -98,6 +98,27 @@ output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [ { count: 3 kind: KIND_CPU } ]
 """
 
+# A 1 MiB output, read in place from the instance's arena.
+BIG = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            y = np.arange(1 << 18, dtype=np.float32) + x[0]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+        return responses
+"""
+
+BIG_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 262144 ] } ]
+"""
+
 # The numpy its process imports, and the interpreter it runs.
 VERSIONS = """
 import sys
@@ -132,6 +153,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("processes")
     write(root, "crashy", CRASHY_CONFIG, CRASHY)
     write(root, "counted", COUNTED_CONFIG, COUNTED)
+    write(root, "big", BIG_CONFIG, BIG)
     config = ServerConfig(
         model_repositories=[root],
         http_port=0,
@@ -289,6 +311,22 @@ def test_custom_metrics_from_three_instances(server: Server) -> None:
         text = response.read().decode()
     assert 'instances_started{model="counted"} 3.0' in text
     assert len(set(pids(server, "counted"))) == 3
+
+
+@pytest.mark.parametrize("module", CLIENTS, ids=IDS)
+def test_big_outputs_are_read_in_place_and_their_memory_reused(server: Server, module: Any) -> None:
+    client = client_of(server, module)
+    for step in range(40):
+        x = module.InferInput("X", [1], "FP32")
+        x.set_data_from_numpy(np.array([step], np.float32))
+        y = client.infer("big", [x]).as_numpy("Y")
+        assert y[0] == step and y[-1] == (1 << 18) - 1 + step
+    client.close()
+    (pid,) = pids(server, "big")
+    # Each output block went back to the instance's arena once sent: its segments (of
+    # 1 MiB) did not grow with the 40 MiB it answered.
+    segments = Path(f"/proc/{pid}/maps").read_text().count("trioserve-ipc")
+    assert segments <= 6
 
 
 def test_the_stub_imports_no_trio_protobuf_or_prometheus() -> None:

@@ -55,6 +55,8 @@ from ._pb_metrics_export import CustomMetrics
 from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, read_tensor
 
 logger = logging.getLogger("trioserve.python_backend")
+_FLUSH_BLOCKS = 64  # output blocks given back in a frame of their own, at most
+_COPY_BELOW = 64 * 1024  # an output this small is copied out and its block given back
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,7 @@ class InstanceProcess:
         self._keys = itertools.count(1)
         self._calls: dict[int, trio.CancelScope] = {}
         self._given_back: list[Block] = []
+        self._given_back_bytes = 0
         self._give_back_lock = threading.Lock()
         self._nursery: trio.Nursery | None = None
         self._initialized = trio.Event()
@@ -270,6 +273,7 @@ class InstanceProcess:
             self._free_all(blocks)
         with self._give_back_lock:
             self._given_back.clear()  # the dead process's arena went with it
+            self._given_back_bytes = 0
 
     async def stop(self) -> None:
         """Finalize and end the process (killed after ``stop_timeout_s``)."""
@@ -357,9 +361,12 @@ class InstanceProcess:
 
     def _leased(self, tensor: WireTensor) -> np.ndarray[Any, Any]:
         """The output in place in the process's arena, its block given back when the last
-        array reading it goes (a BYTES output is decoded, and given back at once)."""
+        array reading it goes (a BYTES output is decoded, a small one copied, and their
+        blocks given back at once)."""
         array = read_tensor(tensor, self._theirs.view(tensor.block))
-        if datatype(tensor.datatype).is_bytes:
+        if datatype(tensor.datatype).is_bytes or tensor.block.size < _COPY_BELOW:
+            # Decoded, or small enough that a copy costs less than watching the views.
+            array = array if datatype(tensor.datatype).is_bytes else array.copy()
             self._give_back(tensor.block, self._generation)
             return array
         lease = _Lease(array)
@@ -367,13 +374,21 @@ class InstanceProcess:
         return np.asarray(lease)
 
     def _give_back(self, block: Block, generation: int) -> None:
-        """From any thread (a finalizer): the block goes back with the next frame."""
+        """From any thread (a finalizer): the block goes back with the next ``exec``
+        frame, or in a ``free`` frame of its own once enough waits (a byte or a block
+        count), so that small outputs cost no frame of their own and big ones no memory
+        for long."""
         with self._give_back_lock:
             if generation != self._generation:
                 return
             self._given_back.append(block)
-            first = len(self._given_back) == 1
-        if first:
+            self._given_back_bytes += block.size
+            flush = self._given_back_bytes >= self.spec.growth_bytes or (
+                len(self._given_back) >= _FLUSH_BLOCKS
+            )
+            if flush:
+                self._given_back_bytes = -(2**62)  # one flush scheduled at a time
+        if flush:
             with contextlib.suppress(trio.RunFinishedError):
                 self._token.run_sync_soon(self._flush_soon)
 
@@ -390,6 +405,7 @@ class InstanceProcess:
     def _take_given_back(self) -> list[Block]:
         with self._give_back_lock:
             blocks, self._given_back = self._given_back, []
+            self._given_back_bytes = 0
         return blocks
 
     async def _announce(self, channel: TrioChannel, blocks: list[Block]) -> None:
