@@ -98,7 +98,7 @@ output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [ { count: 3 kind: KIND_CPU } ]
 """
 
-# A 1 MiB output, read in place from the instance's arena.
+# A 1 MiB output (made through DLPack), read in place from the instance's arena.
 BIG = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -108,8 +108,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            y = np.arange(1 << 18, dtype=np.float32) + x[0]
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]))
+            y = pb_utils.Tensor("Y", np.arange(1 << 18, dtype=np.float32) + x[0])
+            # Through DLPack and back, as models hand tensors to and from frameworks.
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor.from_dlpack("Y", y.to_dlpack())
+            ]))
         return responses
 """
 
@@ -422,3 +425,23 @@ def test_execution_env_path_runs_the_models_own_environment(
     assert version == b"1.26.4"
     assert np.__version__ != "1.26.4"
     assert python.decode() == str(tmp_path / "versions" / "env" / "bin" / "python")
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="python has no setting 'shm-size'"):
+        ServerConfig(backend_config={"python": {"shm-size": "1"}})
+    with pytest.raises(ValueError, match="python,shm-growth-byte-size must be an integer >= 1"):
+        ServerConfig(backend_config={"python": {"shm-growth-byte-size": "0"}})
+    with pytest.raises(ValueError, match="python_instance_mode must be one of thread, process"):
+        ServerConfig(python_instance_mode="fork")
+
+
+def test_a_bad_instance_mode_fails_that_model(tmp_path: Path) -> None:
+    write(tmp_path, "odd", CRASHY_CONFIG.replace('"process"', '"fork"'), CRASHY)
+    config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
+    with server_in_thread(config) as running:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
+        (entry,) = client.get_model_repository_index()
+        assert entry["state"] == "UNAVAILABLE"
+        assert "TRIOSERVE_INSTANCE_MODE must be 'thread' or 'process'" in entry["reason"]
+        client.close()
