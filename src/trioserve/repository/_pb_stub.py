@@ -227,6 +227,9 @@ def _exit(status: int) -> None:
 
 def main(argv: list[str]) -> None:
     channel = BlockingChannel(socket.socket(fileno=int(argv[1])))
+    # Model code sees the command line of a script started without arguments (as under
+    # ``trioserve run``): a model.py that parses its arguments reads its own defaults.
+    del argv[1:]
     stub = Stub(channel)
     sys.modules.setdefault("triton_python_backend_utils", pb_utils)
     handler = ServerLogHandler(stub)
