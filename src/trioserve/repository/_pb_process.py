@@ -123,7 +123,6 @@ class InstanceProcess:
         self._nursery: trio.Nursery | None = None
         self._initialized = trio.Event()
         self._init_error: str | None = None
-        self._finalized = trio.Event()
         self._serving = trio.Event()  # set while a process serves, or the instance is down
         self._scope = trio.CancelScope()
         self._supervised = trio.Event()
@@ -170,6 +169,11 @@ class InstanceProcess:
             self.unavailable = self.unavailable or "its supervision failed"
             self._serving.set()
         finally:
+            process = self._process
+            if process is not None and process.returncode is None:  # stopped by force
+                with trio.CancelScope(shield=True):
+                    process.kill()
+                    await process.wait()
             self._supervised.set()
 
     async def _run_once(self, first: Callable[[BaseException | None], None] | None) -> str | None:
@@ -185,6 +189,8 @@ class InstanceProcess:
                     if first is not None:
                         first(None)
                     self._serving.set()
+                    if self._stopping:  # stop() came while it started
+                        await self._finalize()
         finally:
             self._nursery = None
         ended = await self._reap()
@@ -276,23 +282,22 @@ class InstanceProcess:
             self._given_back_bytes = 0
 
     async def stop(self) -> None:
-        """Finalize and end the process (killed after ``stop_timeout_s``)."""
+        """Finalize and end the process (killed after ``stop_timeout_s``). A process
+        starting meanwhile is told to finalize once it has initialized."""
         self._stopping = True
-        channel, process = self._channel, self._process
-        if channel is not None and process is not None and process.returncode is None:
-            with contextlib.suppress(LinkClosed):
-                await channel.send(("finalize",))
-            with trio.move_on_after(self._policy.stop_timeout_s):
-                await self._finalized.wait()
+        await self._finalize()
         with trio.move_on_after(self._policy.stop_timeout_s):
             await self._supervised.wait()
-        self._scope.cancel()
-        if process is not None and process.returncode is None:
-            process.kill()
-            await process.wait()
+        self._scope.cancel()  # the supervisor kills what still runs
         await self._supervised.wait()
         self._theirs.close()
         self._arena.close()
+
+    async def _finalize(self) -> None:
+        channel = self._channel
+        if channel is not None:
+            with contextlib.suppress(LinkClosed):
+                await channel.send(("finalize",))
 
     # --- batches ------------------------------------------------------------------
 
@@ -448,10 +453,8 @@ class InstanceProcess:
         elif kind in ("ready", "init_failed"):
             self._init_error = message[1] if kind == "init_failed" else None
             self._initialized.set()
-        elif kind == "finalized":
-            if message[1] is not None:
-                logger.error("model '%s' failed in finalize: %s", self.spec.model, message[1])
-            self._finalized.set()
+        elif kind == "finalized" and message[1] is not None:
+            logger.error("model '%s' failed in finalize: %s", self.spec.model, message[1])
 
     def _give_back_results(self, answer: tuple[Any, ...]) -> None:
         """A withdrawn batch's outputs: nobody reads them."""
