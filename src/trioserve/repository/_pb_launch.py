@@ -5,7 +5,9 @@ to a folder that holds only the modules the stub imports (``STUB_MODULES``, copi
 per server process into a temporary folder, removed at exit), so that it needs nothing
 of the server's environment but numpy: a model's ``EXECUTION_ENV_PATH`` (a folder
 holding a Python environment, a venv or an unpacked conda-pack archive, with
-``bin/python``) runs it under that environment's interpreter and libraries.
+``bin/python``) runs it under that environment's interpreter and libraries. Here too:
+what an instance starts with (``InstanceSpec``), when it is started again
+(``RestartPolicy``), and how an ended process is told.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _PACKAGE = Path(__file__).parents[1]  # trioserve/
 STUB_MODULE = "trioserve.repository._pb_stub"
@@ -93,3 +98,35 @@ def environment(gpu: int | None) -> dict[str, str]:
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return env
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    deaths: int = 3  # deaths within the window that leave an instance down
+    window_s: float = 60.0
+    stop_timeout_s: float = 30.0  # finalize's time to end before the process is killed
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """What an instance process is started with."""
+
+    model: str
+    instance: str
+    python: str
+    gpu: int | None
+    default_bytes: int
+    growth_bytes: int
+    settings: dict[str, Any]  # the stub's ``init`` frame
+
+
+def how_it_ended(status: int | None) -> str:
+    if status is None:
+        return "its process is gone"
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = f"signal {-status}"
+        return f"its process was killed by {name}"
+    return f"its process exited with status {status}"

@@ -21,12 +21,10 @@ import itertools
 import json
 import logging
 import math
-import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +47,7 @@ from ..ipc import (
     channel_pair,
 )
 from . import _pb_launch
+from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
@@ -57,26 +56,6 @@ from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, re
 logger = logging.getLogger("trioserve.python_backend")
 _FLUSH_BLOCKS = 64  # output blocks given back in a frame of their own, at most
 _COPY_BELOW = 64 * 1024  # an output this small is copied out and its block given back
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    deaths: int = 3  # deaths within the window that leave an instance down
-    window_s: float = 60.0
-    stop_timeout_s: float = 30.0  # finalize's time to end before the process is killed
-
-
-@dataclass(frozen=True)
-class InstanceSpec:
-    """What an instance process is started with."""
-
-    model: str
-    instance: str
-    python: str
-    gpu: int | None
-    default_bytes: int
-    growth_bytes: int
-    settings: dict[str, Any]  # the stub's ``init`` frame
 
 
 class InitializeFailed(Exception):
@@ -251,7 +230,7 @@ class InstanceProcess:
         if process.returncode is None:
             process.kill()
             await process.wait()
-        return _how_it_ended(process.returncode)
+        return _pb_launch.how_it_ended(process.returncode)
 
     def _may_restart(self, ended: str) -> bool:
         now = time.monotonic()
@@ -594,15 +573,3 @@ class InstanceProcess:
             (response.model_name, response.model_version, tensors, response.id,
              dict(response.parameters)),
         )  # fmt: skip
-
-
-def _how_it_ended(status: int | None) -> str:
-    if status is None:
-        return "its process is gone"
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = f"signal {-status}"
-        return f"its process was killed by {name}"
-    return f"its process exited with status {status}"

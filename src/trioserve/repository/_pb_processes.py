@@ -26,8 +26,9 @@ from .._types import InferenceRequest
 from . import _pb_launch
 from ._config import ConfigError
 from ._generated.model_config_pb2 import ModelInstanceGroup
+from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
-from ._pb_process import InitializeFailed, InstanceProcess, InstanceSpec, RestartPolicy
+from ._pb_process import InitializeFailed, InstanceProcess
 from ._python_backend import PythonBackendModel, model_module_name
 
 MODE_PARAMETER = "TRIOSERVE_INSTANCE_MODE"
