@@ -436,6 +436,42 @@ def test_execution_env_path_runs_the_models_own_environment(
     assert python.decode() == str(tmp_path / "versions" / "env" / "bin" / "python")
 
 
+# Each instance tells the device its process was given.
+DEVICE = """
+import os
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.device = args["model_instance_device_id"]
+
+    def execute(self, requests):
+        seen = np.array([self.device.encode(), os.environ["CUDA_VISIBLE_DEVICES"].encode()],
+                        dtype=object)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("V", seen)]) for _ in requests]
+"""
+
+DEVICE_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "V" data_type: TYPE_STRING dims: [ 2 ] } ]
+instance_group [ { count: 1 kind: KIND_GPU gpus: [ 3 ] } ]
+"""
+
+
+def test_a_gpu_instance_sees_its_device(tmp_path: Path) -> None:
+    write(tmp_path, "device", DEVICE_CONFIG, DEVICE)
+    config = ServerConfig(
+        model_repositories=[tmp_path], http_port=0, grpc_port=None, python_instance_mode="process"
+    )
+    with server_in_thread(config) as running:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
+        seen = client.infer("device", counted_input(httpclient)).as_numpy("V").tolist()
+        client.close()
+    assert seen == [b"3", b"3"]
+
+
 def test_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="python has no setting 'shm-size'"):
         ServerConfig(backend_config={"python": {"shm-size": "1"}})
