@@ -179,8 +179,17 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -> Result:
-    body, headers = http_body(mode)
+def run_wrk(
+    url: str,
+    mode: str,
+    concurrency: int,
+    duration: float,
+    cpus: str,
+    model: str | None = None,
+    request: tuple[bytes, dict[str, str]] | None = None,
+) -> Result:
+    """wrk posting ``mode``'s body (or ``request``) to ``mode``'s model (or ``model``)."""
+    body, headers = request or http_body(mode)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "body").write_bytes(body)
         lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
@@ -197,7 +206,7 @@ def run_wrk(url: str, mode: str, concurrency: int, duration: float, cpus: str) -
             "--latency",
             "-s",
             str(script),
-            f"http://{url}/v2/models/{model_of(mode)}/infer",
+            f"http://{url}/v2/models/{model or model_of(mode)}/infer",
         ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     if "Non-2xx" in out or "Socket errors" in out:

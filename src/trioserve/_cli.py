@@ -22,7 +22,7 @@ import trio
 from . import _gc
 from ._alternatives import check_alternatives
 from ._backend_config import parse_backend_setting
-from ._config import ServerConfig
+from ._config import PYTHON_INSTANCE_MODES, ServerConfig
 from ._limits import GrpcLimits, HttpLimits
 from ._log_settings import FORMATS, LogConfig
 from ._metrics_config import metrics_config_from_flags
@@ -91,6 +91,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="BOOL",
         help="not ready while a model that should serve failed to load or loads "
         "(default true); false: ready once the server is up",
+    )
+    run.add_argument(
+        "--python-instance-mode",
+        choices=PYTHON_INSTANCE_MODES,
+        default="process",
+        help="where Python-backend model instances run: 'process', each in a process of "
+        "its own, as Triton runs them (the default); 'thread', in worker threads of the "
+        "server. A model's config.pbtxt parameter TRIOSERVE_INSTANCE_MODE overrides it",
     )
     run.add_argument(
         "--strict-model-config",
@@ -323,6 +331,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         backend_config=_backend_config(args.backend_config),
         exit_on_error=args.exit_on_error,
         strict_readiness=args.strict_readiness,
+        python_instance_mode=args.python_instance_mode,
         host=args.host,
         http_port=args.http_port if args.allow_http else None,
         grpc_port=args.grpc_port if args.allow_grpc else None,

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ._backend_config import onnxruntime_settings
+from ._backend_config import onnxruntime_settings, python_settings
 from ._limits import MAX_SHARED_MEMORY_REGIONS, GrpcLimits, HttpLimits
 from ._log_settings import LogConfig
 from ._metrics_config import MetricsConfig
 from ._model import Model
 from ._restricted import Restriction, check_restrictions
 from .tracing import TraceConfig
+
+PYTHON_INSTANCE_MODES = ("thread", "process")
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,13 @@ class ServerConfig:
     # A load whose import or initialize takes longer fails (its thread is left behind);
     # 0: no limit.
     model_load_timeout_s: float = 600.0
-    # --backend-config: backend -> its settings (``_backend_config``; only onnxruntime's)
+    # --backend-config: backend -> its settings (``_backend_config``: onnxruntime, python)
     backend_config: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Where a Python-backend model's instances run (a model's config.pbtxt parameter
+    # TRIOSERVE_INSTANCE_MODE chooses for itself): "thread", in worker threads of the
+    # server (embedding and the testing kit: one process, exact); "process", each in a
+    # process of its own, as Triton runs them (``trioserve run``'s default).
+    python_instance_mode: str = "thread"
     # A model that fails to load at startup stops the server ("failed to load all
     # models"); ``trioserve run`` sets it, as Triton's --exit-on-error defaults to true.
     exit_on_error: bool = False
@@ -117,6 +124,11 @@ class ServerConfig:
         if self.response_cache_bytes < 0:
             raise ValueError("response_cache_bytes must be >= 0")
         onnxruntime_settings(self.backend_config)  # raises for an unknown or bad setting
+        python_settings(self.backend_config)
+        if self.python_instance_mode not in PYTHON_INSTANCE_MODES:
+            raise ValueError(
+                f"python_instance_mode must be one of {', '.join(PYTHON_INSTANCE_MODES)}"
+            )
         object.__setattr__(self, "model_repositories", tuple(map(Path, self.model_repositories)))
         if self.model_control_mode not in ("none", "poll", "explicit"):
             raise ValueError("model_control_mode must be 'none', 'poll' or 'explicit'")

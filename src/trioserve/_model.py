@@ -166,6 +166,11 @@ class Model:
         """Called once after the model stopped serving; may be ``async``."""
         return None
 
+    def unavailable(self) -> str | None:
+        """Why the loaded model cannot serve any more (None: it can); the repository
+        index shows it UNAVAILABLE with this reason, and it is not ready."""
+        return None
+
     def memory_usage(self) -> Sequence[MemoryUsage]:
         """What the model holds once loaded, as the statistics extension reports it."""
         return ()

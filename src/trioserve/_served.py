@@ -210,7 +210,8 @@ class ModelRepository:
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
-            return self.get(name, version).ready
+            served = self.get(name, version)
+            return served.ready and served.model.unavailable() is None
         except (NotFoundError, InvalidArgumentError):
             return False
 

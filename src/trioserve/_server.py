@@ -31,7 +31,7 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from ._alternatives import check_alternatives, grpclib_server, hypercorn_server
-from ._backend_config import onnxruntime_settings
+from ._backend_config import onnxruntime_settings, python_settings
 from ._config import ServerConfig
 from ._context import ServerContext, server_context
 from ._generative import GenerativeModel
@@ -42,7 +42,7 @@ from ._types import InferenceResponse
 from .grpc import serve_grpc_core
 from .metrics import CountersCollector, LLMMetricFamilies
 from .models import load_checkpoint_model
-from .repository import RepositoryManager, configure_onnxruntime
+from .repository import PythonOptions, RepositoryManager, configure_onnxruntime
 from .rest import HTTP_COUNTERS, HttpStatistics, RestApp, build_app, serve_http11, serve_metrics
 from .scheduler import GenerativeRunner, RequestIds, ResponseCache, runner_class
 from .shm import SharedMemoryRegistry
@@ -194,6 +194,9 @@ async def open_server(config: ServerConfig) -> AsyncIterator[Server]:
             checkpoint_loader=load_checkpoint_model,
             load_threads=config.model_load_thread_count,
             load_timeout_s=config.model_load_timeout_s,
+            python=PythonOptions(
+                config.python_instance_mode, python_settings(config.backend_config)
+            ),
         )
         repository.strict_readiness = config.strict_readiness
         await services.start(manager.run)

@@ -41,3 +41,10 @@ def write_onnx() -> WriteOnnx:
         return path
 
     return write
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def instance_mode(request: pytest.FixtureRequest) -> str:
+    """Where Python-backend model instances run (``ServerConfig.python_instance_mode``):
+    a test that takes it runs in both modes."""
+    return str(request.param)

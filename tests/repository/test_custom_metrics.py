@@ -89,7 +89,7 @@ def samples(text: str) -> dict[str, float]:
     }
 
 
-def test_custom_metrics_on_the_servers_metrics(tmp_path: Path) -> None:
+def test_custom_metrics_on_the_servers_metrics(tmp_path: Path, instance_mode: str) -> None:
     write(tmp_path, "counting", COUNTING_MODEL)
     write(tmp_path, "clashing", CLASHING_MODEL)
     config = ServerConfig(
@@ -98,6 +98,7 @@ def test_custom_metrics_on_the_servers_metrics(tmp_path: Path) -> None:
         load_models=["counting"],
         http_port=0,
         grpc_port=None,
+        python_instance_mode=instance_mode,
     )
     with server_in_thread(config) as server:
         url = f"127.0.0.1:{server.http_port}"

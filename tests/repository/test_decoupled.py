@@ -25,9 +25,13 @@ TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
 
 @pytest.fixture
-def server(grpc_server: str) -> Iterator[Server]:
+def server(grpc_server: str, instance_mode: str) -> Iterator[Server]:
     config = ServerConfig(
-        model_repositories=[TRITON_EXAMPLES], http_port=0, grpc_port=0, grpc_server=grpc_server
+        model_repositories=[TRITON_EXAMPLES],
+        http_port=0,
+        grpc_port=0,
+        grpc_server=grpc_server,
+        python_instance_mode=instance_mode,
     )
     with server_in_thread(config) as running:
         yield running
@@ -151,11 +155,21 @@ def test_unary_endpoints_refuse_decoupled_models(server: Server) -> None:
 
 
 SENDER_MODEL = """
+import os
 import threading
+import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-CANCELLED = threading.Event()  # shared by the model's two instances
+# Shared by the model's two instances, threads or processes.
+CANCELLED = os.path.join(os.path.dirname(__file__), "cancelled")
+
+
+def saw_cancelled(timeout):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(CANCELLED) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return os.path.exists(CANCELLED)
 
 
 class TritonPythonModel:
@@ -179,7 +193,7 @@ class TritonPythonModel:
             elif mode == 2:
                 return [pb_utils.InferenceResponse([out])]  # not allowed when decoupled
             else:  # state whether the earlier request saw its cancellation
-                seen = np.array([int(CANCELLED.wait(10))], np.int32)
+                seen = np.array([int(saw_cancelled(10))], np.int32)
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", seen)]),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
@@ -187,7 +201,7 @@ class TritonPythonModel:
     def _watch(self, request, sender):
         while not request.is_cancelled():
             threading.Event().wait(0.001)
-        CANCELLED.set()
+        open(CANCELLED, "w").close()
 """
 
 SENDER_CONFIG = """
@@ -200,13 +214,17 @@ instance_group [ { count: 2 kind: KIND_CPU } ]
 
 
 @pytest.fixture
-def sender_server(tmp_path: Path, grpc_server: str) -> Iterator[Server]:
+def sender_server(tmp_path: Path, grpc_server: str, instance_mode: str) -> Iterator[Server]:
     folder = tmp_path / "sender"
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(SENDER_CONFIG)
     (folder / "1" / "model.py").write_text(textwrap.dedent(SENDER_MODEL))
     config = ServerConfig(
-        model_repositories=[tmp_path], http_port=0, grpc_port=0, grpc_server=grpc_server
+        model_repositories=[tmp_path],
+        http_port=0,
+        grpc_port=0,
+        grpc_server=grpc_server,
+        python_instance_mode=instance_mode,
     )
     with server_in_thread(config) as running:
         yield running

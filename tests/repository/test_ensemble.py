@@ -92,7 +92,7 @@ def write_model(root: Path, name: str, config: str, model: str | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("ensembles")
     write_model(root, "double", STEP_CONFIG.format(), STEP_MODEL.format(op="* 2"))
     write_model(root, "add_one", STEP_CONFIG.format(), STEP_MODEL.format(op="+ 1"))
@@ -102,7 +102,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         'value: "nowhere" }\n      output_map { key: "Y" value: "twice"',
     )
     write_model(root, "broken", broken, None)
-    config = ServerConfig(model_repositories=[root], http_port=0, grpc_port=0)
+    config = ServerConfig(
+        model_repositories=[root], http_port=0, grpc_port=0, python_instance_mode=instance_mode
+    )
     with server_in_thread(config) as running:
         yield running
 
@@ -272,7 +274,7 @@ ensemble_scheduling {
 """
 
 
-def test_unloading_an_ensemble_with_its_dependents(tmp_path: Path) -> None:
+def test_unloading_an_ensemble_with_its_dependents(tmp_path: Path, instance_mode: str) -> None:
     write_model(tmp_path, "double", STEP_CONFIG.format(), STEP_MODEL.format(op="* 2"))
     write_model(tmp_path, "add_one", STEP_CONFIG.format(), STEP_MODEL.format(op="+ 1"))
     write_model(tmp_path, "pipeline", ENSEMBLE_CONFIG, None)
@@ -283,6 +285,7 @@ def test_unloading_an_ensemble_with_its_dependents(tmp_path: Path) -> None:
         grpc_port=None,
         model_control_mode="explicit",
         load_models=("*",),
+        python_instance_mode=instance_mode,
     )
     with server_in_thread(config) as running:
         http = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")

@@ -28,25 +28,44 @@ from trioserve.testing import server_in_thread
 TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
 # Both requests of a pair must be in the model at once: BLS calls made one after the
-# other break the barrier (after its timeout) instead of meeting at it.
+# other fail to meet (after a timeout). The two instances meet through files, so that
+# they meet whether they are threads of the server or processes of their own: each
+# arrival takes the next ticket and waits for its partner's (0 and 1, 2 and 3...).
 PAIRED = """
-import threading
+import os
+import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-BARRIER = threading.Barrier(2, timeout=10)
+TICKETS = os.path.join(os.path.dirname(__file__), "tickets")
+
+def meet():
+    os.makedirs(TICKETS, exist_ok=True)
+    number = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(TICKETS, str(number)), os.O_CREAT | os.O_EXCL))
+            break
+        except FileExistsError:
+            number += 1
+    partner = os.path.join(TICKETS, str(number ^ 1))
+    deadline = time.monotonic() + 10
+    while not os.path.exists(partner):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other request of the pair never came")
+        time.sleep(0.005)
 
 class TritonPythonModel:
     def execute(self, requests):
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
-            BARRIER.wait()
+            meet()
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 2)]))
         return responses
 """
 
-DOUBLER = PAIRED.replace("BARRIER.wait()", "pass")
+DOUBLER = PAIRED.replace("            meet()\n", "")
 
 PAIRED_CONFIG = """
 backend: "python"
@@ -234,7 +253,7 @@ def write(root: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = write(
         tmp_path_factory.mktemp("examples"),
         {
@@ -253,7 +272,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "auto/1/model.py": AUTO,
         },
     )
-    config = ServerConfig(model_repositories=[root], http_port=0, grpc_port=0)
+    config = ServerConfig(
+        model_repositories=[root], http_port=0, grpc_port=0, python_instance_mode=instance_mode
+    )
     with server_in_thread(config) as running:
         yield running
 

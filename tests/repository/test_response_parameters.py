@@ -47,14 +47,18 @@ class TritonPythonModel:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("repository")
     for name, extra in (("tagged", ""), ("cached", "response_cache { enable: true }")):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(CONFIG.replace("{name}", name) + extra)
         (root / name / "1" / "model.py").write_text(textwrap.dedent(MODEL))
     config = ServerConfig(
-        model_repositories=[root], http_port=0, grpc_port=0, response_cache_bytes=1 << 20
+        model_repositories=[root],
+        http_port=0,
+        grpc_port=0,
+        response_cache_bytes=1 << 20,
+        python_instance_mode=instance_mode,
     )
     with server_in_thread(config) as running:
         yield running

@@ -8,7 +8,8 @@ them. ``Replies`` matches answers to the requests that await them.
 """
 
 from ._arena import ALIGNMENT, Arena, ArenaFull, Block, SegmentMap, anonymous_memory
-from ._channels import BlockingChannel, LinkClosed, TrioChannel, channel_pair
+from ._blocking import BlockingChannel, LinkClosed, channel_pair
+from ._channels import TrioChannel
 from ._frames import FrameError, FrameReader, encode_frames
 from ._replies import Replies
 

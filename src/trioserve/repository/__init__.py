@@ -16,3 +16,4 @@ __all__ = [
     "configure_onnxruntime",
     "load_repository",
 ]
+from ._pb_options import PythonOptions as PythonOptions

@@ -19,7 +19,7 @@ from ._checkpoint_backend import CHECKPOINT_FILE, read_checkpoint
 from ._config import CONFIG_FILE, ConfigError
 from ._generated.model_config_pb2 import ModelConfig
 from ._layout import Reading, version_folders
-from ._python_backend import read_python
+from ._pb_processes import read_python
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from .._generative import GenerativeModel
 from .._served import ModelRepository
 from ._config import CONFIG_FILE, ConfigError
 from ._generated.model_config_pb2 import ModelConfig
-from ._pb_metrics import CustomMetrics
+from ._pb_metrics_export import CustomMetrics
+from ._pb_options import PythonOptions
 
 # (path, name, *, versions, device, engine settings...) -> the served model
 CheckpointLoader = Callable[..., GenerativeModel]
@@ -37,6 +38,7 @@ class Reading:
     strict: bool  # --strict-model-config: the config says everything, no auto-complete
     metrics: CustomMetrics | None  # the registry of the python backend's custom metrics
     checkpoint_loader: CheckpointLoader | None  # what makes an hf_checkpoint model
+    python: PythonOptions | None = None  # python-backend instances: processes or threads
 
     def model_file(self, version: Path) -> Path:
         """The version's model file: ``default_model_filename`` or the backend's default."""

@@ -41,7 +41,8 @@ from .._served import LoadTimeout, ModelRepository, ServedModel, UploadedFile
 from ._config import ConfigError
 from ._ensemble import EnsembleModel
 from ._layout import CheckpointLoader, model_folders
-from ._pb_metrics import CustomMetrics
+from ._pb_metrics_export import CustomMetrics
+from ._pb_options import PythonOptions
 from ._reading import read_model
 
 logger = logging.getLogger("trioserve.repository")
@@ -69,6 +70,7 @@ class RepositoryManager:
         checkpoint_loader: CheckpointLoader | None = None,
         load_threads: int = 4,
         load_timeout_s: float = 600.0,
+        python: PythonOptions | None = None,
     ) -> None:
         self._repository = repository
         self._make_runners = make_runners
@@ -78,6 +80,7 @@ class RepositoryManager:
         self._startup = tuple(startup_models)
         self._poll_secs = poll_secs
         self._strict = strict
+        self._python = python
         self._checkpoint_loader = checkpoint_loader
         self._failures: dict[str, str] = {}  # model name -> why it is not served
         self._unloaded: set[str] = set()
@@ -172,11 +175,14 @@ class RepositoryManager:
         known |= loading
         for name in sorted(known):
             if self._repository.has(name):
-                entries += [
-                    {"name": name, "version": v, "state": "READY", "reason": ""}
-                    for v in self._repository.versions(name)
-                    if self._repository.model_ready(name, v)
-                ]
+                for v in self._repository.versions(name):
+                    down = self._repository.get(name, v).model.unavailable()
+                    if down is not None:
+                        entries.append(
+                            {"name": name, "version": v, "state": "UNAVAILABLE", "reason": down}
+                        )
+                    elif self._repository.model_ready(name, v):
+                        entries.append({"name": name, "version": v, "state": "READY", "reason": ""})
             elif not ready_only:
                 reason = self._failures.get(name, "unloaded" if name in self._unloaded else "")
                 state = "UNAVAILABLE" if reason else ""
@@ -313,6 +319,7 @@ class RepositoryManager:
                     strict=self._strict,
                     metrics=self._metrics,
                     checkpoint_loader=self._checkpoint_loader,
+                    python=self._python,
                 ),
                 abandon_on_cancel=True,
                 limiter=trio.CapacityLimiter(1),

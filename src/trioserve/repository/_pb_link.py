@@ -9,18 +9,16 @@ an event, asyncio resolves a future with ``call_soon_threadsafe``). So no call n
 trio worker thread, and an asyncio loop never blocks on one: ``asyncio.gather`` over
 ``async_exec`` calls runs them all at once in trio.
 
-``ServerLink`` is the one door: a model running in another process would be handed a
-link with the same methods that forwards them over a pipe.
+``ServerLink`` is the one door (``_pb_serving.Link``): a model running in an instance
+process is handed ``_pb_remote.RemoteLink``, whose methods forward the same calls over
+the process's link, where the server's ``InstanceProcess`` runs them on a
+``ServerLink``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import threading
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
@@ -30,14 +28,14 @@ from .._served import ModelRepository
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from ..tracing import Trace, infer_child
-from ._pb_tensors import TritonModelException
+from ._pb_serving import Waiting
 
 T = TypeVar("T")
 Deliver = Callable[[T | BaseException], None]
 Stream = Callable[[CoreResponse | InferenceServerError | None, bool], None]
 
 
-class ServerLink:
+class ServerLink(Waiting):
     """The server, as the code of its Python-backend models sees it."""
 
     def __init__(self, repository: ModelRepository, token: trio.lowlevel.TrioToken) -> None:
@@ -72,21 +70,6 @@ class ServerLink:
     def _cancel(self, scope: trio.CancelScope) -> None:
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(scope.cancel)
-
-    def wait(self, work: Callable[[], Awaitable[T]]) -> T:
-        """``work``'s result, from a thread that may block (never a trio thread)."""
-        done = threading.Event()
-        box: list[T | BaseException] = []
-
-        def deliver(outcome: T | BaseException) -> None:
-            box.append(outcome)
-            done.set()
-
-        self.start(work, deliver)
-        done.wait()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
 
     # --- what runs in trio ----------------------------------------------------------
 
@@ -129,26 +112,3 @@ class ServerLink:
         if control is None:
             raise UnavailableError("this server has no model repository to load from")
         return control
-
-
-@dataclass(frozen=True, slots=True)
-class Serving:
-    """The model whose code runs: the server it reaches and the folder of its model.py."""
-
-    link: ServerLink
-    model_dir: Path
-
-
-# The model running on this thread, on its asyncio loop, or in a thread it started with a
-# copy of its context: where its BLS requests go.
-serving: contextvars.ContextVar[Serving] = contextvars.ContextVar("serving")
-
-
-def current(what: str) -> Serving:
-    found = serving.get(None)
-    if found is None:
-        raise TritonModelException(
-            f"{what} reaches the server only from a model's initialize, execute or finalize "
-            "(or code they run with their context)"
-        )
-    return found

@@ -1,9 +1,12 @@
 """Custom metrics of Python-backend models: ``pb_utils.MetricFamily`` and its ``Metric``s.
 
-A server keeps its models' families in one ``CustomMetrics`` collector, registered with
-that server's own registry, so they appear on its ``/metrics`` beside Triton's families.
-A model reaches the collector through ``serving_metrics``, which the Python backend sets
-while the model's ``initialize``, ``execute`` and ``finalize`` run. As in Triton, two
+A server keeps its models' families in one ``CustomMetrics`` collector
+(``_pb_metrics_export``), registered with that server's own registry, so they appear on
+its ``/metrics`` beside Triton's families. A model reaches the collector through
+``serving_metrics``, which the Python backend sets while the model's ``initialize``,
+``execute`` and ``finalize`` run. In an instance process the families are local copies
+whose every change is forwarded (``forward``) to the server's, which ``/metrics`` shows:
+there ``value()`` is the instance's own count. As in Triton, two
 families of one name are the same family (the first description stays; another kind is
 an error), and a family lives as long as one loaded model version that made it: a
 version's unload drops the families no other loaded version holds.
@@ -15,10 +18,12 @@ import bisect
 import contextvars
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
-from prometheus_client.metrics_core import Metric as PrometheusFamily
-from prometheus_client.registry import Collector
+# What an instance process forwards of each change to a series: (family, labels, change,
+# amount), the change "increment", "set" or "observe".
+Forward = Callable[["_FamilyState", tuple[tuple[str, str], ...], str, float], None]
 
 COUNTER = 0
 GAUGE = 1
@@ -30,39 +35,6 @@ _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 
 class MetricError(Exception):
     """A metric used against its kind, or a name Prometheus cannot carry."""
-
-
-class CustomMetrics(Collector):
-    """The families the models of one server made, by name."""
-
-    def __init__(self) -> None:
-        self._families: dict[str, _FamilyState] = {}
-        self._lock = threading.Lock()  # models make families from worker threads
-
-    def family(self, name: str, description: str, kind: int, owner: object) -> _FamilyState:
-        with self._lock:
-            state = self._families.get(name)
-            if state is None:
-                state = self._families[name] = _FamilyState(name, description, kind)
-            elif state.kind != kind:
-                raise MetricError(
-                    f"metric family '{name}' already exists as a {_TYPE_NAMES[state.kind]}"
-                )
-            state.owners.add(id(owner))
-            return state
-
-    def release(self, owner: object) -> None:
-        """``owner`` unloaded: forget the families no other owner holds."""
-        with self._lock:
-            for name, state in list(self._families.items()):
-                state.owners.discard(id(owner))
-                if not state.owners:
-                    del self._families[name]
-
-    def collect(self) -> list[PrometheusFamily]:
-        with self._lock:
-            states = list(self._families.values())
-        return [state.exported() for state in states]
 
 
 class _FamilyState:
@@ -77,19 +49,27 @@ class _FamilyState:
         self.owners: set[int] = set()
         self.metrics: dict[tuple[tuple[str, str], ...], Metric] = {}
         self.lock = threading.Lock()
+        self.forward: Forward | None = None
 
-    def exported(self) -> PrometheusFamily:
-        # Counters keep their own name (no ``_total``), as Triton exports them.
-        family = PrometheusFamily(self.name, self.description, _TYPE_NAMES[self.kind])
+    def series(self, key: tuple[tuple[str, str], ...], buckets: Sequence[float]) -> Metric:
+        """The family's metric of these labels, made on first use."""
         with self.lock:
-            for key, metric in self.metrics.items():
-                metric.add_samples(family, dict(key))
-        return family
+            metric = self.metrics.get(key)
+            if metric is None:
+                metric = self.metrics[key] = Metric(self, buckets, key)
+            return metric
 
 
 # The collector of the server whose model is running on this thread (or task), and the
 # model version that owns what it makes.
-serving_metrics: contextvars.ContextVar[tuple[CustomMetrics, object]] = contextvars.ContextVar(
+class Families(Protocol):
+    """Where a model's families live: the server's ``CustomMetrics``
+    (``_pb_metrics_export``), or an instance process's forwarder (``_pb_remote``)."""
+
+    def family(self, name: str, description: str, kind: int, owner: object) -> _FamilyState: ...
+
+
+serving_metrics: contextvars.ContextVar[tuple[Families, object]] = contextvars.ContextVar(
     "serving_metrics"
 )
 
@@ -127,19 +107,17 @@ class MetricFamily:
                 )
         elif buckets is not None:
             raise MetricError(f"'{state.name}' is not a histogram: it takes no buckets")
-        key = tuple(sorted(labels.items()))
-        with state.lock:
-            metric = state.metrics.get(key)
-            if metric is None:
-                metric = state.metrics[key] = Metric(state, buckets or ())
-            return metric
+        return state.series(tuple(sorted(labels.items())), buckets or ())
 
 
 class Metric:
     """One labelled series of a family: ``increment``, ``set``, ``observe``, ``value``."""
 
-    def __init__(self, family: _FamilyState, buckets: Sequence[float]) -> None:
+    def __init__(
+        self, family: _FamilyState, buckets: Sequence[float], key: tuple[tuple[str, str], ...]
+    ) -> None:
         self._family = family
+        self._key = key
         self._value = 0.0
         self._bounds = [float(b) for b in buckets]
         self._counts = [0] * (len(self._bounds) + 1)  # per bucket, the last is +Inf
@@ -153,11 +131,13 @@ class Metric:
             raise MetricError(f"counter '{self._family.name}' cannot decrease")
         with self._lock:
             self._value += value
+        self._forward("increment", value)
 
     def set(self, value: float) -> None:
         if self._family.kind != GAUGE:
             raise MetricError(f"'{self._family.name}' is not a gauge: only gauges 'set'")
         self._value = float(value)
+        self._forward("set", value)
 
     def observe(self, value: float) -> None:
         if self._family.kind != HISTOGRAM:
@@ -167,29 +147,22 @@ class Metric:
         with self._lock:
             self._value += value  # the sum
             self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._forward("observe", value)
+
+    def _forward(self, change: str, value: float) -> None:
+        forward = self._family.forward
+        if forward is not None:
+            forward(self._family, self._key, change, float(value))
 
     def value(self) -> float:
         if self._family.kind == HISTOGRAM:
             raise MetricError(f"histogram '{self._family.name}' has no single value")
         return self._value
 
-    def add_samples(self, family: PrometheusFamily, labels: dict[str, str]) -> None:
-        name = self._family.name
-        if self._family.kind != HISTOGRAM:
-            family.add_sample(name, labels, self._value)
-            return
+    def snapshot(self) -> tuple[float, list[float], list[int]]:
+        """The value (a histogram's sum), the bucket bounds and the count in each bucket."""
         with self._lock:
-            counts, total = list(self._counts), self._value
-        cumulative = 0
-        for bound, count in zip([*self._bounds, float("inf")], counts, strict=True):
-            cumulative += count
-            family.add_sample(
-                f"{name}_bucket",
-                {**labels, "le": "+Inf" if bound == float("inf") else repr(bound)},
-                cumulative,
-            )
-        family.add_sample(f"{name}_count", labels, cumulative)
-        family.add_sample(f"{name}_sum", labels, total)
+            return self._value, self._bounds, list(self._counts)
 
 
 _Series = Metric  # the name ``MetricFamily.Metric`` hides in its own class

@@ -23,12 +23,13 @@ from .._tensor import datatype
 from .._types import InferenceRequest as CoreRequest
 from .._types import InferenceResponse as CoreResponse
 from .._types import InputTensor, RequestedOutput, ResponseSender
-from ..tracing import Trace
-from ._pb_link import current
+from ._pb_serving import current
 from ._pb_tensors import Tensor, TritonError, TritonModelException, server_error, triton_error
 
 if TYPE_CHECKING:  # asyncio is imported once model code runs a loop, not with the server
     import asyncio
+
+    from ..tracing import Trace
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -215,23 +216,45 @@ class InferenceRequest:
         inputs = [
             Tensor(t.name, t.data, triton_dtype=t.datatype.name) for t in request.inputs.values()
         ]
-        parameters = request.parameters
+        return cls._received(
+            request.model_name,
+            inputs,
+            [o.name for o in request.outputs],
+            request.id,
+            request.parameters,
+            request.response_sender,
+            InferenceTrace(request.trace),
+        )
+
+    @classmethod
+    def _received(
+        cls,
+        model_name: str,
+        inputs: list[Tensor],
+        requested: list[str],
+        request_id: str,
+        parameters: Mapping[str, Any],
+        sender: ResponseSender | None,
+        trace: InferenceTrace | None = None,
+    ) -> InferenceRequest:
+        """A request the server received, wherever the model runs: the sequence batcher's
+        parameters become Triton's correlation id and flags."""
         flags = 0
         if parameters.get("sequence_start") is True:
             flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
         if parameters.get("sequence_end") is True:
             flags |= TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
         served = cls(
-            model_name=request.model_name,
+            model_name=model_name,
             inputs=inputs,
-            requested_output_names=[o.name for o in request.outputs],
-            request_id=request.id,
+            requested_output_names=requested,
+            request_id=request_id,
             correlation_id=parameters.get("sequence_id", 0),
             flags=flags,
-            trace=InferenceTrace(request.trace),
+            trace=trace,
             parameters=dict(parameters),
         )
-        served._sender = request.response_sender
+        served._sender = sender
         return served
 
     def inputs(self) -> list[Tensor]:

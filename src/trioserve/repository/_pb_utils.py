@@ -6,17 +6,16 @@ Triton's module (its Python file and the classes and functions Triton's stub add
 tensors and errors (``_pb_tensors``), requests, responses and BLS (``_pb_requests``), the
 model config of ``auto_complete_config`` (``_auto_complete``), custom metrics
 (``_pb_metrics``), the logger and model control here. Tensors are numpy arrays on the
-host.
+host. It imports neither trio nor protobuf nor prometheus_client: instance processes
+import it as it is.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._auto_complete import ModelConfig as ModelConfig
-from ._pb_link import current
 from ._pb_metrics import COUNTER as COUNTER
 from ._pb_metrics import GAUGE as GAUGE
 from ._pb_metrics import HISTOGRAM as HISTOGRAM
@@ -43,6 +42,7 @@ from ._pb_requests import InferenceResponseSender as InferenceResponseSender
 from ._pb_requests import InferenceTrace as InferenceTrace
 from ._pb_requests import PreferredMemory as PreferredMemory
 from ._pb_requests import ResponseIterator as ResponseIterator
+from ._pb_serving import current
 from ._pb_tensors import TRITON_STRING_TO_NUMPY as TRITON_STRING_TO_NUMPY
 from ._pb_tensors import Tensor as Tensor
 from ._pb_tensors import TritonError as TritonError
@@ -53,6 +53,19 @@ from ._pb_tensors import serialize_byte_tensor as serialize_byte_tensor
 from ._pb_tensors import server_error as server_error
 from ._pb_tensors import triton_string_to_numpy as triton_string_to_numpy
 from ._pb_tensors import triton_to_numpy_type as triton_to_numpy_type
+
+if TYPE_CHECKING:
+    from ._auto_complete import ModelConfig as ModelConfig
+
+
+def __getattr__(name: str) -> Any:
+    # ``ModelConfig`` (auto_complete_config's, on protobuf) is the server's: it is read
+    # there, and an instance process, which has no protobuf, never needs it.
+    if name == "ModelConfig":
+        from ._auto_complete import ModelConfig
+
+        return ModelConfig
+    raise AttributeError(f"module 'triton_python_backend_utils' has no attribute {name!r}")
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
@@ -95,7 +108,7 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
     link = current("is_model_ready").link
-    return link.wait(lambda: link.model_ready(model_name, model_version))
+    return bool(link.wait(lambda: link.model_ready(model_name, model_version)))
 
 
 class Logger:

@@ -21,13 +21,9 @@ thread, even after it returned.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
-import sys
-import traceback
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,41 +33,40 @@ import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
-from .._model_code import import_model_code, model_failure, raise_failure
+from .._model_code import failure_text, model_failure, raise_failure
 from .._served import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
-from ._config import (
-    CONFIG_FILE,
-    ConfigError,
-    complete_config,
-    config_document,
-    config_json,
-    model_settings,
-)
+from ._config import ConfigError, config_document, config_json
 from ._generated.model_config_pb2 import ModelConfig, ModelInstanceGroup
-from ._layout import Reading, chosen_versions, version_folders
-from ._pb_link import ServerLink, Serving, serving
-from ._pb_loop import InstanceLoop
-from ._pb_metrics import CustomMetrics, serving_metrics
-
-MODULE_NAME = "triton_python_backend_utils"
-logger = logging.getLogger("trioserve.python_backend")
-# Frames of these folders are the server's, not the model's: a traceback leaves them out.
-_SERVER_FILES = (
-    str(Path(__file__).parents[1]),
-    str(Path(inspect.getfile(Future)).parents[2] / "asyncio"),
-    str(Path(inspect.getfile(Future)).parents[1]),
+from ._pb_execution import (
+    call_hook,
+    checked_responses,
+    failure_texts,
+    import_model_module,
+    run_execute,
 )
+from ._pb_link import ServerLink
+from ._pb_loop import InstanceLoop
+from ._pb_metrics import serving_metrics
+from ._pb_metrics_export import CustomMetrics
+from ._pb_serving import Serving, serving
+
+logger = logging.getLogger("trioserve.python_backend")
 
 
 def import_model_file(path: Path, model_name: str, version: int) -> type:
     """Import a model.py and return its ``TritonPythonModel`` class."""
-    # Models import the utilities by Triton's name; ours stands in for it.
-    sys.modules.setdefault(MODULE_NAME, pb_utils)
-    module_name = f"trioserve_python_models.{model_name}.v{version}"
-    module = import_model_code(path, module_name, model_name, ConfigError)
+    try:
+        module = import_model_module(path, model_module_name(model_name, version))
+    except BaseException as exc:  # sys.exit or argparse at import fails this load only
+        failure = model_failure(exc, model_name, "at import")
+        raise ConfigError(f"{path}: failed to import: {failure_text(failure)}") from None
     return _model_class(module, path)
+
+
+def model_module_name(model_name: str, version: int) -> str:
+    return f"trioserve_python_models.{model_name}.v{version}"
 
 
 def _model_class(module: ModuleType, path: Path) -> type:
@@ -107,28 +102,6 @@ class _Instance:
     loop: InstanceLoop
 
 
-def read_python(reading: Reading) -> list[Model]:
-    """A folder's python-backend models, one per version (``_backends``' row)."""
-    config, folder, strict = reading.config, reading.folder, reading.strict
-    versions = chosen_versions(config, folder)
-    folders = version_folders(folder)
-    files = {v: reading.model_file(folders[v]) for v in versions}
-    classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
-    if not strict:
-        auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
-    if not config.default_model_filename:
-        config.default_model_filename = "model.py"  # what Triton's python backend names
-    complete_config(config, folder)
-    settings = model_settings(config, folder)
-    repository, metrics = reading.repository, reading.metrics
-    return [
-        PythonBackendModel(
-            classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
-        )
-        for v in versions
-    ]
-
-
 class PythonBackendModel(Model):
     """One version of a Python-backend model."""
 
@@ -147,6 +120,7 @@ class PythonBackendModel(Model):
         self._class = model_class
         self._config = config
         self._folder = folder
+        self._model_file = model_file
         self._model_dir = model_file.parent
         self._repository = repository
         self._metrics = metrics
@@ -160,12 +134,13 @@ class PythonBackendModel(Model):
         with self._serving():
             served = [pb_utils.InferenceRequest._served(r) for r in requests]
             try:
-                responses = instance.model.execute(served)
-                if inspect.isawaitable(responses):
-                    if self.decoupled:  # runs on; the instance takes its next batch
-                        self._in_background(instance, responses, served)
-                        return []
-                    responses = instance.loop.run(_coroutine(responses))
+                responses = run_execute(
+                    instance.model,
+                    instance.loop,
+                    served,
+                    self.decoupled,
+                    lambda exc: self._failed_later(instance, exc, served),
+                )
             except Exception as exc:
                 raise self._failure(instance, exc) from exc
         return self._outputs(requests, responses)
@@ -201,19 +176,11 @@ class PythonBackendModel(Model):
                     instance = _Instance(None, name, InstanceLoop(name))
                     try:
                         instance.model = self._class()
-                        self._call(instance, getattr(instance.model, "initialize", None), args)
+                        call_hook(instance.loop, getattr(instance.model, "initialize", None), args)
                     except BaseException as exc:
                         instance.loop.stop()
                         raise_failure(exc, self.name, "in initialize")
                     self._instances.append(instance)
-
-    @staticmethod
-    def _call(instance: _Instance, hook: Callable[..., Any] | None, *args: Any) -> None:
-        """Call ``initialize`` or ``finalize``; an ``async`` one runs on the instance's loop."""
-        if hook is not None:
-            returned = hook(*args)
-            if inspect.isawaitable(returned):
-                instance.loop.run(_coroutine(returned))
 
     def _args(self, group: Any, index: int, gpu: bool) -> dict[str, str]:
         return {
@@ -232,7 +199,7 @@ class PythonBackendModel(Model):
             with self._serving():
                 for instance in instances:
                     try:
-                        self._call(instance, getattr(instance.model, "finalize", None))
+                        call_hook(instance.loop, getattr(instance.model, "finalize", None))
                     except BaseException as exc:
                         raise_failure(exc, self.name, "in finalize")
                     finally:
@@ -241,56 +208,28 @@ class PythonBackendModel(Model):
             if self._metrics is not None:
                 self._metrics.release(self)
 
-    def _in_background(
-        self, instance: _Instance, work: Awaitable[Any], served: list[pb_utils.InferenceRequest]
+    def _failed_later(
+        self, instance: _Instance, exc: BaseException, served: list[pb_utils.InferenceRequest]
     ) -> None:
-        """Run a decoupled model's ``async`` execute on its loop without waiting for it;
-        if it fails, the requests it had not answered get the error."""
-
-        def ended(future: Future[Any]) -> None:
-            exc = None if future.cancelled() else future.exception()
-            if isinstance(exc, BaseException):
-                failure = self._failure(instance, model_failure(exc, self.name, "in execute"))
-                for request in served:
-                    if request._sender is not None:
-                        with contextlib.suppress(InferenceServerError):
-                            request._sender.send(failure, final=True)
-
-        instance.loop.submit(_coroutine(work)).add_done_callback(ended)
+        """A decoupled model's ``async`` execute failed after the batch was handed back:
+        the requests it had not answered get the error."""
+        failure = self._failure(instance, model_failure(exc, self.name, "in execute"))
+        for request in served:
+            if request._sender is not None:
+                with contextlib.suppress(InferenceServerError):
+                    request._sender.send(failure, final=True)
 
     def _failure(self, instance: _Instance, exc: Exception) -> InferenceServerError:
         """What ``execute`` raised, as Triton words it, logged once for the batch."""
         if isinstance(exc, InferenceServerError):
             return exc
-        failed = f"Failed to process the request(s) for model instance '{instance.name}', message: "
-        logger.error(
-            "model '%s' version %s: %s%s", self.name, self.versions[0], failed, _described(exc)
-        )
-        # The client reads the model's own frames by their place in the repository: the
-        # server's folders are not its business.
-        return InternalError(failed + _described(exc, self._folder.parent))
+        logged, told = failure_texts(instance.name, exc, self._folder.parent)
+        logger.error("model '%s' version %s: %s", self.name, self.versions[0], logged)
+        return InternalError(told)
 
     def _outputs(self, requests: Sequence[InferenceRequest], responses: Any) -> list[Result]:
-        if self.decoupled:
-            if responses is not None:
-                raise InternalError(
-                    f"model '{self.name}' is decoupled: execute must return None and answer "
-                    "through each request's response sender"
-                )
-            return []
-        if not isinstance(responses, list | tuple) or len(responses) != len(requests):
-            count = len(responses) if isinstance(responses, list | tuple) else "no list of"
-            raise InternalError(
-                f"model '{self.name}': execute returned {count} responses for "
-                f"{len(requests)} requests"
-            )
         results: list[Result] = []
-        for response in responses:
-            if not isinstance(response, pb_utils.InferenceResponse):
-                raise InternalError(
-                    f"model '{self.name}': execute returned {type(response).__name__}, "
-                    "not an InferenceResponse"
-                )
+        for response in checked_responses(self.name, self.decoupled, len(requests), responses):
             error = response.error()
             if error is not None:
                 results.append(pb_utils.server_error(error))
@@ -299,25 +238,3 @@ class PythonBackendModel(Model):
                 parameters = json.loads(response.parameters())
                 results.append(ResponseOutputs(outputs, parameters) if parameters else outputs)
         return results
-
-
-async def _coroutine(work: Awaitable[Any]) -> Any:
-    return await work
-
-
-def _described(exc: Exception, repository: Path | None = None) -> str:
-    """An exception as Triton's stub tells it: type, message, then "At:" and the model's
-    frames, innermost first. Given the ``repository`` folder, only the frames of its files,
-    named relative to it."""
-    frames = []
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = Path(frame.filename)
-        if frame.filename.startswith(_SERVER_FILES):
-            continue
-        if repository is not None:
-            if not path.is_relative_to(repository):
-                continue
-            path = path.relative_to(repository)
-        frames.append(f"  {path}({frame.lineno}): {frame.name}\n")
-    text = f"{type(exc).__name__}: {exc}"
-    return f"{text}\n\nAt:\n{''.join(frames)}" if frames else text

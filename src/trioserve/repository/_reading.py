@@ -30,7 +30,8 @@ from ._ensemble import EnsembleModel, ensemble_steps
 from ._generated.model_config_pb2 import ModelConfig
 from ._layout import CheckpointLoader, Reading, chosen_versions, version_folders
 from ._own_layout import RepositoryError, load_model_folder
-from ._pb_metrics import CustomMetrics
+from ._pb_metrics_export import CustomMetrics
+from ._pb_options import PythonOptions
 
 
 def read_model(
@@ -41,6 +42,7 @@ def read_model(
     strict: bool = False,
     metrics: CustomMetrics | None = None,
     checkpoint_loader: CheckpointLoader | None = None,
+    python: PythonOptions | None = None,
 ) -> list[Model]:
     """The folder's models, one per version; ConfigError says why it cannot serve."""
     if override is None and _own_layout(folder):
@@ -55,7 +57,14 @@ def read_model(
         return _read_ensemble(config, folder, repository)
     backend = detect_backend(config, folder)
     reading = Reading(
-        config, folder, backend.default_file, repository, strict, metrics, checkpoint_loader
+        config,
+        folder,
+        backend.default_file,
+        repository,
+        strict,
+        metrics,
+        checkpoint_loader,
+        python,
     )
     return backend.read(reading)
 

@@ -1,0 +1,159 @@
+"""A Python-backend model whose instances run in processes of their own (process mode),
+as Triton runs them: ``ProcessBackendModel`` starts one ``InstanceProcess``
+(``_pb_process``) per count of each instance group, hands each batch to the instance
+the runner picked, and ends them at unload.
+
+Which mode a model gets: its config.pbtxt parameter ``TRIOSERVE_INSTANCE_MODE``
+(``thread`` or ``process``), else the server's ``python_instance_mode``. Thread mode
+costs no process and no copy into shared memory, and keeps one process exact under the
+testing kit's clock; process mode gives each instance a core of its own (the GIL is per
+process), survives a model that crashes, and lets a model bring its own Python
+environment (``EXECUTION_ENV_PATH``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from .._model import MODEL_INSTANCE, Model, Result
+from .._model_code import raise_failure
+from .._types import InferenceRequest
+from . import _pb_launch
+from ._config import CONFIG_FILE, ConfigError, complete_config, model_settings
+from ._generated.model_config_pb2 import ModelInstanceGroup
+from ._layout import Reading, chosen_versions, version_folders
+from ._pb_launch import InstanceSpec, RestartPolicy
+from ._pb_link import ServerLink
+from ._pb_options import PythonOptions
+from ._pb_process import InitializeFailed, InstanceProcess
+from ._python_backend import PythonBackendModel, auto_complete, import_model_file, model_module_name
+
+
+class ProcessBackendModel(PythonBackendModel):
+    """One version of a Python-backend model, each instance in its own process."""
+
+    def __init__(self, *args: Any, options: PythonOptions, **settings: Any) -> None:
+        super().__init__(*args, **settings)
+        self._options = options
+        self._processes: list[InstanceProcess] = []
+
+    async def load(self) -> None:  # type: ignore[override]
+        """Start every instance's process; each has initialized when this returns."""
+        self._link = ServerLink(self._repository, trio.lowlevel.current_trio_token())
+        try:
+            for group in self._config.instance_group:
+                gpu = group.kind == ModelInstanceGroup.KIND_GPU
+                for index in range(group.count):
+                    process = InstanceProcess(
+                        self._spec(self._args(group, index, gpu)),
+                        self._link,
+                        self._metrics,
+                        self,
+                        self._policy(),
+                    )
+                    self._processes.append(process)
+                    await process.start()
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                await self.unload()
+            if isinstance(exc, InitializeFailed):
+                raise ConfigError(f"model '{self.name}' failed in initialize: {exc}") from None
+            raise_failure(exc, self.name, "in initialize")
+
+    def _policy(self) -> RestartPolicy:
+        settings = self._options.settings
+        return RestartPolicy(
+            settings.restart_limit, settings.restart_window_s, settings.stub_timeout_s
+        )
+
+    def _spec(self, args: dict[str, str]) -> InstanceSpec:
+        settings = self._options.settings
+        gpu = (
+            int(args["model_instance_device_id"]) if args["model_instance_kind"] == "GPU" else None
+        )
+        return InstanceSpec(
+            model=self.name,
+            instance=args["model_instance_name"],
+            python=_pb_launch.interpreter(self.parameters, self._model_dir.parent),
+            gpu=gpu,
+            default_bytes=settings.shm_default_bytes,
+            growth_bytes=settings.shm_growth_bytes,
+            settings={
+                "args": args,
+                "name": self.name,
+                "version": self.versions[0],
+                "model_file": str(self._model_file),
+                "module": model_module_name(self.name, int(self.versions[0])),
+                "model_dir": str(self._model_dir),
+                "repository": str(self._folder.parent),
+                "decoupled": self.decoupled,
+                "default_bytes": settings.shm_default_bytes,
+                "growth_bytes": settings.shm_growth_bytes,
+            },
+        )
+
+    async def execute(self, requests: Sequence[InferenceRequest]) -> Sequence[Result]:  # type: ignore[override]
+        process = self._processes[MODEL_INSTANCE.get()]
+        return await process.execute(requests, self.decoupled)
+
+    async def unload(self) -> None:  # type: ignore[override]
+        processes, self._processes = self._processes, []
+        try:
+            async with trio.open_nursery() as nursery:
+                for process in processes:
+                    nursery.start_soon(process.stop)
+        finally:
+            if self._metrics is not None:
+                self._metrics.release(self)
+
+    def unavailable(self) -> str | None:
+        reasons = [p.unavailable for p in self._processes if p.unavailable is not None]
+        return "; ".join(reasons) if reasons else None
+
+    def instance_pids(self) -> list[int | None]:
+        """The process of each instance (None while one starts again): for operators
+        and tests."""
+        return [p.pid for p in self._processes]
+
+
+def read_python(reading: Reading) -> list[Model]:
+    """A folder's python-backend models, one per version (``_backends``' row): each
+    instance in a process of its own, or in a thread of the server (``PythonOptions``
+    and the model's ``TRIOSERVE_INSTANCE_MODE``)."""
+    config, folder, strict = reading.config, reading.folder, reading.strict
+    versions = chosen_versions(config, folder)
+    folders = version_folders(folder)
+    files = {v: reading.model_file(folders[v]) for v in versions}
+    classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
+    if not strict:
+        auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
+    if not config.default_model_filename:
+        config.default_model_filename = "model.py"  # what Triton's python backend names
+    complete_config(config, folder)
+    settings = model_settings(config, folder)
+    repository, metrics = reading.repository, reading.metrics
+    python = reading.python or PythonOptions()
+    if python.mode_of(settings["parameters"], folder.name) == "process":
+        return [
+            ProcessBackendModel(
+                classes[v],
+                config,
+                folders[v].parent,
+                v,
+                repository,
+                metrics,
+                files[v],
+                options=python,
+                **settings,
+            )
+            for v in versions
+        ]
+    return [
+        PythonBackendModel(
+            classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
+        )
+        for v in versions
+    ]

@@ -1,0 +1,245 @@
+"""The instance process of a Python-backend model: ``python -m
+trioserve.repository._pb_stub FD``, FD its end of the link to the server.
+
+It imports the model's model.py and runs its ``initialize``, ``execute`` and
+``finalize`` as Triton's stub does (``_pb_execution``): the reading thread (main) takes
+each frame from the server; one working thread runs the model's calls in order; an
+``async`` execute runs on the instance's asyncio loop (``_pb_loop``). Model code reaches
+the server through ``_pb_remote``. Only the standard library, numpy, ``trioserve.ipc``'s
+arena, frames and blocking channel, and ``pb_utils`` are imported: the process may run
+under another environment's interpreter (``EXECUTION_ENV_PATH``), with a folder that
+holds only these modules on its path (``_pb_launch``).
+
+Frames from the server: ``map`` (its arena's new segments, with their descriptors),
+``init``, ``exec`` (a batch, and the output blocks the server is done with), ``free``,
+``reply`` (to a call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``,
+``done`` (a batch's responses or its failure), ``send`` (a decoupled response),
+``call``, ``cancel``, ``release``, ``log``, ``metric``, ``finalized``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .._errors import InferenceServerError, InternalError
+from ..ipc._arena import Arena, Block, SegmentMap
+from ..ipc._blocking import BlockingChannel, LinkClosed
+from . import _pb_utils as pb_utils
+from ._pb_execution import (
+    call_hook,
+    checked_responses,
+    described,
+    failure_texts,
+    import_model_module,
+    run_execute,
+)
+from ._pb_loop import InstanceLoop
+from ._pb_metrics import serving_metrics
+from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandler
+from ._pb_serving import Serving, serving
+from ._pb_wire import WireTensor, error_to_wire, put_tensor, read_tensor
+
+logger = logging.getLogger("trioserve.python_backend")
+
+
+class Stub:
+    """One instance of one model, and its link to the server."""
+
+    def __init__(self, channel: BlockingChannel) -> None:
+        self.channel = channel
+        self.server_memory = SegmentMap()  # the server's arena: inputs, BLS answers
+        self.arena = Arena(1, 1)  # replaced at init by one of the server's sizes
+        self.link = RemoteLink(self)
+        self._families = RemoteFamilies(self)
+        self._send_lock = threading.RLock()
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._settings: dict[str, Any] = {}
+        self._model: Any = None
+        self._loop = InstanceLoop("model")
+
+    def send(self, message: tuple[Any, ...], blocks: Sequence[Block] = ()) -> None:
+        """Send a frame, announcing first the segments of ``blocks`` the server has not
+        mapped yet (under one lock, so that no frame overtakes its segment's)."""
+        with self._send_lock:
+            fresh = self.arena.unannounced(list(blocks)) if blocks else []
+            if fresh:
+                segments = [(segment, size) for segment, _fd, size in fresh]
+                self.channel.send(("map", segments), [fd for _segment, fd, _size in fresh])
+            self.channel.send(message)
+
+    def run(self) -> None:
+        threading.Thread(target=self._working, name="model", daemon=True).start()
+        try:
+            while True:
+                message, fds = self.channel.receive()
+                self._handle(message, fds)
+        except LinkClosed:  # the server is gone: nobody to answer
+            _exit(1)
+
+    def _handle(self, message: tuple[Any, ...], fds: list[int]) -> None:
+        kind = message[0]
+        if kind == "map":
+            for (segment, size), fd in zip(message[1], fds, strict=True):
+                self.server_memory.add(segment, fd, size)
+        elif kind == "reply":
+            self.link.replied(message[1], message[2])
+        elif kind == "exec":
+            self._free(message[3])
+            self._work.put(lambda: self._execute(message[1], message[2]))
+        elif kind == "free":
+            self._free(message[1])
+        elif kind == "init":
+            self._work.put(lambda: self._initialize(message[1]))
+        elif kind == "finalize":
+            self._work.put(self._finalize)
+
+    def _free(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            self.arena.free(block)
+
+    def _working(self) -> None:
+        while True:
+            self._work.get()()
+
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        token = serving.set(Serving(self.link, Path(self._settings["model_dir"])))
+        metrics = serving_metrics.set((self._families, self))
+        try:
+            yield
+        finally:
+            serving_metrics.reset(metrics)
+            serving.reset(token)
+
+    def _initialize(self, settings: dict[str, Any]) -> None:
+        self._settings = settings
+        self.arena = Arena(settings["default_bytes"], settings["growth_bytes"])
+        self._loop = InstanceLoop(settings["args"]["model_instance_name"])
+        try:
+            module = import_model_module(Path(settings["model_file"]), settings["module"])
+            self._model = module.TritonPythonModel()
+            with self._serving():
+                call_hook(self._loop, getattr(self._model, "initialize", None), settings["args"])
+        except BaseException as exc:  # anything the model raised fails the load
+            self.send(("init_failed", described(exc)))
+            _exit(1)
+        self.send(("ready",))
+
+    def _execute(self, batch: int, requests: list[dict[str, Any]]) -> None:
+        settings = self._settings
+        decoupled = settings["decoupled"]
+        with self._serving():
+            served = [self._request(r, decoupled) for r in requests]
+            try:
+                responses = run_execute(
+                    self._model,
+                    self._loop,
+                    served,
+                    decoupled,
+                    lambda exc: self._failed_later(exc, served),
+                )
+            except BaseException as exc:  # the model's, whatever it is
+                self.send(("done", batch, ("failed", error_to_wire(self._failure(exc)))))
+                return
+        try:
+            checked = checked_responses(settings["name"], decoupled, len(requests), responses)
+        except InferenceServerError as exc:
+            self.send(("done", batch, ("failed", error_to_wire(exc))))
+            return
+        results = [self._result(response) for response in checked]
+        blocks = [t.block for result in results if result[0] == "outputs" for t in result[1]]
+        self.send(("done", batch, ("results", results)), blocks)
+
+    def _request(self, described: dict[str, Any], decoupled: bool) -> pb_utils.InferenceRequest:
+        view = self.server_memory.view
+        inputs = [
+            pb_utils.Tensor(t.name, read_tensor(t, view(t.block)), triton_dtype=t.datatype)
+            for t in described["inputs"]
+        ]
+        return pb_utils.InferenceRequest._received(
+            described["model"],
+            inputs,
+            described["outputs"],
+            described["id"],
+            described["parameters"],
+            RemoteSender(self, described["key"]) if decoupled else None,
+        )
+
+    def _result(self, response: pb_utils.InferenceResponse) -> tuple[Any, ...]:
+        error = response.error()
+        if error is not None:
+            return ("error", error_to_wire(pb_utils.server_error(error)))
+        tensors: list[WireTensor] = [
+            put_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy())
+            for t in response.output_tensors()
+        ]
+        return ("outputs", tensors, response.parameters())
+
+    def _failure(self, exc: BaseException) -> InferenceServerError:
+        """What ``execute`` raised, logged once (in the server's log) and as the client
+        reads it."""
+        settings = self._settings
+        if isinstance(exc, InferenceServerError):
+            return exc
+        logged, told = failure_texts(
+            settings["args"]["model_instance_name"], exc, Path(settings["repository"])
+        )
+        logger.error("model '%s' version %s: %s", settings["name"], settings["version"], logged)
+        return InternalError(told)
+
+    def _failed_later(self, exc: BaseException, served: list[pb_utils.InferenceRequest]) -> None:
+        """A decoupled ``async`` execute failed after it returned: each request it had not
+        answered gets the error."""
+        failure = self._failure(exc)
+        for request in served:
+            if request._sender is not None:
+                with contextlib.suppress(InferenceServerError):
+                    request._sender.send(failure, final=True)
+
+    def _finalize(self) -> None:
+        error = None
+        try:
+            with self._serving():
+                call_hook(self._loop, getattr(self._model, "finalize", None))
+        except BaseException as exc:
+            error = described(exc)
+        self._loop.stop()
+        self.send(("finalized", error))
+        _exit(0)
+
+
+def _exit(status: int) -> None:
+    """End the process now: model threads may be running, and nothing waits for them."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(status)
+
+
+def main(argv: list[str]) -> None:
+    channel = BlockingChannel(socket.socket(fileno=int(argv[1])))
+    # Model code sees the command line of a script started without arguments (as under
+    # ``trioserve run``): a model.py that parses its arguments reads its own defaults.
+    del argv[1:]
+    stub = Stub(channel)
+    sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+    handler = ServerLogHandler(stub)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    model_logger = logging.getLogger("trioserve.python_backend")
+    model_logger.addHandler(handler)
+    model_logger.setLevel(logging.DEBUG)  # the server's own logger decides what it shows
+    model_logger.propagate = False
+    stub.run()
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,58 @@
+"""What crosses between the server and a Python-backend instance process, besides the
+frames' kinds: tensors as (name, datatype, shape, place) with their bytes in an arena,
+and errors as (class name, message). Both sides import it: the standard library,
+numpy and the trio-free parts of trioserve only.
+
+A fixed-size tensor is read in place: a read-only numpy view of the writer's block. A
+BYTES tensor travels as Triton's length-prefixed elements and is read into an object
+array (a copy, as any BYTES decoding is).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _errors
+from .._errors import InferenceServerError, InternalError
+from .._tensor import array_from_raw, array_to_raw, datatype
+from ..ipc._arena import Arena, Block
+
+Array = np.ndarray[Any, Any]
+
+
+class WireTensor(NamedTuple):
+    name: str
+    datatype: str  # the wire name: "FP32", "BYTES"
+    shape: tuple[int, ...]
+    block: Block
+
+
+WireError = tuple[str, str]  # an InferenceServerError's class name, and its message
+
+
+def put_tensor(arena: Arena, name: str, datatype_name: str, array: Array) -> WireTensor:
+    """Write ``array`` into a new block of ``arena``."""
+    block = arena.write(array_to_raw(array, datatype(datatype_name)))
+    return WireTensor(name, datatype_name, tuple(array.shape), block)
+
+
+def read_tensor(tensor: WireTensor, view: memoryview) -> Array:
+    """The array ``view`` (the tensor's block) holds: read-only, in place unless BYTES."""
+    array = array_from_raw(datatype(tensor.datatype), tensor.shape, view, tensor.name)
+    array.flags.writeable = False
+    return array
+
+
+def error_to_wire(exc: BaseException) -> WireError:
+    if isinstance(exc, InferenceServerError):
+        return type(exc).__name__, exc.message
+    return InternalError.__name__, f"{type(exc).__name__}: {exc}"
+
+
+def error_from_wire(error: WireError) -> InferenceServerError:
+    kind = getattr(_errors, error[0], None)
+    if not (isinstance(kind, type) and issubclass(kind, InferenceServerError)):
+        kind = InternalError
+    return kind(error[1])

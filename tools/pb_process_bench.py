@@ -1,0 +1,226 @@
+"""Python-backend instances in processes of their own: what they buy and what they cost.
+
+    python tools/pb_process_bench.py cpu       # a GIL-bound model: count 1 vs 2, thread vs process
+    python tools/pb_process_bench.py triton    # `simple` CPU per request and 16 MiB identity_fp32
+                                               # MiB/s, trioserve (process mode) against real
+                                               # Triton, alternating in one sitting
+    python tools/pb_process_bench.py sigkill   # SIGKILL one instance under load
+
+``cpu``: ``busy`` (a Triton python-backend model written to a temporary repository)
+spends ``--work-ms`` of pure-Python, GIL-holding work per request; wrk keeps 8 requests in
+flight for ``--duration`` seconds against ``trioserve run`` in each mode with
+``instance_group { count }`` 1 and 2. ``triton``: both servers serve the reference zoo
+(../shared/triton-reference/models; Triton through its ``start_triton.sh``; trioserve in
+process mode and in thread mode, whose difference is what the process boundary costs),
+rounds alternating; the figure for ``simple`` is the CPU time of the server and all its
+processes (Triton's stubs, trioserve's instance processes) per request, from /proc.
+``sigkill``: ``steady`` (count 2, 5 ms per request, answering its pid) under 8 clients;
+one instance's process is killed; the failures, and the time until the new process
+answers, are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench import _describe, _free_port, _wait_ready, cpu_seconds, http_body, run_wrk
+
+# The main checkout's neighbour; --reference names it from elsewhere.
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "triton-reference"
+
+BUSY = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WORK_S = {work_s}
+
+def busy(seconds):
+    end = time.thread_time() + seconds  # the thread's own CPU time: work, not waiting
+    total = 0
+    while time.thread_time() < end:
+        for i in range(1000):
+            total += i * i
+    return total
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            busy(WORK_S)
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+        return responses
+"""
+
+STEADY = """
+import os
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.005)
+        pid = np.array([os.getpid()], np.int64)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pid)]) for _ in requests]
+"""
+
+CONFIG = """
+backend: "python"
+input [ {{ name: "X" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+instance_group [ {{ count: {count} kind: KIND_CPU }} ]
+"""
+
+ONE = (
+    json.dumps(
+        {"inputs": [{"name": "X", "shape": [1], "datatype": "INT64", "data": [1]}]}
+    ).encode(),
+    {"Content-Type": "application/json"},
+)
+
+
+def write_model(root: Path, name: str, code: str, count: int) -> None:
+    (root / name / "1").mkdir(parents=True, exist_ok=True)
+    (root / name / "config.pbtxt").write_text(CONFIG.format(count=count))
+    (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
+
+
+@contextmanager
+def trioserve(repository: Path, mode: str) -> Iterator[tuple[str, int]]:
+    http = _free_port()
+    command = [sys.executable, "-m", "trioserve", "run", "--model-repository", str(repository),
+               "--host", "127.0.0.1", "--http-port", str(http), "--allow-grpc", "false",
+               "--allow-metrics", "false", "--log-level", "warning",
+               "--python-instance-mode", mode]  # fmt: skip
+    process = subprocess.Popen(command)
+    try:
+        _wait_ready(f"127.0.0.1:{http}", timeout=120)
+        yield f"127.0.0.1:{http}", process.pid
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+@contextmanager
+def triton(reference: Path) -> Iterator[tuple[str, int]]:
+    http = _free_port()
+    env = dict(os.environ, HTTP_PORT=str(http), GRPC_PORT=str(_free_port()),
+               METRICS_PORT=str(_free_port()), TRITON_WORK=tempfile.mkdtemp(prefix="triton-"))  # fmt: skip
+    script = str(reference / "start_triton.sh")
+    subprocess.run([script], env=env, check=True, capture_output=True)
+    pid = int((Path(env["TRITON_WORK"]) / "tritonserver.pid").read_text())
+    try:
+        yield f"127.0.0.1:{http}", pid
+    finally:
+        subprocess.run([script, "stop"], env=env, check=True, capture_output=True)
+
+
+def cpu_scenario(args: argparse.Namespace) -> None:
+    print(f"busy: {args.work_ms} ms of GIL-holding work per request, 8 clients, {args.duration} s")
+    with tempfile.TemporaryDirectory() as tmp:
+        for count in (1, 2):
+            write_model(Path(tmp), f"busy{count}", BUSY.format(work_s=args.work_ms / 1000), count)
+        for mode in ("thread", "process"):
+            with trioserve(Path(tmp), mode) as (url, _pid):
+                for count in (1, 2):
+                    run_wrk(url, "busy", 8, 2, "0-1", f"busy{count}", ONE)  # warm up
+                    result = run_wrk(url, "busy", 8, args.duration, "0-1", f"busy{count}", ONE)
+                    print(f"  {mode:<8} count {count}: {result.requests_per_s:8.1f} req/s   "
+                          f"p50 {result.p50_ms:7.1f} ms")  # fmt: skip
+
+
+def triton_scenario(args: argparse.Namespace) -> None:
+    models = args.reference / "models"
+    print(
+        f"simple (JSON, 4 clients) and identity_fp32 (16 MiB binary, 1 client), {args.duration} s"
+    )
+    for round_ in range(args.rounds):
+        for name, server in (
+            ("trioserve process", lambda: trioserve(models, "process")),
+            ("trioserve thread", lambda: trioserve(models, "thread")),
+            ("triton", lambda: triton(args.reference)),
+        ):
+            with server() as (url, pid):
+                run_wrk(url, "http-json", 4, 2, "0-1")  # warm up
+                before = cpu_seconds(pid)
+                simple = run_wrk(url, "http-json", 4, args.duration, "0-1")
+                used = cpu_seconds(pid) - before
+                cpu_us = used / (simple.requests_per_s * args.duration) * 1e6
+                big = run_wrk(url, "big-binary", 1, args.duration, "0-1", "identity_fp32",
+                              http_body("big-binary"))  # fmt: skip
+                print(f"  round {round_ + 1} {name:<17} simple {simple.requests_per_s:8.1f} req/s "
+                      f"{cpu_us:7.1f} us CPU/req   identity_fp32 "
+                      f"{big.requests_per_s * 16:8.1f} MiB/s")  # fmt: skip
+
+
+def sigkill_scenario(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp), "steady", STEADY, 2)
+        with trioserve(Path(tmp), "process") as (url, _pid):
+            host, port = url.split(":")
+            answers: list[tuple[float, int | None]] = []  # (when, pid or None: failed)
+            stop = threading.Event()
+
+            def client() -> None:
+                connection = http.client.HTTPConnection(host, int(port))
+                while not stop.is_set():
+                    connection.request("POST", "/v2/models/steady/infer", ONE[0], ONE[1])
+                    response = connection.getresponse()
+                    body = json.loads(response.read())
+                    pid = body["outputs"][0]["data"][0] if response.status == 200 else None
+                    answers.append((time.monotonic(), pid))
+
+            threads = [threading.Thread(target=client) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            time.sleep(2)  # load settles
+            victim = next(pid for _t, pid in reversed(answers) if pid is not None)
+            before = {pid for _t, pid in answers}
+            killed = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            time.sleep(3)
+            stop.set()
+            for thread in threads:
+                thread.join()
+    after = [(t, pid) for t, pid in answers if t >= killed]
+    failed = sum(pid is None for _t, pid in after)
+    fresh = [t for t, pid in after if pid is not None and pid not in before]
+    back = f"{(fresh[0] - killed) * 1000:.0f} ms" if fresh else "never"
+    print(f"steady (count 2, 5 ms): killed pid {victim}; {failed} failed of {len(after)} "
+          f"requests after the kill; the new process answered {back} after it")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("scenario", choices=("cpu", "triton", "sigkill"))
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--work-ms", type=float, default=15.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--reference", type=Path, default=REFERENCE, help="triton-reference/")
+    args = parser.parse_args()
+    print(_describe(sys.executable))
+    {"cpu": cpu_scenario, "triton": triton_scenario, "sigkill": sigkill_scenario}[args.scenario](
+        args
+    )
+
+
+if __name__ == "__main__":
+    main()
