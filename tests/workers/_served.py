@@ -71,9 +71,11 @@ class Served:
             if entry.name.isdigit():
                 try:
                     stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                    command = (entry / "cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if int(stat[1]) == self.process.pid:
+                # The core's children that are front-end workers (not model processes).
+                if int(stat[1]) == self.process.pid and b"trioserve.workers" in command:
                     pids.append(int(entry.name))
         return sorted(pids)
 

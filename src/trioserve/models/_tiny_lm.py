@@ -125,7 +125,7 @@ class TinyLM(GenerativeModel):
         self.k_cache = xp.zeros(cache, dtype=xp.float32)
         self.v_cache = xp.zeros(cache, dtype=xp.float32)
 
-    def gpu_forward(self, graphs: bool = False) -> GpuForward:
+    def gpu_forward(self, graphs: bool = True) -> GpuForward:
         """The GPU forward over this model's weights (loaded on cupy)."""
         s, w = self.shape, self.weights
         shape = GpuShape(
