@@ -192,7 +192,10 @@ class InferencePipeline:
         regions, trace = self._admit(served, headers)
         try:
             request = await _decode_in_thread(decode, regions) if large else decode(regions)
-            if reading := _arrived(request, regions, trace):
+            # The usual request is neither traced nor read off the loop: no call for it.
+            if (trace is not None or regions.inputs_off_loop) and (
+                reading := _arrived(request, regions, trace)
+            ):
                 await reading
             with self._load.counting(served) as counting:
                 ticket = served.submit(request)
@@ -211,7 +214,9 @@ class InferencePipeline:
                     counting.uncounted()
                     return None
                 response = ticket.outcome()
-                if writing := _write(regions, response, trace):
+                if (trace is not None or regions.outputs_off_loop) and (
+                    writing := _write(regions, response, trace)
+                ):
                     await writing
         finally:
             _release(regions, trace)

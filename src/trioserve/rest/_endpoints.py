@@ -110,19 +110,26 @@ class _Endpoints:
         if answered is None:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
-        return await infer_response(
-            inference, result, load_report_header(self.load, served, request.headers)
-        )
+        load_report = load_report_header(self.load, served, request.headers)
+        if sum(t.data.nbytes for t in result.outputs) < OFF_LOOP_BYTES:  # no coroutine more
+            return _response(encode_response(result, inference), load_report)
+        return await infer_response(inference, result, load_report)
 
 
 async def infer_response(
     inference: InferenceRequest, result: InferenceResponse, load_report: Header | None
 ) -> Response:
-    """An inference's HTTP response (JSON, or binary outputs after the JSON header)."""
+    """An inference's HTTP response (JSON, or binary outputs after the JSON header),
+    encoded in a worker thread if its outputs are large."""
     if sum(t.data.nbytes for t in result.outputs) >= OFF_LOOP_BYTES:
-        body, header_length = await trio.to_thread.run_sync(encode_response, result, inference)
+        encoded = await trio.to_thread.run_sync(encode_response, result, inference)
     else:
-        body, header_length = encode_response(result, inference)
+        encoded = encode_response(result, inference)
+    return _response(encoded, load_report)
+
+
+def _response(encoded: tuple[bytes, int | None], load_report: Header | None) -> Response:
+    body, header_length = encoded
     headers: tuple[Header, ...] = () if load_report is None else (load_report,)
     if header_length is None:
         return Response(200, body, headers=headers, compressible=True)
