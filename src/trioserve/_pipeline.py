@@ -214,9 +214,7 @@ class InferencePipeline:
                     counting.uncounted()
                     return None
                 response = ticket.outcome()
-                if (trace is not None or regions.outputs_off_loop) and (
-                    writing := _write(regions, response, trace)
-                ):
+                if writing := _write(regions, response, trace):
                     await writing
         finally:
             _release(regions, trace)
