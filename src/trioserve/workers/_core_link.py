@@ -2,10 +2,11 @@
 through the same code a single process runs (the REST app, the gRPC method table), so
 every connection, whichever worker took it, gets the same answer.
 
-Each call runs in a task of its own under a cancel scope: a CANCEL from the worker (its
-client left) cancels it, which withdraws a waiting request from its model's queue, as
-a client's disconnect does in one process. When the link dies (the worker exited), every
-call of that worker is cancelled the same way; other workers' calls go on.
+Each call runs in a task of its own. A CANCEL from the worker (its client left)
+withdraws it, as a client's disconnect does in one process: an INFER's ticket is
+withdrawn from its model's queue (the pipeline's ``Watch``, which costs an inference
+no cancel scope), any other call's cancel scope is cancelled. When the link dies (the
+worker exited), every call of that worker is cancelled; other workers' calls go on.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import trio
 
 from .._context import ServerContext
 from .._errors import ErrorKind, InferenceServerError
-from .._served import ServedModel
+from .._served import ServedModel, Ticket
 from .._tensor import array_from_raw, array_to_raw, datatype
 from .._types import InferenceRequest, InputTensor, RequestedOutput
 from ..grpc import (
@@ -84,6 +85,9 @@ class WorkerLink:
         self._rest_app = rest_app
         self._grpc_methods = grpc_methods
         self._calls: dict[int, trio.CancelScope] = {}
+        # Each INFER in flight: its ticket once submitted (None before, _LEFT if the
+        # worker cancelled it before it was submitted).
+        self._tickets: dict[int, Ticket | None] = {}
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
         self._pulls: Replies[Snapshot] = Replies()
 
@@ -119,6 +123,7 @@ class WorkerLink:
     def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == INFER:
+            self._tickets[message[1]] = None
             calls.start_soon(self._infer, *message[1:])
         elif kind == HTTP:
             calls.start_soon(self._http, *message[1:])
@@ -138,9 +143,7 @@ class WorkerLink:
             if stream is not None:
                 stream.close()
         elif kind == CANCEL:
-            scope = self._calls.get(message[1])
-            if scope is not None:
-                scope.cancel()
+            self._cancel(message[1])
         elif kind == FREE:
             for block in message[1]:
                 self.out.arena.free(block)
@@ -148,6 +151,26 @@ class WorkerLink:
             self._pulls.deliver(message[1], message[2])
         else:
             logger.error("a worker sent an unknown message kind %r", kind)
+
+    def _cancel(self, call: int) -> None:
+        scope = self._calls.get(call)
+        if scope is not None:
+            scope.cancel()
+        elif call in self._tickets:
+            ticket = self._tickets[call]
+            if ticket is None:
+                self._tickets[call] = _LEFT  # withdrawn as soon as it is submitted
+            else:
+                ticket.withdraw()
+
+    def track(self, ticket: Ticket, call: int) -> None:
+        """An INFER's ticket is in its model's queue (``_pipeline.Watch``)."""
+        if self._tickets.get(call) is _LEFT:
+            ticket.withdraw()
+        self._tickets[call] = ticket
+
+    def untrack(self, ticket: Ticket, token: None) -> None:
+        pass  # ``_infer`` forgets the call when it ends, whether it was submitted or not
 
     async def _answer(
         self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
@@ -176,52 +199,43 @@ class WorkerLink:
         report: tuple[str, Any] | None,
         trace_context: dict[Any, Any] | None,
     ) -> None:
-        """An inference the worker decoded: the pipeline reads its inputs in place."""
+        """An inference the worker decoded: the pipeline reads its inputs in place. A
+        withdrawn one (its client left) is not answered: the worker dropped it."""
         context = self._context
         outcome: tuple[Any, ...]
         blocks: list[Payload] = []
-        with trio.CancelScope() as cancel:
-            self._calls[call] = cancel
-            try:
-                served = context.repository.get(model, version)
+        try:
+            served = context.repository.get(model, version)
 
-                def decode(regions: object) -> InferenceRequest:
-                    return InferenceRequest(
-                        model, version, self._input_tensors(inputs),
-                        [RequestedOutput(name, params) for name, params in outputs],
-                        request_id, parameters,
-                    )  # fmt: skip
-
-                _, response = await context.pipeline.infer(
-                    served, decode, endpoint=endpoint, headers=trace_context
-                )
-                tensors = []
-                for tensor in response.outputs:
-                    payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
-                    blocks.append(payload)
-                    tensors.append(
-                        (
-                            tensor.name,
-                            tensor.datatype.name,
-                            tensor.shape,
-                            payload,
-                            tensor.parameters,
-                        )
-                    )
-                outcome = (
-                    OUTCOME, None, response.model_name, response.model_version, response.id,
-                    response.parameters, tensors, _load_report(context, served, report),
+            def decode(regions: object) -> InferenceRequest:
+                return InferenceRequest(
+                    model, version, self._input_tensors(inputs),
+                    [RequestedOutput(name, params) for name, params in outputs],
+                    request_id, parameters,
                 )  # fmt: skip
-            except Exception as exc:
-                outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
-            finally:
-                del self._calls[call]
-                await self._release(*(given[3] for given in inputs))
-        if cancel.cancelled_caught:
-            for payload in blocks:  # nobody reads them
-                if isinstance(payload, Block):
-                    self.out.arena.free(payload)
-            return
+
+            done = await context.pipeline.infer(
+                served, decode, self, call, endpoint=endpoint, headers=trace_context
+            )
+            if done is None:
+                return
+            response = done[1]
+            tensors = []
+            for tensor in response.outputs:
+                payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
+                blocks.append(payload)
+                tensors.append(
+                    (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
+                )
+            outcome = (
+                OUTCOME, None, response.model_name, response.model_version, response.id,
+                response.parameters, tensors, _load_report(context, served, report),
+            )  # fmt: skip
+        except Exception as exc:
+            outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
+        finally:
+            del self._tickets[call]
+            await self._release(*(given[3] for given in inputs))
         await self._answer(call, outcome, True, *blocks)
 
     def _input_tensors(self, inputs: list[Tensor]) -> dict[str, InputTensor]:
@@ -337,6 +351,7 @@ class WorkerLink:
 
 
 Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
+_LEFT = cast(Ticket, object())  # an INFER cancelled before its ticket was submitted
 
 
 def _error(exc: Exception) -> tuple[str, str]:
