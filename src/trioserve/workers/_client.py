@@ -69,8 +69,9 @@ class CoreClient:
         channel: TrioChannel,
         nursery: trio.Nursery,
         counters: Callable[[], dict[str, dict[str, int]]],
+        arena_max_bytes: int,
     ) -> None:
-        self.out = Outbound(channel, new_arena())
+        self.out = Outbound(channel, new_arena(arena_max_bytes))
         self.peer = SegmentMap()
         self.replies: Replies[Answer] = Replies()
         self.drain = trio.Event()  # the core asks this worker to drain and exit
