@@ -11,7 +11,6 @@ worker exited), every call of that worker is cancelled; other workers' calls go 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Mapping
@@ -175,16 +174,21 @@ class WorkerLink:
     async def _answer(
         self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
     ) -> None:
-        with contextlib.suppress(LinkClosed):  # the worker is gone; serve() cancels the rest
+        # (Not contextlib.suppress: an object per answer, on the path of every request.)
+        try:
             await self.out.send((ANSWER, call, item, last), *payloads)
+        except LinkClosed:
+            return  # the worker is gone; serve() cancels the rest
 
     async def _release(self, *payloads: Payload) -> None:
         """The worker's blocks, read: it may reuse them. (The send is shielded: this runs
         in the ``finally`` of cancelled calls too.)"""
         blocks = [payload for payload in payloads if isinstance(payload, Block)]
         if blocks:
-            with contextlib.suppress(LinkClosed):
+            try:
                 await self.out.send((FREE, blocks))
+            except LinkClosed:
+                return
 
     async def _infer(
         self,
@@ -235,7 +239,7 @@ class WorkerLink:
             outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
         finally:
             del self._tickets[call]
-            await self._release(*(given[3] for given in inputs))
+            await self._release(*[given[3] for given in inputs])
         await self._answer(call, outcome, True, *blocks)
 
     def _input_tensors(self, inputs: list[Tensor]) -> dict[str, InputTensor]:
