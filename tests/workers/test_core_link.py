@@ -13,10 +13,10 @@ import trio
 import trioserve
 from trioserve import DynamicBatching, Model, TensorSpec
 from trioserve._server import Server
-from trioserve.ipc import TrioChannel, channel_pair, encode_frames
+from trioserve.ipc import Arena, Block, TrioChannel, channel_pair, encode_frames
 from trioserve.testing import open_test_server
 from trioserve.workers._core_link import WorkerLink
-from trioserve.workers._wire import ANSWER, CANCEL, INFER, OUTCOME
+from trioserve.workers._wire import ANSWER, CANCEL, FREE, INFER, OUTCOME, Outbound, new_arena
 
 
 class Gate:
@@ -50,6 +50,7 @@ class Worker:
     def __init__(self, socket: trio.socket.SocketType) -> None:
         self.socket = socket
         self.channel = TrioChannel(socket)
+        self.arenas: list[Arena] = []  # closed with the link
 
     async def send_together(self, *messages: tuple[Any, ...]) -> None:
         """``messages`` in one write: the core reads them all at once."""
@@ -77,14 +78,38 @@ def _infer(call: int, value: float) -> tuple[Any, ...]:
     return (INFER, call, "HTTP end point", "gated", "", "", {}, inputs, [], None, None)
 
 
+class Keeper:
+    """A model that keeps every INPUT0 it is given, beyond its request."""
+
+    def __init__(self) -> None:
+        self.kept: list[np.ndarray[Any, Any]] = []
+
+    def model(self) -> Model:
+        @trioserve.model(
+            name="keeper",
+            inputs=[TensorSpec("INPUT0", "FP32", [-1])],
+            outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
+        )
+        def keeper(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
+            self.kept.append(INPUT0[1:])  # a view of the input, as a model may keep
+            return {"OUTPUT0": INPUT0[:1]}
+
+        return keeper
+
+
 @pytest.fixture
 def gate() -> Gate:
     return Gate()
 
 
 @pytest.fixture
-async def server(gate: Gate) -> AsyncIterator[Server]:
-    async with open_test_server([gate.model()]) as server:
+def keeper() -> Keeper:
+    return Keeper()
+
+
+@pytest.fixture
+async def server(gate: Gate, keeper: Keeper) -> AsyncIterator[Server]:
+    async with open_test_server([gate.model(), keeper.model()]) as server:
         yield server
 
 
@@ -99,6 +124,8 @@ async def worker(server: Server, nursery: trio.Nursery) -> AsyncIterator[Worker]
         yield worker
     finally:
         worker.channel.close()
+        for arena in worker.arenas:
+            arena.close()
 
 
 async def _queued(server: Server, count: int) -> None:
@@ -130,3 +157,25 @@ async def test_a_cancel_that_overtakes_its_inference_withdraws_it_on_submission(
     await worker.infer(-2, 2.0)
     assert await worker.answers() == [(-2, 2.0)]
     assert gate.batches == [[2.0]]
+
+
+async def test_an_input_a_model_keeps_is_not_reused_until_it_lets_go(
+    autojump_clock: trio.abc.Clock, keeper: Keeper, worker: Worker
+) -> None:
+    """A large input reads the worker's block in place; the block goes back to the worker
+    (FREE) only once the model drops the last array that reads it."""
+    out = Outbound(worker.channel, new_arena())
+    worker.arenas.append(out.arena)
+    sent = np.arange(32 * 1024, dtype=np.float32)  # 128 KiB: a block, not in the frame
+    block = out.pack(sent.tobytes())
+    assert isinstance(block, Block)
+    inputs = [("INPUT0", "FP32", sent.shape, block, {})]
+    await out.send(
+        (INFER, -1, "HTTP end point", "keeper", "", "", {}, inputs, [], None, None), block
+    )
+    frames = [message for message, _ in await worker.channel.receive()]
+    assert [message[0] for message in frames] == [ANSWER]  # answered, the block still read
+    np.testing.assert_array_equal(keeper.kept[0], sent[1:])
+    keeper.kept.clear()
+    frames = [message for message, _ in await worker.channel.receive()]
+    assert frames == [(FREE, [block])]

@@ -11,11 +11,14 @@ worker exited), every call of that worker is cancelled; other workers' calls go 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any, cast
 
+import numpy as np
 import trio
 
 from .._context import ServerContext
@@ -89,11 +92,14 @@ class WorkerLink:
         self._tickets: dict[int, Ticket | None] = {}
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
         self._pulls: Replies[Snapshot] = Replies()
+        self._nursery: trio.Nursery | None = None  # while serving: for finalizers' FREEs
+        self._token = trio.lowlevel.current_trio_token()
 
     async def serve(self, frames: list[tuple[Any, list[int]]]) -> None:
         """Answer calls until the worker closes the link; ``frames``: received already."""
         try:
             async with trio.open_nursery() as calls:
+                self._nursery = calls
                 try:
                     while True:
                         for message, fds in frames:
@@ -102,6 +108,7 @@ class WorkerLink:
                 except LinkClosed:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it
         finally:
+            self._nursery = None
             self._pulls.fail_all(LinkClosed("the worker exited"))
             self.channel.close()
             self.peer.close()
@@ -208,12 +215,13 @@ class WorkerLink:
         context = self._context
         outcome: tuple[Any, ...]
         blocks: list[Payload] = []
+        kept: list[Block] = []  # input blocks freed once the model lets go of their arrays
         try:
             served = context.repository.get(model, version)
 
             def decode(regions: object) -> InferenceRequest:
                 return InferenceRequest(
-                    model, version, self._input_tensors(inputs),
+                    model, version, self._input_tensors(inputs, kept),
                     [RequestedOutput(name, params) for name, params in outputs],
                     request_id, parameters,
                 )  # fmt: skip
@@ -239,16 +247,36 @@ class WorkerLink:
             outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
         finally:
             del self._tickets[call]
-            await self._release(*[given[3] for given in inputs])
+            await self._release(*[given[3] for given in inputs if given[3] not in kept])
         await self._answer(call, outcome, True, *blocks)
 
-    def _input_tensors(self, inputs: list[Tensor]) -> dict[str, InputTensor]:
+    def _input_tensors(self, inputs: list[Tensor], kept: list[Block]) -> dict[str, InputTensor]:
+        """The inputs as the model sees them: a large one reads the worker's block in
+        place, which is freed once no array reads it (``kept``), however long the model
+        keeps it: a model may keep an input beyond its request, as in one process."""
         tensors = {}
         for name, type_name, shape, payload, params in inputs:
             dt = datatype(type_name)
             data = array_from_raw(dt, shape, read(payload, self.peer), f"input '{name}'")
+            if isinstance(payload, Block):
+                root = data  # the array every view of the block leads back to
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                if isinstance(root.base, memoryview):  # not a copy (BYTES are decoded)
+                    weakref.finalize(root, self._let_go, payload).atexit = False
+                    kept.append(payload)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors
+
+    def _let_go(self, block: Block) -> None:
+        """No array reads an input's ``block`` any more (in whichever thread dropped the
+        last one): the worker may reuse it."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._free_kept, block)
+
+    def _free_kept(self, block: Block) -> None:
+        if self._nursery is not None:  # else the link is gone, and the block with it
+            self._nursery.start_soon(self._release, block)
 
     async def _http(
         self,
