@@ -11,37 +11,13 @@ import pytest
 import trio
 
 import trioserve
-from trioserve import DynamicBatching, Model, TensorSpec
+from trioserve import Model, TensorSpec
 from trioserve._server import Server
 from trioserve.ipc import Arena, Block, TrioChannel, channel_pair, encode_frames
-from trioserve.testing import open_test_server
+from trioserve.models import reference_zoo
+from trioserve.testing import GatedModel, gated, model_statistics, open_test_server
 from trioserve.workers._core_link import WorkerLink
 from trioserve.workers._wire import ANSWER, CANCEL, FREE, INFER, OUTCOME, Outbound, new_arena
-
-
-class Gate:
-    """A model whose executions wait until the test releases them; records its batches."""
-
-    def __init__(self) -> None:
-        self.entered = trio.Event()
-        self.release = trio.Event()
-        self.batches: list[list[float]] = []
-
-    def model(self) -> Model:
-        @trioserve.model(
-            name="gated",
-            inputs=[TensorSpec("INPUT0", "FP32", [1])],
-            outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
-            max_batch_size=8,
-            dynamic_batching=DynamicBatching(),
-        )
-        async def gated(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
-            self.batches.append(INPUT0.reshape(-1).tolist())
-            self.entered.set()
-            await self.release.wait()
-            return {"OUTPUT0": INPUT0}
-
-        return gated
 
 
 class Worker:
@@ -75,7 +51,7 @@ class Worker:
 def _infer(call: int, value: float) -> tuple[Any, ...]:
     data = np.array([[value]], np.float32).tobytes()
     inputs = [("INPUT0", "FP32", (1, 1), data, {})]
-    return (INFER, call, "HTTP end point", "gated", "", "", {}, inputs, [], None, None)
+    return (INFER, call, "HTTP end point", "delay", "", "", {}, inputs, [], None, None)
 
 
 class Keeper:
@@ -98,8 +74,9 @@ class Keeper:
 
 
 @pytest.fixture
-def gate() -> Gate:
-    return Gate()
+def gate() -> GatedModel:
+    """The zoo's ``delay`` (its output is its input), its executions held at a gate."""
+    return gated(next(model for model in reference_zoo() if model.name == "delay"))
 
 
 @pytest.fixture
@@ -108,8 +85,8 @@ def keeper() -> Keeper:
 
 
 @pytest.fixture
-async def server(gate: Gate, keeper: Keeper) -> AsyncIterator[Server]:
-    async with open_test_server([gate.model(), keeper.model()]) as server:
+async def server(gate: GatedModel, keeper: Keeper) -> AsyncIterator[Server]:
+    async with open_test_server([gate, keeper.model()]) as server:
         yield server
 
 
@@ -129,11 +106,14 @@ async def worker(server: Server, nursery: trio.Nursery) -> AsyncIterator[Worker]
 
 
 async def _queued(server: Server, count: int) -> None:
-    await server.repository.get("gated").wait_until(lambda stats: stats.queued == count)  # type: ignore[attr-defined]
+    await server.repository.get("delay").wait_until(lambda stats: stats.queued == count)  # type: ignore[attr-defined]
 
 
 async def test_a_cancel_withdraws_a_queued_inference(
-    autojump_clock: trio.abc.Clock, server: Server, gate: Gate, worker: Worker
+    autojump_clock: trio.abc.Clock,
+    server: Server,
+    gate: GatedModel,
+    worker: Worker,
 ) -> None:
     await worker.infer(-1, 1.0)
     await gate.entered.wait()  # the one instance is busy until release
@@ -145,18 +125,21 @@ async def test_a_cancel_withdraws_a_queued_inference(
     assert await worker.answers() == [(-1, 1.0)]
     await worker.infer(-3, 3.0)
     assert await worker.answers() == [(-3, 3.0)]  # the withdrawn one is never answered
-    assert gate.batches == [[1.0], [3.0]]  # and never ran
+    assert model_statistics(server, "delay").inference_count == 2  # and never ran
 
 
 async def test_a_cancel_that_overtakes_its_inference_withdraws_it_on_submission(
-    autojump_clock: trio.abc.Clock, server: Server, gate: Gate, worker: Worker
+    autojump_clock: trio.abc.Clock,
+    server: Server,
+    gate: GatedModel,
+    worker: Worker,
 ) -> None:
     gate.release.set()
     # Read together: the CANCEL is handled before the call's task runs.
     await worker.send_together(_infer(-1, 1.0), (CANCEL, -1))
     await worker.infer(-2, 2.0)
     assert await worker.answers() == [(-2, 2.0)]
-    assert gate.batches == [[2.0]]
+    assert model_statistics(server, "delay").inference_count == 1
 
 
 async def test_an_input_a_model_keeps_is_not_reused_until_it_lets_go(
