@@ -41,10 +41,10 @@ class Worker:
         answers = []
         for message, _ in await self.channel.receive():
             assert message[0] == ANSWER
-            _, call, item, last = message
-            assert item[0] == OUTCOME and item[1] is None and last
-            (_, _, _, data, _), *_ = item[6]
-            answers.append((call, float(np.frombuffer(data, np.float32)[0])))
+            for call, item, last in message[1]:
+                assert item[0] == OUTCOME and item[1] is None and last
+                (_, _, _, data, _), *_ = item[6]
+                answers.append((call, float(np.frombuffer(data, np.float32)[0])))
         return answers
 
 
@@ -162,3 +162,19 @@ async def test_an_input_a_model_keeps_is_not_reused_until_it_lets_go(
     keeper.kept.clear()
     frames = [message for message, _ in await worker.channel.receive()]
     assert frames == [(FREE, [block])]
+
+
+async def test_the_answers_of_one_batch_go_in_one_frame(
+    autojump_clock: trio.abc.Clock, server: Server, gate: GatedModel, worker: Worker
+) -> None:
+    await worker.infer(-1, 1.0)
+    await gate.entered.wait()  # the one instance is busy until release
+    await worker.send_together(_infer(-2, 2.0), _infer(-3, 3.0))
+    await _queued(server, 2)
+    gate.release.set()  # -1 runs, then -2 and -3 in one batch
+    frames: list[list[int]] = []  # each ANSWER frame's calls
+    while sum(map(len, frames)) < 3:
+        for message, _ in await worker.channel.receive():
+            assert message[0] == ANSWER
+            frames.append([call for call, _, _ in message[1]])
+    assert [set(calls) for calls in frames] == [{-1}, {-2, -3}]

@@ -92,6 +92,8 @@ class WorkerLink:
         self._tickets: dict[int, Ticket | None] = {}
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
         self._pulls: Replies[Snapshot] = Replies()
+        self._answers: list[tuple[int, tuple[Any, ...], bool]] = []  # for the next ANSWER
+        self._answer_payloads: list[object] = []  # theirs that may be blocks
         self._nursery: trio.Nursery | None = None  # while serving: for finalizers' FREEs
         self._token = trio.lowlevel.current_trio_token()
 
@@ -181,9 +183,18 @@ class WorkerLink:
     async def _answer(
         self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
     ) -> None:
-        # (Not contextlib.suppress: an object per answer, on the path of every request.)
+        """Answers given in one turn of the event loop (a batch's requests finish
+        together) go in one frame: the first waits for the turn's others, then sends."""
+        self._answers.append((call, item, last))
+        self._answer_payloads += payloads
+        if len(self._answers) > 1:
+            return
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        answers, self._answers = self._answers, []
+        blocks, self._answer_payloads = self._answer_payloads, []
+        # (Not contextlib.suppress: an object per frame, on the path of every request.)
         try:
-            await self.out.send((ANSWER, call, item, last), *payloads)
+            await self.out.send((ANSWER, answers), *blocks)
         except LinkClosed:
             return  # the worker is gone; serve() cancels the rest
 

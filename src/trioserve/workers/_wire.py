@@ -18,7 +18,8 @@ worker -> core:
     (READY,)                                             listening, after CONFIG
 core -> worker:
     (CONFIG, settings)                                   first, with the listening sockets
-    (ANSWER, call, item, last)                           an answer to a call (see below)
+    (ANSWER, [(call, item, last), ...])                  answers to calls (see below),
+                                                         those of one turn together
     (FREE, blocks)                                       the worker's blocks, done with
     (PULL, pull)                                         a scrape wants the counters
     (DRAIN,)                                             stop accepting, finish, exit
