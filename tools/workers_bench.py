@@ -10,7 +10,9 @@ N front-end workers), each under its own load generator on another core (wrk for
 h2load for gRPC): they share the core's slow and fast moments alike, as in
 ``paired_bench.py``. A server's CPU time is that of all its processes (user + system,
 ``/proc``); divided by the requests it answered, it is its cost per request. The figure
-to read is the ratio of the two costs (forwarded / one process).
+to read is the ratio of the two costs (forwarded / one process); the forwarded cost is
+also split into the core process's share, which bounds what any number of workers can
+serve, and the workers'.
 
 Modes: ``http-json`` and ``http-binary`` (``simple``), ``grpc`` (``simple``, raw
 tensors, h2load), ``big-http-binary`` (one 16 MiB FP32 tensor through
@@ -34,9 +36,10 @@ from bench import _LUA, grpc_request, http_body, model_of
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tree_cpu_seconds(pid: int) -> float:
-    """CPU time of ``pid`` and its children (the workers), user + system."""
-    total = 0.0
+def _tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time (user + system) of ``pid`` (the core process), and of its children (the
+    workers)."""
+    own = children = 0.0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -44,9 +47,12 @@ def _tree_cpu_seconds(pid: int) -> float:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(entry.name) == pid or int(fields[1]) == pid:
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        if int(entry.name) == pid:
+            own += seconds
+        elif int(fields[1]) == pid:
+            children += seconds
+    return own, children
 
 
 def _start(python: str, workers: int, cpus: str, grpc: bool) -> tuple[subprocess.Popen[bytes], int]:
@@ -100,8 +106,9 @@ def _answered(mode: str, output: str) -> int:
 
 def _round(
     mode: str, connections: int, args: argparse.Namespace, files: Path
-) -> list[tuple[float, float]]:
-    """Both servers under load at once: (µs of CPU per request, requests/s) of each."""
+) -> list[tuple[float, float, float]]:
+    """Both servers under load at once, each's µs of CPU per request (all its processes,
+    and its main process alone: the core) and requests/s."""
     servers = [
         _start(args.python, workers, args.server_cpus, mode == "grpc")
         for workers in (0, args.workers)
@@ -119,7 +126,8 @@ def _round(
     results = []
     for output, start, end in zip(outputs, before, after, strict=True):
         answered = _answered(mode, output)
-        results.append((1e6 * (end - start) / answered, answered / args.duration))
+        core, total = end[0] - start[0], sum(end) - sum(start)
+        results.append((1e6 * total / answered, 1e6 * core / answered, answered / args.duration))
     return results
 
 
@@ -154,13 +162,15 @@ def main() -> None:
             )
             for connections in counts:
                 for number in range(args.rounds):
-                    (one_cost, one_rate), (fwd_cost, fwd_rate) = _round(
+                    (one_cost, _, one_rate), (fwd_cost, fwd_core, fwd_rate) = _round(
                         mode, connections, args, files
                     )
                     line = (
                         f"{mode:16} c={connections:<3} round {number + 1}: one process "
                         f"{one_cost:7.1f} µs/req {one_rate:7.0f} req/s; forwarded "
-                        f"{fwd_cost:7.1f} µs/req {fwd_rate:7.0f} req/s; CPU ratio {fwd_cost / one_cost:.3f}"
+                        f"{fwd_cost:7.1f} µs/req (core {fwd_core:5.1f}, workers "
+                        f"{fwd_cost - fwd_core:5.1f}) {fwd_rate:7.0f} req/s; CPU ratio "
+                        f"{fwd_cost / one_cost:.3f}"
                     )
                     if mode.startswith("big-"):
                         mib = 16

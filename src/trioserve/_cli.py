@@ -213,6 +213,13 @@ def _parser() -> argparse.ArgumentParser:
         "serves everything)",
     )
     run.add_argument(
+        "--worker-arena-max-bytes",
+        type=int,
+        default=ServerConfig.worker_arena_max_bytes,
+        help="with --workers: each worker's shared memory for the large bodies and tensors "
+        "of its requests in flight; past it a request is refused (503, UNAVAILABLE)",
+    )
+    run.add_argument(
         "--ports-file",
         type=Path,
         help="once serving, write the bound ports here as JSON "
@@ -358,6 +365,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         ),
         exit_timeout_s=args.exit_timeout_secs,
         max_shared_memory_regions=args.max_shared_memory_regions,
+        worker_arena_max_bytes=args.worker_arena_max_bytes,
         http_restricted_apis=parse_restrictions(args.http_restricted_api),
         grpc_restricted_apis=parse_restrictions(args.grpc_restricted_protocol),
         show_hidden_metrics_for_version=args.show_hidden_metrics_for_version,

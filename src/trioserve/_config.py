@@ -50,6 +50,9 @@ class ServerConfig:
     grpc_tls_keyfile: str | None = None
     exit_timeout_s: float = 30.0  # graceful shutdown: how long in-flight requests may finish
     max_shared_memory_regions: int = MAX_SHARED_MEMORY_REGIONS  # system and CUDA together
+    # --workers N: each worker's shared memory for the large bodies and tensors it has
+    # sent the core and not yet had back (the core's answers are read from the core's)
+    worker_arena_max_bytes: int = 1024 * 1024 * 1024
     # API group ("shared-memory", ...) -> the header its requests must carry, per transport
     http_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
     grpc_restricted_apis: Mapping[str, Restriction] = field(default_factory=dict)
@@ -119,6 +122,8 @@ class ServerConfig:
             raise ValueError("exit_timeout_s must be >= 0")
         if self.max_shared_memory_regions < 0:
             raise ValueError("max_shared_memory_regions must be >= 0")
+        if self.worker_arena_max_bytes <= 0:
+            raise ValueError("worker_arena_max_bytes must be > 0")
         check_restrictions(self.http_restricted_apis)
         check_restrictions(self.grpc_restricted_apis)
         if self.response_cache_bytes < 0:

@@ -8,9 +8,14 @@ import os
 import signal
 import socket
 import threading
+from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from ._served import TIMEOUT, Served
 
@@ -128,5 +133,35 @@ def test_the_connection_limit_is_shared_and_its_refusals_summed() -> None:
         assert statuses.count(b"200") == 2  # one connection per worker
         assert refused + statuses.count(b"closed") == 22
         assert served.metric("trioserve_http_refused_connections_total") == refused
+    finally:
+        assert served.stop() == 0
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient])
+def test_a_full_worker_arena_refuses_the_request_and_recovers(module: Any) -> None:
+    """Past --worker-arena-max-bytes a request is refused (503, UNAVAILABLE) in the worker
+    (before the core sees it), whatever its inputs already took is given back, and
+    requests that fit go on being served."""
+    served = Served("--worker-arena-max-bytes", str(1024 * 1024), workers=1)
+    try:
+        url = served.url if module is httpclient else served.grpc_url
+        binary = {"binary_data": True} if module is httpclient else {}
+        fits = np.arange(96 * 1024, dtype=np.float32)  # 384 KiB
+        with module.InferenceServerClient(url) as client:
+            for _ in range(3):  # nothing of the refused request stays in the arena
+                inputs = []
+                for name in ("INPUT0", "INPUT1"):  # 768 KiB, then 2 MiB more: too many
+                    data = fits if name == "INPUT0" else np.zeros(512 * 1024, np.float32)
+                    tensor = module.InferInput(name, [data.size], "FP32")
+                    tensor.set_data_from_numpy(data, **binary)
+                    inputs.append(tensor)
+                with pytest.raises(InferenceServerException) as refused:
+                    client.infer("identity_fp32", inputs)
+                assert "--worker-arena-max-bytes" in str(refused.value)
+                assert refused.value.status() in ("503", "StatusCode.UNAVAILABLE")
+                tensor = module.InferInput("INPUT0", [fits.size], "FP32")
+                tensor.set_data_from_numpy(fits, **binary)
+                answer = client.infer("identity_fp32", [tensor]).as_numpy("OUTPUT0")
+                np.testing.assert_array_equal(answer, fits)
     finally:
         assert served.stop() == 0

@@ -69,8 +69,9 @@ class CoreClient:
         channel: TrioChannel,
         nursery: trio.Nursery,
         counters: Callable[[], dict[str, dict[str, int]]],
+        arena_max_bytes: int,
     ) -> None:
-        self.out = Outbound(channel, new_arena())
+        self.out = Outbound(channel, new_arena(arena_max_bytes))
         self.peer = SegmentMap()
         self.replies: Replies[Answer] = Replies()
         self.drain = trio.Event()  # the core asks this worker to drain and exit
@@ -93,15 +94,15 @@ class CoreClient:
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == ANSWER:
-            _, call, item, last = message
-            if call < 0:
-                pending = self._pending.pop(call, None)
-                if pending is not None:
-                    pending.resolve(item)
-                else:
-                    self.release(item)  # the call was withdrawn: nobody reads its blocks
-            elif not self.replies.deliver(call, item, last=last):
-                self.release(item)
+            for call, item, last in message[1]:
+                if call < 0:
+                    pending = self._pending.pop(call, None)
+                    if pending is not None:
+                        pending.resolve(item)
+                    else:
+                        self.release(item)  # the call was withdrawn: nobody reads its blocks
+                elif not self.replies.deliver(call, item, last=last):
+                    self.release(item)
         elif kind == FREE:
             for block in message[1]:
                 self.out.arena.free(block)

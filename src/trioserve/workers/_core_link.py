@@ -2,10 +2,11 @@
 through the same code a single process runs (the REST app, the gRPC method table), so
 every connection, whichever worker took it, gets the same answer.
 
-Each call runs in a task of its own under a cancel scope: a CANCEL from the worker (its
-client left) cancels it, which withdraws a waiting request from its model's queue, as
-a client's disconnect does in one process. When the link dies (the worker exited), every
-call of that worker is cancelled the same way; other workers' calls go on.
+Each call runs in a task of its own. A CANCEL from the worker (its client left)
+withdraws it, as a client's disconnect does in one process: an INFER's ticket is
+withdrawn from its model's queue (the pipeline's ``Watch``, which costs an inference
+no cancel scope), any other call's cancel scope is cancelled. When the link dies (the
+worker exited), every call of that worker is cancelled; other workers' calls go on.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import trio
 
 from .._context import ServerContext
 from .._errors import ErrorKind, InferenceServerError
-from .._served import ServedModel
+from .._served import ServedModel, Ticket
 from .._tensor import array_from_raw, array_to_raw, datatype
 from .._types import InferenceRequest, InputTensor, RequestedOutput
 from ..grpc import (
@@ -84,13 +87,21 @@ class WorkerLink:
         self._rest_app = rest_app
         self._grpc_methods = grpc_methods
         self._calls: dict[int, trio.CancelScope] = {}
+        # Each INFER in flight: its ticket once submitted (None before, _LEFT if the
+        # worker cancelled it before it was submitted).
+        self._tickets: dict[int, Ticket | None] = {}
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
         self._pulls: Replies[Snapshot] = Replies()
+        self._answers: list[tuple[int, tuple[Any, ...], bool]] = []  # for the next ANSWER
+        self._answer_payloads: list[object] = []  # theirs that may be blocks
+        self._nursery: trio.Nursery | None = None  # while serving: for finalizers' FREEs
+        self._token = trio.lowlevel.current_trio_token()
 
     async def serve(self, frames: list[tuple[Any, list[int]]]) -> None:
         """Answer calls until the worker closes the link; ``frames``: received already."""
         try:
             async with trio.open_nursery() as calls:
+                self._nursery = calls
                 try:
                     while True:
                         for message, fds in frames:
@@ -99,6 +110,7 @@ class WorkerLink:
                 except LinkClosed:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it
         finally:
+            self._nursery = None
             self._pulls.fail_all(LinkClosed("the worker exited"))
             self.channel.close()
             self.peer.close()
@@ -119,6 +131,7 @@ class WorkerLink:
     def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == INFER:
+            self._tickets[message[1]] = None
             calls.start_soon(self._infer, *message[1:])
         elif kind == HTTP:
             calls.start_soon(self._http, *message[1:])
@@ -138,9 +151,7 @@ class WorkerLink:
             if stream is not None:
                 stream.close()
         elif kind == CANCEL:
-            scope = self._calls.get(message[1])
-            if scope is not None:
-                scope.cancel()
+            self._cancel(message[1])
         elif kind == FREE:
             for block in message[1]:
                 self.out.arena.free(block)
@@ -149,19 +160,53 @@ class WorkerLink:
         else:
             logger.error("a worker sent an unknown message kind %r", kind)
 
+    def _cancel(self, call: int) -> None:
+        scope = self._calls.get(call)
+        if scope is not None:
+            scope.cancel()
+        elif call in self._tickets:
+            ticket = self._tickets[call]
+            if ticket is None:
+                self._tickets[call] = _LEFT  # withdrawn as soon as it is submitted
+            else:
+                ticket.withdraw()
+
+    def track(self, ticket: Ticket, call: int) -> None:
+        """An INFER's ticket is in its model's queue (``_pipeline.Watch``)."""
+        if self._tickets.get(call) is _LEFT:
+            ticket.withdraw()
+        self._tickets[call] = ticket
+
+    def untrack(self, ticket: Ticket, token: None) -> None:
+        pass  # ``_infer`` forgets the call when it ends, whether it was submitted or not
+
     async def _answer(
         self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
     ) -> None:
-        with contextlib.suppress(LinkClosed):  # the worker is gone; serve() cancels the rest
-            await self.out.send((ANSWER, call, item, last), *payloads)
+        """Answers given in one turn of the event loop (a batch's requests finish
+        together) go in one frame: the first waits for the turn's others, then sends."""
+        self._answers.append((call, item, last))
+        self._answer_payloads += payloads
+        if len(self._answers) > 1:
+            return
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        answers, self._answers = self._answers, []
+        blocks, self._answer_payloads = self._answer_payloads, []
+        # (Not contextlib.suppress: an object per frame, on the path of every request.)
+        try:
+            await self.out.send((ANSWER, answers), *blocks)
+        except LinkClosed:
+            return  # the worker is gone; serve() cancels the rest
 
     async def _release(self, *payloads: Payload) -> None:
         """The worker's blocks, read: it may reuse them. (The send is shielded: this runs
         in the ``finally`` of cancelled calls too.)"""
         blocks = [payload for payload in payloads if isinstance(payload, Block)]
         if blocks:
-            with contextlib.suppress(LinkClosed):
+            try:
                 await self.out.send((FREE, blocks))
+            except LinkClosed:
+                return
 
     async def _infer(
         self,
@@ -176,61 +221,73 @@ class WorkerLink:
         report: tuple[str, Any] | None,
         trace_context: dict[Any, Any] | None,
     ) -> None:
-        """An inference the worker decoded: the pipeline reads its inputs in place."""
+        """An inference the worker decoded: the pipeline reads its inputs in place. A
+        withdrawn one (its client left) is not answered: the worker dropped it."""
         context = self._context
         outcome: tuple[Any, ...]
         blocks: list[Payload] = []
-        with trio.CancelScope() as cancel:
-            self._calls[call] = cancel
-            try:
-                served = context.repository.get(model, version)
+        kept: list[Block] = []  # input blocks freed once the model lets go of their arrays
+        try:
+            served = context.repository.get(model, version)
 
-                def decode(regions: object) -> InferenceRequest:
-                    return InferenceRequest(
-                        model, version, self._input_tensors(inputs),
-                        [RequestedOutput(name, params) for name, params in outputs],
-                        request_id, parameters,
-                    )  # fmt: skip
-
-                _, response = await context.pipeline.infer(
-                    served, decode, endpoint=endpoint, headers=trace_context
-                )
-                tensors = []
-                for tensor in response.outputs:
-                    payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
-                    blocks.append(payload)
-                    tensors.append(
-                        (
-                            tensor.name,
-                            tensor.datatype.name,
-                            tensor.shape,
-                            payload,
-                            tensor.parameters,
-                        )
-                    )
-                outcome = (
-                    OUTCOME, None, response.model_name, response.model_version, response.id,
-                    response.parameters, tensors, _load_report(context, served, report),
+            def decode(regions: object) -> InferenceRequest:
+                return InferenceRequest(
+                    model, version, self._input_tensors(inputs, kept),
+                    [RequestedOutput(name, params) for name, params in outputs],
+                    request_id, parameters,
                 )  # fmt: skip
-            except Exception as exc:
-                outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
-            finally:
-                del self._calls[call]
-                await self._release(*(given[3] for given in inputs))
-        if cancel.cancelled_caught:
-            for payload in blocks:  # nobody reads them
-                if isinstance(payload, Block):
-                    self.out.arena.free(payload)
-            return
+
+            done = await context.pipeline.infer(
+                served, decode, self, call, endpoint=endpoint, headers=trace_context
+            )
+            if done is None:
+                return
+            response = done[1]
+            tensors = []
+            for tensor in response.outputs:
+                payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
+                blocks.append(payload)
+                tensors.append(
+                    (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
+                )
+            outcome = (
+                OUTCOME, None, response.model_name, response.model_version, response.id,
+                response.parameters, tensors, _load_report(context, served, report),
+            )  # fmt: skip
+        except Exception as exc:
+            outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
+        finally:
+            del self._tickets[call]
+            await self._release(*[given[3] for given in inputs if given[3] not in kept])
         await self._answer(call, outcome, True, *blocks)
 
-    def _input_tensors(self, inputs: list[Tensor]) -> dict[str, InputTensor]:
+    def _input_tensors(self, inputs: list[Tensor], kept: list[Block]) -> dict[str, InputTensor]:
+        """The inputs as the model sees them: a large one reads the worker's block in
+        place, which is freed once no array reads it (``kept``), however long the model
+        keeps it: a model may keep an input beyond its request, as in one process."""
         tensors = {}
         for name, type_name, shape, payload, params in inputs:
             dt = datatype(type_name)
             data = array_from_raw(dt, shape, read(payload, self.peer), f"input '{name}'")
+            if isinstance(payload, Block):
+                root = data  # the array every view of the block leads back to
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                if isinstance(root.base, memoryview):  # not a copy (BYTES are decoded)
+                    weakref.finalize(root, self._let_go, payload).atexit = False
+                    kept.append(payload)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors
+
+    def _let_go(self, block: Block) -> None:
+        """No array reads an input's ``block`` any more (in whichever thread dropped the
+        last one): the worker may reuse it."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._free_kept, block)
+
+    def _free_kept(self, block: Block) -> None:
+        if self._nursery is not None:  # else the link is gone, and the block with it
+            self._nursery.start_soon(self._release, block)
 
     async def _http(
         self,
@@ -337,6 +394,7 @@ class WorkerLink:
 
 
 Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
+_LEFT = cast(Ticket, object())  # an INFER cancelled before its ticket was submitted
 
 
 def _error(exc: Exception) -> tuple[str, str]:

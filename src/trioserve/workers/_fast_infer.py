@@ -29,7 +29,7 @@ from ..metrics import FORMAT_HEADER
 from ..rest import Request, Response, decode_request, header_length, infer_response
 from ._client import WITHDRAWN, Answer, CoreClient, Pending
 from ._forward import RestForwarder, Withdraw, forward_unary
-from ._wire import INFER, Payload
+from ._wire import INFER
 
 _SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
 _NO_MODEL = cast(Model, None)  # decode_request reads the model only for a raw body
@@ -109,15 +109,13 @@ class InferForwarder:
         headers: Mapping[Any, Any],
     ) -> Pending:
         client = self._client
+        tensors = inference.inputs.values()
+        payloads = client.out.pack_all([array_to_raw(t.data, t.datatype) for t in tensors])
+        inputs = [
+            (tensor.name, tensor.datatype.name, tensor.shape, payload, dict(tensor.parameters))
+            for tensor, payload in zip(tensors, payloads, strict=True)
+        ]
         pending = client.open_pending()
-        payloads: list[Payload] = []
-        inputs = []
-        for tensor in inference.inputs.values():
-            payload = client.out.pack(array_to_raw(tensor.data, tensor.datatype))
-            payloads.append(payload)
-            inputs.append(
-                (tensor.name, tensor.datatype.name, tensor.shape, payload, dict(tensor.parameters))
-            )
         outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
         message = (
             INFER, pending.call, endpoint, inference.model_name, inference.model_version, inference.id,

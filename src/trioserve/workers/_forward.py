@@ -74,8 +74,8 @@ class RestForwarder:
 
     async def __call__(self, request: Request) -> None:
         client = self._client
-        call, answers = client.open()
         body = client.out.pack(request.body)
+        call, answers = client.open()
         # Decompressed here already: the core must not inflate it again.
         headers = [(k, v) for k, v in request.headers.items() if k != b"content-encoding"]
         message = (HTTP, call, request.method, request.path, b"", headers, body)
@@ -155,8 +155,8 @@ def _end(call: Call, item: Answer | BaseException) -> None:
 
 
 async def forward_unary(client: CoreClient, path: str, data: bytes, call: Call) -> WireReply:
-    number, answers = client.open()
     payload = client.out.pack(data)
+    number, answers = client.open()
     await client.out.send((GRPC, number, path, dict(call.metadata), payload), payload)
     call.cancel_with(partial(client.cancel, number, answers))
     try:

@@ -178,6 +178,7 @@ class WorkerPool:
             grpc_paths={p: isinstance(m, StreamMethod) for p, m in self._methods.items()},
             http_sockets=http_sockets,
             exit_timeout_s=config.exit_timeout_s,
+            arena_max_bytes=config.worker_arena_max_bytes,
             log_level=self._log_level,
         )
 

@@ -18,7 +18,8 @@ worker -> core:
     (READY,)                                             listening, after CONFIG
 core -> worker:
     (CONFIG, settings)                                   first, with the listening sockets
-    (ANSWER, call, item, last)                           an answer to a call (see below)
+    (ANSWER, [(call, item, last), ...])                  answers to calls (see below),
+                                                         those of one turn together
     (FREE, blocks)                                       the worker's blocks, done with
     (PULL, pull)                                         a scrape wants the counters
     (DRAIN,)                                             stop accepting, finish, exit
@@ -45,8 +46,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import UnavailableError
 from .._limits import GrpcLimits, HttpLimits
-from ..ipc import Arena, Block, SegmentMap, TrioChannel
+from ..ipc import Arena, ArenaFull, Block, SegmentMap, TrioChannel
 
 HTTP, GRPC, GRPC_STREAM, MESSAGE, HALF_CLOSE, CANCEL, FREE, COUNTERS, READY = range(9)
 CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER = range(9, 15)
@@ -59,8 +61,11 @@ _ARENA_GROWTH = 64 * 1024 * 1024
 Payload = bytes | Block
 
 
-def new_arena() -> Arena:
-    return Arena(_ARENA_BYTES, _ARENA_GROWTH)
+def new_arena(max_bytes: int | None = None) -> Arena:
+    """An arena of at most ``max_bytes`` (None: no bound); a small bound is one segment."""
+    if max_bytes is None:
+        return Arena(_ARENA_BYTES, _ARENA_GROWTH)
+    return Arena(min(_ARENA_BYTES, max_bytes), min(_ARENA_GROWTH, max_bytes), max_bytes)
 
 
 class Outbound:
@@ -71,22 +76,47 @@ class Outbound:
         self.arena = arena
 
     def pack(self, data: bytes | bytearray | memoryview) -> Payload:
-        """``data`` as it travels: in the frame, or copied once into a block."""
+        """``data`` as it travels: in the frame, or copied once into a block. A bounded
+        arena that is full refuses it (``UnavailableError``: 503, UNAVAILABLE)."""
         if len(data) < INLINE_BYTES:
             return bytes(data)
-        return self.arena.write(data)
+        block = self._allocate(len(data))
+        self.arena.view(block)[:] = memoryview(data).cast("B")
+        return block
+
+    def pack_all(self, datas: Sequence[bytes | bytearray | memoryview]) -> list[Payload]:
+        """Several payloads of one message: all packed, or none (blocks given back)."""
+        payloads: list[Payload] = []
+        try:
+            for data in datas:
+                payloads.append(self.pack(data))
+        except UnavailableError:
+            for payload in payloads:
+                if isinstance(payload, Block):
+                    self.arena.free(payload)
+            raise
+        return payloads
 
     def pack_parts(self, parts: Sequence[bytes | memoryview]) -> Payload:
         """Parts of one message, joined on the way (into the frame or a block)."""
         size = sum(map(len, parts))
         if size < INLINE_BYTES:
             return b"".join(parts)
-        block = self.arena.allocate(size)
+        block = self._allocate(size)
         view, offset = self.arena.view(block), 0
         for part in parts:
             view[offset : offset + len(part)] = part
             offset += len(part)
         return block
+
+    def _allocate(self, size: int) -> Block:
+        try:
+            return self.arena.allocate(size)
+        except ArenaFull as exc:
+            raise UnavailableError(
+                f"the server is busy: its front end's shared memory for requests in flight "
+                f"is full (--worker-arena-max-bytes); {exc}"
+            ) from None
 
     async def send(self, message: tuple[Any, ...], *payloads: object) -> None:
         """Send ``message``; ``payloads``: those of its items that may be blocks, whose
@@ -128,4 +158,5 @@ class WorkerSettings:
     grpc_paths: dict[str, bool]  # the core's gRPC methods: path -> streaming?
     http_sockets: int
     exit_timeout_s: float
+    arena_max_bytes: int  # its arena's bound (the core's has none)
     log_level: int

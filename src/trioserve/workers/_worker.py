@@ -60,6 +60,7 @@ async def serve_worker(channel: TrioChannel) -> None:
                 "grpc": asdict(grpc_statistics),
                 "worker": {"forwarded": client.forwarded},
             },
+            settings.arena_max_bytes,
         )
         nursery.start_soon(_watch_core, client, frames[1:])
         nursery.start_soon(_drain_on_sigterm, client)

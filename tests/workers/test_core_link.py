@@ -1,0 +1,180 @@
+"""The core's end of a worker's link, spoken to in process by a test playing the worker
+(real socket pair, real frames): forwarded inferences and their withdrawal."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import trioserve
+from trioserve import Model, TensorSpec
+from trioserve._server import Server
+from trioserve.ipc import Arena, Block, TrioChannel, channel_pair, encode_frames
+from trioserve.models import reference_zoo
+from trioserve.testing import GatedModel, gated, model_statistics, open_test_server
+from trioserve.workers._core_link import WorkerLink
+from trioserve.workers._wire import ANSWER, CANCEL, FREE, INFER, OUTCOME, Outbound, new_arena
+
+
+class Worker:
+    """The worker's end of a link served by a ``WorkerLink``."""
+
+    def __init__(self, socket: trio.socket.SocketType) -> None:
+        self.socket = socket
+        self.channel = TrioChannel(socket)
+        self.arenas: list[Arena] = []  # closed with the link
+
+    async def send_together(self, *messages: tuple[Any, ...]) -> None:
+        """``messages`` in one write: the core reads them all at once."""
+        data, _ = encode_frames((message, []) for message in messages)
+        assert await self.socket.send(data) == len(data)
+
+    async def infer(self, call: int, value: float) -> None:
+        await self.channel.send(_infer(call, value))
+
+    async def answers(self) -> list[tuple[int, float]]:
+        """The next answers to come: (call, OUTPUT0) each."""
+        answers = []
+        for message, _ in await self.channel.receive():
+            assert message[0] == ANSWER
+            for call, item, last in message[1]:
+                assert item[0] == OUTCOME and item[1] is None and last
+                (_, _, _, data, _), *_ = item[6]
+                answers.append((call, float(np.frombuffer(data, np.float32)[0])))
+        return answers
+
+
+def _infer(call: int, value: float) -> tuple[Any, ...]:
+    data = np.array([[value]], np.float32).tobytes()
+    inputs = [("INPUT0", "FP32", (1, 1), data, {})]
+    return (INFER, call, "HTTP end point", "delay", "", "", {}, inputs, [], None, None)
+
+
+class Keeper:
+    """A model that keeps every INPUT0 it is given, beyond its request."""
+
+    def __init__(self) -> None:
+        self.kept: list[np.ndarray[Any, Any]] = []
+
+    def model(self) -> Model:
+        @trioserve.model(
+            name="keeper",
+            inputs=[TensorSpec("INPUT0", "FP32", [-1])],
+            outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
+        )
+        def keeper(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
+            self.kept.append(INPUT0[1:])  # a view of the input, as a model may keep
+            return {"OUTPUT0": INPUT0[:1]}
+
+        return keeper
+
+
+@pytest.fixture
+def gate() -> GatedModel:
+    """The zoo's ``delay`` (its output is its input), its executions held at a gate."""
+    return gated(next(model for model in reference_zoo() if model.name == "delay"))
+
+
+@pytest.fixture
+def keeper() -> Keeper:
+    return Keeper()
+
+
+@pytest.fixture
+async def server(gate: GatedModel, keeper: Keeper) -> AsyncIterator[Server]:
+    async with open_test_server([gate, keeper.model()]) as server:
+        yield server
+
+
+@pytest.fixture
+async def worker(server: Server, nursery: trio.Nursery) -> AsyncIterator[Worker]:
+    core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+    assert server.context is not None
+    link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
+    nursery.start_soon(link.serve, [])
+    worker = Worker(worker_end)
+    try:
+        yield worker
+    finally:
+        worker.channel.close()
+        for arena in worker.arenas:
+            arena.close()
+
+
+async def _queued(server: Server, count: int) -> None:
+    await server.repository.get("delay").wait_until(lambda stats: stats.queued == count)  # type: ignore[attr-defined]
+
+
+async def test_a_cancel_withdraws_a_queued_inference(
+    autojump_clock: trio.abc.Clock,
+    server: Server,
+    gate: GatedModel,
+    worker: Worker,
+) -> None:
+    await worker.infer(-1, 1.0)
+    await gate.entered.wait()  # the one instance is busy until release
+    await worker.infer(-2, 2.0)
+    await _queued(server, 1)
+    await worker.channel.send((CANCEL, -2))
+    await _queued(server, 0)  # withdrawn
+    gate.release.set()
+    assert await worker.answers() == [(-1, 1.0)]
+    await worker.infer(-3, 3.0)
+    assert await worker.answers() == [(-3, 3.0)]  # the withdrawn one is never answered
+    assert model_statistics(server, "delay").inference_count == 2  # and never ran
+
+
+async def test_a_cancel_that_overtakes_its_inference_withdraws_it_on_submission(
+    autojump_clock: trio.abc.Clock,
+    server: Server,
+    gate: GatedModel,
+    worker: Worker,
+) -> None:
+    gate.release.set()
+    # Read together: the CANCEL is handled before the call's task runs.
+    await worker.send_together(_infer(-1, 1.0), (CANCEL, -1))
+    await worker.infer(-2, 2.0)
+    assert await worker.answers() == [(-2, 2.0)]
+    assert model_statistics(server, "delay").inference_count == 1
+
+
+async def test_an_input_a_model_keeps_is_not_reused_until_it_lets_go(
+    autojump_clock: trio.abc.Clock, keeper: Keeper, worker: Worker
+) -> None:
+    """A large input reads the worker's block in place; the block goes back to the worker
+    (FREE) only once the model drops the last array that reads it."""
+    out = Outbound(worker.channel, new_arena())
+    worker.arenas.append(out.arena)
+    sent = np.arange(32 * 1024, dtype=np.float32)  # 128 KiB: a block, not in the frame
+    block = out.pack(sent.tobytes())
+    assert isinstance(block, Block)
+    inputs = [("INPUT0", "FP32", sent.shape, block, {})]
+    await out.send(
+        (INFER, -1, "HTTP end point", "keeper", "", "", {}, inputs, [], None, None), block
+    )
+    frames = [message for message, _ in await worker.channel.receive()]
+    assert [message[0] for message in frames] == [ANSWER]  # answered, the block still read
+    np.testing.assert_array_equal(keeper.kept[0], sent[1:])
+    keeper.kept.clear()
+    frames = [message for message, _ in await worker.channel.receive()]
+    assert frames == [(FREE, [block])]
+
+
+async def test_the_answers_of_one_batch_go_in_one_frame(
+    autojump_clock: trio.abc.Clock, server: Server, gate: GatedModel, worker: Worker
+) -> None:
+    await worker.infer(-1, 1.0)
+    await gate.entered.wait()  # the one instance is busy until release
+    await worker.send_together(_infer(-2, 2.0), _infer(-3, 3.0))
+    await _queued(server, 2)
+    gate.release.set()  # -1 runs, then -2 and -3 in one batch
+    frames: list[list[int]] = []  # each ANSWER frame's calls
+    while sum(map(len, frames)) < 3:
+        for message, _ in await worker.channel.receive():
+            assert message[0] == ANSWER
+            frames.append([call for call, _, _ in message[1]])
+    assert [set(calls) for calls in frames] == [{-1}, {-2, -3}]
