@@ -51,7 +51,16 @@ from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
-from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, read_tensor
+from ._pb_wire import (
+    WireTensor,
+    blocks_to_wire,
+    error_from_wire,
+    error_to_wire,
+    put_tensor,
+    read_tensor,
+    tensors_from_wire,
+    tensors_to_wire,
+)
 
 logger = logging.getLogger("trioserve.python_backend")
 _FLUSH_BLOCKS = 64  # output blocks given back in a frame of their own, at most
@@ -286,40 +295,39 @@ class InstanceProcess:
             raise UnavailableError(f"model '{self.spec.model}' is unavailable: {self.unavailable}")
         channel = self._channel
         assert channel is not None
-        described: list[dict[str, Any]] = []
+        described: list[tuple[Any, ...]] = []  # as _pb_stub.Stub._request reads them
+        keys: list[int] = []
         blocks: list[Block] = []
+        all_inputs: list[Block] = []
         for request in requests:
             tensors = [
                 put_tensor(self._arena, t.name, t.datatype.name, t.data)
                 for t in request.inputs.values()
             ]
             key = next(self._keys)
+            keys.append(key)
             inputs = [t.block for t in tensors]
+            all_inputs += inputs
             if decoupled and request.response_sender is not None:
                 self._senders[key] = (request.response_sender, inputs)
             else:
                 blocks += inputs
             described.append(
-                {
-                    "key": key,
-                    "id": request.id,
-                    "model": request.model_name,
-                    "inputs": tensors,
-                    "outputs": [o.name for o in request.outputs],
-                    "parameters": dict(request.parameters),
-                }
-            )
+                (key, request.id, request.model_name, tensors_to_wire(tensors),
+                 [o.name for o in request.outputs], dict(request.parameters))
+            )  # fmt: skip
         batch, answers = self._batches.open()
         self._batch_inputs[batch] = blocks
         try:
-            await self._announce(channel, [t.block for d in described for t in d["inputs"]])
-            await channel.send(("exec", batch, described, self._take_given_back()))
+            await self._announce(channel, all_inputs)
+            given_back = blocks_to_wire(self._take_given_back())
+            await channel.send(("exec", batch, described, given_back))
             answer = await answers.receive()
         except LinkClosed:  # it died before this batch reached it
             self._batches.withdraw(batch)
             self._free_all(self._batch_inputs.pop(batch, []))
-            for sent in described:
-                entry = self._senders.pop(sent["key"], None)
+            for key in keys:
+                entry = self._senders.pop(key, None)
                 if entry is not None:
                     self._free_all(entry[1])
             raise UnavailableError(
@@ -339,7 +347,7 @@ class InstanceProcess:
         if result[0] == "error":
             return error_from_wire(result[1])
         _kind, tensors, parameters = result
-        outputs = {t.name: self._leased(t) for t in tensors}
+        outputs = {t.name: self._leased(t) for t in tensors_from_wire(tensors)}
         parsed = json.loads(parameters)
         return ResponseOutputs(outputs, parsed) if parsed else outputs
 
@@ -384,7 +392,7 @@ class InstanceProcess:
         blocks = self._take_given_back()
         if blocks and self._channel is not None:
             with contextlib.suppress(LinkClosed):
-                await self._channel.send(("free", blocks))
+                await self._channel.send(("free", blocks_to_wire(blocks)))
 
     def _take_given_back(self) -> list[Block]:
         with self._give_back_lock:
@@ -440,7 +448,7 @@ class InstanceProcess:
         if answer[0] == "results":
             for result in answer[1]:
                 if result[0] == "outputs":
-                    for tensor in result[1]:
+                    for tensor in tensors_from_wire(result[1]):
                         self._give_back(tensor.block, self._generation)
 
     def _decoupled_response(self, key: int, payload: Any, final: bool) -> None:
@@ -454,7 +462,7 @@ class InstanceProcess:
             outputs = (
                 error_from_wire(value)
                 if kind == "error"
-                else {t.name: self._leased(t) for t in value}
+                else {t.name: self._leased(t) for t in tensors_from_wire(value)}
             )
         with contextlib.suppress(InferenceServerError):
             sender.send(outputs, final=final)

@@ -31,7 +31,14 @@ from ..ipc._arena import Arena, Block, SegmentMap
 from ..ipc._blocking import LinkClosed
 from ._pb_metrics import MetricError, _FamilyState
 from ._pb_serving import Waiting
-from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, read_tensor
+from ._pb_wire import (
+    WireTensor,
+    error_from_wire,
+    error_to_wire,
+    put_tensor,
+    read_tensor,
+    tensors_to_wire,
+)
 
 Deliver = Callable[[Any], None]
 Push = Callable[[Any, bool], None]
@@ -182,7 +189,7 @@ class RemoteSender:
             for name, data in outputs.items():
                 array = np.asarray(data)
                 tensors.append(put_tensor(arena, name, datatype_of(array).name, array))
-            payload = ("outputs", tensors)
+            payload = ("outputs", tensors_to_wire(tensors))
             blocks = [t.block for t in tensors]
         try:
             self._stub.send(("send", self._key, payload, final), blocks)

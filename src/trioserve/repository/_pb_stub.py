@@ -46,7 +46,15 @@ from ._pb_loop import InstanceLoop
 from ._pb_metrics import serving_metrics
 from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandler
 from ._pb_serving import Serving, serving
-from ._pb_wire import WireTensor, error_to_wire, put_tensor, read_tensor
+from ._pb_wire import (
+    WireTensor,
+    blocks_from_wire,
+    error_to_wire,
+    put_tensor,
+    read_tensor,
+    tensors_from_wire,
+    tensors_to_wire,
+)
 
 logger = logging.getLogger("trioserve.python_backend")
 
@@ -93,10 +101,10 @@ class Stub:
         elif kind == "reply":
             self.link.replied(message[1], message[2])
         elif kind == "exec":
-            self._free(message[3])
+            self._free(blocks_from_wire(message[3]))
             self._work.put(lambda: self._execute(message[1], message[2]))
         elif kind == "free":
-            self._free(message[1])
+            self._free(blocks_from_wire(message[1]))
         elif kind == "init":
             self._work.put(lambda: self._initialize(message[1]))
         elif kind == "finalize":
@@ -134,7 +142,7 @@ class Stub:
             _exit(1)
         self.send(("ready",))
 
-    def _execute(self, batch: int, requests: list[dict[str, Any]]) -> None:
+    def _execute(self, batch: int, requests: list[tuple[Any, ...]]) -> None:
         settings = self._settings
         decoupled = settings["decoupled"]
         with self._serving():
@@ -155,26 +163,29 @@ class Stub:
         except InferenceServerError as exc:
             self.send(("done", batch, ("failed", error_to_wire(exc))))
             return
-        results = [self._result(response) for response in checked]
-        blocks = [t.block for result in results if result[0] == "outputs" for t in result[1]]
+        blocks: list[Block] = []
+        results = [self._result(response, blocks) for response in checked]
         self.send(("done", batch, ("results", results)), blocks)
 
-    def _request(self, described: dict[str, Any], decoupled: bool) -> pb_utils.InferenceRequest:
+    def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
+        """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
+        key, request_id, model, tensors, outputs, parameters = described
         view = self.server_memory.view
         inputs = [
             pb_utils.Tensor(t.name, read_tensor(t, view(t.block)), triton_dtype=t.datatype)
-            for t in described["inputs"]
+            for t in tensors_from_wire(tensors)
         ]
         return pb_utils.InferenceRequest._received(
-            described["model"],
+            model,
             inputs,
-            described["outputs"],
-            described["id"],
-            described["parameters"],
-            RemoteSender(self, described["key"]) if decoupled else None,
+            outputs,
+            request_id,
+            parameters,
+            RemoteSender(self, key) if decoupled else None,
         )
 
-    def _result(self, response: pb_utils.InferenceResponse) -> tuple[Any, ...]:
+    def _result(self, response: pb_utils.InferenceResponse, blocks: list[Block]) -> tuple[Any, ...]:
+        """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``."""
         error = response.error()
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
@@ -182,7 +193,8 @@ class Stub:
             put_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy())
             for t in response.output_tensors()
         ]
-        return ("outputs", tensors, response.parameters())
+        blocks += [t.block for t in tensors]
+        return ("outputs", tensors_to_wire(tensors), response.parameters())
 
     def _failure(self, exc: BaseException) -> InferenceServerError:
         """What ``execute`` raised, logged once (in the server's log) and as the client
