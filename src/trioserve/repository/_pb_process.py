@@ -52,14 +52,17 @@ from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
 from ._pb_wire import (
+    FrameTensor,
     WireTensor,
     blocks_to_wire,
     error_from_wire,
     error_to_wire,
+    frame_block,
+    frame_tensor,
     put_tensor,
+    read_inline,
     read_tensor,
     tensors_from_wire,
-    tensors_to_wire,
 )
 
 logger = logging.getLogger("trioserve.python_backend")
@@ -300,20 +303,20 @@ class InstanceProcess:
         blocks: list[Block] = []
         all_inputs: list[Block] = []
         for request in requests:
+            inputs: list[Block] = []
             tensors = [
-                put_tensor(self._arena, t.name, t.datatype.name, t.data)
+                frame_tensor(self._arena, t.name, t.datatype.name, t.data, inputs)
                 for t in request.inputs.values()
             ]
             key = next(self._keys)
             keys.append(key)
-            inputs = [t.block for t in tensors]
             all_inputs += inputs
             if decoupled and request.response_sender is not None:
                 self._senders[key] = (request.response_sender, inputs)
             else:
                 blocks += inputs
             described.append(
-                (key, request.id, request.model_name, tensors_to_wire(tensors),
+                (key, request.id, request.model_name, tensors,
                  [o.name for o in request.outputs], dict(request.parameters))
             )  # fmt: skip
         batch, answers = self._batches.open()
@@ -347,9 +350,13 @@ class InstanceProcess:
         if result[0] == "error":
             return error_from_wire(result[1])
         _kind, tensors, parameters = result
-        outputs = {t.name: self._leased(t) for t in tensors_from_wire(tensors)}
+        outputs = {t[0]: self._received(t) for t in tensors}
         parsed = json.loads(parameters)
         return ResponseOutputs(outputs, parsed) if parsed else outputs
+
+    def _received(self, tensor: FrameTensor) -> np.ndarray[Any, Any]:
+        in_block = frame_block(tensor)
+        return read_inline(tensor) if in_block is None else self._leased(in_block)
 
     def _leased(self, tensor: WireTensor) -> np.ndarray[Any, Any]:
         """The output in place in the process's arena, its block given back when the last
@@ -448,8 +455,10 @@ class InstanceProcess:
         if answer[0] == "results":
             for result in answer[1]:
                 if result[0] == "outputs":
-                    for tensor in tensors_from_wire(result[1]):
-                        self._give_back(tensor.block, self._generation)
+                    for tensor in result[1]:
+                        in_block = frame_block(tensor)
+                        if in_block is not None:
+                            self._give_back(in_block.block, self._generation)
 
     def _decoupled_response(self, key: int, payload: Any, final: bool) -> None:
         entry = self._senders.pop(key, None) if final else self._senders.get(key)

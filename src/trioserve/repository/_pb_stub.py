@@ -48,13 +48,14 @@ from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandl
 from ._pb_serving import Serving, serving
 from ._pb_turns import Turns, Work
 from ._pb_wire import (
-    WireTensor,
+    Array,
+    FrameTensor,
     blocks_from_wire,
     error_to_wire,
-    put_tensor,
+    frame_block,
+    frame_tensor,
+    read_inline,
     read_tensor,
-    tensors_from_wire,
-    tensors_to_wire,
 )
 
 logger = logging.getLogger("trioserve.python_backend")
@@ -169,11 +170,7 @@ class Stub:
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
         """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
         key, request_id, model, tensors, outputs, parameters = described
-        view = self.server_memory.view
-        inputs = [
-            pb_utils.Tensor(t.name, read_tensor(t, view(t.block)), triton_dtype=t.datatype)
-            for t in tensors_from_wire(tensors)
-        ]
+        inputs = [pb_utils.Tensor(t[0], self._array(t), triton_dtype=t[1]) for t in tensors]
         return pb_utils.InferenceRequest._received(
             model,
             inputs,
@@ -183,17 +180,22 @@ class Stub:
             RemoteSender(self, key) if decoupled else None,
         )
 
+    def _array(self, tensor: FrameTensor) -> Array:
+        in_block = frame_block(tensor)
+        if in_block is None:
+            return read_inline(tensor)
+        return read_tensor(in_block, self.server_memory.view(in_block.block))
+
     def _result(self, response: pb_utils.InferenceResponse, blocks: list[Block]) -> tuple[Any, ...]:
         """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``."""
         error = response.error()
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
-        tensors: list[WireTensor] = [
-            put_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy())
+        tensors = [
+            frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
             for t in response.output_tensors()
         ]
-        blocks += [t.block for t in tensors]
-        return ("outputs", tensors_to_wire(tensors), response.parameters())
+        return ("outputs", tensors, response.parameters())
 
     def _failure(self, exc: BaseException) -> InferenceServerError:
         """What ``execute`` raised, logged once (in the server's log) and as the client
