@@ -351,6 +351,8 @@ class InstanceProcess:
             return error_from_wire(result[1])
         _kind, tensors, parameters = result
         outputs = {t[0]: self._received(t) for t in tensors}
+        if parameters == "{}":  # what nearly every response has: nothing to parse
+            return outputs
         parsed = json.loads(parameters)
         return ResponseOutputs(outputs, parsed) if parsed else outputs
 
