@@ -3,9 +3,10 @@
 ``InstanceProcess`` starts the stub (``_pb_stub``, by ``_pb_launch``'s command) and
 supervises it from a trio system task: a nursery holding the task that reads the
 process's frames and the BLS calls the model makes. ``execute`` writes the batch's
-inputs once into the instance's arena, sends one ``exec`` frame and waits for its
-``done`` frame; the outputs are read in place from the process's arena, each block
-given back (``free``) once the last array viewing it is gone.
+inputs once into the instance's arena (small ones ride in the frame, ``_pb_wire``), sends
+one ``exec`` frame and waits for its ``done`` frame; the outputs are read in place from
+the process's arena (small ones from the frame), each block given back (``free``) once
+the last array viewing it is gone.
 
 A process that dies (a signal, ``os._exit``, an out-of-memory kill) fails only what it
 had in flight, with an error naming the model, the instance and how the process ended;
