@@ -5,6 +5,8 @@
                                                # MiB/s, trioserve (process mode) against real
                                                # Triton, alternating in one sitting
     python tools/pb_process_bench.py sigkill   # SIGKILL one instance under load
+    python tools/pb_process_bench.py boundary  # `simple`: server CPU and instance-process CPU
+                                               # per request, process mode against thread mode
 
 ``cpu``: ``busy`` (a Triton python-backend model written to a temporary repository)
 spends ``--work-ms`` of pure-Python, GIL-holding work per request; wrk keeps 8 requests in
@@ -14,7 +16,9 @@ flight for ``--duration`` seconds against ``trioserve run`` in each mode with
 process mode and in thread mode, whose difference is what the process boundary costs),
 rounds alternating; the figure for ``simple`` is the CPU time of the server and all its
 processes (Triton's stubs, trioserve's instance processes) per request, from /proc.
-``sigkill``: ``steady`` (count 2, 5 ms per request, answering its pid) under 8 clients;
+``boundary``: trioserve alone on the reference zoo's ``simple`` (JSON, 4 clients), process
+and thread mode alternating; the server's own CPU per request and its instance processes'
+(the children) apart, from /proc. ``sigkill``: ``steady`` (count 2, 5 ms per request, answering its pid) under 8 clients;
 one instance's process is killed; the failures, and the time until the new process
 answers, are reported.
 """
@@ -169,6 +173,28 @@ def triton_scenario(args: argparse.Namespace) -> None:
                       f"{big.requests_per_s * 16:8.1f} MiB/s")  # fmt: skip
 
 
+def boundary_scenario(args: argparse.Namespace) -> None:
+    models = args.reference / "models"
+    print(f"simple (JSON, 4 clients), {args.duration} s; CPU per request: server, instances")
+    for round_ in range(args.rounds):
+        for mode in ("process", "thread"):
+            with trioserve(models, mode) as (url, pid):
+                run_wrk(url, "http-json", 4, 2, "0-1")  # warm up
+                total, own = cpu_seconds(pid), own_cpu_seconds(pid)
+                simple = run_wrk(url, "http-json", 4, args.duration, "0-1")
+                total, own = cpu_seconds(pid) - total, own_cpu_seconds(pid) - own
+                count = simple.requests_per_s * args.duration
+                print(f"  round {round_ + 1} {mode:<8} {simple.requests_per_s:8.1f} req/s   "
+                      f"server {own / count * 1e6:6.1f} us/req   "
+                      f"instances {(total - own) / count * 1e6:6.1f} us/req")  # fmt: skip
+
+
+def own_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of ``pid`` itself, without its children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sigkill_scenario(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp), "steady", STEADY, 2)
@@ -210,16 +236,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("scenario", choices=("cpu", "triton", "sigkill"))
+    parser.add_argument("scenario", choices=("cpu", "triton", "boundary", "sigkill"))
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--work-ms", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reference", type=Path, default=REFERENCE, help="triton-reference/")
     args = parser.parse_args()
     print(_describe(sys.executable))
-    {"cpu": cpu_scenario, "triton": triton_scenario, "sigkill": sigkill_scenario}[args.scenario](
-        args
-    )
+    scenarios = {"cpu": cpu_scenario, "triton": triton_scenario, "boundary": boundary_scenario,
+                 "sigkill": sigkill_scenario}  # fmt: skip
+    scenarios[args.scenario](args)
 
 
 if __name__ == "__main__":

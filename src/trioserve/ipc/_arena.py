@@ -22,7 +22,7 @@ import mmap
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 ALIGNMENT = 64
 
@@ -31,9 +31,9 @@ class ArenaFull(MemoryError):
     """No room for a block, and the arena may not grow by enough for it."""
 
 
-@dataclass(frozen=True, slots=True)
-class Block:
-    """Where a block lies: which segment, from which byte, how many bytes."""
+class Block(NamedTuple):
+    """Where a block lies: which segment, from which byte, how many bytes. A tuple: it
+    crosses links in frames, and a tuple pickles several times faster than a class."""
 
     segment: int
     offset: int

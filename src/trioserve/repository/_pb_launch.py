@@ -42,6 +42,7 @@ STUB_MODULES = (
     "repository/_pb_serving.py",
     "repository/_pb_stub.py",
     "repository/_pb_tensors.py",
+    "repository/_pb_turns.py",
     "repository/_pb_utils.py",
     "repository/_pb_wire.py",
 )

@@ -3,9 +3,10 @@
 ``InstanceProcess`` starts the stub (``_pb_stub``, by ``_pb_launch``'s command) and
 supervises it from a trio system task: a nursery holding the task that reads the
 process's frames and the BLS calls the model makes. ``execute`` writes the batch's
-inputs once into the instance's arena, sends one ``exec`` frame and waits for its
-``done`` frame; the outputs are read in place from the process's arena, each block
-given back (``free``) once the last array viewing it is gone.
+inputs once into the instance's arena (small ones ride in the frame, ``_pb_wire``), sends
+one ``exec`` frame and waits for its ``done`` frame; the outputs are read in place from
+the process's arena (small ones from the frame), each block given back (``free``) once
+the last array viewing it is gone.
 
 A process that dies (a signal, ``os._exit``, an out-of-memory kill) fails only what it
 had in flight, with an error naming the model, the instance and how the process ended;
@@ -51,7 +52,19 @@ from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
-from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, read_tensor
+from ._pb_wire import (
+    FrameTensor,
+    WireTensor,
+    blocks_to_wire,
+    error_from_wire,
+    error_to_wire,
+    frame_block,
+    frame_tensor,
+    put_tensor,
+    read_inline,
+    read_tensor,
+    tensors_from_wire,
+)
 
 logger = logging.getLogger("trioserve.python_backend")
 _FLUSH_BLOCKS = 64  # output blocks given back in a frame of their own, at most
@@ -286,40 +299,39 @@ class InstanceProcess:
             raise UnavailableError(f"model '{self.spec.model}' is unavailable: {self.unavailable}")
         channel = self._channel
         assert channel is not None
-        described: list[dict[str, Any]] = []
+        described: list[tuple[Any, ...]] = []  # as _pb_stub.Stub._request reads them
+        keys: list[int] = []
         blocks: list[Block] = []
+        all_inputs: list[Block] = []
         for request in requests:
+            inputs: list[Block] = []
             tensors = [
-                put_tensor(self._arena, t.name, t.datatype.name, t.data)
+                frame_tensor(self._arena, t.name, t.datatype.name, t.data, inputs)
                 for t in request.inputs.values()
             ]
             key = next(self._keys)
-            inputs = [t.block for t in tensors]
+            keys.append(key)
+            all_inputs += inputs
             if decoupled and request.response_sender is not None:
                 self._senders[key] = (request.response_sender, inputs)
             else:
                 blocks += inputs
             described.append(
-                {
-                    "key": key,
-                    "id": request.id,
-                    "model": request.model_name,
-                    "inputs": tensors,
-                    "outputs": [o.name for o in request.outputs],
-                    "parameters": dict(request.parameters),
-                }
-            )
+                (key, request.id, request.model_name, tensors,
+                 [o.name for o in request.outputs], dict(request.parameters))
+            )  # fmt: skip
         batch, answers = self._batches.open()
         self._batch_inputs[batch] = blocks
         try:
-            await self._announce(channel, [t.block for d in described for t in d["inputs"]])
-            await channel.send(("exec", batch, described, self._take_given_back()))
+            await self._announce(channel, all_inputs)
+            given_back = blocks_to_wire(self._take_given_back())
+            await channel.send(("exec", batch, described, given_back))
             answer = await answers.receive()
         except LinkClosed:  # it died before this batch reached it
             self._batches.withdraw(batch)
             self._free_all(self._batch_inputs.pop(batch, []))
-            for sent in described:
-                entry = self._senders.pop(sent["key"], None)
+            for key in keys:
+                entry = self._senders.pop(key, None)
                 if entry is not None:
                     self._free_all(entry[1])
             raise UnavailableError(
@@ -339,9 +351,15 @@ class InstanceProcess:
         if result[0] == "error":
             return error_from_wire(result[1])
         _kind, tensors, parameters = result
-        outputs = {t.name: self._leased(t) for t in tensors}
+        outputs = {t[0]: self._received(t) for t in tensors}
+        if parameters == "{}":  # what nearly every response has: nothing to parse
+            return outputs
         parsed = json.loads(parameters)
         return ResponseOutputs(outputs, parsed) if parsed else outputs
+
+    def _received(self, tensor: FrameTensor) -> np.ndarray[Any, Any]:
+        in_block = frame_block(tensor)
+        return read_inline(tensor) if in_block is None else self._leased(in_block)
 
     def _leased(self, tensor: WireTensor) -> np.ndarray[Any, Any]:
         """The output in place in the process's arena, its block given back when the last
@@ -384,7 +402,7 @@ class InstanceProcess:
         blocks = self._take_given_back()
         if blocks and self._channel is not None:
             with contextlib.suppress(LinkClosed):
-                await self._channel.send(("free", blocks))
+                await self._channel.send(("free", blocks_to_wire(blocks)))
 
     def _take_given_back(self) -> list[Block]:
         with self._give_back_lock:
@@ -441,7 +459,9 @@ class InstanceProcess:
             for result in answer[1]:
                 if result[0] == "outputs":
                     for tensor in result[1]:
-                        self._give_back(tensor.block, self._generation)
+                        in_block = frame_block(tensor)
+                        if in_block is not None:
+                            self._give_back(in_block.block, self._generation)
 
     def _decoupled_response(self, key: int, payload: Any, final: bool) -> None:
         entry = self._senders.pop(key, None) if final else self._senders.get(key)
@@ -454,7 +474,7 @@ class InstanceProcess:
             outputs = (
                 error_from_wire(value)
                 if kind == "error"
-                else {t.name: self._leased(t) for t in value}
+                else {t.name: self._leased(t) for t in tensors_from_wire(value)}
             )
         with contextlib.suppress(InferenceServerError):
             sender.send(outputs, final=final)

@@ -31,7 +31,15 @@ from ..ipc._arena import Arena, Block, SegmentMap
 from ..ipc._blocking import LinkClosed
 from ._pb_metrics import MetricError, _FamilyState
 from ._pb_serving import Waiting
-from ._pb_wire import WireTensor, error_from_wire, error_to_wire, put_tensor, read_tensor
+from ._pb_turns import Turns
+from ._pb_wire import (
+    WireTensor,
+    error_from_wire,
+    error_to_wire,
+    put_tensor,
+    read_tensor,
+    tensors_to_wire,
+)
 
 Deliver = Callable[[Any], None]
 Push = Callable[[Any, bool], None]
@@ -43,6 +51,7 @@ class Stub(Protocol):
     arena: Arena  # the process's own: outputs, BLS inputs
     server_memory: SegmentMap  # the server's arena, mapped
     link: RemoteLink
+    turns: Turns  # asked for a reader before each call to the server
 
     def send(self, message: tuple[Any, ...], blocks: Sequence[Block] = ()) -> None: ...
 
@@ -72,6 +81,7 @@ class RemoteLink(Waiting):
         args, blocks = self._encoded(call)
         with self._lock:
             self._open[call_id] = (deliver, call.push, blocks)
+        self._stub.turns.need_reader()
         try:
             self._stub.send(("call", call_id, call.kind, args), blocks)
         except LinkClosed:
@@ -182,7 +192,7 @@ class RemoteSender:
             for name, data in outputs.items():
                 array = np.asarray(data)
                 tensors.append(put_tensor(arena, name, datatype_of(array).name, array))
-            payload = ("outputs", tensors)
+            payload = ("outputs", tensors_to_wire(tensors))
             blocks = [t.block for t in tensors]
         try:
             self._stub.send(("send", self._key, payload, final), blocks)

@@ -2,9 +2,10 @@
 trioserve.repository._pb_stub FD``, FD its end of the link to the server.
 
 It imports the model's model.py and runs its ``initialize``, ``execute`` and
-``finalize`` as Triton's stub does (``_pb_execution``): the reading thread (main) takes
-each frame from the server; one working thread runs the model's calls in order; an
-``async`` execute runs on the instance's asyncio loop (``_pb_loop``). Model code reaches
+``finalize`` as Triton's stub does (``_pb_execution``): the thread that reads a frame
+from the server runs the model's work it brings, in order, a second thread reading
+while the model waits for the server (``_pb_turns``); an ``async`` execute runs on the
+instance's asyncio loop (``_pb_loop``). Model code reaches
 the server through ``_pb_remote``. Only the standard library, numpy, ``trioserve.ipc``'s
 arena, frames and blocking channel, and ``pb_utils`` are imported: the process may run
 under another environment's interpreter (``EXECUTION_ENV_PATH``), with a folder that
@@ -22,11 +23,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,17 @@ from ._pb_loop import InstanceLoop
 from ._pb_metrics import serving_metrics
 from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandler
 from ._pb_serving import Serving, serving
-from ._pb_wire import WireTensor, error_to_wire, put_tensor, read_tensor
+from ._pb_turns import Turns, Work
+from ._pb_wire import (
+    Array,
+    FrameTensor,
+    blocks_from_wire,
+    error_to_wire,
+    frame_block,
+    frame_tensor,
+    read_inline,
+    read_tensor,
+)
 
 logger = logging.getLogger("trioserve.python_backend")
 
@@ -61,8 +71,9 @@ class Stub:
         self.link = RemoteLink(self)
         self._families = RemoteFamilies(self)
         self._send_lock = threading.RLock()
-        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.turns = Turns(self._read, lambda: _exit(1))
         self._settings: dict[str, Any] = {}
+        self._model_dir = Path()
         self._model: Any = None
         self._loop = InstanceLoop("model")
 
@@ -77,15 +88,14 @@ class Stub:
             self.channel.send(message)
 
     def run(self) -> None:
-        threading.Thread(target=self._working, name="model", daemon=True).start()
+        self.turns.run()
+
+    def _read(self) -> Work | None:
+        """The next frame from the server: handled, or the model's work it brings."""
         try:
-            while True:
-                message, fds = self.channel.receive()
-                self._handle(message, fds)
+            message, fds = self.channel.receive()
         except LinkClosed:  # the server is gone: nobody to answer
             _exit(1)
-
-    def _handle(self, message: tuple[Any, ...], fds: list[int]) -> None:
         kind = message[0]
         if kind == "map":
             for (segment, size), fd in zip(message[1], fds, strict=True):
@@ -93,26 +103,23 @@ class Stub:
         elif kind == "reply":
             self.link.replied(message[1], message[2])
         elif kind == "exec":
-            self._free(message[3])
-            self._work.put(lambda: self._execute(message[1], message[2]))
+            self._free(blocks_from_wire(message[3]))
+            return lambda: self._execute(message[1], message[2])
         elif kind == "free":
-            self._free(message[1])
+            self._free(blocks_from_wire(message[1]))
         elif kind == "init":
-            self._work.put(lambda: self._initialize(message[1]))
+            return lambda: self._initialize(message[1])
         elif kind == "finalize":
-            self._work.put(self._finalize)
+            return self._finalize
+        return None
 
     def _free(self, blocks: list[Block]) -> None:
         for block in blocks:
             self.arena.free(block)
 
-    def _working(self) -> None:
-        while True:
-            self._work.get()()
-
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
-        token = serving.set(Serving(self.link, Path(self._settings["model_dir"])))
+        token = serving.set(Serving(self.link, self._model_dir))
         metrics = serving_metrics.set((self._families, self))
         try:
             yield
@@ -122,6 +129,7 @@ class Stub:
 
     def _initialize(self, settings: dict[str, Any]) -> None:
         self._settings = settings
+        self._model_dir = Path(settings["model_dir"])
         self.arena = Arena(settings["default_bytes"], settings["growth_bytes"])
         self._loop = InstanceLoop(settings["args"]["model_instance_name"])
         try:
@@ -134,7 +142,7 @@ class Stub:
             _exit(1)
         self.send(("ready",))
 
-    def _execute(self, batch: int, requests: list[dict[str, Any]]) -> None:
+    def _execute(self, batch: int, requests: list[tuple[Any, ...]]) -> None:
         settings = self._settings
         decoupled = settings["decoupled"]
         with self._serving():
@@ -155,31 +163,36 @@ class Stub:
         except InferenceServerError as exc:
             self.send(("done", batch, ("failed", error_to_wire(exc))))
             return
-        results = [self._result(response) for response in checked]
-        blocks = [t.block for result in results if result[0] == "outputs" for t in result[1]]
+        blocks: list[Block] = []
+        results = [self._result(response, blocks) for response in checked]
         self.send(("done", batch, ("results", results)), blocks)
 
-    def _request(self, described: dict[str, Any], decoupled: bool) -> pb_utils.InferenceRequest:
-        view = self.server_memory.view
-        inputs = [
-            pb_utils.Tensor(t.name, read_tensor(t, view(t.block)), triton_dtype=t.datatype)
-            for t in described["inputs"]
-        ]
+    def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
+        """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
+        key, request_id, model, tensors, outputs, parameters = described
+        inputs = [pb_utils.Tensor(t[0], self._array(t), triton_dtype=t[1]) for t in tensors]
         return pb_utils.InferenceRequest._received(
-            described["model"],
+            model,
             inputs,
-            described["outputs"],
-            described["id"],
-            described["parameters"],
-            RemoteSender(self, described["key"]) if decoupled else None,
+            outputs,
+            request_id,
+            parameters,
+            RemoteSender(self, key) if decoupled else None,
         )
 
-    def _result(self, response: pb_utils.InferenceResponse) -> tuple[Any, ...]:
+    def _array(self, tensor: FrameTensor) -> Array:
+        in_block = frame_block(tensor)
+        if in_block is None:
+            return read_inline(tensor)
+        return read_tensor(in_block, self.server_memory.view(in_block.block))
+
+    def _result(self, response: pb_utils.InferenceResponse, blocks: list[Block]) -> tuple[Any, ...]:
+        """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``."""
         error = response.error()
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
-        tensors: list[WireTensor] = [
-            put_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy())
+        tensors = [
+            frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
             for t in response.output_tensors()
         ]
         return ("outputs", tensors, response.parameters())
