@@ -357,10 +357,8 @@ class WorkerLink:
                 answer = await method.handler(request, forwarded)
                 reply = self.out.pack_parts(_parts(answer))
                 status, text = GrpcStatus.OK, ""
-            except ClientGone:
-                status, text = GrpcStatus.CANCELLED, "the client cancelled the call"
             except Exception as exc:
-                status, text = status_of(exc)
+                status, text = _call_status(exc)
             finally:
                 del self._calls[call]
                 await self._release(message)
@@ -383,10 +381,8 @@ class WorkerLink:
                 if not isinstance(method, StreamMethod):
                     raise GrpcError(GrpcStatus.UNIMPLEMENTED, f"unknown method {path}")
                 await method.handler(_ForwardedStream(self, call, method, messages), forwarded)
-            except ClientGone:
-                status, text = GrpcStatus.CANCELLED, "the client cancelled the call"
             except Exception as exc:
-                status, text = status_of(exc)
+                status, text = _call_status(exc)
             finally:
                 del self._calls[call]
                 self._streams.pop(call, None)
@@ -464,3 +460,10 @@ class _ForwardedStream:
     async def send(self, message: Any) -> None:
         data = self._link.out.pack_parts(_parts(message))
         await self._link._answer(self._call, (REPLY, data), False, data)
+
+
+def _call_status(exc: Exception) -> tuple[GrpcStatus, str]:
+    """The status a forwarded gRPC call ends with when its handler raised ``exc``."""
+    if isinstance(exc, ClientGone):
+        return GrpcStatus.CANCELLED, "the client cancelled the call"
+    return status_of(exc)
