@@ -75,6 +75,18 @@ def open_connections(ports: list[int]) -> list[socket.socket]:
     return connections
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
 def post_ignoring_errors(url: str) -> None:
     body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
     with contextlib.suppress(httpx.HTTPError):
@@ -104,8 +116,14 @@ def test_sigkill_then_restart_on_the_same_ports(
         in_flight = threading.Thread(target=post_ignoring_errors, args=(url,), daemon=True)
         in_flight.start()
         wait_for(first, "model is executing")
+        children = children_of(first.pid)  # the model's instance processes
+        assert children
         first.kill()
         first.wait(10)
+        gone_by = time.monotonic() + 10
+        while any(Path(f"/proc/{pid}").exists() for pid in children):  # they follow it
+            assert time.monotonic() < gone_by, f"left running: {children}"
+            time.sleep(0.1)
     started = time.monotonic()
     with running(blocking_repository, ports, servers):
         serves(ports)

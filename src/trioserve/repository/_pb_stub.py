@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -230,6 +231,19 @@ class Stub:
         _exit(0)
 
 
+# How often the process looks for its server: while model code holds the thread that
+# reads the link (a long ``execute``), nobody reads the end of a server that was killed.
+PARENT_CHECK_S = 0.5
+
+
+def _outlive_no_server(server: int) -> None:
+    """End the process once its server is gone (the process was handed to another
+    parent), whatever the model's code is doing."""
+    while os.getppid() == server:
+        time.sleep(PARENT_CHECK_S)
+    _exit(1)
+
+
 def _exit(status: int) -> None:
     """End the process now: model threads may be running, and nothing waits for them."""
     with contextlib.suppress(Exception):
@@ -239,6 +253,9 @@ def _exit(status: int) -> None:
 
 
 def main(argv: list[str]) -> None:
+    threading.Thread(
+        target=_outlive_no_server, args=(os.getppid(),), name="server watch", daemon=True
+    ).start()
     channel = BlockingChannel(socket.socket(fileno=int(argv[1])))
     # Model code sees the command line of a script started without arguments (as under
     # ``trioserve run``): a model.py that parses its arguments reads its own defaults.
