@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,17 +34,17 @@ import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
-from .._model_code import failure_text, model_failure, raise_failure
+from .._model_code import import_model_code, model_failure, raise_failure
 from .._served import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
 from ._config import ConfigError, config_document, config_json
 from ._generated.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from ._pb_execution import (
+    MODULE_NAME,
     call_hook,
     checked_responses,
     failure_texts,
-    import_model_module,
     run_execute,
 )
 from ._pb_link import ServerLink
@@ -57,12 +58,10 @@ logger = logging.getLogger("trioserve.python_backend")
 
 def import_model_file(path: Path, model_name: str, version: int) -> type:
     """Import a model.py and return its ``TritonPythonModel`` class."""
-    try:
-        module = import_model_module(path, model_module_name(model_name, version))
-    except BaseException as exc:  # sys.exit or argparse at import fails this load only
-        failure = model_failure(exc, model_name, "at import")
-        raise ConfigError(f"{path}: failed to import: {failure_text(failure)}") from None
-    return _model_class(module, path)
+    # Models import the utilities by Triton's name; ours stands in for it.
+    sys.modules.setdefault(MODULE_NAME, pb_utils)
+    module_name = model_module_name(model_name, version)
+    return _model_class(import_model_code(path, module_name, model_name, ConfigError), path)
 
 
 def model_module_name(model_name: str, version: int) -> str:
