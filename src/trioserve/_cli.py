@@ -165,6 +165,18 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--http-max-header-count", type=int, default=defaults.max_header_count)
     run.add_argument("--http-idle-timeout-secs", type=float, default=defaults.idle_timeout_s)
     run.add_argument(
+        "--http-max-request-line-bytes",
+        type=int,
+        default=defaults.max_request_line_bytes,
+        help="a longer request line is answered 414",
+    )
+    run.add_argument(
+        "--http-header-timeout-secs",
+        type=float,
+        default=defaults.header_timeout_s,
+        help="time to receive a request head once its first byte came (built-in server); 408",
+    )
+    run.add_argument(
         "--http-max-connections",
         type=int,
         default=defaults.max_connections,
@@ -359,6 +371,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             max_body_bytes=args.http_max_body_bytes,
             max_header_bytes=args.http_max_header_bytes,
             max_header_count=args.http_max_header_count,
+            max_request_line_bytes=args.http_max_request_line_bytes,
+            header_timeout_s=args.http_header_timeout_secs,
             idle_timeout_s=args.http_idle_timeout_secs,
             body_timeout_s=args.http_body_timeout_secs,
             max_connections=args.http_max_connections,
@@ -394,6 +408,14 @@ _GRPC_HARDENING: list[tuple[str, str, type, str]] = [
      "bytes unread by a client past which its connection stops reading"),
     ("--grpc-max-pending-bytes", "max_pending_bytes", int,
      "requests queued or unanswered per connection past which it stops taking more"),
+    ("--grpc-max-header-list-bytes", "max_header_list_bytes", int,
+     "a call's metadata as HTTP/2 counts it (SETTINGS_MAX_HEADER_LIST_SIZE); larger: 431"),
+    ("--grpc-max-frame-bytes", "max_frame_bytes", int,
+     "the largest frame a client may send (SETTINGS_MAX_FRAME_SIZE, 16,384 to 16,777,215)"),
+    ("--grpc-stream-window-bytes", "stream_window_bytes", int,
+     "receive window per call (SETTINGS_INITIAL_WINDOW_SIZE): how much a client sends ahead"),
+    ("--grpc-connection-window-bytes", "connection_window_bytes", int,
+     "receive window of a connection across its calls (at least 65,535)"),
 ]  # fmt: skip
 
 

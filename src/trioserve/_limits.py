@@ -90,6 +90,16 @@ class GrpcLimits:
     def __post_init__(self) -> None:
         if not 0 < self.idle_close_share <= 1:
             raise ValueError("idle_close_share must be above 0 and at most 1")
+        # HTTP/2's own ranges (RFC 9113 6.5.2, 6.9): a connection window can only be
+        # opened past the protocol's initial 65,535 bytes, never shut below it.
+        for name, low, high in (
+            ("max_frame_bytes", 16_384, 2**24 - 1),
+            ("stream_window_bytes", 1, 2**31 - 1),
+            ("connection_window_bytes", 65_535, 2**31 - 1),
+            ("max_header_list_bytes", 1, 2**32 - 1),
+        ):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be between {low:,} and {high:,}")
         for name in ("max_message_bytes", "max_reset_burst", "resets_per_s", "max_continuation_frames",
                      "hpack_cache_bytes", "max_outbox_bytes", "max_pending_bytes"):  # fmt: skip
             if getattr(self, name) < 0:

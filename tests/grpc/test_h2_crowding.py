@@ -57,6 +57,10 @@ HARDENING = {
     "--grpc-hpack-cache-bytes": ("hpack_cache_bytes", "1000", 1000),
     "--grpc-max-outbox-bytes": ("max_outbox_bytes", "65536", 65536),
     "--grpc-max-pending-bytes": ("max_pending_bytes", "123456", 123456),
+    "--grpc-max-header-list-bytes": ("max_header_list_bytes", "4096", 4096),
+    "--grpc-max-frame-bytes": ("max_frame_bytes", "16384", 16384),
+    "--grpc-stream-window-bytes": ("stream_window_bytes", "70000", 70000),
+    "--grpc-connection-window-bytes": ("connection_window_bytes", "65535", 65535),
 }
 
 
@@ -81,7 +85,18 @@ async def test_the_counters_are_on_metrics(nursery: trio.Nursery) -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"idle_close_share": 0.0}, {"idle_close_share": 1.5}, {"max_pending_bytes": -1}]
+    "bad",
+    [
+        {"idle_close_share": 0.0},
+        {"idle_close_share": 1.5},
+        {"max_pending_bytes": -1},
+        {"max_frame_bytes": 16_383},
+        {"max_frame_bytes": 2**24},
+        {"stream_window_bytes": 0},
+        {"stream_window_bytes": 2**31},
+        {"connection_window_bytes": 65_534},
+        {"max_header_list_bytes": 0},
+    ],
 )
 def test_bounds_out_of_range_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):

@@ -965,6 +965,22 @@ async def test_body_timeout_flag() -> None:
     assert config_from_args(_parser().parse_args(["run"])).http_limits.body_timeout_s == 60
 
 
+@pytest.mark.parametrize(
+    ("flag", "field", "text", "value"),
+    [
+        ("--http-max-request-line-bytes", "max_request_line_bytes", "1024", 1024),
+        ("--http-header-timeout-secs", "header_timeout_s", "2.5", 2.5),
+    ],
+)
+async def test_head_limits_have_flags(flag: str, field: str, text: str, value: float) -> None:
+    from trioserve._cli import _parser, config_from_args
+
+    default = config_from_args(_parser().parse_args(["run"])).http_limits
+    assert getattr(default, field) == getattr(HttpLimits(), field)
+    limits = config_from_args(_parser().parse_args(["run", flag, text])).http_limits
+    assert getattr(limits, field) == value
+
+
 async def test_100_continue_sent_only_when_body_is_read(serve11: Serve) -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] == "/read":

@@ -61,7 +61,7 @@ _U32_PAIR = struct.Struct(">LL")
 _SETTING = struct.Struct(">HL")
 
 
-class ConnectionError_(Exception):
+class GoawayError(Exception):
     """The connection must end: GOAWAY with ``code`` (RFC 9113 §5.4.1). ``counter``
     names the ``CoreStatistics`` count a defence keeps of such ends, if any."""
 
@@ -131,7 +131,7 @@ def ping_ack(payload: bytes) -> bytes:
 def parse_settings(payload: bytes) -> list[tuple[int, int]]:
     """The (identifier, value) pairs of a SETTINGS payload, whose length is checked."""
     if len(payload) % 6:
-        raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6")
+        raise GoawayError(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6")
     return [_SETTING.unpack_from(payload, at) for at in range(0, len(payload), 6)]
 
 

@@ -59,9 +59,7 @@ class ResetBudget:
         self._tokens = min(self._burst, tokens) - 1
         self._time = now
         if self._tokens < 0:
-            raise h2.ConnectionError_(
-                h2.ENHANCE_YOUR_CALM, "too many streams reset", "calm_goaways"
-            )
+            raise h2.GoawayError(h2.ENHANCE_YOUR_CALM, "too many streams reset", "calm_goaways")
 
 
 class HeaderBlock:
@@ -85,7 +83,7 @@ class HeaderBlock:
     def check(self, length: int) -> None:
         """Before a HEADERS or CONTINUATION payload of ``length`` is read."""
         if len(self._fragments) + length > self._max_bytes:
-            raise h2.ConnectionError_(h2.ENHANCE_YOUR_CALM, "header block too large")
+            raise h2.GoawayError(h2.ENHANCE_YOUR_CALM, "header block too large")
 
     def begin(self, flags: int, stream_id: int, fragment: bytes) -> None:
         self._fragments = bytearray(fragment)
@@ -97,9 +95,9 @@ class HeaderBlock:
     def add(self, flags: int, stream_id: int, fragment: bytes) -> bytes | None:
         """A CONTINUATION's fragment; the whole block once it ends (END_HEADERS)."""
         if not self._frames or stream_id != self.stream_id:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "CONTINUATION out of place")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "CONTINUATION out of place")
         if self._frames > self._max_frames:
-            raise h2.ConnectionError_(
+            raise h2.GoawayError(
                 h2.ENHANCE_YOUR_CALM, "too many CONTINUATION frames", "continuation_floods"
             )
         self._frames += 1
@@ -122,13 +120,13 @@ def header_fragment(flags: int, payload: bytes) -> bytes:
     end = len(payload)
     if flags & h2.PADDED:
         if not payload:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padded HEADERS without a pad length")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "padded HEADERS without a pad length")
         end -= payload[0]
         start = 1
     if flags & h2.PRIORITY_FLAG:
         start += 5
     if end < start:
-        raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS padding longer than the frame")
+        raise h2.GoawayError(h2.PROTOCOL_ERROR, "HEADERS padding longer than the frame")
     return payload[start:end]
 
 

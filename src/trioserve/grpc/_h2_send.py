@@ -59,20 +59,20 @@ class Sender:
         for key, value in h2.parse_settings(payload):
             if key == h2.INITIAL_WINDOW_SIZE:
                 if value > h2.MAX_WINDOW:
-                    raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "initial window too large")
+                    raise h2.GoawayError(h2.FLOW_CONTROL_ERROR, "initial window too large")
                 delta = value - self.initial_window
                 self.initial_window = value
                 for stream in streams:
                     stream.send_window += delta
                     if stream.send_window > h2.MAX_WINDOW:
-                        raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "stream window overflow")
+                        raise h2.GoawayError(h2.FLOW_CONTROL_ERROR, "stream window overflow")
                 opened = opened or delta > 0
             elif key == h2.MAX_FRAME_SIZE:
                 if not h2.DEFAULT_MAX_FRAME <= value <= h2.MAX_FRAME_LIMIT:
-                    raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid MAX_FRAME_SIZE")
+                    raise h2.GoawayError(h2.PROTOCOL_ERROR, "invalid MAX_FRAME_SIZE")
                 self.max_frame = value
             elif key == h2.ENABLE_PUSH and value > 1:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "invalid ENABLE_PUSH")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "invalid ENABLE_PUSH")
         self._out.queue(h2.SETTINGS_ACK)
         return opened
 
@@ -80,19 +80,19 @@ class Sender:
         self, stream_id: int, payload: bytes, streams: Mapping[int, H2Stream], last_id: int
     ) -> None:
         if len(payload) != 4:
-            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
+            raise h2.GoawayError(h2.FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
         increment = h2.read_u32(payload) & 0x7FFFFFFF
         if stream_id == 0:
             if increment == 0:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
             self.window += increment
             if self.window > h2.MAX_WINDOW:
-                raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "connection window overflow")
+                raise h2.GoawayError(h2.FLOW_CONTROL_ERROR, "connection window overflow")
             return
         stream = streams.get(stream_id)
         if stream is None:
             if stream_id > last_id:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
             return
         if increment == 0:
             raise h2.StreamError(stream_id, h2.PROTOCOL_ERROR, "WINDOW_UPDATE of 0")

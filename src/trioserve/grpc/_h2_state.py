@@ -9,7 +9,7 @@ it reads, sends, and runs the calls the events start. Tests drive it by hand
 Defences (tests in tests/grpc/test_h2_*.py), each bound a ``GrpcLimits`` field; what
 they count is ``_h2_guard.CoreStatistics``:
 * frames of unknown type are ignored; malformed ones end the stream or the connection
-  with the code RFC 9113 gives (``ConnectionError_`` becomes GOAWAY and ``ended``, and
+  with the code RFC 9113 gives (``GoawayError`` becomes GOAWAY and ``ended``, and
   nothing else escapes ``receive_data``);
 * MAX_CONCURRENT_STREAMS is enforced (REFUSED_STREAM); resets either side sends and
   refused streams draw on ``_h2_guard.ResetBudget``; header blocks are bounded in bytes
@@ -82,7 +82,7 @@ class H2State(H2Streams):
         self.backlog = False
         try:
             self._parse()
-        except h2.ConnectionError_ as exc:
+        except h2.GoawayError as exc:
             self._connection_error(exc)
 
     def direct_view(self) -> memoryview | None:
@@ -107,7 +107,7 @@ class H2State(H2Streams):
             self._data_stream = self._fed(stream, view, received)
         try:
             self._parse()
-        except h2.ConnectionError_ as exc:
+        except h2.GoawayError as exc:
             self._connection_error(exc)
 
     @property
@@ -194,7 +194,7 @@ class H2State(H2Streams):
             length = high << 16 | low
             stream_id &= 0x7FFFFFFF
             if length > max_frame:
-                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                raise h2.GoawayError(h2.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
             if kind == _DATA_FRAME:
                 if flags & h2.PADDED and len(buf) - pos == _HEADER_BYTES and length:
                     self._pos = pos
@@ -203,7 +203,7 @@ class H2State(H2Streams):
                 buf, pos = self._buf, self._pos
                 continue
             if block.open and kind != h2.CONTINUATION:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "a header block was interrupted")
             if kind > h2.CONTINUATION:  # an extension frame: skip it unread
                 pos += _HEADER_BYTES
                 self._pad_left = length
@@ -240,7 +240,7 @@ class H2State(H2Streams):
         elif mode == _PREFACE:
             got = buf[: len(h2.PREFACE)]
             if not h2.PREFACE.startswith(got):
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
             if len(got) < len(h2.PREFACE):
                 return False
             self._pos = len(h2.PREFACE)
@@ -251,29 +251,29 @@ class H2State(H2Streams):
             if len(buf) - pos < _HEADER_BYTES:
                 return False
             if buf[pos + 3] != h2.SETTINGS:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "the preface must end in SETTINGS")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "the preface must end in SETTINGS")
             self._mode = _FRAME
         return True
 
     def _data_frame(self, buf: bytes, pos: int, length: int, flags: int, stream_id: int) -> None:
         if stream_id == 0:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "DATA on stream 0")
         if self._block.open:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "a header block was interrupted")
         if length > self.recv_window:
-            raise h2.ConnectionError_(h2.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+            raise h2.GoawayError(h2.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         self.recv_window -= length
         self._unacked += length
         body = length
         padding = 0
         if flags & h2.PADDED:
             if length == 0:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padded DATA without a pad length")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "padded DATA without a pad length")
             padding = buf[pos]
             pos += 1
             body = length - 1 - padding
             if body < 0:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "padding longer than the frame")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "padding longer than the frame")
         self._pos = pos
         self._mode = _DATA
         self._data_left = body
@@ -314,61 +314,61 @@ class H2State(H2Streams):
                 self._on_header_block(self._block.flags, stream_id, block)
         elif kind == h2.SETTINGS:
             if stream_id:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
             if not flags & h2.ACK:
                 if self.sender.on_settings(payload, self.streams.values()):
                     self.events.append(Signal.WINDOW_OPENED)
             elif payload:
-                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+                raise h2.GoawayError(h2.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
         elif kind == h2.WINDOW_UPDATE:
             self.sender.on_window_update(stream_id, payload, self.streams, self.last_stream_id)
             self.events.append(Signal.WINDOW_OPENED)
         elif kind == h2.PING:
             if stream_id:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "PING on a stream")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "PING on a stream")
             if len(payload) != 8:
-                raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "PING payload is not 8 bytes")
+                raise h2.GoawayError(h2.FRAME_SIZE_ERROR, "PING payload is not 8 bytes")
             if not flags & h2.ACK:
                 self.out.queue(h2.ping_ack(payload))
         elif kind == h2.RST_STREAM:
             self._on_rst_stream(stream_id, payload)
         elif kind == h2.PRIORITY:
             if stream_id == 0:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "PRIORITY on stream 0")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 raise h2.StreamError(stream_id, h2.FRAME_SIZE_ERROR, "PRIORITY is not 5 bytes")
         elif kind == h2.GOAWAY:
             if stream_id:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "GOAWAY on a stream")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "GOAWAY on a stream")
             self.draining = True  # the client opens no more streams
             if not self.streams:
                 self._end()
         elif kind == h2.PUSH_PROMISE:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "a client may not push")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "a client may not push")
 
     def _on_rst_stream(self, stream_id: int, payload: bytes) -> None:
         if stream_id == 0:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "RST_STREAM on stream 0")
         if len(payload) != 4:
-            raise h2.ConnectionError_(h2.FRAME_SIZE_ERROR, "RST_STREAM is not 4 bytes")
+            raise h2.GoawayError(h2.FRAME_SIZE_ERROR, "RST_STREAM is not 4 bytes")
         stream = self.streams.get(stream_id)
         if stream is None:
             if stream_id > self.last_stream_id:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             return
         self.drop(stream)
         self._resets.charge()
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id == 0 or stream_id % 2 == 0:
-            raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS on an invalid stream id")
+            raise h2.GoawayError(h2.PROTOCOL_ERROR, "HEADERS on an invalid stream id")
         fragment = header_fragment(flags, payload)
         if flags & h2.END_HEADERS:
             self._on_header_block(flags, stream_id, fragment)
         else:
             self._block.begin(flags, stream_id, fragment)
 
-    def _connection_error(self, exc: h2.ConnectionError_) -> None:
+    def _connection_error(self, exc: h2.GoawayError) -> None:
         self._stats.protocol_errors += 1
         if exc.counter is not None:
             count(self._stats, exc.counter)

@@ -141,7 +141,7 @@ class H2Streams:
         stream = self.streams.get(stream_id)
         if stream is None:
             if stream_id > self.last_stream_id:
-                raise h2.ConnectionError_(h2.PROTOCOL_ERROR, "DATA on an idle stream")
+                raise h2.GoawayError(h2.PROTOCOL_ERROR, "DATA on an idle stream")
             return None  # closed: the client sent before it learned; drop it
         if stream.remote_closed:
             self._reset_stream(stream_id, h2.STREAM_CLOSED, "DATA after END_STREAM")
@@ -189,7 +189,7 @@ class H2Streams:
         except HeaderListTooLarge:
             headers, too_large = (), True
         except HpackError as exc:
-            raise h2.ConnectionError_(h2.COMPRESSION_ERROR, str(exc)) from None
+            raise h2.GoawayError(h2.COMPRESSION_ERROR, str(exc)) from None
         stream = self.streams.get(stream_id)
         if stream is not None:  # trailers from the client: they end its side
             if not flags & h2.END_STREAM:

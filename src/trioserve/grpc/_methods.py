@@ -73,31 +73,33 @@ _SERVER_SERVICES = frozenset({"", "inference.GRPCInferenceService"})
 def grpc_methods(context: ServerContext) -> dict[str, Method]:
     """Every method this server answers, keyed by its HTTP/2 path, e.g.
     ``/inference.GRPCInferenceService/ModelInfer``, ``/grpc.health.v1.Health/Check``."""
-    s = _Service(context)
+    service = _InferenceService(context)
     unary = {
-        "ServerLive": UnaryMethod(pb.ServerLiveRequest, s.server_live),
-        "ServerReady": UnaryMethod(pb.ServerReadyRequest, s.server_ready),
-        "ModelReady": UnaryMethod(pb.ModelReadyRequest, s.model_ready),
-        "ServerMetadata": UnaryMethod(pb.ServerMetadataRequest, s.server_metadata),
-        "ModelMetadata": UnaryMethod(pb.ModelMetadataRequest, s.model_metadata),
-        "ModelConfig": UnaryMethod(pb.ModelConfigRequest, s.model_config),
-        "ModelInfer": UnaryMethod(WireRequest, s.model_infer),
-        "ModelStatistics": UnaryMethod(pb.ModelStatisticsRequest, s.model_statistics),
+        "ServerLive": UnaryMethod(pb.ServerLiveRequest, service.server_live),
+        "ServerReady": UnaryMethod(pb.ServerReadyRequest, service.server_ready),
+        "ModelReady": UnaryMethod(pb.ModelReadyRequest, service.model_ready),
+        "ServerMetadata": UnaryMethod(pb.ServerMetadataRequest, service.server_metadata),
+        "ModelMetadata": UnaryMethod(pb.ModelMetadataRequest, service.model_metadata),
+        "ModelConfig": UnaryMethod(pb.ModelConfigRequest, service.model_config),
+        "ModelInfer": UnaryMethod(WireRequest, service.model_infer),
+        "ModelStatistics": UnaryMethod(pb.ModelStatisticsRequest, service.model_statistics),
     }
     for rpc in SHARED_MEMORY_RPCS:
-        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.shared_memory, rpc))
+        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(service.shared_memory, rpc))
     for rpc in REPOSITORY_RPCS:
-        unary[rpc] = UnaryMethod(getattr(pb, f"{rpc}Request"), partial(s.model_repository, rpc))
-    unary["TraceSetting"] = UnaryMethod(pb.TraceSettingRequest, s.trace_setting)
-    unary["LogSettings"] = UnaryMethod(pb.LogSettingsRequest, s.log_settings)
+        unary[rpc] = UnaryMethod(
+            getattr(pb, f"{rpc}Request"), partial(service.model_repository, rpc)
+        )
+    unary["TraceSetting"] = UnaryMethod(pb.TraceSettingRequest, service.trace_setting)
+    unary["LogSettings"] = UnaryMethod(pb.LogSettingsRequest, service.log_settings)
     methods: dict[str, Method] = {_SERVICE + rpc: method for rpc, method in unary.items()}
     stream = StreamInfer(context)
     methods[_SERVICE + "ModelStreamInfer"] = StreamMethod(WireRequest, stream.serve)
-    methods[_HEALTH_CHECK] = UnaryMethod(health_pb2.HealthCheckRequest, s.health_check)
+    methods[_HEALTH_CHECK] = UnaryMethod(health_pb2.HealthCheckRequest, service.health_check)
     return methods
 
 
-class _Service:
+class _InferenceService:
     """The unary handlers over one server's context."""
 
     def __init__(self, context: ServerContext) -> None:

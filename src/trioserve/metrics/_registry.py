@@ -43,7 +43,7 @@ def server_registry(repository: ModelRepository, config: MetricsConfig) -> Colle
     return registry
 
 
-class _One(Collector):
+class _SingleFamily(Collector):
     def __init__(self, family: Metric) -> None:
         self._family = family
 
@@ -64,9 +64,9 @@ def exposition(registry: CollectorRegistry) -> bytes:
         if family.type == "counter" and all(s.name == family.name for s in family.samples):
             as_gauge = Metric(family.name, family.documentation, "gauge")
             as_gauge.samples = family.samples
-            text = generate_latest(_One(as_gauge))
+            text = generate_latest(_SingleFamily(as_gauge))
             gauge_line = f"# TYPE {family.name} gauge\n".encode()
             parts.append(text.replace(gauge_line, f"# TYPE {family.name} counter\n".encode(), 1))
         else:
-            parts.append(generate_latest(_One(family)))
+            parts.append(generate_latest(_SingleFamily(family)))
     return b"".join(parts)

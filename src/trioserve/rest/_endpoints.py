@@ -57,7 +57,7 @@ class _RequestWatch:
 _REQUEST_WATCH = _RequestWatch()
 
 
-class _Endpoints:
+class _InferenceEndpoints:
     def __init__(self, context: ServerContext) -> None:
         self.repository = context.repository
         self.pipeline = context.pipeline
@@ -152,21 +152,21 @@ def header_length(headers: dict[bytes, bytes]) -> int | None:
 
 def build_app(context: ServerContext) -> RestApp:
     """The REST app of the server that ``context`` describes."""
-    e = _Endpoints(context)
+    endpoints = _InferenceEndpoints(context)
     generate = GenerateEndpoints(context)
     router: Router[Endpoint] = Router()
-    router.add("GET", "/v2/health/live", e.live)
-    router.add("GET", "/v2/health/ready", e.ready)
-    router.add("GET", "/v2", e.metadata)
-    router.add("GET", "/v2/models/stats", e.statistics)
+    router.add("GET", "/v2/health/live", endpoints.live)
+    router.add("GET", "/v2/health/ready", endpoints.ready)
+    router.add("GET", "/v2", endpoints.metadata)
+    router.add("GET", "/v2/models/stats", endpoints.statistics)
     if context.registry is not None:
         router.add("GET", "/metrics", metrics_endpoint(context.registry, context.metrics_sources))
     for base in (_MODEL, _VERSION):
-        router.add("GET", base, e.model_metadata)
-        router.add("GET", f"{base}/ready", e.model_ready)
-        router.add("GET", f"{base}/config", e.model_config)
-        router.add("GET", f"{base}/stats", e.statistics)
-        router.add("POST", f"{base}/infer", e.infer)
+        router.add("GET", base, endpoints.model_metadata)
+        router.add("GET", f"{base}/ready", endpoints.model_ready)
+        router.add("GET", f"{base}/config", endpoints.model_config)
+        router.add("GET", f"{base}/stats", endpoints.statistics)
+        router.add("POST", f"{base}/infer", endpoints.infer)
         router.add("POST", f"{base}/generate", generate.generate)
         router.add("POST", f"{base}/generate_stream", generate.generate_stream)
     openai = OpenAIEndpoints(context)

@@ -15,25 +15,25 @@ from typing import Generic, TypeVar
 from .._errors import NotFoundError
 from ._errors import method_not_allowed
 
-H = TypeVar("H")
+Handler = TypeVar("Handler")
 _SEEN_LIMIT = 1024
 
 
 @dataclass
-class _Route(Generic[H]):
+class _Route(Generic[Handler]):
     literals: tuple[tuple[int, str], ...]  # (segment index, text) that must match exactly
     captures: tuple[tuple[int, str], ...]  # (segment index, parameter name)
-    handlers: dict[str, H] = field(default_factory=dict)
+    handlers: dict[str, Handler] = field(default_factory=dict)
 
 
-class Router(Generic[H]):
+class Router(Generic[Handler]):
     def __init__(self) -> None:
-        self._by_length: dict[int, dict[str, _Route[H]]] = {}
+        self._by_length: dict[int, dict[str, _Route[Handler]]] = {}
         # Paths seen before, to their route and parameters: the same few model URLs
         # arrive again and again. Bounded, since clients choose the paths.
-        self._seen: dict[str, tuple[_Route[H], dict[str, str]]] = {}
+        self._seen: dict[str, tuple[_Route[Handler], dict[str, str]]] = {}
 
-    def add(self, method: str, path: str, handler: H) -> None:
+    def add(self, method: str, path: str, handler: Handler) -> None:
         segments = path.split("/")
         routes = self._by_length.setdefault(len(segments), {})
         route = routes.get(path)
@@ -47,7 +47,7 @@ class Router(Generic[H]):
             route = routes[path] = _Route(tuple(literals), tuple(captures))
         route.handlers[method] = handler
 
-    def resolve(self, method: str, path: str) -> tuple[H, dict[str, str]]:
+    def resolve(self, method: str, path: str) -> tuple[Handler, dict[str, str]]:
         """The handler and path parameters; NOT_FOUND, or an ``HttpError`` 405 for a path
         that does not take ``method``."""
         found = self._seen.get(path)
@@ -62,9 +62,9 @@ class Router(Generic[H]):
             raise method_not_allowed(sorted(route.handlers))
         return handler, params
 
-    def _match(self, path: str) -> tuple[_Route[H], dict[str, str]]:
+    def _match(self, path: str) -> tuple[_Route[Handler], dict[str, str]]:
         segments = path.split("/")
-        best: _Route[H] | None = None
+        best: _Route[Handler] | None = None
         for route in self._by_length.get(len(segments), {}).values():
             if (
                 (best is None or len(route.literals) > len(best.literals))
