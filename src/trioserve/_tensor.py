@@ -31,10 +31,9 @@ class Datatype:
     config_name: str  # the enum name in Triton's ModelConfig (TYPE_FP32, TYPE_STRING, ...)
     json_kinds: str  # numpy kinds accepted from JSON data ("" = not allowed in JSON)
     bounds: tuple[int, int] | None = None  # integer types: the values JSON data may hold
-
-    @property
-    def is_bytes(self) -> bool:
-        return self.name == "BYTES"
+    # A field, not a property: it is asked several times per request, and a property
+    # is a Python call each time.
+    is_bytes: bool = False
 
 
 def _fixed(name: str, dtype: str, kinds: str) -> Datatype:
@@ -65,7 +64,7 @@ DATATYPES: dict[str, Datatype] = {
         _fixed("FP32", "<f4", _NUMBER_KINDS),
         _fixed("FP64", "<f8", _NUMBER_KINDS),
         _fixed("BF16", "<u2", ""),
-        Datatype("BYTES", np.dtype(object), "TYPE_STRING", "U"),
+        Datatype("BYTES", np.dtype(object), "TYPE_STRING", "U", is_bytes=True),
     )
 }
 

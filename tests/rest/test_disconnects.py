@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from trioserve.rest._disconnects import ReceiveWatch
+from trioserve.rest._grace import GracePeriod
 from trioserve.rest._http11_hangups import Hangups
 
 
@@ -21,6 +22,32 @@ class FakeTicket:
 
     def withdraw(self) -> None:
         self.withdrawn_at = trio.current_time()
+
+
+# --- the grace period ----------------------------------------------------------------------
+
+
+async def test_the_grace_period_hands_over_after_one_to_two_periods(autojump_clock):
+    handed: list[tuple[str, float]] = []
+    grace = GracePeriod(0.005, lambda item: handed.append((item, trio.current_time())))
+    async with trio.open_nursery() as nursery:
+        grace.arrived("a")  # t = 0: wakes the sweeper, its period starts with it
+        nursery.start_soon(grace.run)
+        await trio.sleep(0.001)
+        grace.arrived("b")  # waited 4 ms at the tick at 5 ms: handed over at 10
+        await trio.sleep(0.002)
+        grace.arrived("answered")  # t = 3 ms, answered at 7 ms: never handed over
+        await trio.sleep(0.0025)
+        grace.arrived("c")  # t = 5.5 ms: after the tick at 5, so at 15
+        await trio.sleep(0.0015)
+        grace.forget("answered")
+        assert "c" in grace and "answered" not in grace
+        await trio.sleep(0.013)  # t = 20 ms: nothing waits, the sweeper sleeps
+        grace.arrived("d")
+        await trio.sleep(0.006)
+        nursery.cancel_scope.cancel()
+    assert [item for item, _ in handed] == ["a", "b", "c", "d"]
+    assert [at for _, at in handed] == pytest.approx([0.005, 0.010, 0.015, 0.025])
 
 
 # --- the fallback: receive() -------------------------------------------------------------

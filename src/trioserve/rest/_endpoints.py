@@ -111,7 +111,7 @@ class _InferenceEndpoints:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
         load_report = load_report_header(self.load, served, request.headers)
-        if sum(t.data.nbytes for t in result.outputs) < OFF_LOOP_BYTES:  # no coroutine more
+        if sum([t.data.nbytes for t in result.outputs]) < OFF_LOOP_BYTES:  # no coroutine more
             return _response(encode_response(result, inference), load_report)
         return await infer_response(inference, result, load_report)
 
