@@ -19,6 +19,7 @@ import textwrap
 import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -490,3 +491,39 @@ def test_a_bad_instance_mode_fails_that_model(tmp_path: Path) -> None:
         assert entry["state"] == "UNAVAILABLE"
         assert "TRIOSERVE_INSTANCE_MODE must be 'thread' or 'process'" in entry["reason"]
         client.close()
+
+
+def test_an_instance_down_for_good_gets_no_more_batches(tmp_path: Path) -> None:
+    write(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
+    config = ServerConfig(
+        model_repositories=[tmp_path],
+        http_port=0,
+        grpc_port=0,
+        python_instance_mode="process",
+        backend_config={"python": {"instance-restart-limit": "1"}},  # one death: down
+    )
+    with server_in_thread(config) as running:
+        rest = client_of(running, httpclient)
+        with pytest.raises(InferenceServerException, match="SIGSEGV"):
+            rest.infer("crashy", mode(httpclient, 1))
+        (entry,) = rest.get_model_repository_index()
+        assert "ended 1 times within 60 s" in entry["reason"]
+
+        def answers(module: Any) -> list[int]:
+            client = client_of(running, module)
+            answered = [answered_pid(client, module) for _ in range(10)]
+            client.close()
+            return answered
+
+        # Every request, one after another and four at a time, over both protocols,
+        # goes to the instance that still serves.
+        with ThreadPoolExecutor(4) as pool:
+            answered = [
+                p for f in [pool.submit(answers, m) for m in CLIENTS * 2] for p in f.result()
+            ]
+        answered += answers(httpclient)
+        assert len(answered) == 50
+        assert len(set(answered)) == 1
+        os.kill(answered[0], 0)  # alive
+        assert failures(rest, "crashy") == 1
+        rest.close()

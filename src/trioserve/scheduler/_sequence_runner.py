@@ -15,6 +15,7 @@ refused as for any unknown sequence.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from .._types import InferenceRequest, InputTensor
 from .._validation import validate_request
 from ._batching import QueuedItem, Wait
 from ._clock import now_ns, ns_to_seconds
+from ._decoupled_runner import DecoupledRunner
 from ._runner import ModelRunner
 from ._sequences import (
     CorrelationId,
@@ -90,6 +92,7 @@ class SequenceRunner(ModelRunner):
     """A runner whose model has ``sequence_batching``."""
 
     _chains_batches = False  # executes its own way
+    _instances_alike = False  # a sequence's requests all run on its instance
 
     def __init__(self, model: Model, version: str, **settings: Any) -> None:
         super().__init__(model, version, **settings)
@@ -101,12 +104,13 @@ class SequenceRunner(ModelRunner):
         self._joined: dict[Ticket, tuple[LiveSequence, bool, bool]] = {}
         self._executing: dict[Ticket, LiveSequence] = {}
         self._free_instances = set(range(model.instance_count))
+        self._iterative_ids = itertools.count(1)
 
     def submit(self, request: InferenceRequest) -> Ticket:
         if not self.ready:
             raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
         size, key = validate_request(self.model, request)
-        correlation_id, start, end = sequence_flags(request)
+        correlation_id, start, end, last = self._sequence_of(request)
         if correlation_id in (0, ""):
             raise InvalidArgumentError(
                 f"inference request to model '{self.name}' must specify a non-zero or "
@@ -120,7 +124,7 @@ class SequenceRunner(ModelRunner):
         self._check_correlation_type(correlation_id)
         arrival = now_ns()
         try:
-            sequence, conflict = self._table.admit(correlation_id, start, end, arrival)
+            sequence, conflict = self._table.admit(correlation_id, start, last, arrival)
         except NotStarted:
             raise InvalidArgumentError(
                 f"inference request for sequence {correlation_id} to model '{self.name}' "
@@ -140,6 +144,29 @@ class SequenceRunner(ModelRunner):
         self._joined[ticket] = (sequence, start, end)
         self._inbox.put(WAKE)
         return ticket
+
+    def _sequence_of(self, request: InferenceRequest) -> tuple[CorrelationId, bool, bool, bool]:
+        """A request's correlation id, its START and END flags, and whether it is the last
+        request of its sequence."""
+        correlation_id, start, end = sequence_flags(request)
+        if correlation_id in (0, "") and self._batching.iterative_sequence:
+            # An iterative sequence of its own, as Triton's iterative sequencer makes it:
+            # a new id, the START flag; its slot frees once an execution releases it.
+            correlation_id = next(self._iterative_ids)
+            while self._table.get(correlation_id) is not None:  # a client's live sequence
+                correlation_id = next(self._iterative_ids)
+            request.parameters = {
+                **request.parameters,
+                "sequence_id": correlation_id,
+                "sequence_start": True,
+            }
+            return correlation_id, True, False, True
+        return correlation_id, start, end, end
+
+    def _kept(self, ticket: Ticket) -> bool:
+        return (
+            self._batching.iterative_sequence and ticket.request.rescheduled and not ticket.finished
+        )
 
     def _check_correlation_type(self, correlation_id: CorrelationId) -> None:
         for control in self._batching.controls:
@@ -256,8 +283,21 @@ class SequenceRunner(ModelRunner):
             self._free_instances.add(instance)
             executed_ns = now_ns()
             for ticket in batch:
-                self._table.executed(self._executing.pop(ticket), executed_ns)
+                sequence = self._executing.pop(ticket)
+                if self._kept(ticket):  # it waits for its next step before the slot frees
+                    self._queue_again(ticket, sequence)
+                self._table.executed(sequence, executed_ns)
             self._inbox.put(WAKE)  # a sequence's next request, or a slot, is free
+
+    def _queue_again(self, ticket: Ticket, sequence: LiveSequence) -> None:
+        """A request the model rescheduled goes first in its sequence's queue, with
+        neither flag (Triton's iterative sequencer clears them)."""
+        request = ticket.request
+        request.rescheduled = False
+        request.parameters = {**request.parameters, "sequence_start": False, "sequence_end": False}
+        ticket.item.payload = ticket
+        sequence.pending.appendleft(ticket.item)
+        self._joined[ticket] = (sequence, False, False)
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         results = await super()._call_model(requests)
@@ -282,6 +322,14 @@ class SequenceRunner(ModelRunner):
             kept[state.input_name] = array.reshape(state.dims)
         sequence.state = kept
         return result
+
+
+class DecoupledSequenceRunner(SequenceRunner, DecoupledRunner):
+    """A decoupled model's iterative sequences: batched by the sequence batcher, each
+    request answered as its model sends, over as many executions as it is rescheduled."""
+
+    def submit(self, request: InferenceRequest) -> Ticket:
+        return self._answered_as_sent(super().submit(request))
 
 
 def _control_value(
