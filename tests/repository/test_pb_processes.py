@@ -157,16 +157,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     write(root, "crashy", CRASHY_CONFIG, CRASHY)
     write(root, "counted", COUNTED_CONFIG, COUNTED)
     write(root, "big", BIG_CONFIG, BIG)
-    config = ServerConfig(
+    # The tests here kill crashy's instances more often than the default allows.
+    with server_in_thread(process_config(root, restart_limit=100)) as running:
+        yield running
+
+
+def process_config(root: Path, restart_limit: int) -> ServerConfig:
+    return ServerConfig(
         model_repositories=[root],
         http_port=0,
         grpc_port=0,
         python_instance_mode="process",
-        # The tests here kill crashy's instances more often than the default allows.
-        backend_config={"python": {"instance-restart-limit": "100"}},
+        backend_config={"python": {"instance-restart-limit": str(restart_limit)}},
     )
-    with server_in_thread(config) as running:
-        yield running
 
 
 def client_of(server: Server, module: Any) -> Any:
@@ -495,14 +498,8 @@ def test_a_bad_instance_mode_fails_that_model(tmp_path: Path) -> None:
 
 def test_an_instance_down_for_good_gets_no_more_batches(tmp_path: Path) -> None:
     write(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
-    config = ServerConfig(
-        model_repositories=[tmp_path],
-        http_port=0,
-        grpc_port=0,
-        python_instance_mode="process",
-        backend_config={"python": {"instance-restart-limit": "1"}},  # one death: down
-    )
-    with server_in_thread(config) as running:
+    # One death leaves an instance down for good.
+    with server_in_thread(process_config(tmp_path, restart_limit=1)) as running:
         rest = client_of(running, httpclient)
         with pytest.raises(InferenceServerException, match="SIGSEGV"):
             rest.infer("crashy", mode(httpclient, 1))

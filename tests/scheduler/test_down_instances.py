@@ -10,10 +10,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from trioserve import InferenceRequest, InputTensor, Model, TensorSpec
+from trioserve import InferenceRequest, InputTensor, Model, SequenceBatching, TensorSpec
+from trioserve._errors import UnavailableError
 from trioserve._model import MODEL_INSTANCE
 from trioserve._tensor import datatype
 from trioserve.scheduler._runner import ModelRunner
+from trioserve.scheduler._sequence_runner import SequenceRunner
 
 COMPUTE_S = 0.010
 
@@ -22,12 +24,13 @@ class TwoInstances(Model):
     """Answers Y = the instance that ran it; ``down`` holds the instances that are down,
     each with the event that ends it."""
 
-    def __init__(self, count: int = 2) -> None:
+    def __init__(self, count: int = 2, sequences: SequenceBatching | None = None) -> None:
         super().__init__(
             name="two",
             inputs=[TensorSpec("X", "INT32", [1])],
             outputs=[TensorSpec("Y", "INT32", [1])],
             instance_count=count,
+            sequence_batching=sequences,
         )
         self.down: dict[int, trio.Event] = {}
         self.ran: list[tuple[float, int]] = []
@@ -41,13 +44,14 @@ class TwoInstances(Model):
         self.ran.append((round(trio.current_time(), 6), instance))
         await trio.sleep(COMPUTE_S)
         if instance in self.down and not self.down[instance].is_set():
-            raise RuntimeError(f"instance {instance} is down")
+            raise UnavailableError(f"model 'two' is unavailable: instance {instance} is down")
         return [{"Y": np.array([instance], np.int32)} for _ in requests]
 
 
-def request() -> InferenceRequest:
+def request(**parameters: Any) -> InferenceRequest:
     data = np.zeros(1, np.int32)
-    return InferenceRequest("two", "", {"X": InputTensor("X", datatype("INT32"), (1,), data)})
+    tensor = InputTensor("X", datatype("INT32"), (1,), data)
+    return InferenceRequest("two", "", {"X": tensor}, parameters=parameters)
 
 
 async def ask(runner: ModelRunner, count: int) -> list[Any]:
@@ -99,4 +103,33 @@ async def test_with_every_instance_down_a_batch_runs_and_fails(autojump_clock: A
         # it (a process model would wait for its restart, or fail at once).
         [(at, outcome)] = await ask(runner, 1)
         assert at == 0.01 and "is down" in outcome
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_sequence_stays_on_its_instance_and_new_ones_avoid_it(
+    autojump_clock: Any,
+) -> None:
+    model = TwoInstances(sequences=SequenceBatching())  # direct: one slot per instance
+    runner = SequenceRunner(model, "1")
+
+    async def send(corrid: int, start: bool = False, end: bool = False) -> Any:
+        flags = {"sequence_start": start, "sequence_end": end}
+        ticket = runner.submit(request(sequence_id=corrid, **flags))
+        await ticket.wait()
+        try:
+            return int(ticket.outcome().outputs[0].data[0])
+        except Exception as exc:
+            return str(exc)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        assert [await send(1, start=True), await send(2, start=True)] == [0, 1]
+        model.down[1] = trio.Event()
+        # Sequence 2 keeps its instance: its last request fails naming it, as Triton's
+        # would with that instance's backend gone (Triton moves no sequence either).
+        assert await send(2, end=True) == "model 'two' is unavailable: instance 1 is down"
+        # A new sequence takes no slot of the down instance (free since 30 ms): it waits
+        # for sequence 1's, freed when that sequence has been idle 1 s (from 10 ms).
+        assert await send(3, start=True) == 0
+        assert round(trio.current_time(), 6) == 1.01 + 0.01
         nursery.cancel_scope.cancel()

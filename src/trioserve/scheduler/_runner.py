@@ -13,6 +13,10 @@ worker thread runs back to back the full batches prefetched for it while it work
 front end decodes it: at ten times the clients a model can serve, it still completes
 more than nine tenths of its peak (``tools/overload_bench.py``).
 
+An instance the model says is down (``Model.instance_down``: a process restarting or
+given up on) hands the batch it was given to another instance and takes none until it
+is up again (``_stays_down``), unless every other instance is down too.
+
 Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
 why (model failure, full queue, timeout in queue, cancellation). ``_finish`` is also where
 each request's statistics are recorded (``_stats.py`` names the timestamps it uses).
@@ -114,9 +118,8 @@ class ModelRunner:
         # Instances down (``Model.instance_down``), neither idle nor busy; only models
         # that can have one are asked, batch by batch.
         self._down = 0
-        self._watches_instances = self._instances_alike and (
-            type(model).instance_down is not Model.instance_down
-        )
+        self._may_go_down = type(model).instance_down is not Model.instance_down
+        self._watches_instances = self._instances_alike and self._may_go_down
         self._queue = RequestQueue(self.policy.priority_levels)
         # Batches decided while every instance was busy, for the first worker thread that
         # finishes to run next without a trip through the event loop (see _execute_chain).

@@ -11,6 +11,12 @@ that keeps a sequence's state in its instance finds it there.
 Cancelling a request (its client went away, its stream was cancelled) ends its
 sequence: the requests of it still waiting fail as cancelled, and later ones are
 refused as for any unknown sequence.
+
+Iterative sequences (``iterative_sequence``, Triton's iterative sequencer): a request
+without a correlation id gets a new one and the START flag, and ends its sequence when
+released. A request the model marks ``rescheduled`` is not finished: it goes back first
+in its sequence's queue, flags cleared, and its slot stays taken until an execution
+releases it. ``DecoupledSequenceRunner`` does the same for a decoupled model.
 """
 
 from __future__ import annotations
@@ -123,6 +129,7 @@ class SequenceRunner(ModelRunner):
             )
         self._check_correlation_type(correlation_id)
         arrival = now_ns()
+        self._note_down_instances()
         try:
             sequence, conflict = self._table.admit(correlation_id, start, last, arrival)
         except NotStarted:
@@ -180,6 +187,18 @@ class SequenceRunner(ModelRunner):
                 )
             _correlation_value(control, correlation_id)  # refused now, not in the batcher
 
+    def _note_down_instances(self) -> None:
+        """Tell the table which instances are down now, for new sequences to avoid (none
+        when all are: the sequences wait for a restart, or fail naming theirs)."""
+        if not self._may_go_down:
+            return
+        count = self.model.instance_count
+        down = frozenset(i for i in range(count) if self.model.instance_down(i) is not None)
+        avoided = down if len(down) < count else frozenset()
+        if avoided != self._table.avoided:
+            self._table.avoided = avoided
+            self._table.fill_slots()  # a restarted instance's slots take the backlog
+
     def _waiting(self) -> int:
         return self._table.waiting()
 
@@ -198,8 +217,11 @@ class SequenceRunner(ModelRunner):
                     sequence.correlation_id,
                     self.name,
                 )
+            self._note_down_instances()
             ready = self._table.ready()
-            decision = decide(ready, now, self._free_instances, self._table.policy)
+            decision = decide(
+                ready, now, self._free_instances, self._table.policy, self._table.avoided
+            )
             if isinstance(decision, DispatchSequences):
                 batch = [self._prepare(t) for t in tickets_leaving(self._table.take(decision))]
                 batch = [t for t in batch if not self._skip_withdrawn(t)]
