@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from google.protobuf import text_format
 
 from trioserve import (
     InferenceRequest,
@@ -17,9 +18,12 @@ from trioserve import (
     Model,
     SequenceBatching,
     SequenceControl,
+    SequenceState,
     TensorSpec,
 )
 from trioserve._tensor import datatype
+from trioserve.repository._generated.model_config_pb2 import ModelConfig
+from trioserve.repository._sequence_config import complete_sequence_batching, sequence_settings
 from trioserve.scheduler._runners import runner_class
 from trioserve.scheduler._sequence_runner import DecoupledSequenceRunner, SequenceRunner
 
@@ -151,3 +155,23 @@ async def test_a_client_leaving_ends_its_rescheduled_request(
     assert ticket.withdrawn
     stats = runner.inference_statistics()
     assert (stats.success.count, stats.fail.count) == (1, 1)
+
+
+def test_which_configurations_take_iterative_sequences() -> None:
+    spec: dict[str, Any] = {
+        "name": "m",
+        "inputs": [TensorSpec("N", "INT32", [1])],
+        "outputs": [TensorSpec("DONE", "INT32", [1])],
+        "decoupled": True,
+    }
+    with pytest.raises(ValueError, match=r"the sequence batcher \(but for iterative sequences\)"):
+        Model(**spec, sequence_batching=SequenceBatching())
+    state = SequenceState("S_IN", "S_OUT", "INT32", [1])
+    with pytest.raises(ValueError, match="implicit state"):
+        Model(**spec, sequence_batching=SequenceBatching(iterative_sequence=True, states=[state]))
+    iterative = Model(**spec, sequence_batching=SequenceBatching(iterative_sequence=True))
+    assert runner_class(iterative) is DecoupledSequenceRunner
+    # config.pbtxt's field, read as Triton's model_config.proto has it.
+    config = text_format.Parse("sequence_batching { iterative_sequence: true }", ModelConfig())
+    complete_sequence_batching(config)
+    assert sequence_settings(config).iterative_sequence
