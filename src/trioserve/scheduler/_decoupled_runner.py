@@ -51,7 +51,7 @@ class DecoupledRunner(ModelRunner):
             times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, executed_ns)
             self.stats.executed(sum([p.item.batch_size for p in batch]), times)
             for ticket in batch:
-                if self._kept(ticket):  # it answers on in a later execution
+                if ticket.request.rescheduled and self._kept(ticket):  # answers on later
                     continue
                 ticket.execution = times
                 assert ticket.responses is not None

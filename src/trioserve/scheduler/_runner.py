@@ -481,7 +481,7 @@ class ModelRunner:
             return
         self.stats.executed(sum([p.item.batch_size for p in batch]), times)
         for ticket, response in zip(batch, responses, strict=True):
-            if self._kept(ticket):
+            if ticket.request.rescheduled and self._kept(ticket):
                 continue
             ticket.execution = times
             if isinstance(response, InferenceServerError):  # failed on its own

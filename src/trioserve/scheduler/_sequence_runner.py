@@ -306,7 +306,7 @@ class SequenceRunner(ModelRunner):
             executed_ns = now_ns()
             for ticket in batch:
                 sequence = self._executing.pop(ticket)
-                if self._kept(ticket):  # it waits for its next step before the slot frees
+                if ticket.request.rescheduled and self._kept(ticket):  # its slot stays taken
                     self._queue_again(ticket, sequence)
                 self._table.executed(sequence, executed_ns)
             self._inbox.put(WAKE)  # a sequence's next request, or a slot, is free
