@@ -134,10 +134,13 @@ class Model:
         names = [t.name for t in (*self.inputs, *self.outputs)]
         if len(set(names)) != len(names):
             raise ValueError(f"model {self.name!r}: tensor names must be unique")
-        if self.decoupled and (self.response_cache or self.sequence_batching is not None):
+        sequences = self.sequence_batching
+        # An iterative sequence is one request: a decoupled model answers it as it goes.
+        stateless = sequences is None or (sequences.iterative_sequence and not sequences.states)
+        if self.decoupled and (self.response_cache or not stateless):
             raise ValueError(
-                f"model {self.name!r}: a decoupled model cannot use the response cache or "
-                "the sequence batcher"
+                f"model {self.name!r}: a decoupled model cannot use the response cache, "
+                "implicit state or the sequence batcher (but for iterative sequences)"
             )
         if self.sequence_batching is not None:
             if self.dynamic_batching is not None or self.response_cache:
@@ -169,6 +172,12 @@ class Model:
     def unavailable(self) -> str | None:
         """Why the loaded model cannot serve any more (None: it can); the repository
         index shows it UNAVAILABLE with this reason, and it is not ready."""
+        return None
+
+    def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
+        """None while model instance ``index`` can execute a batch; else what to await
+        until that may have changed (its process started again, say). Meanwhile the
+        runner gives the batches to the model's other instances."""
         return None
 
     def memory_usage(self) -> Sequence[MemoryUsage]:

@@ -94,6 +94,11 @@ class SequenceBatching:
     ``max_queue_delay_microseconds`` for a fuller batch. Sequences beyond the slots
     wait in order for one to free. A sequence that sends nothing for
     ``max_sequence_idle_microseconds`` is released: its later requests are refused.
+
+    ``iterative_sequence``: a request without a correlation id starts a sequence of its
+    own (the batcher gives it an id and the START flag) that the model may reschedule
+    (``InferenceRequest.rescheduled``): it then runs again, in a later batch, on the
+    same instance, until an execution releases it.
     """
 
     strategy: Literal["direct", "oldest"] = "direct"
@@ -103,6 +108,7 @@ class SequenceBatching:
     preferred_batch_size: Sequence[int] = ()
     controls: Sequence[SequenceControl] = ()
     states: Sequence[SequenceState] = field(default=())
+    iterative_sequence: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in ("direct", "oldest"):

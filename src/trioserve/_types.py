@@ -68,6 +68,9 @@ class InferenceRequest:
     response_sender: ResponseSender | None = field(default=None, repr=False, compare=False)
     # Set when the request is traced (``tracing``): the runner stamps its queue and compute.
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    # Set by the model's execute to run the request again in a later batch instead of
+    # releasing it (an iterative sequence's step; the runner clears it).
+    rescheduled: bool = field(default=False, repr=False, compare=False)
 
     @property
     def priority(self) -> int:

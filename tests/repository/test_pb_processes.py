@@ -19,6 +19,7 @@ import textwrap
 import threading
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -156,16 +157,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     write(root, "crashy", CRASHY_CONFIG, CRASHY)
     write(root, "counted", COUNTED_CONFIG, COUNTED)
     write(root, "big", BIG_CONFIG, BIG)
-    config = ServerConfig(
+    # The tests here kill crashy's instances more often than the default allows.
+    with server_in_thread(process_config(root, restart_limit=100)) as running:
+        yield running
+
+
+def process_config(root: Path, restart_limit: int) -> ServerConfig:
+    return ServerConfig(
         model_repositories=[root],
         http_port=0,
         grpc_port=0,
         python_instance_mode="process",
-        # The tests here kill crashy's instances more often than the default allows.
-        backend_config={"python": {"instance-restart-limit": "100"}},
+        backend_config={"python": {"instance-restart-limit": str(restart_limit)}},
     )
-    with server_in_thread(config) as running:
-        yield running
 
 
 def client_of(server: Server, module: Any) -> Any:
@@ -490,3 +494,33 @@ def test_a_bad_instance_mode_fails_that_model(tmp_path: Path) -> None:
         assert entry["state"] == "UNAVAILABLE"
         assert "TRIOSERVE_INSTANCE_MODE must be 'thread' or 'process'" in entry["reason"]
         client.close()
+
+
+def test_an_instance_down_for_good_gets_no_more_batches(tmp_path: Path) -> None:
+    write(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
+    # One death leaves an instance down for good.
+    with server_in_thread(process_config(tmp_path, restart_limit=1)) as running:
+        rest = client_of(running, httpclient)
+        with pytest.raises(InferenceServerException, match="SIGSEGV"):
+            rest.infer("crashy", mode(httpclient, 1))
+        (entry,) = rest.get_model_repository_index()
+        assert "ended 1 times within 60 s" in entry["reason"]
+
+        def answers(module: Any) -> list[int]:
+            client = client_of(running, module)
+            answered = [answered_pid(client, module) for _ in range(10)]
+            client.close()
+            return answered
+
+        # Every request, one after another and four at a time, over both protocols,
+        # goes to the instance that still serves.
+        with ThreadPoolExecutor(4) as pool:
+            answered = [
+                p for f in [pool.submit(answers, m) for m in CLIENTS * 2] for p in f.result()
+            ]
+        answered += answers(httpclient)
+        assert len(answered) == 50
+        assert len(set(answered)) == 1
+        os.kill(answered[0], 0)  # alive
+        assert failures(rest, "crashy") == 1
+        rest.close()

@@ -172,3 +172,34 @@ def test_the_idle_time_counts_from_the_last_execution_not_from_a_queued_start():
     assert table.release_idle(610 * MS - 1) == []
     again, _ = table.admit(2, False, False, 600 * MS)  # still live: no START needed
     assert again is backlogged
+
+
+def test_new_sequences_avoid_a_down_instances_slots():
+    direct = SequencePolicy(oldest=False, max_batch_size=1, slots=2, slots_per_instance=1)
+    table = SequenceTable(direct)
+    table.avoided = frozenset({0})  # instance 0 is down: slot 0 is its
+    first = join(table, 1, 0, start=True)
+    second = join(table, 2, 1, start=True)
+    assert (first.slot, first.instance) == (1, 1)
+    assert second.slot is None  # waits in the backlog rather than take slot 0
+    table.take(DispatchSequences([first], 1))
+    table.executed(first, 2 * MS)
+    table.cancel(first)  # slot 1 frees: the backlog takes it
+    assert (second.slot, second.instance) == (1, 1)
+    table.avoided = frozenset()
+    third = join(table, 3, 3, start=True)
+    assert (third.slot, third.instance) == (0, 0)
+
+
+def test_oldest_gives_a_new_sequence_no_down_instance():
+    table = SequenceTable(OLDEST)
+    pinned = join(table, 1, 0, start=True)
+    pinned.instance = 0  # it ran on instance 0 before that went down
+    fresh = join(table, 2, 1, start=True)
+    # Instance 0 runs its own sequence alone; the new one goes to instance 1.
+    decision = decide(table.ready(), 3 * MS, {0, 1}, OLDEST, avoided={0})
+    assert (ids(decision), decision.instance) == ([1], 0)
+    decision = decide([fresh], 3 * MS, {1}, OLDEST, avoided={0})
+    assert (ids(decision), decision.instance) == ([2], 1)
+    # With only the down instance free, the new sequence waits.
+    assert decide([fresh], 3 * MS, {0}, OLDEST, avoided={0}) == Wait(None)

@@ -12,6 +12,7 @@ tells it: its type, message, then the model's frames, innermost first.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import sys
@@ -80,28 +81,73 @@ def run_execute(
 
 
 def checked_responses(
-    model_name: str, decoupled: bool, count: int, responses: Any
-) -> list[pb_utils.InferenceResponse]:
-    """What ``execute`` returned for ``count`` requests, checked as Triton checks it."""
+    model_name: str,
+    decoupled: bool,
+    iterative: bool,
+    served: list[pb_utils.InferenceRequest],
+    responses: Any,
+) -> list[pb_utils.InferenceResponse | None]:
+    """What ``execute`` returned for the ``served`` requests, checked as Triton checks it:
+    one response per request, None for a request the model rescheduled. A decoupled
+    model answers through its senders: its list is empty unless it rescheduled some
+    (then an empty response stands for each of the others)."""
+    count = len(served)
+    if not iterative:
+        for request in served:
+            _refuse_rescheduling(model_name, decoupled, request)
     if decoupled:
         if responses is not None:
             raise InternalError(
                 f"model '{model_name}' is decoupled: execute must return None and answer "
                 "through each request's response sender"
             )
-        return []
+        again = [r._rescheduled() for r in served]
+        return [None if a else pb_utils.InferenceResponse() for a in again] if any(again) else []
     if not isinstance(responses, list | tuple) or len(responses) != count:
         got = len(responses) if isinstance(responses, list | tuple) else "no list of"
         raise InternalError(
             f"model '{model_name}': execute returned {got} responses for {count} requests"
         )
-    for response in responses:
-        if not isinstance(response, pb_utils.InferenceResponse):
+    checked: list[pb_utils.InferenceResponse | None] = []
+    for request, response in zip(served, responses, strict=True):
+        if request._refused is not None:
+            response = pb_utils.InferenceResponse(error=request._refused)
+        elif request._rescheduled() and response is not None:
+            # Triton's words, spelling included: clients match on them. The request
+            # ends here with this error.
+            message = (
+                "Expected a None object in the execute function return list for reschduled "
+                f"request, got {type(response).__name__}"
+            )
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        elif not request._rescheduled() and not isinstance(response, pb_utils.InferenceResponse):
             raise InternalError(
                 f"model '{model_name}': execute returned {type(response).__name__}, "
                 "not an InferenceResponse"
             )
-    return list(responses)
+        checked.append(response)
+    return checked
+
+
+def _refuse_rescheduling(
+    model_name: str, decoupled: bool, request: pb_utils.InferenceRequest
+) -> None:
+    """A model without iterative sequences rescheduled ``request``: it is released with
+    the reason (a decoupled model's through its sender)."""
+    if not request._rescheduled():
+        return
+    request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+    request._refused = pb_utils.TritonError(
+        f"model '{model_name}' rescheduled a request "
+        "(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE), which needs "
+        "'sequence_batching { iterative_sequence: true }' in its configuration"
+    )
+    if decoupled:
+        with contextlib.suppress(pb_utils.TritonModelException):  # it sent its final already
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse(error=request._refused),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
 
 
 def failure_texts(instance_name: str, exc: BaseException, repository: Path) -> tuple[str, str]:

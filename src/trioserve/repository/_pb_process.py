@@ -115,7 +115,7 @@ class InstanceProcess:
         self._nursery: trio.Nursery | None = None
         self._initialized = trio.Event()
         self._init_error: str | None = None
-        self._serving = trio.Event()  # set while a process serves, or the instance is down
+        self.serving = trio.Event()  # set while a process serves, or the instance is down
         self._scope = trio.CancelScope()
         self._supervised = trio.Event()
         self._stopping = False
@@ -150,16 +150,16 @@ class InstanceProcess:
                     if ended is None:  # the first start failed: nothing to restart
                         return
                     first = None
-                    self._serving = trio.Event()
+                    self.serving = trio.Event()
                     self._fail_in_flight(ended)
                     if self._stopping or not self._may_restart(ended):
-                        self._serving.set()
+                        self.serving.set()
                         return
                     logger.warning("model '%s': %s; starting it again", self.spec.model, ended)
         except Exception:  # a system task must not raise: it would end the server
             logger.exception("model '%s': supervising its process failed", self.spec.model)
             self.unavailable = self.unavailable or "its supervision failed"
-            self._serving.set()
+            self.serving.set()
         finally:
             process = self._process
             if process is not None and process.returncode is None:  # stopped by force
@@ -180,7 +180,7 @@ class InstanceProcess:
                 else:
                     if first is not None:
                         first(None)
-                    self._serving.set()
+                    self.serving.set()
                     if self._stopping:  # stop() came while it started
                         await self._finalize()
         finally:
@@ -294,7 +294,7 @@ class InstanceProcess:
     # --- batches ------------------------------------------------------------------
 
     async def execute(self, requests: Sequence[CoreRequest], decoupled: bool) -> list[Result]:
-        await self._serving.wait()
+        await self.serving.wait()
         if self.unavailable is not None:
             raise UnavailableError(f"model '{self.spec.model}' is unavailable: {self.unavailable}")
         channel = self._channel
@@ -345,9 +345,14 @@ class InstanceProcess:
         kind, value = answer
         if kind == "failed":
             raise error_from_wire(value)
-        return [self._result(result) for result in value]
+        answered = zip(value, requests, keys, strict=False)  # a decoupled model's: maybe none
+        return [self._result(*each) for each in answered]
 
-    def _result(self, result: tuple[Any, ...]) -> Result:
+    def _result(self, result: tuple[Any, ...], request: CoreRequest, key: int) -> Result:
+        if result[0] == "rescheduled":  # it runs again (and sends under its next key)
+            request.rescheduled = True
+            self._free_all(self._senders.pop(key, (None, []))[1])
+            return {}
         if result[0] == "error":
             return error_from_wire(result[1])
         _kind, tensors, parameters = result

@@ -13,7 +13,7 @@ environment (``EXECUTION_ENV_PATH``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -90,6 +90,7 @@ class ProcessBackendModel(PythonBackendModel):
                 "model_dir": str(self._model_dir),
                 "repository": str(self._folder.parent),
                 "decoupled": self.decoupled,
+                "iterative": self.iterative,
                 "default_bytes": settings.shm_default_bytes,
                 "growth_bytes": settings.shm_growth_bytes,
             },
@@ -112,6 +113,16 @@ class ProcessBackendModel(PythonBackendModel):
     def unavailable(self) -> str | None:
         reasons = [p.unavailable for p in self._processes if p.unavailable is not None]
         return "; ".join(reasons) if reasons else None
+
+    def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
+        """A restarting instance is down until its process serves again; one given up
+        on, for good (an event nobody sets)."""
+        if index >= len(self._processes):  # unloading
+            return None
+        process = self._processes[index]
+        if process.unavailable is not None:
+            return trio.Event().wait
+        return None if process.serving.is_set() else process.serving.wait
 
     def instance_pids(self) -> list[int | None]:
         """The process of each instance (None while one starts again): for operators

@@ -209,6 +209,8 @@ class InferenceRequest:
         self._preferred_memory = preferred_memory or PreferredMemory(_MEMORY_DEFAULT)
         self._trace = trace or InferenceTrace()
         self._sender: ResponseSender | None = None  # a served request to a decoupled model
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        self._refused: TritonError | None = None  # why it could not be rescheduled
 
     @classmethod
     def _served(cls, request: CoreRequest) -> InferenceRequest:
@@ -291,14 +293,15 @@ class InferenceRequest:
         return self._sender is not None and self._sender.cancelled
 
     def set_release_flags(self, flags: int) -> None:
-        """``TRITONSERVER_REQUEST_RELEASE_ALL`` is what every request gets anyway;
-        rescheduling needs iterative sequence batching, which this server has not."""
-        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-            raise TritonModelException(
-                "set_release_flags(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE): request "
-                "rescheduling (sequence_batching { iterative_sequence: true }) is not "
-                "supported by trioserve"
-            )
+        """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: once ``execute`` returns, the
+        request is not released but executed again in a later batch (a model with
+        ``sequence_batching { iterative_sequence: true }``; a non-decoupled model returns
+        None in its place). ``TRITONSERVER_REQUEST_RELEASE_ALL``, every request's
+        default, releases it."""
+        self._release_flags = flags
+
+    def _rescheduled(self) -> bool:
+        return bool(self._release_flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:

@@ -160,12 +160,14 @@ class Stub:
                 self.send(("done", batch, ("failed", error_to_wire(self._failure(exc)))))
                 return
         try:
-            checked = checked_responses(settings["name"], decoupled, len(requests), responses)
+            checked = checked_responses(
+                settings["name"], decoupled, settings["iterative"], served, responses
+            )
         except InferenceServerError as exc:
             self.send(("done", batch, ("failed", error_to_wire(exc))))
             return
         blocks: list[Block] = []
-        results = [self._result(response, blocks) for response in checked]
+        results = [("rescheduled",) if r is None else self._result(r, blocks) for r in checked]
         self.send(("done", batch, ("results", results)), blocks)
 
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:

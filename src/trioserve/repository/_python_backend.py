@@ -142,10 +142,18 @@ class PythonBackendModel(Model):
                 )
             except Exception as exc:
                 raise self._failure(instance, exc) from exc
-        return self._outputs(requests, responses)
+            outcomes = checked_responses(
+                self.name, self.decoupled, self.iterative, served, responses
+            )
+        return self._outputs(requests, outcomes)
 
     def described_config(self) -> dict[str, Any]:
         return self._document
+
+    @property
+    def iterative(self) -> bool:
+        """Whether the model's requests may be rescheduled (iterative sequences)."""
+        return self.sequence_batching is not None and self.sequence_batching.iterative_sequence
 
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
@@ -226,9 +234,18 @@ class PythonBackendModel(Model):
         logger.error("model '%s' version %s: %s", self.name, self.versions[0], logged)
         return InternalError(told)
 
-    def _outputs(self, requests: Sequence[InferenceRequest], responses: Any) -> list[Result]:
+    def _outputs(
+        self,
+        requests: Sequence[InferenceRequest],
+        outcomes: list[pb_utils.InferenceResponse | None],
+    ) -> list[Result]:
         results: list[Result] = []
-        for response in checked_responses(self.name, self.decoupled, len(requests), responses):
+        # A decoupled model's outcomes are empty unless it rescheduled a request.
+        for request, response in zip(requests, outcomes, strict=False):
+            if response is None:  # rescheduled: it runs again, nothing to answer yet
+                request.rescheduled = True
+                results.append({})
+                continue
             error = response.error()
             if error is not None:
                 results.append(pb_utils.server_error(error))

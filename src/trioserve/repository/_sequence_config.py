@@ -45,6 +45,7 @@ def sequence_settings(config: ModelConfig) -> SequenceBatching:
         preferred_batch_size=list(batching.oldest.preferred_batch_size),
         controls=[_control(entry) for entry in batching.control_input],
         states=[_state(state) for state in batching.state],
+        iterative_sequence=batching.iterative_sequence,
     )
 
 

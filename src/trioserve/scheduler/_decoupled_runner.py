@@ -30,10 +30,12 @@ class DecoupledRunner(ModelRunner):
     _chains_batches = False  # executes its own way
 
     def submit(self, request: InferenceRequest) -> Ticket:
-        ticket = super().submit(request)
+        return self._answered_as_sent(super().submit(request))
+
+    def _answered_as_sent(self, ticket: Ticket) -> Ticket:
         # Set before the batcher task runs (no checkpoint in between), so before execute.
         ticket.responses = DecoupledResponses(partial(self._deliver, ticket))
-        request.response_sender = ticket.responses
+        ticket.request.response_sender = ticket.responses
         return ticket
 
     async def _execute_batch(self, batch: list[Ticket], dequeued_ns: int) -> None:
@@ -49,13 +51,16 @@ class DecoupledRunner(ModelRunner):
             times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, executed_ns)
             self.stats.executed(sum([p.item.batch_size for p in batch]), times)
             for ticket in batch:
+                if ticket.request.rescheduled and self._kept(ticket):  # answers on later
+                    continue
                 ticket.execution = times
                 assert ticket.responses is not None
                 if ticket.responses.final_delivered:
                     self._finish(ticket, response=self._empty(ticket.request))
         finally:
             for ticket in batch:
-                if ticket.execution is None and not ticket.finished:  # execution cancelled
+                if ticket.execution is None and not (ticket.finished or self._kept(ticket)):
+                    # the execution was cancelled
                     self._finish(ticket, error=shutting_down())
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:

@@ -13,6 +13,10 @@ worker thread runs back to back the full batches prefetched for it while it work
 front end decodes it: at ten times the clients a model can serve, it still completes
 more than nine tenths of its peak (``tools/overload_bench.py``).
 
+An instance the model says is down (``Model.instance_down``: a process restarting or
+given up on) hands the batch it was given to another instance and takes none until it
+is up again (``_stays_down``), unless every other instance is down too.
+
 Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
 why (model failure, full queue, timeout in queue, cancellation). ``_finish`` is also where
 each request's statistics are recorded (``_stats.py`` names the timestamps it uses).
@@ -26,7 +30,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import ClassVar, NamedTuple, cast
 
-import numpy as np
 import trio
 
 from .._errors import (
@@ -36,19 +39,18 @@ from .._errors import (
     UnavailableError,
 )
 from .._load_facts import LoadFacts, QueueState
-from .._model import MODEL_INSTANCE, Model, Outputs, ResponseOutputs, Result
+from .._model import MODEL_INSTANCE, Model, Outputs, Result
 from .._model_code import model_failure, raise_failure
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
-from .._tensor import datatype_of
-from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from .._types import InferenceRequest, InferenceResponse
 from .._validation import validate_request
-from ..shm import is_device_array
 from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook, unload
+from ._responses import response_of
 from ._ticket import (
     WAKE,
     Ticket,
@@ -91,6 +93,8 @@ class ModelRunner:
     # Whether a sync model's worker thread runs prefetched batches back to back
     # (_execute_chain); runners that execute their own way turn it off.
     _chains_batches: ClassVar[bool] = True
+    # Whether any instance may run any batch (not so for sequences, kept to theirs).
+    _instances_alike: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -111,6 +115,11 @@ class ModelRunner:
         self._batches = Handoff[tuple[list[Ticket], int]]()
         self._execute_is_async = False  # settled once the model is loaded
         self._idle = model.instance_count
+        # Instances down (``Model.instance_down``), neither idle nor busy; only models
+        # that can have one are asked, batch by batch.
+        self._down = 0
+        self._may_go_down = type(model).instance_down is not Model.instance_down
+        self._watches_instances = self._instances_alike and self._may_go_down
         self._queue = RequestQueue(self.policy.priority_levels)
         # Batches decided while every instance was busy, for the first worker thread that
         # finishes to run next without a trip through the event loop (see _execute_chain).
@@ -126,7 +135,7 @@ class ModelRunner:
         return self.model.name
 
     def statistics(self) -> QueueState:
-        busy = self.model.instance_count - self._idle
+        busy = self.model.instance_count - self._idle - self._down
         return QueueState(queued=self._waiting(), executing=busy)
 
     def inference_statistics(self) -> ModelStatistics:
@@ -317,6 +326,10 @@ class ModelRunner:
             handed = self._batches.take_nowait()
             batch, dequeued_ns = handed if handed is not None else await self._batches.get()
             del handed
+            if self._watches_instances and self._stays_down(index, batch, dequeued_ns):
+                del batch
+                await self._while_down(index)
+                continue
             try:
                 await self._execute(batch, dequeued_ns)
             finally:
@@ -333,6 +346,30 @@ class ModelRunner:
                 self._dispatch(now_ns())
                 if self._waiting():  # for the other instances, or a batch still forming
                     self._inbox.put(WAKE)
+
+    def _stays_down(self, index: int, batch: list[Ticket], dequeued_ns: int) -> bool:
+        """Whether instance ``index`` cannot run ``batch`` while another can: the batch
+        goes to an idle instance, or first to the next one that finishes. With every
+        other instance down too it runs here (waiting for a restart, or failing)."""
+        if self.model.instance_down(index) is None or self._down >= self.model.instance_count - 1:
+            return False
+        if self._idle:
+            self._idle -= 1
+            self._batches.put((batch, dequeued_ns))
+        else:
+            self._prefetched.appendleft(batch)
+        self._down += 1
+        return True
+
+    async def _while_down(self, index: int) -> None:
+        """Take no batch until instance ``index`` can run them again."""
+        while (down := self.model.instance_down(index)) is not None:
+            await down()
+        self._down -= 1
+        self._idle += 1
+        self._notify()
+        if self._waiting():
+            self._inbox.put(WAKE)
 
     async def _execute(self, batch: list[Ticket], dequeued_ns: int) -> None:
         if self.model.withdraw_cancels_execution:
@@ -370,8 +407,13 @@ class ModelRunner:
             self._complete(executed)
         finally:
             for ticket in batch:
-                if not ticket.finished:  # the execution itself was cancelled
+                if not (ticket.finished or self._kept(ticket)):  # the execution was cancelled
                     self._finish(ticket, error=shutting_down())
+
+    def _kept(self, ticket: Ticket) -> bool:
+        """Whether an executed request stays to run again (an iterative sequence's step)
+        rather than end with this execution."""
+        return False
 
     def _execute_chain(
         self,
@@ -439,6 +481,8 @@ class ModelRunner:
             return
         self.stats.executed(sum([p.item.batch_size for p in batch]), times)
         for ticket, response in zip(batch, responses, strict=True):
+            if ticket.request.rescheduled and self._kept(ticket):
+                continue
             ticket.execution = times
             if isinstance(response, InferenceServerError):  # failed on its own
                 self._finish(ticket, error=response, reason=FailureReason.BACKEND)
@@ -477,31 +521,7 @@ class ModelRunner:
             return model_error(self.name, exc)
 
     def _response(self, request: InferenceRequest, outputs: Outputs) -> InferenceResponse:
-        declared = self.model.output_specs
-        wanted = request.outputs or None
-        names = [o.name for o in wanted] if wanted else list(declared)
-        parameters = {o.name: o.parameters for o in wanted} if wanted else {}
-        tensors = []
-        for name in names:
-            if name not in outputs:
-                raise InternalError(f"model '{self.name}' did not produce output '{name}'")
-            dt = declared[name].wire_datatype
-            produced = outputs[name]
-            # A GPU model's cupy array stays on the device: the front end copies it into a
-            # CUDA region directly, or to the host for the wire.
-            if type(produced) is np.ndarray or is_device_array(produced):
-                array = produced
-            else:
-                array = np.asarray(produced)
-            if not dt.is_bytes and array.dtype != dt.dtype:
-                array = array.astype(dt.dtype)
-            elif dt.is_bytes and datatype_of(array) is not dt:
-                raise InternalError(
-                    f"model '{self.name}': output '{name}' is declared BYTES but is {array.dtype}"
-                )
-            tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
-        extra = outputs.parameters if isinstance(outputs, ResponseOutputs) else {}
-        return InferenceResponse(self.name, self.version, tensors, id=request.id, parameters=extra)
+        return response_of(self.model, self.version, request, outputs)
 
     def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
         assert self._cache is not None

@@ -11,10 +11,17 @@ that keeps a sequence's state in its instance finds it there.
 Cancelling a request (its client went away, its stream was cancelled) ends its
 sequence: the requests of it still waiting fail as cancelled, and later ones are
 refused as for any unknown sequence.
+
+Iterative sequences (``iterative_sequence``, Triton's iterative sequencer): a request
+without a correlation id gets a new one and the START flag, and ends its sequence when
+released. A request the model marks ``rescheduled`` is not finished: it goes back first
+in its sequence's queue, flags cleared, and its slot stays taken until an execution
+releases it. ``DecoupledSequenceRunner`` does the same for a decoupled model.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -31,6 +38,7 @@ from .._types import InferenceRequest, InputTensor
 from .._validation import validate_request
 from ._batching import QueuedItem, Wait
 from ._clock import now_ns, ns_to_seconds
+from ._decoupled_runner import DecoupledRunner
 from ._runner import ModelRunner
 from ._sequences import (
     CorrelationId,
@@ -90,6 +98,7 @@ class SequenceRunner(ModelRunner):
     """A runner whose model has ``sequence_batching``."""
 
     _chains_batches = False  # executes its own way
+    _instances_alike = False  # a sequence's requests all run on its instance
 
     def __init__(self, model: Model, version: str, **settings: Any) -> None:
         super().__init__(model, version, **settings)
@@ -101,12 +110,13 @@ class SequenceRunner(ModelRunner):
         self._joined: dict[Ticket, tuple[LiveSequence, bool, bool]] = {}
         self._executing: dict[Ticket, LiveSequence] = {}
         self._free_instances = set(range(model.instance_count))
+        self._iterative_ids = itertools.count(1)
 
     def submit(self, request: InferenceRequest) -> Ticket:
         if not self.ready:
             raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
         size, key = validate_request(self.model, request)
-        correlation_id, start, end = sequence_flags(request)
+        correlation_id, start, end, last = self._sequence_of(request)
         if correlation_id in (0, ""):
             raise InvalidArgumentError(
                 f"inference request to model '{self.name}' must specify a non-zero or "
@@ -119,8 +129,9 @@ class SequenceRunner(ModelRunner):
             )
         self._check_correlation_type(correlation_id)
         arrival = now_ns()
+        self._note_down_instances()
         try:
-            sequence, conflict = self._table.admit(correlation_id, start, end, arrival)
+            sequence, conflict = self._table.admit(correlation_id, start, last, arrival)
         except NotStarted:
             raise InvalidArgumentError(
                 f"inference request for sequence {correlation_id} to model '{self.name}' "
@@ -141,6 +152,29 @@ class SequenceRunner(ModelRunner):
         self._inbox.put(WAKE)
         return ticket
 
+    def _sequence_of(self, request: InferenceRequest) -> tuple[CorrelationId, bool, bool, bool]:
+        """A request's correlation id, its START and END flags, and whether it is the last
+        request of its sequence."""
+        correlation_id, start, end = sequence_flags(request)
+        if correlation_id in (0, "") and self._batching.iterative_sequence:
+            # An iterative sequence of its own, as Triton's iterative sequencer makes it:
+            # a new id, the START flag; its slot frees once an execution releases it.
+            correlation_id = next(self._iterative_ids)
+            while self._table.get(correlation_id) is not None:  # a client's live sequence
+                correlation_id = next(self._iterative_ids)
+            request.parameters = {
+                **request.parameters,
+                "sequence_id": correlation_id,
+                "sequence_start": True,
+            }
+            return correlation_id, True, False, True
+        return correlation_id, start, end, end
+
+    def _kept(self, ticket: Ticket) -> bool:
+        return (
+            self._batching.iterative_sequence and ticket.request.rescheduled and not ticket.finished
+        )
+
     def _check_correlation_type(self, correlation_id: CorrelationId) -> None:
         for control in self._batching.controls:
             if control.kind != "CORRID":
@@ -152,6 +186,18 @@ class SequenceRunner(ModelRunner):
                     f"expects {kind} correlation ID"
                 )
             _correlation_value(control, correlation_id)  # refused now, not in the batcher
+
+    def _note_down_instances(self) -> None:
+        """Tell the table which instances are down now, for new sequences to avoid (none
+        when all are: the sequences wait for a restart, or fail naming theirs)."""
+        if not self._may_go_down:
+            return
+        count = self.model.instance_count
+        down = frozenset(i for i in range(count) if self.model.instance_down(i) is not None)
+        avoided = down if len(down) < count else frozenset()
+        if avoided != self._table.avoided:
+            self._table.avoided = avoided
+            self._table.fill_slots()  # a restarted instance's slots take the backlog
 
     def _waiting(self) -> int:
         return self._table.waiting()
@@ -171,8 +217,11 @@ class SequenceRunner(ModelRunner):
                     sequence.correlation_id,
                     self.name,
                 )
+            self._note_down_instances()
             ready = self._table.ready()
-            decision = decide(ready, now, self._free_instances, self._table.policy)
+            decision = decide(
+                ready, now, self._free_instances, self._table.policy, self._table.avoided
+            )
             if isinstance(decision, DispatchSequences):
                 batch = [self._prepare(t) for t in tickets_leaving(self._table.take(decision))]
                 batch = [t for t in batch if not self._skip_withdrawn(t)]
@@ -256,8 +305,21 @@ class SequenceRunner(ModelRunner):
             self._free_instances.add(instance)
             executed_ns = now_ns()
             for ticket in batch:
-                self._table.executed(self._executing.pop(ticket), executed_ns)
+                sequence = self._executing.pop(ticket)
+                if ticket.request.rescheduled and self._kept(ticket):  # its slot stays taken
+                    self._queue_again(ticket, sequence)
+                self._table.executed(sequence, executed_ns)
             self._inbox.put(WAKE)  # a sequence's next request, or a slot, is free
+
+    def _queue_again(self, ticket: Ticket, sequence: LiveSequence) -> None:
+        """A request the model rescheduled goes first in its sequence's queue, with
+        neither flag (Triton's iterative sequencer clears them)."""
+        request = ticket.request
+        request.rescheduled = False
+        request.parameters = {**request.parameters, "sequence_start": False, "sequence_end": False}
+        ticket.item.payload = ticket
+        sequence.pending.appendleft(ticket.item)
+        self._joined[ticket] = (sequence, False, False)
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         results = await super()._call_model(requests)
@@ -282,6 +344,14 @@ class SequenceRunner(ModelRunner):
             kept[state.input_name] = array.reshape(state.dims)
         sequence.state = kept
         return result
+
+
+class DecoupledSequenceRunner(SequenceRunner, DecoupledRunner):
+    """A decoupled model's iterative sequences: batched by the sequence batcher, each
+    request answered as its model sends, over as many executions as it is rescheduled."""
+
+    def submit(self, request: InferenceRequest) -> Ticket:
+        return self._answered_as_sent(super().submit(request))
 
 
 def _control_value(

@@ -20,6 +20,11 @@ Triton's semantics, which this reproduces:
   oldest request has waited ``max_queue_delay`` or a prefix reaches a preferred size.
 - A live sequence with nothing waiting or executing for ``idle`` (since its last
   request arrived or finished executing, whichever is later) is released.
+
+Beyond Triton: model instances that are down (``avoided``, a process restarting or
+given up on; never all of them) take no new sequence, neither a ``direct`` slot of
+theirs nor an ``oldest`` first batch. A sequence already on one stays there (its
+requests wait for the restart, or fail naming the instance).
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class SequenceTable:
         self._free = list(range(policy.slots - 1, -1, -1))  # popped lowest first
         self._next_slot = policy.slots  # unbounded slots: the next one to hand out
         self._backlog: deque[LiveSequence] = deque()
+        # Instances taking no new sequence, as the runner last saw them (never all).
+        self.avoided: AbstractSet[int] = frozenset()
 
     def __len__(self) -> int:
         """Live sequences (by id)."""
@@ -170,15 +177,25 @@ class SequenceTable:
         return items
 
     def _place(self, sequence: LiveSequence) -> None:
-        if self._free:
-            slot = self._free.pop()
-        elif not self.policy.slots:
-            slot = self._next_slot
+        if not self.policy.slots:
+            self._assign(sequence, self._next_slot)
             self._next_slot += 1
         else:
             self._backlog.append(sequence)
-            return
-        self._assign(sequence, slot)
+            self.fill_slots()
+
+    def fill_slots(self) -> None:
+        """Give the backlog's sequences, in order, the lowest free slots of instances
+        not avoided."""
+        while self._backlog:
+            slot = next((s for s in reversed(self._free) if not self._avoided(s)), None)
+            if slot is None:
+                return
+            self._free.remove(slot)
+            self._assign(self._backlog.popleft(), slot)
+
+    def _avoided(self, slot: int) -> bool:
+        return not self.policy.oldest and slot // self.policy.slots_per_instance in self.avoided
 
     def _assign(self, sequence: LiveSequence, slot: int) -> None:
         sequence.slot = slot
@@ -194,31 +211,37 @@ class SequenceTable:
             return
         del self._slotted[slot]
         sequence.slot = None
-        if self._backlog:
-            self._assign(self._backlog.popleft(), slot)
-        elif self.policy.slots:
+        if self.policy.slots:
             self._free.append(slot)
             self._free.sort(reverse=True)
+            self.fill_slots()
 
 
 def decide(
-    ready: list[LiveSequence], now_ns: int, free_instances: AbstractSet[int], policy: SequencePolicy
+    ready: list[LiveSequence],
+    now_ns: int,
+    free_instances: AbstractSet[int],
+    policy: SequencePolicy,
+    avoided: AbstractSet[int] = frozenset(),
 ) -> DispatchSequences | Wait:
     """What to do now with the ``ready`` sequences (``SequenceTable.ready``), given the
-    model instances not executing."""
+    model instances not executing and those that take no new sequence."""
     by_age = sorted(ready, key=lambda s: s.pending[0].arrival_ns)
-    # The instance of the oldest request that can run now (a new sequence: any).
+    welcoming = free_instances - avoided
+    # The instance of the oldest request that can run now (a new sequence: any free one
+    # not avoided).
     instance = next(
         (
-            min(free_instances) if s.instance is None else s.instance
+            min(welcoming) if s.instance is None else s.instance
             for s in by_age
-            if free_instances and (s.instance is None or s.instance in free_instances)
+            if (s.instance is None and welcoming) or s.instance in free_instances
         ),
         None,
     )
     if instance is None:
         return Wait(None)
-    candidates = [s for s in by_age if s.instance in (None, instance)]
+    joins = instance not in avoided  # may new sequences join this batch
+    candidates = [s for s in by_age if s.instance == instance or (s.instance is None and joins)]
     key = candidates[0].pending[0].batch_key
     batch = [s for s in candidates if s.pending[0].batch_key == key][: policy.max_batch_size]
     if len(batch) >= policy.max_batch_size or not policy.max_queue_delay_ns:

@@ -1,0 +1,43 @@
+"""A model's outputs for one request as the response the front end sends: the outputs
+the request asked for (all declared ones if none), each in its declared datatype."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._errors import InternalError
+from .._model import Model, Outputs, ResponseOutputs
+from .._tensor import datatype_of
+from .._types import InferenceRequest, InferenceResponse, OutputTensor
+from ..shm import is_device_array
+
+
+def response_of(
+    model: Model, version: str, request: InferenceRequest, outputs: Outputs
+) -> InferenceResponse:
+    """The response; InternalError when the outputs do not fit the model's config."""
+    declared = model.output_specs
+    wanted = request.outputs or None
+    names = [o.name for o in wanted] if wanted else list(declared)
+    parameters = {o.name: o.parameters for o in wanted} if wanted else {}
+    tensors = []
+    for name in names:
+        if name not in outputs:
+            raise InternalError(f"model '{model.name}' did not produce output '{name}'")
+        dt = declared[name].wire_datatype
+        produced = outputs[name]
+        # A GPU model's cupy array stays on the device: the front end copies it into a
+        # CUDA region directly, or to the host for the wire.
+        if type(produced) is np.ndarray or is_device_array(produced):
+            array = produced
+        else:
+            array = np.asarray(produced)
+        if not dt.is_bytes and array.dtype != dt.dtype:
+            array = array.astype(dt.dtype)
+        elif dt.is_bytes and datatype_of(array) is not dt:
+            raise InternalError(
+                f"model '{model.name}': output '{name}' is declared BYTES but is {array.dtype}"
+            )
+        tensors.append(OutputTensor(name, dt, array, parameters.get(name, {})))
+    extra = outputs.parameters if isinstance(outputs, ResponseOutputs) else {}
+    return InferenceResponse(model.name, version, tensors, id=request.id, parameters=extra)
