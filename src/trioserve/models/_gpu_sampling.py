@@ -161,10 +161,14 @@ class DeviceSampler:
 
     def sample(self, logits: Array, draws: Sequence[DeviceDraw]) -> SampledTokens:
         """Each draw's token from float32 ``logits`` (rows, vocab) on the device, after
-        the work already on the stream; waits for it."""
+        the work already on the sampler's stream; waits for it."""
         count = len(draws)
         if not count:
             return SampledTokens(np.zeros(0, np.int32))
+        with self.stream:
+            return self._sample(logits, draws, count)
+
+    def _sample(self, logits: Array, draws: Sequence[DeviceDraw], count: int) -> SampledTokens:
         params = self.xp.asarray(pack_draws(draws))
         asked = max(min(d.logprobs, MAX_TOP_LOGPROBS) for d in draws)
         out = self.xp.empty(count * (1 + DETAIL_WIDTH) if asked >= 0 else count, np.int32)
