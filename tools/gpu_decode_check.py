@@ -20,7 +20,8 @@ same-dtype reference). Prints one JSON object per line, each with a ``section``:
   float32 (and against transformers in float16 for the 1 B model), with the gap
   between the top two logits where they first differ;
 - ``sampling``: the device sampler against its numpy reference (``reference_draws``)
-  on a 32,000-token vocabulary (tokens agreeing, logprob error), and a chi-square of
+  on a 32,000-token vocabulary, penalties included (tokens agreeing, logprob error),
+  and a chi-square of
   20,000 device draws against the softmax; whether the load check passed;
 - ``timing``: decode step medians at batch 1/16/64, tokens or logits copied back, or
   drawn on the device at temperature 0.8 / top-p 0.9 (``sampled_ms``; the kernel alone
@@ -38,6 +39,7 @@ failure hides nothing else.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import time
@@ -406,6 +408,12 @@ def check_sampling(cp: Any, gpu: GpuForward) -> None:
     draws = [DeviceDraw(row=i % 64, temperature=t, top_k=k, top_p=p, min_p=m, seed=i, stream=0,
                         position=i, logprobs=(-1, 5)[i % 2])
              for i, (t, k, p, m) in enumerate(rules * 43)]  # fmt: skip
+    for i in range(3, len(draws), 7):  # penalties over a 500-token history
+        seen = rng.choice(vocab, min(500, vocab), replace=False).tolist()
+        draws[i] = dataclasses.replace(
+            draws[i], seen=seen, output_counts=rng.integers(0, 3, len(seen)).tolist(),
+            presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.2,
+        )  # fmt: skip
     with gpu.stream:
         got = gpu.sampler.sample(cp.asarray(logits), draws)
     wanted = reference_draws(logits, draws)

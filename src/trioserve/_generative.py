@@ -64,6 +64,13 @@ class DeviceDraw:
     position: int  # the drawn token's position in its sequence
     logprobs: int  # how many of the likeliest tokens' logprobs to return beside the chosen
     # token's; -1: no logprobs
+    # vLLM's penalties, over ``seen``: each distinct token id of the sequence (prompt and
+    # output), with ``output_counts`` the times each is in the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seen: Sequence[int] = ()
+    output_counts: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +187,8 @@ class GenerativeModel(Model):
     ) -> SampledTokens | Awaitable[SampledTokens]:
         """Process ``batch`` as ``step`` does, then draw each of ``draws``' tokens on the
         device: only tokens (and the logprobs asked for) come back. The engine calls it
-        when ``sampling_on_device`` is true and no sample of the step asks for a penalty
-        (those read the sequence's tokens, which the host holds). It runs as ``step``
-        does."""
+        when ``sampling_on_device`` is true and not every draw of the step is a plain
+        greedy one that ``step_greedy`` can serve. It runs as ``step`` does."""
         raise NotImplementedError(f"{type(self).__name__} must implement step_sample()")
 
     @property

@@ -83,26 +83,43 @@ def _token(row: Any, p: Any) -> int:
     return int(ids[np.argmax(scores)]) if ids.size else 0
 
 
-def sample_rows(grid: Any, logits: Any, vocab: Any, params: Any, out: Any, draws: Any) -> None:
+def _penalised(raw: Any, scratch: Any, p: Any, seen: Any) -> Any:
+    """The kernel's ``penalised``: the row copied to ``scratch``, then each seen token."""
+    floats = p.view(np.float32)
+    presence, frequency, repetition = floats[10], floats[11], floats[12]
+    scratch[...] = raw
+    for token, count in seen.reshape(-1, 2)[p[13] : p[13] + p[14]]:
+        v = scratch[token]
+        if repetition != 1:
+            v = v / repetition if v > 0 else v * repetition
+        cut = float(frequency) * int(count) + (float(presence) if count > 0 else 0.0)
+        scratch[token] = np.float32(float(v) - cut)
+    return scratch
+
+
+def sample_rows(grid: Any, logits: Any, vocab: Any, params: Any, seen: Any, scratch: Any,
+                out: Any, draws: Any) -> None:  # fmt: skip
     rows = np.asarray(logits, np.float32).reshape(-1, int(vocab))
     packed = np.asarray(params).reshape(-1, PARAM_WIDTH)
     for draw in range(grid[0]):
         p = packed[draw]
-        row = rows[p[0]]
+        raw = row = rows[p[0]]
+        if p[14] > 0:
+            row = _penalised(raw, scratch[draw * int(vocab) : (draw + 1) * int(vocab)], p, seen)
         token = out[draw] = _token(row, p)
         asked = int(p[6])
         if asked < 0:
             continue
-        norm = row.max() + np.log(np.exp(row - row.max()).sum(dtype=np.float32))
+        norm = raw.max() + np.log(np.exp(raw - raw.max()).sum(dtype=np.float32))
         detail = out[draws + draw * DETAIL_WIDTH : draws + (draw + 1) * DETAIL_WIDTH]
         values = detail.view(np.float32)
-        values[0] = row[token] - norm
+        values[0] = raw[token] - norm
         last_value, last_index = np.float32(np.inf), -1
-        ids = np.arange(row.size)
+        ids = np.arange(raw.size)
         for n in range(min(asked, MAX_TOP_LOGPROBS)):
-            after = (row < last_value) | ((row == last_value) & (ids > last_index))
+            after = (raw < last_value) | ((raw == last_value) & (ids > last_index))
             candidates = np.flatnonzero(after)
-            last_index = int(candidates[np.argmax(row[candidates])])
-            last_value = row[last_index]
+            last_index = int(candidates[np.argmax(raw[candidates])])
+            last_value = raw[last_index]
             detail[1 + n] = last_index
             values[1 + MAX_TOP_LOGPROBS + n] = last_value - norm

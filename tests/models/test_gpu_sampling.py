@@ -25,6 +25,8 @@ from trioserve.models._gpu_sampling import (
 from trioserve.models._tiny_lm import TinyLM
 from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
+from trioserve.scheduler._model_steps import device_draw
+from trioserve.scheduler._sampling import Draw, choose_tokens
 
 from . import fake_device
 from .test_gpu_forward import BLOCK, forwards, steps
@@ -143,6 +145,14 @@ def test_the_stand_in_kernel_matches_the_reference() -> None:
                 logprobs=int(rng.choice([-1, 0, 3, 20])),
             )
         )
+        if i % 3 == 0:  # penalties over a random history
+            seen = rng.choice(vocab, 40, replace=False)
+            draws[-1] = dataclasses.replace(
+                draws[-1], seen=seen.tolist(), output_counts=rng.integers(0, 4, 40).tolist(),
+                presence_penalty=float(rng.choice([0.0, 1.5])),
+                frequency_penalty=float(rng.choice([0.0, -0.7, 2.0])),
+                repetition_penalty=float(rng.choice([1.0, 0.6, 1.8])),
+            )  # fmt: skip
     sampler = stand_in()
     sampler.vocab = vocab
     got = sampler.sample(fake_device.asarray(logits), draws)
@@ -162,13 +172,36 @@ def test_the_stand_in_kernel_matches_the_reference() -> None:
     assert wanted.top_tokens[ties[0], :10].tolist() == list(range(50, 60))
 
 
+def test_penalties_are_the_host_samplers() -> None:
+    """Greedy draws with penalties take the token the host sampler takes."""
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((6, 80)).astype(np.float32)
+    for case in range(60):
+        params = SamplingParams(
+            temperature=0, presence_penalty=float(rng.uniform(-2, 2)),
+            frequency_penalty=float(rng.uniform(-2, 2)),
+            repetition_penalty=float(rng.choice([1.0, 0.5, 1.3, 3.0])),
+        )  # fmt: skip
+        history = rng.integers(0, 90, 30).tolist()  # ids past the vocabulary too
+        host = Draw(case % 6, params, np.random.default_rng([case, 0]), history, 10)
+        (expected,) = choose_tokens(logits, [host])
+        assert tokens(logits, [device_draw(host)]) == [expected], case
+
+
 def test_packed_parameters() -> None:
-    packed = pack_draws([draw(seed=2**64 - 3, top_k=2**40, temperature=0.5, position=9)])
+    penalised = draw(repetition_penalty=1.5, seen=[3, 70, 9], output_counts=[0, 4, 2])
+    packed, pairs = pack_draws(
+        [draw(seed=2**64 - 3, top_k=2**40, temperature=0.5, position=9), penalised], vocab=50
+    )
     assert packed.dtype == np.int32
     assert packed.view(np.uint32)[0, 2:4].tolist() == [2**32 - 3, 2**32 - 1]
     assert packed[0, 1] == 0  # top_k past int32: all tokens
     assert packed.view(np.float32)[0, 7] == 0.5
     assert packed[0, 5] == 9
+    assert packed[0, 14] == 0  # no penalty: nothing seen
+    assert packed.view(np.float32)[1, 12] == 1.5
+    at, count = packed[1, 13:15]
+    assert pairs[at : at + count].tolist() == [[3, 0], [9, 2]]  # 70 is past the vocabulary
 
 
 def test_the_load_check_passes_and_the_forward_draws_on_the_device() -> None:
@@ -188,7 +221,8 @@ def test_the_load_check_passes_and_the_forward_draws_on_the_device() -> None:
         assert fake_device.state.graph_launches - launched == decode  # the graph, then draws
 
 
-def _wrong_kernel(grid: Any, logits: Any, vocab: Any, params: Any, out: Any, draws: Any) -> None:
+def _wrong_kernel(grid: Any, *args: Any) -> None:
+    out = args[-2]
     out[: grid[0]] = 1  # token 1 whatever the logits
 
 
@@ -271,7 +305,11 @@ async def test_the_engine_draws_on_the_device(nursery, autojump_clock, monkeypat
     assert entry.top[0][0] == entry.token_id and entry.logprob == pytest.approx(entry.top[0][1])
     model.kinds.clear()
     await _text(runner, "hi", max_tokens=2, temperature=0.8, repetition_penalty=1.3)
-    assert model.kinds == ["logits"] * 2  # penalties: the host samples
+    assert model.kinds == ["draws"] * 2  # penalties too
+    model.gpu.sampling_failure = "a failed check"  # as a load check that failed leaves it
+    model.kinds.clear()
+    await _text(runner, "hi", max_tokens=2, temperature=0.8)
+    assert model.kinds == ["logits"] * 2  # the host samples
 
 
 def test_a_draw_needs_a_batch_row() -> None:

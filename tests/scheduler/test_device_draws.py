@@ -49,7 +49,7 @@ class DeviceDrawLM(CountingLM):
         )
 
 
-async def test_random_draws_go_to_the_device_and_penalties_stay(nursery, autojump_clock):
+async def test_random_draws_and_penalties_go_to_the_device(nursery, autojump_clock):
     model = DeviceDrawLM()
     runner = GenerativeRunner(model, "1")
     await nursery.start(runner.run)
@@ -62,8 +62,13 @@ async def test_random_draws_go_to_the_device_and_penalties_stay(nursery, autojum
     model.kinds.clear()
     assert await _generate(runner, "a", max_tokens=2, top_k=1, temperature=2.0) == "bc"
     assert model.draws[-1][0].temperature == 0.0  # greedy, told as temperature 0
-    assert await _generate(runner, "k", max_tokens=2, temperature=0, frequency_penalty=0.5) == "lm"
-    assert model.kinds == ["draws"] * 2 + ["logits"] * 2
+    assert await _generate(runner, "kk", max_tokens=2, temperature=0, frequency_penalty=0.5) == "lm"
+    assert model.kinds == ["draws"] * 4
+    (penalised,) = model.draws[-1]
+    assert penalised.frequency_penalty == 0.5 and penalised.temperature == 0.0
+    assert list(penalised.seen) == [ord("k"), ord("l")]  # distinct, prompt and output
+    assert list(penalised.output_counts) == [0, 1]
+    assert model.draws[0][0].seen == ()  # no penalty: no history sent
 
 
 async def test_a_seeded_request_keys_its_samples_streams(nursery, autojump_clock):
@@ -100,8 +105,12 @@ async def test_device_logprobs_reach_the_chunks(nursery, autojump_clock):
 
 
 class ShortDrawsLM(DeviceDrawLM):
+    """Answers a token too many for a batch holding a "!"."""
+
     async def step_sample(self, batch, draws):
-        await super().step_sample(batch, draws)
+        sampled = await super().step_sample(batch, draws)
+        if not any(ord("!") in b.token_ids for b in batch):
+            return sampled
         return SampledTokens(np.zeros(len(draws) + 1, np.int32))
 
 
@@ -109,6 +118,6 @@ async def test_draws_of_the_wrong_shape_fail_the_step(nursery, autojump_clock):
     runner = GenerativeRunner(ShortDrawsLM(), "1")
     await nursery.start(runner.run)
     with pytest.raises(InternalError, match=r"arrays of shapes \[\(2,\)\] for 1 draws"):
-        await _generate(runner, "a", max_tokens=2, temperature=1.0)
+        await _generate(runner, "!", max_tokens=2, temperature=1.0)
     assert _failures(runner)[0] == {"BACKEND": 1}
-    assert await _generate(runner, "k", max_tokens=2, temperature=0, repetition_penalty=1.2) == "lm"
+    assert await _generate(runner, "k", max_tokens=2, temperature=0) == "lm"

@@ -12,9 +12,10 @@ reference; this is the same arithmetic arranged for a GPU:
 - the logits widened to float32 and each sequence's greedy token by a device argmax, so
   a step whose samples are all greedy copies back only token ids
   (``step(batch, greedy=True)``); a step of random draws (temperature, top-k, top-p,
-  min-p, seeds, logprobs) draws them on the device too (``sample(batch, draws)``,
+  min-p, seeds, logprobs, penalties) draws them on the device too (``sample(batch, draws)``,
   ``_gpu_sampling.py``: tokens and the logprobs asked for come back), once the sampler
-  has matched its numpy reference at load; other steps copy back float32 logits;
+  has matched its numpy reference at load (else every such step copies back float32
+  logits);
 - with ``graphs=True``, a decode step (one token per sequence) runs as one CUDA graph
   launch: a graph is captured at load for each batch-size bucket (1, 2, 4, ...
   ``max_num_seqs``) over buffers of its own that live as long as the graph, the batch

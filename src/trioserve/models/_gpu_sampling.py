@@ -6,10 +6,10 @@ step's float32 logits, and copies back the tokens only, or with the logprobs' pa
 when a draw asked for them: never the logits.
 
 ``reference_draws`` is the kernel's arithmetic in numpy, rule for rule: the same
-scaling, filters and tie rules, the same Philox-4x32-10 numbers, the same float32
+penalties, scaling, filters and tie rules, the same Philox-4x32-10 numbers, the same float32
 operations where the kernel's result depends on them. It is what the device is held
 to: ``check_sampler`` runs a fixed set of draws (greedy, temperature, top-k, top-p,
-min-p, logprobs) over fixed logits on the device at load and compares; a model whose
+min-p, logprobs, penalties) over fixed logits on the device at load and compares; a model whose
 sampler disagrees samples on the host instead (``GpuForward.sampling_failure`` says
 why).
 
@@ -20,6 +20,7 @@ the device and repeatable tokens on the host, not the same ones.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -31,12 +32,17 @@ from .._generative import DeviceDraw, SampledTokens
 from ._sampling_kernel import (
     DETAIL_WIDTH,
     MAX_TOP_LOGPROBS,
+    PARAM_FREQUENCY,
     PARAM_LOGPROBS,
     PARAM_MIN_P,
     PARAM_POSITION,
+    PARAM_PRESENCE,
+    PARAM_REPETITION,
     PARAM_ROW,
     PARAM_SEED_HIGH,
     PARAM_SEED_LOW,
+    PARAM_SEEN,
+    PARAM_SEEN_AT,
     PARAM_STREAM,
     PARAM_TEMPERATURE,
     PARAM_TOP_K,
@@ -52,11 +58,15 @@ HostArray = np.ndarray[Any, Any]
 _WORD = 0xFFFFFFFF
 
 
-def pack_draws(draws: Sequence[DeviceDraw]) -> HostArray:
-    """The kernel's parameter rows (int32; the floats as their bits)."""
+def pack_draws(draws: Sequence[DeviceDraw], vocab: int) -> tuple[HostArray, HostArray]:
+    """The kernel's parameter rows (int32; the floats as their bits), and the (token id,
+    count in the output) pairs of the penalised draws' seen tokens, one run per draw
+    (ids past the vocabulary left out, as the host sampler does)."""
     packed = np.zeros((len(draws), PARAM_WIDTH), np.int32)
     floats = packed.view(np.float32)
     words = packed.view(np.uint32)
+    pairs: list[HostArray] = [np.zeros((1, 2), np.int32)]  # never empty: a buffer to pass
+    at = 1
     for i, d in enumerate(draws):
         packed[i, PARAM_ROW] = d.row
         # top_k past int32 keeps everything, as 0 does
@@ -69,7 +79,40 @@ def pack_draws(draws: Sequence[DeviceDraw]) -> HostArray:
         floats[i, PARAM_TEMPERATURE] = d.temperature
         floats[i, PARAM_TOP_P] = d.top_p
         floats[i, PARAM_MIN_P] = d.min_p
-    return packed
+        floats[i, PARAM_PRESENCE] = d.presence_penalty
+        floats[i, PARAM_FREQUENCY] = d.frequency_penalty
+        floats[i, PARAM_REPETITION] = d.repetition_penalty
+        if _penalised(d) and len(d.seen):
+            seen = np.column_stack([d.seen, d.output_counts]).astype(np.int64)
+            seen = seen[(seen[:, 0] >= 0) & (seen[:, 0] < vocab)].astype(np.int32)
+            packed[i, PARAM_SEEN_AT], packed[i, PARAM_SEEN] = at, len(seen)
+            pairs.append(seen)
+            at += len(seen)
+    return packed, np.concatenate(pairs)
+
+
+def _penalised(d: DeviceDraw) -> bool:
+    return bool(d.presence_penalty or d.frequency_penalty or d.repetition_penalty != 1)
+
+
+def penalised_row(row: HostArray, d: DeviceDraw) -> HostArray:
+    """``row`` (float32) with ``d``'s penalties, as the kernel's ``penalised`` applies
+    them (the penalties as float32, the subtraction in double)."""
+    if not _penalised(d) or not len(d.seen):
+        return row
+    row = row.copy()
+    ids, counts = np.asarray(d.seen, np.int64), np.asarray(d.output_counts, np.int64)
+    inside = (ids >= 0) & (ids < row.size)
+    ids, counts = ids[inside], counts[inside]
+    values = row[ids]
+    repetition = np.float32(d.repetition_penalty)
+    if repetition != 1:
+        values = np.where(values > 0, values / repetition, values * repetition)
+    presence, frequency = (np.float64(np.float32(v)) for v in (d.presence_penalty,
+                                                               d.frequency_penalty))  # fmt: skip
+    cut = frequency * counts + np.where(counts > 0, presence, 0.0)
+    row[ids] = (values.astype(np.float64) - cut).astype(np.float32)
+    return row
 
 
 def philox_first(counter: Sequence[Any], key: tuple[int, int]) -> HostArray:
@@ -98,7 +141,8 @@ def _ordered(values: HostArray) -> HostArray:
     return ordered
 
 
-def _reference_token(row: HostArray, d: DeviceDraw) -> int:
+def _reference_token(raw: HostArray, d: DeviceDraw) -> int:
+    row = penalised_row(raw, d)
     if d.temperature <= 0 or d.top_k == 1:
         return int(np.argmax(row))
     vocab = row.size
@@ -169,12 +213,15 @@ class DeviceSampler:
             return self._sample(logits, draws, count)
 
     def _sample(self, logits: Array, draws: Sequence[DeviceDraw], count: int) -> SampledTokens:
-        params = self.xp.asarray(pack_draws(draws))
+        packed, pairs = pack_draws(draws, self.vocab)
+        params, seen = self.xp.asarray(packed), self.xp.asarray(pairs)
+        # a row per draw for the penalised copies, when a draw has some
+        scratch = self.xp.empty(count * self.vocab if len(pairs) > 1 else 1, np.float32)
         asked = max(min(d.logprobs, MAX_TOP_LOGPROBS) for d in draws)
         out = self.xp.empty(count * (1 + DETAIL_WIDTH) if asked >= 0 else count, np.int32)
         self.launch(
             "sample_rows", (count,), SAMPLE_THREADS,
-            logits, np.int32(self.vocab), params, out, np.int32(count),
+            logits, np.int32(self.vocab), params, seen, scratch, out, np.int32(count),
         )  # fmt: skip
         host = out.get(stream=self.stream)
         self.stream.synchronize()
@@ -193,7 +240,7 @@ class DeviceSampler:
 
 def check_draws(vocab: int) -> tuple[HostArray, list[DeviceDraw]]:
     """The load check's fixed logits (8 rows) and draws: every rule, alone and mixed,
-    several seeds, positions and streams, logprobs."""
+    several seeds, positions and streams, logprobs, penalties."""
     rng = np.random.default_rng(20261126)
     logits = (rng.standard_normal((8, vocab)) * 3).astype(np.float32)
     settings = [
@@ -221,6 +268,14 @@ def check_draws(vocab: int) -> tuple[HostArray, list[DeviceDraw]]:
                 logprobs=(-1, 0, 5, MAX_TOP_LOGPROBS)[i % 4],
             )
         )
+    # Every fifth draw with penalties over 30 tokens, some of them in the output.
+    seen = rng.choice(vocab, min(30, vocab), replace=False).tolist()
+    counts = rng.integers(0, 3, len(seen)).tolist()
+    for i in range(4, len(draws), 5):
+        draws[i] = dataclasses.replace(
+            draws[i], seen=seen, output_counts=counts,
+            presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
+        )  # fmt: skip
     return logits, draws
 
 

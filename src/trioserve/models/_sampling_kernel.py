@@ -4,6 +4,12 @@ Appended to the forward's source (``_cuda_source.SOURCE``) and compiled with it.
 is one sequence's next token from one float32 logits row, under its own parameters,
 read from a packed int32 row (``PARAM_*`` below; the floats as their bits):
 
+0. penalties, when the draw has any (vLLM's, as the host sampler applies them): the row
+   is copied to the draw's row of ``scratch`` and each token seen in the prompt or the
+   output (``seen``: (token id, times in the output) pairs, distinct ids) is penalised
+   there: ``repetition_penalty`` divides a positive logit and multiplies a negative one,
+   then ``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracted (in
+   double, rounded to float); everything below draws from that copy;
 1. greedy (temperature 0, or ``top_k == 1``): the first of the row's maxima, as
    ``argmax_rows``;
 2. otherwise the row is scaled, ``s = logit / temperature`` (IEEE float division), and
@@ -22,6 +28,7 @@ read from a packed int32 row (``PARAM_*`` below; the floats as their bits):
    token's number depends only on (seed, stream, position, token), not on the batch.
 
 With ``logprobs >= 0`` it also writes the chosen token's log-softmax of the raw logits
+(before penalties, as the host reports them)
 and the ``logprobs`` most likely tokens' (ranked by logit, the lower id first on ties).
 
 ``out`` holds every draw's token first (``out[draw]``: what a step copies back when
@@ -37,7 +44,8 @@ MAX_TOP_LOGPROBS = 20  # as many as a request may ask (the parameter table's MAX
 # The packed parameter row of one draw.
 PARAM_ROW, PARAM_TOP_K, PARAM_SEED_LOW, PARAM_SEED_HIGH, PARAM_STREAM = 0, 1, 2, 3, 4
 PARAM_POSITION, PARAM_LOGPROBS, PARAM_TEMPERATURE, PARAM_TOP_P, PARAM_MIN_P = 5, 6, 7, 8, 9
-PARAM_WIDTH = 10
+PARAM_PRESENCE, PARAM_FREQUENCY, PARAM_REPETITION, PARAM_SEEN_AT, PARAM_SEEN = 10, 11, 12, 13, 14
+PARAM_WIDTH = 15
 DETAIL_WIDTH = 1 + 2 * MAX_TOP_LOGPROBS
 SAMPLE_THREADS = 512
 PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
@@ -45,7 +53,7 @@ PHILOX_KEY_STEPS = (0x9E3779B9, 0xBB67AE85)
 
 SAMPLING_SOURCE = r"""
 #define MAX_TOP_LOGPROBS 20
-#define PARAM_WIDTH 10
+#define PARAM_WIDTH 15
 #define DETAIL_WIDTH (1 + 2 * MAX_TOP_LOGPROBS)
 
 // Philox-4x32-10's first output word for counter (c0, c1, c2, c3) under key (k0, k1).
@@ -185,12 +193,36 @@ __device__ unsigned int top_p_boundary(
     return prefix;
 }
 
+// The draw's row with its penalties, in its row of scratch (see the module docstring).
+__device__ const float* penalised(
+    const float* raw, float* scratch, int vocab, const int* p, const int* seen)
+{
+    float presence = __int_as_float(p[10]), frequency = __int_as_float(p[11]);
+    float repetition = __int_as_float(p[12]);
+    float* row = scratch + (long long)blockIdx.x * vocab;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) row[i] = raw[i];
+    __syncthreads();
+    const int* pairs = seen + 2 * (long long)p[13];
+    for (int j = threadIdx.x; j < p[14]; j += blockDim.x) {
+        int token = pairs[2 * j], count = pairs[2 * j + 1];
+        float v = row[token];
+        if (repetition != 1.0f) v = v > 0.0f ? v / repetition : v * repetition;
+        double cut = (double)frequency * count + (count > 0 ? (double)presence : 0.0);
+        row[token] = (float)((double)v - cut);
+    }
+    __syncthreads();
+    return row;
+}
+
 extern "C" __global__ void sample_rows(
-    const float* logits, int vocab, const int* params, int* out, int draws)
+    const float* logits, int vocab, const int* params, const int* seen, float* scratch,
+    int* out, int draws)
 {
     __shared__ float total_shared;
     const int* p = params + (long long)blockIdx.x * PARAM_WIDTH;
-    const float* row = logits + (long long)p[0] * vocab;
+    const float* raw = logits + (long long)p[0] * vocab;
+    const float* row = raw;
+    if (p[14] > 0) row = penalised(raw, scratch, vocab, p, seen);
     int top_k = p[1], logprobs = p[6];
     float temperature = __int_as_float(p[7]), top_p = __int_as_float(p[8]);
     float min_p = __int_as_float(p[9]);
@@ -240,28 +272,28 @@ extern "C" __global__ void sample_rows(
     if (logprobs < 0) return;
     // Log-softmax of the raw logits: the chosen token's, then the most likely ones'.
     float peak = NEG_INF;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) peak = fmaxf(peak, row[i]);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) peak = fmaxf(peak, raw[i]);
     peak = block_max_of(peak);
     float total = 0.0f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) total += expf(row[i] - peak);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) total += expf(raw[i] - peak);
     total = block_sum(total);
     if (threadIdx.x == 0) total_shared = peak + logf(total);
     __syncthreads();
     float norm = total_shared;
     int* detail = out + draws + (long long)blockIdx.x * DETAIL_WIDTH;
-    if (threadIdx.x == 0) detail[0] = __float_as_int(row[token] - norm);
+    if (threadIdx.x == 0) detail[0] = __float_as_int(raw[token] - norm);
     float last_value = __int_as_float(0x7f800000);  // +inf: nothing listed yet
     int last_index = -1;
     for (int n = 0; n < logprobs && n < MAX_TOP_LOGPROBS; ++n) {
         float value = NEG_INF;
         int index = 0x7fffffff;
         for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-            float v = row[i];
+            float v = raw[i];
             bool after = v < last_value || (v == last_value && i > last_index);
             if (after && (v > value || (v == value && i < index))) { value = v; index = i; }
         }
         last_index = block_argmax(value, index);
-        last_value = row[last_index];
+        last_value = raw[last_index];
         if (threadIdx.x == 0) {
             detail[1 + n] = last_index;
             detail[1 + MAX_TOP_LOGPROBS + n] = __float_as_int(last_value - norm);

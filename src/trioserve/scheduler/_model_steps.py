@@ -1,8 +1,9 @@
 """A generative model's step as the engine calls it, and who chooses its tokens.
 
 Three kinds of step (``step_kind``): the model's own argmax (``step_greedy``: token ids
-come back), its device sampler (``step_sample``: each draw as a ``DeviceDraw``, tokens
-and the logprobs asked for come back), or logits for the engine's sampler
+come back), its device sampler (``step_sample``: each draw as a ``DeviceDraw``, with
+the sequence's distinct tokens when it asks for a penalty; tokens and the logprobs asked
+for come back), or logits for the engine's sampler
 (``_sampling.py``). ``call_step`` runs the one chosen (in a worker thread, or in trio
 for an ``async`` step) and checks what came back, so a model answering the wrong shape
 fails its step, not the engine.
@@ -32,16 +33,14 @@ StepResult = np.ndarray[Any, Any] | SampledTokens
 
 def step_kind(model: GenerativeModel, draws: Sequence[Draw]) -> StepKind:
     """The model's argmax when it can and every draw takes the plain argmax with no
-    logprobs; else its device sampler when it has one and no draw asks for a penalty
-    (penalties read the tokens the host holds); else the engine, from the logits."""
+    penalty and no logprobs; else its device sampler when it has one; else the engine,
+    from the logits."""
     if model.greedy_on_device and all(
         is_greedy(d.params) and not is_penalised(d.params) and d.params.logprobs is None
         for d in draws
     ):
         return "greedy"
-    if model.sampling_on_device and not any(is_penalised(d.params) for d in draws):
-        return "device"
-    return "host"
+    return "device" if model.sampling_on_device else "host"
 
 
 @trio.lowlevel.enable_ki_protection  # see _model_code: a Ctrl-C is not the model's
@@ -90,9 +89,16 @@ def _checked_draws(result: Any, draws: int, name: str) -> SampledTokens:
 
 
 def device_draw(draw: Draw) -> DeviceDraw:
-    """``draw`` as a device draws it: greedy as temperature 0, its stream's key."""
+    """``draw`` as a device draws it: greedy as temperature 0, its stream's key, and
+    for penalties the sequence's distinct tokens with their counts in the output."""
     params = draw.params
     seed, stream = _stream_key(draw.rng)
+    seen: Sequence[int] = ()
+    output_counts: Sequence[int] = ()
+    if is_penalised(params):
+        ids, where = np.unique(np.asarray(draw.token_ids, np.int64), return_inverse=True)
+        seen = ids.tolist()
+        output_counts = np.bincount(where[draw.prompt_len :], minlength=ids.size).tolist()
     return DeviceDraw(
         row=draw.row,
         temperature=0.0 if is_greedy(params) else params.temperature,
@@ -103,6 +109,11 @@ def device_draw(draw: Draw) -> DeviceDraw:
         stream=stream,
         position=len(draw.token_ids),
         logprobs=-1 if params.logprobs is None else params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        seen=seen,
+        output_counts=output_counts,
     )
 
 
