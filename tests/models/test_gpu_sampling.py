@@ -189,7 +189,7 @@ def test_penalties_are_the_host_samplers() -> None:
 
 
 def test_packed_parameters() -> None:
-    penalised = draw(repetition_penalty=1.5, seen=[3, 70, 9], output_counts=[0, 4, 2])
+    penalised = draw(repetition_penalty=1.5, seen=[3, 70, 9, 3], output_counts=[0, 4, 2, 5])
     packed, pairs = pack_draws(
         [draw(seed=2**64 - 3, top_k=2**40, temperature=0.5, position=9), penalised], vocab=50
     )
@@ -201,7 +201,8 @@ def test_packed_parameters() -> None:
     assert packed[0, 14] == 0  # no penalty: nothing seen
     assert packed.view(np.float32)[1, 12] == 1.5
     at, count = packed[1, 13:15]
-    assert pairs[at : at + count].tolist() == [[3, 0], [9, 2]]  # 70 is past the vocabulary
+    # 70 is past the vocabulary; 3 is penalised once
+    assert pairs[at : at + count].tolist() == [[3, 0], [9, 2]]
 
 
 def test_the_load_check_passes_and_the_forward_draws_on_the_device() -> None:

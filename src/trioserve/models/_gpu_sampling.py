@@ -82,28 +82,35 @@ def pack_draws(draws: Sequence[DeviceDraw], vocab: int) -> tuple[HostArray, Host
         floats[i, PARAM_PRESENCE] = d.presence_penalty
         floats[i, PARAM_FREQUENCY] = d.frequency_penalty
         floats[i, PARAM_REPETITION] = d.repetition_penalty
-        if _penalised(d) and len(d.seen):
-            seen = np.column_stack([d.seen, d.output_counts]).astype(np.int64)
-            seen = seen[(seen[:, 0] >= 0) & (seen[:, 0] < vocab)].astype(np.int32)
+        seen = _seen_pairs(d, vocab)
+        if len(seen):
             packed[i, PARAM_SEEN_AT], packed[i, PARAM_SEEN] = at, len(seen)
             pairs.append(seen)
             at += len(seen)
     return packed, np.concatenate(pairs)
 
 
-def _penalised(d: DeviceDraw) -> bool:
-    return bool(d.presence_penalty or d.frequency_penalty or d.repetition_penalty != 1)
+def _seen_pairs(d: DeviceDraw, vocab: int) -> HostArray:
+    """(token id, count in the output) of each token ``d`` penalises (int32; none when
+    it has no penalty): ids in the vocabulary, each once (the kernel updates each in
+    its own thread), the first count given for it."""
+    if not (d.presence_penalty or d.frequency_penalty or d.repetition_penalty != 1):
+        return np.zeros((0, 2), np.int32)
+    seen = np.column_stack([d.seen, d.output_counts]).astype(np.int64).reshape(-1, 2)
+    seen = seen[(seen[:, 0] >= 0) & (seen[:, 0] < vocab)]
+    first = np.unique(seen[:, 0], return_index=True)[1]
+    pairs: HostArray = seen[np.sort(first)].astype(np.int32)
+    return pairs
 
 
 def penalised_row(row: HostArray, d: DeviceDraw) -> HostArray:
     """``row`` (float32) with ``d``'s penalties, as the kernel's ``penalised`` applies
     them (the penalties as float32, the subtraction in double)."""
-    if not _penalised(d) or not len(d.seen):
+    seen = _seen_pairs(d, row.size)
+    if not len(seen):
         return row
     row = row.copy()
-    ids, counts = np.asarray(d.seen, np.int64), np.asarray(d.output_counts, np.int64)
-    inside = (ids >= 0) & (ids < row.size)
-    ids, counts = ids[inside], counts[inside]
+    ids, counts = seen[:, 0], seen[:, 1].astype(np.int64)
     values = row[ids]
     repetition = np.float32(d.repetition_penalty)
     if repetition != 1:
@@ -208,6 +215,7 @@ class DeviceSampler:
         the work already on the sampler's stream; waits for it."""
         count = len(draws)
         if not count:
+            self.stream.synchronize()  # the step's forward, as with draws
             return SampledTokens(np.zeros(0, np.int32))
         with self.stream:
             return self._sample(logits, draws, count)
