@@ -318,3 +318,43 @@ def test_a_draw_needs_a_batch_row() -> None:
     batch = [StepSequence([1, 2], 0, [0])]
     got = gpu.sample(batch, [])
     assert got.tokens.tolist() == []
+
+
+def _cuda_devices() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+def test_on_a_device_the_kernel_draws_what_the_reference_draws() -> None:
+    """The CUDA kernel itself: its forward's load check passed, its tokens and logprobs
+    on a 32,000-token vocabulary are the reference's, its draws follow the softmax."""
+    import cupy
+
+    gpu, _ = forwards("gqa", xp=cupy)
+    assert gpu.sampling_failure is None
+    rng = np.random.default_rng(12)
+    vocab = 32_000
+    logits = (rng.standard_normal((16, vocab)) * 3).astype(np.float32)
+    draws = [
+        draw(row=i % 16, temperature=[0.0, 0.8, 1.0, 1.3][i % 4], top_k=[0, 50][i % 2],
+             top_p=[1.0, 0.9, 0.95][i % 3], min_p=0.05 if i % 5 == 0 else 0.0,
+             seed=i * 7919, stream=i % 2, position=i, logprobs=[-1, 3][i % 2])
+        for i in range(200)
+    ]  # fmt: skip
+    sampler = DeviceSampler(cupy, gpu.kernels, gpu.stream, vocab)
+    got = sampler.sample(cupy.asarray(logits), draws)
+    wanted = reference_draws(logits, draws)
+    assert (np.asarray(got.tokens) != wanted.tokens).sum() <= 1  # a near tie may go either way
+    asked = [i for i, d in enumerate(draws) if d.logprobs >= 0]
+    assert got.logprobs is not None and wanted.logprobs is not None
+    np.testing.assert_allclose(got.logprobs[asked], wanted.logprobs[asked], atol=1e-3)
+    sampler.vocab = LOGITS.shape[1]
+    many = [draw(temperature=0.8, seed=5, position=p) for p in range(20_000)]
+    observed = np.bincount(sampler.sample(cupy.asarray(LOGITS), many).tokens, minlength=10)
+    assert _chi_square(observed, _softmax(LOGITS[0].astype(np.float64) / 0.8)) < 27.88
