@@ -61,8 +61,15 @@ def test_philox_gives_the_published_answers() -> None:
 def test_greedy_settings_take_the_argmax() -> None:
     wide = np.random.default_rng(1).standard_normal((3, 500)).astype(np.float32)
     argmax = wide.argmax(axis=1).tolist()
-    for settings in [{"temperature": 0.0}, {"top_k": 1, "temperature": 1.5},
-                     {"top_p": 1e-6}, {"min_p": 1.0}, {"temperature": 1e-30}]:  # fmt: skip
+    settings_list = [
+        {"temperature": 0.0},
+        {"top_k": 1, "temperature": 1.5},
+        {"top_p": 1e-6},
+        {"min_p": 1.0},
+        {"temperature": 1e-30},
+        {"temperature": 1e-50},  # 0 as float32, the kernel's greedy
+    ]
+    for settings in settings_list:
         for seed in range(5):
             draws = [draw(row=r, seed=seed, position=seed, **settings) for r in range(3)]
             assert tokens(wide, draws) == argmax, settings

@@ -150,7 +150,7 @@ def _ordered(values: HostArray) -> HostArray:
 
 def _reference_token(raw: HostArray, d: DeviceDraw) -> int:
     row = penalised_row(raw, d)
-    if d.temperature <= 0 or d.top_k == 1:
+    if np.float32(d.temperature) <= 0 or d.top_k == 1:  # as the kernel reads it
         return int(np.argmax(row))
     vocab = row.size
     scaled = row / np.float32(d.temperature)  # float32, as the kernel divides
@@ -298,7 +298,9 @@ def check_sampler(
     got = sample(xp.asarray(logits), draws)
     wanted = reference_draws(logits, draws)
     differ = np.flatnonzero(np.asarray(got.tokens) != wanted.tokens)
-    greedy = [int(i) for i in differ if draws[i].temperature <= 0 or draws[i].top_k == 1]
+    greedy = [
+        int(i) for i in differ if np.float32(draws[i].temperature) <= 0 or draws[i].top_k == 1
+    ]
     if greedy or len(differ) > 1:
         return f"tokens {np.asarray(got.tokens).tolist()}, expected {wanted.tokens.tolist()}"
     asked = [i for i, d in enumerate(draws) if d.logprobs >= 0 and i not in differ]
