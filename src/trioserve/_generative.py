@@ -69,8 +69,8 @@ class DeviceDraw:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    seen: Sequence[int] = ()
-    output_counts: Sequence[int] = ()
+    seen: Sequence[int] | Logits = ()  # a sequence or a numpy array of integers
+    output_counts: Sequence[int] | Logits = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -96,7 +96,8 @@ def _seen_pairs(d: DeviceDraw, vocab: int) -> HostArray:
     its own thread), the first count given for it."""
     if not (d.presence_penalty or d.frequency_penalty or d.repetition_penalty != 1):
         return np.zeros((0, 2), np.int32)
-    seen = np.column_stack([d.seen, d.output_counts]).astype(np.int64).reshape(-1, 2)
+    ids, counts = np.asarray(d.seen, np.int64), np.asarray(d.output_counts, np.int64)
+    seen = np.column_stack([ids, counts]).reshape(-1, 2)
     seen = seen[(seen[:, 0] >= 0) & (seen[:, 0] < vocab)]
     first = np.unique(seen[:, 0], return_index=True)[1]
     pairs: HostArray = seen[np.sort(first)].astype(np.int32)

@@ -93,12 +93,11 @@ def device_draw(draw: Draw) -> DeviceDraw:
     for penalties the sequence's distinct tokens with their counts in the output."""
     params = draw.params
     seed, stream = _stream_key(draw.rng)
-    seen: Sequence[int] = ()
-    output_counts: Sequence[int] = ()
+    seen: np.ndarray[Any, Any] | tuple[()] = ()
+    output_counts: np.ndarray[Any, Any] | tuple[()] = ()
     if is_penalised(params):
-        ids, where = np.unique(np.asarray(draw.token_ids, np.int64), return_inverse=True)
-        seen = ids.tolist()
-        output_counts = np.bincount(where[draw.prompt_len :], minlength=ids.size).tolist()
+        seen, where = np.unique(np.asarray(draw.token_ids, np.int64), return_inverse=True)
+        output_counts = np.bincount(where[draw.prompt_len :], minlength=seen.size)
     return DeviceDraw(
         row=draw.row,
         temperature=0.0 if is_greedy(params) else params.temperature,
