@@ -26,6 +26,7 @@ def test_public_api_is_what_we_mean():
         [
             "AlreadyExistsError",
             "CancelledError",
+            "DeviceDraw",
             "DynamicBatching",
             "ErrorKind",
             "FunctionModel",
@@ -46,6 +47,7 @@ def test_public_api_is_what_we_mean():
             "OutputTensor",
             "RequestedOutput",
             "Restriction",
+            "SampledTokens",
             "SequenceBatching",
             "SequenceControl",
             "SequenceState",

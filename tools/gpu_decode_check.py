@@ -19,10 +19,16 @@ same-dtype reference). Prints one JSON object per line, each with a ``section``:
 - ``greedy``: greedy tokens of a few prompts for ``--steps`` steps, GPU against numpy
   float32 (and against transformers in float16 for the 1 B model), with the gap
   between the top two logits where they first differ;
-- ``timing``: decode step medians at batch 1/16/64, tokens or logits copied back;
-  prefill of 64 x 128 tokens; tiny_lm on the GPU and the CPU;
-- ``engine``: the 1 B model served by the engine in-process: 1 and 64 concurrent greedy
-  streams, tokens/s and TTFT;
+- ``sampling``: the device sampler against its numpy reference (``reference_draws``)
+  on a 32,000-token vocabulary, penalties included (tokens agreeing, logprob error),
+  and a chi-square of
+  20,000 device draws against the softmax; whether the load check passed;
+- ``timing``: decode step medians at batch 1/16/64, tokens or logits copied back, or
+  drawn on the device at temperature 0.8 / top-p 0.9 (``sampled_ms``; the kernel alone
+  ``sampler_only_ms``); prefill of 64 x 128 tokens; tiny_lm on the GPU and the CPU;
+- ``engine``: the 1 B model served by the engine in-process: 1 and 64 concurrent
+  streams, greedy, then temperature 0.8 / top-p 0.9 drawn on the device and on the
+  host, tokens/s and TTFT;
 - then, in a child process, the same with decode CUDA graphs (``graphs``): what was
   captured, the replay against numpy and the eager forward, timings, the engine.
 
@@ -33,6 +39,7 @@ failure hides nothing else.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import subprocess
 import sys
 import time
@@ -60,8 +67,9 @@ from gpu_check_common import (  # first: it makes trioserve's model modules impo
     random_tensors,
     tables,
 )
-from trioserve._generative import GenerativeModel, StepSequence
-from trioserve.models._gpu_forward import GpuForward
+from trioserve._generative import DeviceDraw, GenerativeModel, StepSequence
+from trioserve.models._gpu_forward import GpuForward, ServedOnDevice
+from trioserve.models._gpu_sampling import reference_draws
 from trioserve.models._llama import LlamaConfig, LlamaForward, _rotate
 from trioserve.models._paged_attention import PagedAttention, StepLayout
 from trioserve.models._tiny_lm import TinyLM
@@ -205,14 +213,20 @@ def check_forwards(cp: Any, graphs: bool = False) -> None:
         emit("forward", model="tiny_lm", step=label, max_abs_error=float(np.abs(ref - got).max()))
 
 
-class RandomLlama(GenerativeModel):  # type: ignore[misc]
-    """The random 1 B model for the engine: tokens are byte values, its forward given."""
+class RandomLlama(ServedOnDevice, GenerativeModel):  # type: ignore[misc]
+    """The random 1 B model for the engine: tokens are byte values, its forward given;
+    ``device_draws`` False: random draws on the host (a comparison)."""
 
     def __init__(self, forward: GpuForward, max_num_seqs: int, num_blocks: int) -> None:
         super().__init__("random_llama", eos_token_id=0, max_model_len=2048,
                          num_kv_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_num_seqs,
                          device="gpu")  # fmt: skip
-        self.gpu = forward
+        self.gpu: GpuForward | None = forward
+        self.device_draws = True
+
+    @property
+    def sampling_on_device(self) -> bool:
+        return self.device_draws and super().sampling_on_device
 
     def load(self) -> None:
         pass  # loaded already
@@ -223,15 +237,9 @@ class RandomLlama(GenerativeModel):  # type: ignore[misc]
     def decode(self, token_ids: Sequence[int]) -> str:
         return "".join(chr(97 + t % 26) for t in token_ids)
 
-    @property
-    def greedy_on_device(self) -> bool:
-        return True
-
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray:
+        assert self.gpu is not None
         return self.gpu.step(batch)
-
-    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray:
-        return self.gpu.step(batch, greedy=True)
 
 
 def load_1b(cp: Any, graphs: bool) -> tuple[LlamaConfig, Any, GpuForward, int]:
@@ -250,7 +258,7 @@ def load_1b(cp: Any, graphs: bool) -> tuple[LlamaConfig, Any, GpuForward, int]:
                     max_model_len=2048, max_num_seqs=SEQUENCES, graphs=graphs)  # fmt: skip
     emit("setup", model="llama-1b fp16", load_seconds=round(time.perf_counter() - started, 1),
          graphs_asked=graphs, graphs=gpu.graphed, graph_failures=gpu.graph_failures,
-         direct_cublas=gpu.gemm.direct)  # fmt: skip
+         direct_cublas=gpu.gemm.direct, sampling_failure=gpu.sampling_failure)  # fmt: skip
     return config, tensors, gpu, num_blocks
 
 
@@ -274,6 +282,8 @@ def check_1b(cp: Any, steps: int, engine_seconds: float) -> None:
         with guarded("greedy", model="llama-1b", against="transformers fp16"):
             emit("greedy", model="llama-1b fp16", against="transformers fp16",
                  **agreement(on_gpu, transformers_greedy(tensors, prompts, steps), margins))  # fmt: skip
+    with guarded("sampling", model="llama-1b fp16"):
+        check_sampling(cp, gpu)
     with guarded("timing", model="llama-1b fp16"):
         time_model(gpu, config.vocab_size, "llama-1b fp16")
     with guarded("engine", model="llama-1b fp16"):
@@ -366,13 +376,68 @@ def time_model(gpu: GpuForward, vocab: int, label: str,
         for b, batch in batches.items():
             greedy_ms = median_ms(lambda: gpu.step(batch, greedy=True), sync)  # noqa: B023
             logits_ms = median_ms(lambda: gpu.step(batch), sync)  # noqa: B023
-            fields: dict[str, Any] = {}
+            draws = sampled_draws(b)
+            logits32 = gpu._bucket(b)[0].logits32
+            fields: dict[str, Any] = {
+                "sampled_ms": median_ms(partial(gpu.sample, batch, draws), sync),
+                "sampler_only_ms": median_ms(partial(gpu.sampler.sample, logits32, draws), sync),
+            }
             graph = gpu.graph(b)
             if use and graph is not None:
                 fields["graph_only_ms"] = median_ms(lambda: graph.launch(gpu.stream), sync)  # noqa: B023
             emit("timing", model=label, what="decode step", batch=b, graphs=use,
                  tokens_back_ms=greedy_ms, logits_back_ms=logits_ms, **fields)  # fmt: skip
     gpu.use_graphs = True
+
+
+def sampled_draws(count: int, temperature: float = 0.8, top_p: float = 0.9) -> list[DeviceDraw]:
+    """One random draw per sequence, as a served request at these settings asks."""
+    return [DeviceDraw(row=i, temperature=temperature, top_k=0, top_p=top_p, min_p=0.0, seed=i,
+                       stream=0, position=CONTEXT, logprobs=-1) for i in range(count)]  # fmt: skip
+
+
+def check_sampling(cp: Any, gpu: GpuForward) -> None:
+    """The device sampler (``gpu``'s) against its numpy reference on a 32,000-token
+    vocabulary, and its draws' histogram against the softmax."""
+    emit("sampling", load_check="passed" if gpu.samples_on_device else gpu.sampling_failure)
+    rng = np.random.default_rng(11)
+    vocab = gpu.shape.vocab
+    logits = (rng.standard_normal((64, vocab)) * 3).astype(np.float32)
+    rules = [(0.0, 0, 1.0, 0.0), (0.8, 0, 0.9, 0.0), (1.0, 50, 1.0, 0.0), (0.7, 0, 1.0, 0.05),
+             (1.2, 40, 0.95, 0.02), (1.0, 0, 1.0, 0.0)]  # fmt: skip
+    draws = [DeviceDraw(row=i % 64, temperature=t, top_k=k, top_p=p, min_p=m, seed=i, stream=0,
+                        position=i, logprobs=(-1, 5)[i % 2])
+             for i, (t, k, p, m) in enumerate(rules * 43)]  # fmt: skip
+    for i in range(3, len(draws), 7):  # penalties over a 500-token history
+        seen = rng.choice(vocab, min(500, vocab), replace=False).tolist()
+        draws[i] = dataclasses.replace(
+            draws[i], seen=seen, output_counts=rng.integers(0, 3, len(seen)).tolist(),
+            presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.2,
+        )  # fmt: skip
+    with gpu.stream:
+        got = gpu.sampler.sample(cp.asarray(logits), draws)
+    wanted = reference_draws(logits, draws)
+    asked = [i for i, d in enumerate(draws) if d.logprobs >= 0]
+    assert got.logprobs is not None
+    assert wanted.logprobs is not None
+    emit("sampling", vocab=vocab, draws=len(draws),
+         tokens_agreeing=int((np.asarray(got.tokens) == wanted.tokens).sum()),
+         logprob_max_abs_error=float(np.abs(got.logprobs[asked] - wanted.logprobs[asked]).max()))  # fmt: skip
+    small = np.array([[1.0, 2.5, 0.3, 2.4, -1.0, 0.9, 1.7, -0.2, 2.0, 0.0]], np.float32)
+    count = 20_000
+    many = [DeviceDraw(row=0, temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=5, stream=0,
+                       position=p, logprobs=-1) for p in range(count)]  # fmt: skip
+    gpu.sampler.vocab = small.shape[1]
+    try:
+        with gpu.stream:
+            drawn = gpu.sampler.sample(cp.asarray(small), many).tokens
+    finally:
+        gpu.sampler.vocab = vocab
+    observed = np.bincount(np.asarray(drawn), minlength=small.shape[1])
+    e = np.exp(small[0].astype(np.float64) / 0.8 - (small[0] / 0.8).max())
+    expected = count * e / e.sum()
+    emit("sampling", what="chi-square of 20,000 draws, 9 degrees of freedom (0.999: 27.88)",
+         chi_square=round(float(((observed - expected) ** 2 / expected).sum()), 2))  # fmt: skip
 
 
 def check_tiny(cp: Any) -> None:
@@ -414,10 +479,18 @@ def run_engine(model: GenerativeModel, seconds: float) -> None:
     sys.modules["trioserve.models"].TinyLM = TinyLM  # type: ignore[attr-defined]
     from llm_engine_bench import load_run
 
-    for concurrency in (1, 64):
-        result = trio.run(load_run, concurrency, seconds, 64, model)
-        emit("engine", model=model.name, streams=concurrency,
-             **{k: round(v, 1) for k, v in result.items()})  # fmt: skip
+    runs = [("greedy", 0.0, True), ("T0.8 top-p 0.9, device draws", 0.8, True),
+            ("T0.8 top-p 0.9, host draws", 0.8, False)]  # fmt: skip
+    for sampling, temperature, device_draws in runs:
+        if isinstance(model, RandomLlama):
+            model.device_draws = device_draws
+        elif not device_draws:
+            continue
+        for concurrency in (1, 64):
+            top_p = 0.9 if temperature else 1.0
+            result = trio.run(load_run, concurrency, seconds, 64, model, temperature, top_p)
+            emit("engine", model=model.name, streams=concurrency, sampling=sampling,
+                 **{k: round(v, 1) for k, v in result.items()})  # fmt: skip
 
 
 def main() -> None:

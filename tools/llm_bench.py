@@ -68,7 +68,12 @@ class Api:
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, object]:
-    return {"max_tokens": args.max_tokens, "ignore_eos": True, "temperature": args.temperature}
+    return {
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+    }
 
 
 APIS = {
@@ -295,6 +300,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt length in characters")
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--server-cpus", default="0", help="cores for a server this tool starts")
     parser.add_argument("--client-cpus", default="1", help="cores for this load generator")
     parser.add_argument("--http-server", default="stdlib", choices=("stdlib", "hypercorn"))

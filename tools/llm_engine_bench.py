@@ -133,9 +133,15 @@ async def one_run(
 
 
 async def load_run(
-    concurrency: int, duration: float, max_tokens: int, model: GenerativeModel | None = None
+    concurrency: int,
+    duration: float,
+    max_tokens: int,
+    model: GenerativeModel | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
 ) -> dict[str, float]:
-    """Streaming clients on ``model`` (tiny_lm by default), which the runner loads."""
+    """Streaming clients on ``model`` (tiny_lm by default), which the runner loads;
+    greedy unless ``temperature`` says otherwise."""
     model = model or TinyLM()
     runner = GenerativeRunner(model, "1", LLMMetricFamilies([model]).telemetry(model, "1"))
     ttft: list[float] = []
@@ -143,7 +149,9 @@ async def load_run(
     generated = 0
     async with trio.open_nursery() as nursery:
         await nursery.start(runner.run)
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=True
+        )
         warmup = GenerationRequest("warmup", "warm up", sampling, trio.current_time())
         async with runner.generate(warmup) as chunks:
             async for _ in chunks:

@@ -15,7 +15,7 @@ from ._errors import (
     UnavailableError,
     UnsupportedError,
 )
-from ._generative import GenerativeModel, StepSequence
+from ._generative import DeviceDraw, GenerativeModel, SampledTokens, StepSequence
 from ._limits import GrpcLimits, HttpLimits
 from ._log_settings import LogConfig
 from ._metrics_config import MetricsConfig
@@ -37,6 +37,7 @@ from .tracing import TraceConfig
 __all__ = [
     "AlreadyExistsError",
     "CancelledError",
+    "DeviceDraw",
     "DynamicBatching",
     "ErrorKind",
     "FunctionModel",
@@ -57,6 +58,7 @@ __all__ = [
     "OutputTensor",
     "RequestedOutput",
     "Restriction",
+    "SampledTokens",
     "SequenceBatching",
     "SequenceControl",
     "SequenceState",

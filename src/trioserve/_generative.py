@@ -47,6 +47,43 @@ class StepSequence:
     block_table: Sequence[int]
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceDraw:
+    """One next token a model chooses on its device (``step_sample``): which logits row
+    it comes from and how it is drawn. A temperature of 0 (or ``top_k == 1``) is greedy;
+    a random draw takes its numbers from the stream ``(seed, stream)`` at ``position``,
+    so the same draw gives the same token whatever the rest of the batch."""
+
+    row: int  # the batch entry whose logits it is drawn from (several draws may share one)
+    temperature: float
+    top_k: int  # 0: every token
+    top_p: float
+    min_p: float
+    seed: int  # 0 .. 2**64 - 1
+    stream: int  # which of the seed's streams: the sample's index in its request
+    position: int  # the drawn token's position in its sequence
+    logprobs: int  # how many of the likeliest tokens' logprobs to return beside the chosen
+    # token's; -1: no logprobs
+    # vLLM's penalties, over ``seen``: each distinct token id of the sequence (prompt and
+    # output), with ``output_counts`` the times each is in the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seen: Sequence[int] | Logits = ()  # a sequence or a numpy array of integers
+    output_counts: Sequence[int] | Logits = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """What ``step_sample`` returns: a token per draw and, for the draws that asked,
+    log-softmax values of the raw logits (rows of the other draws are not read)."""
+
+    tokens: Logits  # (draws,) integers
+    logprobs: Logits | None = None  # (draws,) the chosen tokens'; None when nobody asked
+    top_tokens: Logits | None = None  # (draws, n): the likeliest tokens, most likely first
+    top_logprobs: Logits | None = None  # (draws, n): theirs
+
+
 class GenerativeModel(Model):
     """A text-generation model served by the continuous-batching engine.
 
@@ -139,6 +176,20 @@ class GenerativeModel(Model):
         with no penalty and no logprobs: a model on a GPU then copies back token ids, not
         a vocabulary of logits per sequence. It runs as ``step`` does."""
         raise NotImplementedError(f"{type(self).__name__} must implement step_greedy()")
+
+    @property
+    def sampling_on_device(self) -> bool:
+        """Whether ``step_sample`` serves (a model on a GPU says so once loaded)."""
+        return False
+
+    def step_sample(
+        self, batch: Sequence[StepSequence], draws: Sequence[DeviceDraw]
+    ) -> SampledTokens | Awaitable[SampledTokens]:
+        """Process ``batch`` as ``step`` does, then draw each of ``draws``' tokens on the
+        device: only tokens (and the logprobs asked for) come back. The engine calls it
+        when ``sampling_on_device`` is true and not every draw of the step is a plain
+        greedy one that ``step_greedy`` can serve. It runs as ``step`` does."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step_sample()")
 
     @property
     def steps_async(self) -> bool:

@@ -1,7 +1,7 @@
 """A stand-in for cupy on the host, for the GPU forward's tests on machines with no GPU.
 
 Arrays are numpy arrays with cupy's ``set``/``get``; each kernel of
-``_cuda_source.py`` is its numpy arithmetic, taking the same arguments in the same
+``_cuda_source.py`` is its numpy arithmetic (the sampler's in ``fake_sampling.py``), taking the same arguments in the same
 order as the CUDA function; a stream captures what is launched on it while capturing
 and a graph replays it, so a forward that reads anything but its captured buffers goes
 wrong here as it would on a device. Allocation under ``using_allocator`` goes through
@@ -17,6 +17,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+
+from .fake_sampling import sample_rows
 
 float16, float32, int32 = np.float16, np.float32, np.int32
 
@@ -259,6 +261,7 @@ _KERNELS = {
     "paged_attention": _paged_attention,
     "widen_logits": _widen_logits,
     "argmax_rows": _argmax_rows,
+    "sample_rows": sample_rows,  # the device sampler (fake_sampling.py)
 }
 
 

@@ -251,11 +251,12 @@ def test_tiny_lm_takes_the_gpu_forward(monkeypatch) -> None:
     cpu.load()
     gpu.load()
     assert gpu.gpu is not None and gpu.greedy_on_device and not cpu.greedy_on_device
+    assert gpu.sampling_on_device and not cpu.sampling_on_device
     for batch in steps():
         expected = cpu.step(batch)
         np.testing.assert_allclose(gpu.step(batch), expected, rtol=1e-4, atol=1e-4)
     gpu.unload()
-    assert gpu.gpu is None and not gpu.greedy_on_device
+    assert gpu.gpu is None and not gpu.greedy_on_device and not gpu.sampling_on_device
 
 
 def test_decode_buckets() -> None:

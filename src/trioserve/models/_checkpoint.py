@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .._generative import GenerativeModel, StepSequence
-from ._gpu_forward import GpuForward
+from ._gpu_forward import GpuForward, ServedOnDevice
 from ._llama import CheckpointError, LlamaConfig, LlamaForward, LlamaWeights, gpu_parts
 from ._tiny_lm import Array, array_module
 
@@ -35,7 +35,7 @@ _DEFAULT_MAX_MODEL_LEN = 4096  # unless asked: a CPU has no use for 128k-token c
 _DEFAULT_KV_CACHE_BYTES = 512 << 20
 
 
-class CheckpointLM(GenerativeModel):
+class CheckpointLM(ServedOnDevice, GenerativeModel):
     """A Llama-family checkpoint folder; see the module docstring."""
 
     def __init__(
@@ -138,19 +138,11 @@ class CheckpointLM(GenerativeModel):
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    @property
-    def greedy_on_device(self) -> bool:
-        return self.gpu is not None
-
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
         if self.gpu is not None:
             return self.gpu.step(batch)
         assert self.forward is not None, "step before load"
         return self.forward(batch, self.k_cache, self.v_cache)
-
-    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
-        assert self.gpu is not None, "greedy steps on the device only"
-        return self.gpu.step(batch, greedy=True)
 
 
 def load_checkpoint_model(path: str | Path, name: str, **settings: Any) -> CheckpointLM:

@@ -25,10 +25,14 @@ Kernels, all ``extern "C"``:
 - ``widen_logits``: the logits as float32 (what the engine samples from), plus a bias
   per vocabulary entry (tiny_lm's), in place where they are float32 already;
 - ``argmax_rows``: greedy token of each float32 logits row (the first of equal maxima,
-  as numpy's argmax).
+  as numpy's argmax);
+- ``sample_rows``: the device sampler (its source and rules in ``_sampling_kernel.py``,
+  appended here so that one module holds every kernel).
 """
 
 from __future__ import annotations
+
+from ._sampling_kernel import SAMPLING_SOURCE
 
 KERNEL_NAMES = (
     "embed",
@@ -38,12 +42,13 @@ KERNEL_NAMES = (
     "paged_attention",
     "widen_logits",
     "argmax_rows",
+    "sample_rows",
 )
 
 ATTENTION_WARPS = 4
 MAX_HEAD_DIM = 256  # each lane keeps head_dim / 32 accumulators in registers
 
-SOURCE = r"""
+FORWARD_SOURCE = r"""
 #ifdef TS_HALF
 typedef unsigned short scalar_t;
 __device__ __forceinline__ float to_f(scalar_t v) {
@@ -307,3 +312,4 @@ extern "C" __global__ void argmax_rows(const float* logits, int* tokens, int voc
     }
 }
 """
+SOURCE = FORWARD_SOURCE + SAMPLING_SOURCE

@@ -11,7 +11,11 @@ reference; this is the same arithmetic arranged for a GPU:
   two matmuls around one activation kernel (``_cuda_source.py`` has the kernels);
 - the logits widened to float32 and each sequence's greedy token by a device argmax, so
   a step whose samples are all greedy copies back only token ids
-  (``step(batch, greedy=True)``), any other step its float32 logits;
+  (``step(batch, greedy=True)``); a step of random draws (temperature, top-k, top-p,
+  min-p, seeds, logprobs, penalties) draws them on the device too (``sample(batch, draws)``,
+  ``_gpu_sampling.py``: tokens and the logprobs asked for come back), once the sampler
+  has matched its numpy reference at load (else every such step copies back float32
+  logits);
 - with ``graphs=True``, a decode step (one token per sequence) runs as one CUDA graph
   launch: a graph is captured at load for each batch-size bucket (1, 2, 4, ...
   ``max_num_seqs``) over buffers of its own that live as long as the graph, the batch
@@ -39,10 +43,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._generative import GenerativeModel, StepSequence
+from .._generative import DeviceDraw, GenerativeModel, SampledTokens, StepSequence
 from ._cublas import Gemm
 from ._cuda_source import ATTENTION_WARPS, KERNEL_NAMES, MAX_HEAD_DIM, SOURCE
 from ._gpu_inputs import bucket_for, decode_buckets, is_decode, pack_step, packed_size, part
+from ._gpu_sampling import DeviceSampler, check_sampler
 
 logger = logging.getLogger("trioserve.models")
 
@@ -136,6 +141,31 @@ class _Workspace:
         return found if self.last is None else [*found, self.last]
 
 
+class ServedOnDevice:
+    """A generative model's device steps, for a model whose ``gpu`` is its forward
+    once loaded on a GPU (None on the CPU): greedy tokens and device draws serve then."""
+
+    gpu: GpuForward | None
+
+    @property
+    def greedy_on_device(self) -> bool:
+        return self.gpu is not None
+
+    @property
+    def sampling_on_device(self) -> bool:
+        return self.gpu is not None and self.gpu.samples_on_device
+
+    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
+        assert self.gpu is not None, "greedy steps on the device only"
+        return self.gpu.step(batch, greedy=True)
+
+    def step_sample(
+        self, batch: Sequence[StepSequence], draws: Sequence[DeviceDraw]
+    ) -> SampledTokens:
+        assert self.gpu is not None, "device draws on the device only"
+        return self.gpu.sample(batch, draws)
+
+
 def _refuse_allocation(size: int) -> Any:
     raise RuntimeError(f"an operation allocated {size} bytes during graph capture")
 
@@ -191,6 +221,8 @@ class GpuForward:
             if graphs:
                 for bucket in self.buckets:
                     self._capture(bucket)
+            self.sampler = DeviceSampler(cupy, self.kernels, self.stream, shape.vocab)
+            self.sampling_failure = self._check_sampler()
         self.stream.synchronize()
 
     @classmethod
@@ -223,23 +255,8 @@ class GpuForward:
         """Logits (entries, vocab) as float32 on the host, or with ``greedy`` only each
         entry's argmax token (entries,). The logits array is reused two steps later."""
         entries = len(batch)
-        bucket = bucket_for(entries, self.buckets) if is_decode(batch) else None
         with self.stream:
-            if bucket is not None:  # padded to its bucket, over the bucket's buffers
-                workspace, graph = self._bucket(bucket)
-                packed = pack_step(batch, self.block_size, pad_to=bucket, width=workspace.width)
-                workspace.ints.set(packed.ints, stream=self.stream)
-                if graph is not None and self.use_graphs:
-                    graph.launch(self.stream)
-                else:
-                    self._launch(workspace)
-            else:
-                packed = pack_step(batch, self.block_size)
-                workspace = _Workspace(
-                    self.xp, self.shape, self.dtype, packed.rows, packed.entries, packed.width
-                )
-                workspace.ints.set(packed.ints, stream=self.stream)
-                self._launch(workspace)
+            workspace = self._forward(batch)
             if greedy:
                 tokens: np.ndarray[Any, Any] = workspace.tokens[:entries].get(stream=self.stream)
                 self.stream.synchronize()
@@ -248,6 +265,49 @@ class GpuForward:
             workspace.logits32[:entries].get(stream=self.stream, out=host)
             self.stream.synchronize()
             return host
+
+    def sample(self, batch: Sequence[StepSequence], draws: Sequence[DeviceDraw]) -> SampledTokens:
+        """The step's forward, then each draw's token chosen on the device
+        (``_gpu_sampling``): only tokens and the logprobs asked for are copied back."""
+        with self.stream:
+            return self.sampler.sample(self._forward(batch).logits32, draws)
+
+    @property
+    def samples_on_device(self) -> bool:
+        """Whether the device sampler passed its check at load (``sampling_failure``)."""
+        return self.sampling_failure is None
+
+    def _forward(self, batch: Sequence[StepSequence]) -> _Workspace:
+        """Launch the step's forward on the current stream (the forward's); its
+        workspace holds the logits once the stream gets there."""
+        bucket = bucket_for(len(batch), self.buckets) if is_decode(batch) else None
+        if bucket is not None:  # padded to its bucket, over the bucket's buffers
+            workspace, graph = self._bucket(bucket)
+            packed = pack_step(batch, self.block_size, pad_to=bucket, width=workspace.width)
+            workspace.ints.set(packed.ints, stream=self.stream)
+            if graph is not None and self.use_graphs:
+                graph.launch(self.stream)
+            else:
+                self._launch(workspace)
+            return workspace
+        packed = pack_step(batch, self.block_size)
+        workspace = _Workspace(
+            self.xp, self.shape, self.dtype, packed.rows, packed.entries, packed.width
+        )
+        workspace.ints.set(packed.ints, stream=self.stream)
+        self._launch(workspace)
+        return workspace
+
+    def _check_sampler(self) -> str | None:
+        """Why the device sampler cannot serve (it disagrees with its numpy reference
+        on fixed draws, or fails), or None: a wrong kernel serves no token."""
+        try:
+            failure = check_sampler(self.sampler.sample, self.xp, self.shape.vocab)
+        except Exception as exc:
+            failure = repr(exc)
+        if failure is not None:
+            logger.warning("device sampler not used, tokens are drawn on the host: %s", failure)
+        return failure
 
     def _host_logits(self, entries: int) -> np.ndarray[Any, Any]:
         """A pinned host buffer for a step's logits: two of each size, used in turn, so

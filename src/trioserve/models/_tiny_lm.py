@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .._generative import GenerativeModel, StepSequence
-from ._gpu_forward import GpuForward, GpuLayer, GpuShape, GpuWeights
+from ._gpu_forward import GpuForward, GpuLayer, GpuShape, GpuWeights, ServedOnDevice
 from ._paged_attention import PagedAttention, StepLayout
 
 Array = Any  # numpy or cupy ndarray
@@ -56,7 +56,7 @@ class TinyLMShape:
         return self.d_model // self.n_heads
 
 
-class TinyLM(GenerativeModel):
+class TinyLM(ServedOnDevice, GenerativeModel):
     vocab_size = VOCAB
 
     def __init__(
@@ -165,10 +165,6 @@ class TinyLM(GenerativeModel):
         self.weights = {}
         self.k_cache = self.v_cache = self.gpu = None
 
-    @property
-    def greedy_on_device(self) -> bool:
-        return self.gpu is not None
-
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
@@ -178,10 +174,6 @@ class TinyLM(GenerativeModel):
         except ValueError:  # EOS among them
             data = bytes(t for t in token_ids if t < EOS)
         return data.decode(errors="replace")
-
-    def step_greedy(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
-        assert self.gpu is not None, "greedy steps on the device only"
-        return self.gpu.step(batch, greedy=True)
 
     def step(self, batch: Sequence[StepSequence]) -> np.ndarray[Any, Any]:
         if self.gpu is not None:

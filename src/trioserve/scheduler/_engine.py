@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -37,9 +37,9 @@ from .._errors import (
     InvalidArgumentError,
     UnavailableError,
 )
-from .._generative import GenerativeModel, StepSequence
+from .._generative import GenerativeModel, SampledTokens, StepSequence
 from .._load_facts import KVCacheState
-from .._model_code import failure_message, model_failure, raise_failure
+from .._model_code import failure_message, model_failure
 from .._stats import FailureReason
 from ..tracing import GenerationRecord, Trace
 from ._generation import FinishReason, GenerationChunk, GenerationRequest, TokenLogprob
@@ -48,14 +48,8 @@ from ._llm_output import SampleOutput
 from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, StepPlan
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
 from ._model_calls import call_tokenizer
-from ._sampling import (
-    Draw,
-    choose_tokens,
-    draws_logprobs,
-    is_greedy,
-    is_penalised,
-    sample_generator,
-)
+from ._model_steps import StepResult, call_step, device_draw, device_logprobs, step_kind
+from ._sampling import Draw, choose_tokens, draws_logprobs, sample_generator
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -90,6 +84,18 @@ class _Sample:
 
 # A sample to fork off a sequence whose prompt is done: (logits row, parent, index, rng).
 _Fork = tuple[int, Sequence, int, np.random.Generator]
+
+
+@dataclass(slots=True)
+class _Due:
+    """The samples that get a token from a step, known before it runs: the sequences
+    whose tokens it finishes processing (``heads``, with their logits rows) and the
+    samples to fork off those whose prompt it finishes; ``draws`` are the heads' then
+    the forks'."""
+
+    heads: list[tuple[int, _Sample]] = field(default_factory=list)
+    forks: list[_Fork] = field(default_factory=list)
+    draws: list[Draw] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -267,7 +273,14 @@ class LLMEngine:
             await trio.lowlevel.checkpoint()
             return
         try:
-            logits = await self._step(batch, self._greedy_on_device(plan))
+            due = self._due(plan)
+            kind = step_kind(self.model, due.draws)
+            device = [device_draw(d) for d in due.draws] if kind == "device" else []
+        except Exception as exc:  # a fault of the engine's: the step's requests fail, alone
+            self._fault(plan, "prepare a step", exc)
+            return
+        try:
+            result = await call_step(self.model, batch, kind, device)
         except Exception as exc:
             self._fail_step(plan, exc)
             return
@@ -276,13 +289,38 @@ class LLMEngine:
         tally = _StepTally()
         prefilling = sum(1 for seq, _ in plan.chunks if seq.num_computed < seq.prompt_len)
         try:
-            self._apply(plan, logits, now, tally)
+            self._apply(plan, result, due, now, tally)
         except Exception as exc:  # a fault of the engine's: the step's requests fail, alone
-            logger.exception("model %r: applying a step failed", self.model.name)
-            error = InternalError(f"model '{self.model.name}' failed to apply a step: {exc}")
-            for record in {seq.owner for seq, _ in plan.chunks}:
-                self._drop(record, error, FailureReason.OTHER)
+            self._fault(plan, "apply a step", exc)
         self._send_stats(now, tally, plan, prefilling)
+
+    def _fault(self, plan: StepPlan, doing: str, exc: Exception) -> None:
+        logger.exception("model %r: could not %s", self.model.name, doing)
+        error = InternalError(f"model '{self.model.name}' failed to {doing}: {exc}")
+        for record in {seq.owner for seq, _ in plan.chunks}:
+            self._drop(record, error, FailureReason.OTHER)
+
+    def _due(self, plan: StepPlan) -> _Due:
+        """Who gets a token from the step of ``plan``: the sequences whose tokens it
+        finishes processing, and the samples to fork off those whose prompt it finishes
+        (their generators made now)."""
+        due = _Due()
+        for row, (seq, count) in enumerate(plan.chunks):
+            if seq.num_computed + count < len(seq.token_ids):
+                continue  # a prompt chunk: more of it to process first
+            record: EngineRequest = seq.owner
+            due.heads.append((row, record.samples[seq.index]))
+            params = record.request.sampling
+            for index in range(params.n - seq.pending_forks, params.n):
+                due.forks.append((row, seq, index, sample_generator(params, index, self._rng)))
+        due.draws = [
+            Draw(row, s.seq.owner.request.sampling, s.rng, s.seq.token_ids, s.seq.prompt_len)
+            for row, s in due.heads
+        ] + [
+            Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
+            for row, parent, _, rng in due.forks
+        ]
+        return due
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
         """The model failed: its batch's requests fail, the engine goes on."""
@@ -311,68 +349,22 @@ class LLMEngine:
         self._requests.discard(record)
         self._logprob_requests -= record.request.sampling.logprobs is not None
 
-    def _greedy_on_device(self, plan: StepPlan) -> bool:
-        """Whether the model picks this step's tokens itself (``step_greedy``): it can,
-        and every sample of the step takes the plain argmax and asks no logprobs."""
-        if not self.model.greedy_on_device:
-            return False
-        for seq, _ in plan.chunks:
-            params = seq.owner.request.sampling
-            if not is_greedy(params) or is_penalised(params) or params.logprobs is not None:
-                return False
-        return True
-
-    @trio.lowlevel.enable_ki_protection  # see _model_code: a Ctrl-C is not the model's
-    async def _step(self, batch: list[StepSequence], greedy: bool) -> np.ndarray[Any, Any]:
-        """The step's logits (batch, vocab), or with ``greedy`` its tokens (batch,)."""
-        step = self.model.step_greedy if greedy else self.model.step
-        try:
-            if self.model.steps_async:
-                logits = await step(batch)  # type: ignore[misc]
-            else:
-                logits = await trio.to_thread.run_sync(step, batch)
-        except BaseException as exc:
-            raise_failure(exc, self.model.name, "in step")
-        logits = np.asarray(logits)
-        if logits.ndim != 1 + (not greedy) or logits.shape[0] != len(batch):
-            what = "tokens" if greedy else "logits"
-            raise RuntimeError(
-                f"model '{self.model.name}' step returned {what} of shape {logits.shape} "
-                f"for a batch of {len(batch)}"
-            )
-        return logits
-
     @trio.lowlevel.enable_ki_protection  # it decodes with the model's tokenizer
     def _apply(
-        self, plan: StepPlan, logits: np.ndarray[Any, Any], now: float, tally: _StepTally
+        self, plan: StepPlan, result: StepResult, due: _Due, now: float, tally: _StepTally
     ) -> None:
         # Sequences whose tokens are all processed now get their next token; the other
-        # samples of a request fork off its first once its prompt is done.
-        heads: list[tuple[int, _Sample]] = []  # (logits row, sample)
-        forks: list[_Fork] = []
-        for row, (seq, count) in enumerate(plan.chunks):
-            record: EngineRequest = seq.owner
-            if record.finished:
-                continue  # aborted while the step ran
-            self.policy.computed(seq, count)
-            if seq.num_computed < len(seq.token_ids):
-                continue  # a prompt chunk: more of it to process first
-            heads.append((row, record.samples[seq.index]))
-            params = record.request.sampling
-            for index in range(params.n - seq.pending_forks, params.n):
-                forks.append((row, seq, index, sample_generator(params, index, self._rng)))
-        draws = [
-            Draw(row, s.seq.owner.request.sampling, s.rng, s.seq.token_ids, s.seq.prompt_len)
-            for row, s in heads
-        ] + [
-            Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
-            for row, parent, _, rng in forks
-        ]
-        tokens, logprobs = self._choose(logits, draws, heads, forks)
+        # samples of a request fork off its first once its prompt is done. Requests
+        # aborted while the step ran are passed over.
+        for seq, count in plan.chunks:
+            if not seq.owner.finished:
+                self.policy.computed(seq, count)
+        heads, forks = due.heads, due.forks
+        tokens, logprobs = self._choose(result, due.draws, heads, forks)
         accepted = []
         for (_, s), token, logprob in zip(heads, tokens, logprobs, strict=False):
-            if token is None:
-                continue  # its request failed in sampling
+            if token is None or s.seq.owner.finished:
+                continue  # its request failed in sampling, or was aborted
             s.seq.token_ids.append(token)
             accepted.append((s, token, logprob))
         # Fork before accepting: a first sample that finishes frees the prompt's blocks.
@@ -403,7 +395,7 @@ class LLMEngine:
 
     def _choose(
         self,
-        logits: np.ndarray[Any, Any],
+        logits: StepResult,
         draws: list[Draw],
         heads: list[tuple[int, _Sample]],
         forks: list[_Fork],
@@ -415,6 +407,8 @@ class LLMEngine:
         try:
             return self._choose_all(logits, draws)
         except Exception:
+            if isinstance(logits, SampledTokens):
+                raise  # tokens drawn together are not drawn again one by one
             logger.exception("model %r: sampling a step failed; sampling alone", self.model.name)
         owners = [s.seq.owner for _, s in heads] + [parent.owner for _, parent, _, _ in forks]
         tokens: list[int | None] = []
@@ -431,8 +425,10 @@ class LLMEngine:
         return tokens, logprobs
 
     def _choose_all(
-        self, logits: np.ndarray[Any, Any], draws: list[Draw]
+        self, logits: StepResult, draws: list[Draw]
     ) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        if isinstance(logits, SampledTokens):  # drawn on the model's device (step_sample)
+            return [*map(int, logits.tokens)], device_logprobs(logits, draws)
         if logits.ndim == 1:  # the model chose greedy tokens on its device (step_greedy)
             return [int(logits[d.row]) for d in draws], [None] * len(draws)
         tokens = choose_tokens(logits, draws)
