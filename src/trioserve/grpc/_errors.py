@@ -42,6 +42,11 @@ class GrpcStatus(enum.IntEnum):
     UNAUTHENTICATED = 16
 
 
+# Every call ends with it: a plain name, since Python 3.11 answers ``GrpcStatus.OK``
+# through the enum metaclass's ``__getattr__`` (hundreds of instructions).
+STATUS_OK = GrpcStatus.OK
+
+
 GRPC_STATUS: dict[ErrorKind, GrpcStatus] = {
     ErrorKind.NOT_FOUND: GrpcStatus.NOT_FOUND,
     ErrorKind.INVALID_ARG: GrpcStatus.INVALID_ARGUMENT,

@@ -16,7 +16,7 @@ import trio
 from google.protobuf.message import Message
 
 from ._call import Reply, UnaryMethod
-from ._errors import ClientGone, GrpcError, GrpcStatus, parse_message, status_of
+from ._errors import STATUS_OK, ClientGone, GrpcError, GrpcStatus, parse_message, status_of
 from ._h2_frames import Part
 from ._h2_outbox import Outbox
 from ._h2_state import H2State
@@ -111,7 +111,7 @@ async def run_call(host: CallHost, stream: GrpcStream) -> None:
     if stream.reset:
         return
     method = stream.method
-    status, message = GrpcStatus.OK, ""
+    status, message = STATUS_OK, ""
     try:
         if isinstance(method, UnaryMethod) and stream.deadline is None:
             await _answer_unary(host, stream, method)

@@ -35,7 +35,7 @@ from ._errors import GrpcStatus
 from ._grpc_call import GrpcStream, run_call
 from ._h2_guard import CoreStatistics, IdleRoster
 from ._h2_outbox import Outbox
-from ._h2_state import H2State, Signal
+from ._h2_state import BUSY, ENDED, IDLE, REPAID, WINDOW_OPENED, H2State, Signal
 from ._h2_stream import H2Stream
 from ._h2_transport import Transport
 
@@ -189,18 +189,18 @@ class H2Connection:
             if type(event) is not Signal:  # a stream: its call is ready to run
                 assert self._calls is not None
                 self._calls.start_soon(run_call, self, cast(GrpcStream, event))
-            elif event is Signal.WINDOW_OPENED:
+            elif event is WINDOW_OPENED:
                 if self._window_waiters:
                     self._window.set()
                     self._window = trio.Event()
-            elif event is Signal.REPAID:
+            elif event is REPAID:
                 self._room.set()
                 self._room = trio.Event()
-            elif event is Signal.IDLE:
+            elif event is IDLE:
                 self._roster.idle(self)
-            elif event is Signal.BUSY:
+            elif event is BUSY:
                 self._roster.busy(self)
-            elif event is Signal.ENDED:
+            elif event is ENDED:
                 self._reader.cancel()
 
     # --- what calls ask of it (``_grpc_call.CallHost``) ----------------------------------

@@ -31,9 +31,11 @@ from __future__ import annotations
 from . import _h2_frames as h2
 from ._h2_guard import count, header_fragment
 from ._h2_stream import H2Stream
-from ._h2_streams import Event, H2Streams, Signal, logger
+from ._h2_streams import BUSY, ENDED, IDLE, REPAID, WINDOW_OPENED, Event, H2Streams, Signal, logger
 
-__all__ = ["Event", "H2State", "Signal"]
+__all__ = [
+    "BUSY", "ENDED", "IDLE", "REPAID", "WINDOW_OPENED", "Event", "H2State", "Signal",
+]  # fmt: skip
 
 YIELD_FRAMES = 1024
 # Parts the outbox may hold before the reader waits, whatever their bytes: each is an
@@ -317,12 +319,12 @@ class H2State(H2Streams):
                 raise h2.GoawayError(h2.PROTOCOL_ERROR, "SETTINGS on a stream")
             if not flags & h2.ACK:
                 if self.sender.on_settings(payload, self.streams.values()):
-                    self.events.append(Signal.WINDOW_OPENED)
+                    self.events.append(WINDOW_OPENED)
             elif payload:
                 raise h2.GoawayError(h2.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
         elif kind == h2.WINDOW_UPDATE:
             self.sender.on_window_update(stream_id, payload, self.streams, self.last_stream_id)
-            self.events.append(Signal.WINDOW_OPENED)
+            self.events.append(WINDOW_OPENED)
         elif kind == h2.PING:
             if stream_id:
                 raise h2.GoawayError(h2.PROTOCOL_ERROR, "PING on a stream")

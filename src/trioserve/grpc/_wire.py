@@ -13,7 +13,7 @@ import struct
 import zlib
 from collections.abc import Iterable, Mapping
 
-from ._errors import GrpcError, GrpcStatus
+from ._errors import STATUS_OK, GrpcError, GrpcStatus
 from ._hpack import encode_headers
 
 MESSAGE_PREFIX = struct.Struct(">BL")  # compressed flag, length
@@ -132,7 +132,7 @@ def trailers(
     status: GrpcStatus, message: str, metadata: Mapping[str, bytes] | None, *, only: bool
 ) -> bytes:
     """The trailing header block; ``only``: a trailers-only response (no headers before)."""
-    if status == GrpcStatus.OK and not metadata and not only:
+    if status == STATUS_OK and not metadata and not only:
         return OK_TRAILERS
     fields: list[tuple[bytes, bytes]] = []
     if only:
