@@ -175,7 +175,7 @@ class _Pending:
         try:
             if self.greeting is not None:
                 self.greeting.greet(sock)
-                asked = self._read(waiting)  # before it is watched: later bytes wake us
+                asked = self._read(waiting, first=True)  # later bytes wake the watch
         except OSError:  # gone already
             sock.close()
             return
@@ -205,17 +205,21 @@ class _Pending:
         if asked:
             self.order.asked(fd)
 
-    def _read(self, waiting: _Waiting) -> bool:
-        """Read what the client sent; whether it asks something. ``OSError`` if it left."""
+    def _read(self, waiting: _Waiting, first: bool = False) -> bool:
+        """Read what the client sent; whether it asks something. ``OSError`` if it left.
+        ``first``: the socket is not watched yet (its watch will report what is left)."""
         assert self.greeting is not None
         while len(waiting.received) < _READ_MOST:
+            wanted = _READ_MOST - len(waiting.received)
             try:
-                data = waiting.sock.recv(_READ_MOST - len(waiting.received))
+                data = waiting.sock.recv(wanted)
             except BlockingIOError:
                 break
             if not data:
                 raise ConnectionResetError("the client left")
             waiting.received += data
+            if first and len(data) < wanted:  # the socket is empty (see epoll(7)), and
+                break  # what comes before it is watched wakes the watch: no failing recv
         return len(waiting.received) >= _READ_MOST or self.greeting.asks(waiting.received)
 
     def can_make_room(self) -> bool:
