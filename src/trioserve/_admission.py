@@ -7,8 +7,8 @@ queue drops new clients' SYNs (a second before the client tries again). So, for 
 listener, ``accept_forever``:
 
 * asks for a listen queue as deep as the kernel allows (``_sockets.bind_tcp``) and
-  empties it ``_ACCEPTS_PER_TURN`` a turn (an accept and its greeting cost some 30 µs,
-  so a turn stays a few ms long: a started connection needs a few turns to answer its
+  empties it ``_ACCEPTS_PER_TURN`` a turn (an accept and its greeting cost some 15 µs,
+  so a turn stays about a ms long: a started connection needs a few turns to answer its
   client, each one of them as long as the acceptor's), into a queue of its own of at
   most ``max_pending`` sockets;
 * greets each socket as it takes it, where the core has a ``Greeting`` (HTTP/2 sends its
@@ -50,7 +50,7 @@ read of the client before it started (only with a ``Greeting``; else b"")."""
 # Out of descriptors or memory: accepting again at once would spin, so wait a little.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _BACKOFF_S = 0.1
-_ACCEPTS_PER_TURN = 64  # clients taken from the listen queue in one turn (a few ms)
+_ACCEPTS_PER_TURN = 64  # clients taken from the listen queue in one turn (about a ms)
 _STARTS_PER_TURN = 16  # connections started in one turn
 _READ_MOST = 64 * 1024  # of a pending client's bytes: past this, it has surely asked
 # A pending socket wakes the acceptor when more arrives or its client hangs up, once.
