@@ -25,7 +25,13 @@ import trio
 import trio.testing
 
 from trioserve import Server, ServerConfig, _admission
-from trioserve._admission import _STARTS_PER_TURN, Departures, StartOrder, accept_forever
+from trioserve._admission import (
+    _ACCEPTS_PER_TURN,
+    _STARTS_PER_TURN,
+    Departures,
+    StartOrder,
+    accept_forever,
+)
 from trioserve.testing import server_in_thread
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -45,6 +51,11 @@ def test_those_that_asked_start_first_in_turn_then_the_quiet_newest_first() -> N
     assert order.oldest_quiet() == 0
     assert list(order.take(5)) == [2]
     assert order.oldest_quiet() is None and len(order) == 0
+    for key in range(4):
+        order.arrived(key)
+    order.asked(2)
+    assert list(order.take(3, quiet_too=False)) == [2]  # the quiet ones stay
+    assert list(order.take(3)) == [3, 1, 0]
 
 
 class Turns:
@@ -124,6 +135,7 @@ async def test_a_client_that_asked_starts_ahead_of_the_crowd(
     await run_until(turns, listener, 41)
     ports = [port(sock) for sock in crowd]
     assert _STARTS_PER_TURN == 16
+    assert _ACCEPTS_PER_TURN > 41  # all taken the first turn
     assert (
         turns.batches()
         == [
@@ -133,6 +145,33 @@ async def test_a_client_that_asked_starts_ahead_of_the_crowd(
         ]
     )
     assert [received for _, _, received in turns.started] == [b""] * 41  # nothing read
+
+
+async def test_while_more_wait_to_be_accepted_only_clients_that_asked_start(
+    autojump_clock: trio.testing.MockClock,
+    listener: socket.socket,
+    clients: ExitStack,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20 clients wait, 8 are accepted a turn, and the 1st and 11th sent a byte: while
+    a turn took all it may (more wait in the listen queue), only a client that asked
+    starts (each is seen asking the turn after it was taken); once the queue is empty,
+    the quiet ones start too, 16 a turn."""
+    monkeypatch.setattr(_admission, "_ACCEPTS_PER_TURN", 8)
+    crowd = connect(listener, clients, 20)
+    crowd[0].send(b"G")
+    crowd[10].send(b"G")
+    turns = Turns(monkeypatch)
+    await run_until(turns, listener, 20)
+    ports = [port(sock) for sock in crowd]
+    assert (
+        [(turn, p) for turn, p, _ in turns.started]
+        == [
+            (1, ports[0]),  # clients 8-15 taken: more may wait
+            *[(2, p) for p in [ports[10], *ports[19:10:-1], *ports[9:3:-1]]],  # 16-19 taken
+            *[(3, p) for p in ports[3:0:-1]],
+        ]
+    )
 
 
 class Greeter:

@@ -7,15 +7,19 @@ queue drops new clients' SYNs (a second before the client tries again). So, for 
 listener, ``accept_forever``:
 
 * asks for a listen queue as deep as the kernel allows (``_sockets.bind_tcp``) and
-  empties it quickly, ``_ACCEPTS_PER_TURN`` a turn (an accept costs a few µs), into a
-  queue of its own of at most ``max_pending`` sockets;
+  empties it ``_ACCEPTS_PER_TURN`` a turn (an accept and its greeting cost some 15 µs,
+  so a turn stays about a ms long: a started connection needs a few turns to answer its
+  client, each one of them as long as the acceptor's), into a queue of its own of at
+  most ``max_pending`` sockets;
 * greets each socket as it takes it, where the core has a ``Greeting`` (HTTP/2 sends its
   SETTINGS at once, which a gRPC client waits for before it sends a call), reads what
   the client has sent, and watches the socket in an epoll set of its own
   (edge-triggered, so a socket wakes the acceptor only when more arrives);
 * starts at most ``_STARTS_PER_TURN`` connections a turn, then lets every other task
   run: first those whose client asked something (a request, a call; any byte at all
-  without a greeting), in the order they asked, then the quiet ones, newest first.
+  without a greeting), in the order they asked, then the quiet ones, newest first; but
+  no quiet one while the listen queue holds more clients (a turn took all it may), so
+  that the turns between accepts stay short and the queue empties at full speed.
 
 A client with something to ask is started within a turn or two, however many idle
 connections arrived with it; the idle ones start as the turns allow (the greeted ones
@@ -46,7 +50,7 @@ read of the client before it started (only with a ``Greeting``; else b"")."""
 # Out of descriptors or memory: accepting again at once would spin, so wait a little.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _BACKOFF_S = 0.1
-_ACCEPTS_PER_TURN = 512  # clients taken from the listen queue in one turn (a few ms)
+_ACCEPTS_PER_TURN = 64  # clients taken from the listen queue in one turn (about a ms)
 _STARTS_PER_TURN = 16  # connections started in one turn
 _READ_MOST = 64 * 1024  # of a pending client's bytes: past this, it has surely asked
 # A pending socket wakes the acceptor when more arrives or its client hangs up, once.
@@ -101,9 +105,10 @@ class StartOrder:
             return key
         return None
 
-    def take(self, most: int) -> Iterator[int]:
-        """Up to ``most`` connections to start now, each taken out of the order."""
-        for _ in range(min(most, len(self))):
+    def take(self, most: int, quiet_too: bool = True) -> Iterator[int]:
+        """Up to ``most`` connections to start now, each taken out of the order; only
+        those that asked unless ``quiet_too``."""
+        for _ in range(min(most, len(self) if quiet_too else len(self._asking))):
             if self._asking:
                 key = next(iter(self._asking))
                 del self._asking[key]
@@ -170,7 +175,7 @@ class _Pending:
         try:
             if self.greeting is not None:
                 self.greeting.greet(sock)
-                asked = self._read(waiting)  # before it is watched: later bytes wake us
+                asked = self._read(waiting, first=True)  # later bytes wake the watch
         except OSError:  # gone already
             sock.close()
             return
@@ -200,17 +205,21 @@ class _Pending:
         if asked:
             self.order.asked(fd)
 
-    def _read(self, waiting: _Waiting) -> bool:
-        """Read what the client sent; whether it asks something. ``OSError`` if it left."""
+    def _read(self, waiting: _Waiting, first: bool = False) -> bool:
+        """Read what the client sent; whether it asks something. ``OSError`` if it left.
+        ``first``: the socket is not watched yet (its watch will report what is left)."""
         assert self.greeting is not None
         while len(waiting.received) < _READ_MOST:
+            wanted = _READ_MOST - len(waiting.received)
             try:
-                data = waiting.sock.recv(_READ_MOST - len(waiting.received))
+                data = waiting.sock.recv(wanted)
             except BlockingIOError:
                 break
             if not data:
                 raise ConnectionResetError("the client left")
             waiting.received += data
+            if first and len(data) < wanted:  # the socket is empty (see epoll(7)), and
+                break  # what comes before it is watched wakes the watch: no failing recv
         return len(waiting.received) >= _READ_MOST or self.greeting.asks(waiting.received)
 
     def can_make_room(self) -> bool:
@@ -226,8 +235,8 @@ class _Pending:
         self.waiting.pop(fd).sock.close()
         self.evicted()
 
-    def take(self, most: int) -> Iterator[_Waiting]:
-        for fd in self.order.take(most):
+    def take(self, most: int, quiet_too: bool) -> Iterator[_Waiting]:
+        for fd in self.order.take(most, quiet_too):
             self.watch.unregister(fd)
             yield self.waiting.pop(fd)
 
@@ -257,35 +266,38 @@ async def accept_forever(
         while True:
             if not pending.waiting:
                 await wait_readable(pending.watch.fileno())
+            more_arriving = False  # the listen queue may hold more than this turn took
             for fd, _ in pending.watch.poll(0):
                 if fd != listening:
                     pending.stirred(fd)
                 else:
-                    await _accept(listener, pending)
-            for waiting in pending.take(_STARTS_PER_TURN):
+                    more_arriving = await _accept(listener, pending)
+            for waiting in pending.take(_STARTS_PER_TURN, quiet_too=not more_arriving):
                 _start(accepted, waiting)
             await checkpoint()  # the connections just started, and the rest run
     finally:
         pending.close()
 
 
-async def _accept(listener: socket.socket, pending: _Pending) -> None:
+async def _accept(listener: socket.socket, pending: _Pending) -> bool:
     """Take the clients the listen queue holds, up to ``_ACCEPTS_PER_TURN`` of them,
-    making room among the ``max_pending`` waiting if need be."""
+    making room among the ``max_pending`` waiting if need be; whether it took that
+    many (more may wait)."""
     for _ in range(_ACCEPTS_PER_TURN):
         if not pending.can_make_room():  # all asked: the rest wait in the listen queue
-            return
+            return False
         try:
             sock, addr = listener.accept()
         except BlockingIOError:
-            return
+            return False
         except OSError as exc:
             if exc.errno in _RESOURCE_ERRNOS:
                 logger.error("accept failed (%s); pausing briefly", exc)
                 await trio.sleep(_BACKOFF_S)
-            return
+            return False
         pending.make_room()
         pending.add(sock, (addr[0], addr[1]))
+    return True
 
 
 def _start(accepted: Accepted, waiting: _Waiting) -> None:

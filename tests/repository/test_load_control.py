@@ -6,7 +6,9 @@
 - a failed reload (invalid config override, an initialize that exits) leaves the version
   served before it serving, as Triton does;
 - a failed upload's files are removed at once; a large REST upload is parsed off the
-  event loop and decoded into its files a slice at a time.
+  event loop and decoded into its files a slice at a time;
+- uploads' folders are removed in worker threads (failed, replaced, unloaded, and
+  those left when the server closes).
 
 The hanging model waits on an event the test sets (the python backend imports it in
 this process); the timeouts run on trio's MockClock, moved by hand, so every expectation
@@ -267,6 +269,50 @@ async def test_a_failed_upload_leaves_no_files(
     await manager(server).unload("uploaded", False)
     assert list(uploads.iterdir()) == []
     nursery.cancel_scope.cancel()
+
+
+async def test_upload_folders_are_removed_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deleting a large model's files takes tens of milliseconds: never on the event
+    loop (this test's thread), and each removal is over before its load, unload or
+    close returns."""
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(uploads))
+    removed_on: list[tuple[str, bool]] = []  # (folder, on the event loop's thread)
+    cleanup = tempfile.TemporaryDirectory.cleanup
+
+    def recorded(upload: tempfile.TemporaryDirectory[str]) -> None:
+        removed_on.append((Path(upload.name).name, threading.current_thread() is loop))
+        cleanup(upload)
+
+    monkeypatch.setattr(tempfile.TemporaryDirectory, "cleanup", recorded)
+    loop = threading.current_thread()
+    (tmp_path / "repository").mkdir()
+    files = {"1/model.py": SCALED.format(scale=2).encode()}
+    bad = {"1/model.py": b"import sys\nsys.exit(3)\n"}
+
+    def folders() -> list[str]:
+        return sorted(folder.name for folder in uploads.iterdir())
+
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, tmp_path / "repository")
+        await manager(server).load("first", UPLOAD_CONFIG, files)
+        (first,) = folders()
+        with pytest.raises(InvalidArgumentError):
+            await manager(server).load("first", UPLOAD_CONFIG, bad)
+        assert folders() == [first]  # the failed load's folder went before it answered
+        failed = removed_on[-1][0]
+        await manager(server).load("first", UPLOAD_CONFIG, files)  # replaces the first
+        (second,) = folders()
+        await manager(server).load("other", UPLOAD_CONFIG, files)
+        await manager(server).unload("other", False)
+        assert folders() == [second]
+        other = removed_on[-1][0]
+        nursery.cancel_scope.cancel()  # the server closes: the served upload goes
+    assert folders() == []
+    assert removed_on == [(failed, False), (first, False), (other, False), (second, False)]
 
 
 def test_a_large_rest_upload_is_decoded_into_its_file(

@@ -15,7 +15,9 @@ in the model's import or ``initialize``, cannot be stopped, and is left to finis
 its own (whatever it does then is dropped). A model that fails to load stays listed in
 the index as UNAVAILABLE with the reason; a failed reload leaves the version served
 before it serving, as in Triton. A load's uploaded files are removed as soon as that
-load fails, or once another load or an unload replaces the model they made.
+load fails (before it answers), or once another load or an unload replaces the model
+they made; in a worker thread, since deleting a large model's files takes tens of
+milliseconds.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class RepositoryManager:
             await trio.sleep_forever()
         finally:
             for upload in [*self._uploads.values(), *self._uploading.values()]:
-                upload.cleanup()
+                await _remove(upload)
 
     async def next_poll(self) -> None:
         """Return once the next poll of the folders has been acted on (poll mode)."""
@@ -249,11 +251,11 @@ class RepositoryManager:
                 self._failures[name] = reason = self._without_server_paths(reason)
                 failed_upload = self._uploading.pop(name, None)
                 if failed_upload is not None:
-                    failed_upload.cleanup()
+                    await _remove(failed_upload)
                 raise InvalidArgumentError(f"failed to load '{name}', {reason}") from None
             self._failures.pop(name, None)
             self._unloaded.discard(name)
-            self._replace_upload(name)
+            await self._replace_upload(name)
             logger.info("loaded model '%s'", name)
 
     def _failure_reason(self, failure: Exception) -> str:
@@ -267,15 +269,15 @@ class RepositoryManager:
             return str(failure)
         return failure_text(failure)
 
-    def _replace_upload(self, name: str) -> None:
+    async def _replace_upload(self, name: str) -> None:
         """``name`` now serves what its last load made: the files of the model it
         replaced go, and its own upload (if any) stays while it serves."""
         old = self._uploads.pop(name, None)
-        if old is not None:
-            old.cleanup()
         new = self._uploading.pop(name, None)
         if new is not None:
             self._uploads[name] = new
+        if old is not None:
+            await _remove(old)
 
     def _without_server_paths(self, reason: str) -> str:
         """A load failure as clients see it (the log has it whole): files named from
@@ -359,8 +361,16 @@ class RepositoryManager:
             self._unloaded.add(name)
             upload = self._uploads.pop(name, None)
             if upload is not None:
-                upload.cleanup()
+                await _remove(upload)
             logger.info("unloaded model '%s'", name)
+
+
+async def _remove(upload: tempfile.TemporaryDirectory[str]) -> None:
+    """Delete an upload's folder in a worker thread (180 MiB of files take ~20 ms, which
+    every other client would wait on the event loop), shielded: a load or unload
+    cancelled meanwhile, or the server closing, still leaves no files behind."""
+    with trio.CancelScope(shield=True):
+        await trio.to_thread.run_sync(upload.cleanup)
 
 
 def _check_model_name(name: str) -> None:
