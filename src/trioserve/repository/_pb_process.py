@@ -3,8 +3,9 @@
 ``InstanceProcess`` starts the stub (``_pb_stub``, by ``_pb_launch``'s command) and
 supervises it from a trio system task: a nursery holding the task that reads the
 process's frames and the BLS calls the model makes. ``execute`` writes the batch's
-inputs once into the instance's arena (small ones ride in the frame, ``_pb_wire``), sends
-one ``exec`` frame and waits for its ``done`` frame; the outputs are read in place from
+inputs once into the instance's arena (small ones ride in the frame, ``_pb_wire``; those
+in a client's system region stay there, ``_pb_regions``), sends one ``exec`` frame and
+waits for its ``done`` frame; the outputs are read in place from
 the process's arena (small ones from the frame), each block given back (``free``) once
 the last array viewing it is gone.
 
@@ -52,6 +53,7 @@ from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
+from ._pb_regions import HandedRegions
 from ._pb_wire import (
     FrameTensor,
     WireTensor,
@@ -59,7 +61,6 @@ from ._pb_wire import (
     error_from_wire,
     error_to_wire,
     frame_block,
-    frame_tensor,
     put_tensor,
     read_inline,
     read_tensor,
@@ -101,6 +102,7 @@ class InstanceProcess:
         self._token = trio.lowlevel.current_trio_token()
         self._arena = Arena(spec.default_bytes, spec.growth_bytes)  # the inputs' memory
         self._theirs = SegmentMap()  # the process's arena: outputs, BLS inputs
+        self._windows = HandedRegions()  # clients' regions the process reads inputs from
         self._channel: TrioChannel | None = None
         self._process: trio.Process | None = None
         self._generation = 0  # which process: a dead one's blocks are not given back
@@ -210,6 +212,7 @@ class InstanceProcess:
         self._theirs.close()
         self._theirs = SegmentMap()
         self._channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
+        self._windows.reset(self._channel)
         self._initialized = trio.Event()
         self._init_error = None
         nursery.start_soon(self._read, self._channel, nursery)
@@ -306,7 +309,7 @@ class InstanceProcess:
         for request in requests:
             inputs: list[Block] = []
             tensors = [
-                frame_tensor(self._arena, t.name, t.datatype.name, t.data, inputs)
+                self._windows.frame_tensor(self._arena, t.name, t.datatype.name, t.data, inputs)
                 for t in request.inputs.values()
             ]
             key = next(self._keys)
@@ -323,6 +326,7 @@ class InstanceProcess:
         batch, answers = self._batches.open()
         self._batch_inputs[batch] = blocks
         try:
+            await self._windows.announce(channel)  # no checkpoint since frame_tensor
             await self._announce(channel, all_inputs)
             given_back = blocks_to_wire(self._take_given_back())
             await channel.send(("exec", batch, described, given_back))

@@ -12,8 +12,9 @@ under another environment's interpreter (``EXECUTION_ENV_PATH``), with a folder 
 holds only these modules on its path (``_pb_launch``).
 
 Frames from the server: ``map`` (its arena's new segments, with their descriptors),
-``init``, ``exec`` (a batch, and the output blocks the server is done with), ``free``,
-``reply`` (to a call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``,
+``windows`` / ``unwindow`` (client shared-memory regions handed over, and let go of:
+``_pb_windows``), ``init``, ``exec`` (a batch, and the output blocks the server is done
+with), ``free``, ``reply`` (to a call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``,
 ``done`` (a batch's responses or its failure), ``send`` (a decoupled response),
 ``call``, ``cancel``, ``release``, ``log``, ``metric``, ``finalized``.
 """
@@ -48,6 +49,7 @@ from ._pb_metrics import serving_metrics
 from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandler
 from ._pb_serving import Serving, serving
 from ._pb_turns import Turns, Work
+from ._pb_windows import ClientWindows
 from ._pb_wire import (
     Array,
     FrameTensor,
@@ -68,6 +70,7 @@ class Stub:
     def __init__(self, channel: BlockingChannel) -> None:
         self.channel = channel
         self.server_memory = SegmentMap()  # the server's arena: inputs, BLS answers
+        self.windows = ClientWindows()  # clients' regions: inputs read from them
         self.arena = Arena(1, 1)  # replaced at init by one of the server's sizes
         self.link = RemoteLink(self)
         self._families = RemoteFamilies(self)
@@ -105,7 +108,13 @@ class Stub:
             self.link.replied(message[1], message[2])
         elif kind == "exec":
             self._free(blocks_from_wire(message[3]))
-            return lambda: self._execute(message[1], message[2])
+            # Read now, before a later frame may let go of a region they lie in.
+            requests, refused = self.windows.read_batch(message[2])
+            return lambda: self._execute(message[1], requests, refused)
+        elif kind == "windows":
+            self.windows.add(message[1], fds)
+        elif kind == "unwindow":
+            self.windows.forget(message[1])
         elif kind == "free":
             self._free(blocks_from_wire(message[1]))
         elif kind == "init":
@@ -143,22 +152,36 @@ class Stub:
             _exit(1)
         self.send(("ready",))
 
-    def _execute(self, batch: int, requests: list[tuple[Any, ...]]) -> None:
+    def _execute(
+        self,
+        batch: int,
+        requests: list[tuple[Any, ...]],
+        refused: dict[int, tuple[int, InferenceServerError]],
+    ) -> None:
+        """Run a batch. ``refused``: the requests whose inputs could not be read (by
+        their place in the batch: their key and error), answered with their error while
+        the others run."""
         settings = self._settings
         decoupled = settings["decoupled"]
-        with self._serving():
-            served = [self._request(r, decoupled) for r in requests]
-            try:
-                responses = run_execute(
-                    self._model,
-                    self._loop,
-                    served,
-                    decoupled,
-                    lambda exc: self._failed_later(exc, served),
-                )
-            except BaseException as exc:  # the model's, whatever it is
-                self.send(("done", batch, ("failed", error_to_wire(self._failure(exc)))))
-                return
+        if decoupled:
+            for key, error in refused.values():
+                self.send(("send", key, ("error", error_to_wire(error)), True))
+        if requests:
+            with self._serving():
+                served = [self._request(r, decoupled) for r in requests]
+                try:
+                    responses = run_execute(
+                        self._model,
+                        self._loop,
+                        served,
+                        decoupled,
+                        lambda exc: self._failed_later(exc, served),
+                    )
+                except BaseException as exc:  # the model's, whatever it is
+                    self.send(("done", batch, ("failed", error_to_wire(self._failure(exc)))))
+                    return
+        else:  # every request was refused
+            responses = None if decoupled else []
         try:
             checked = checked_responses(settings["name"], decoupled, len(requests), responses)
         except InferenceServerError as exc:
@@ -166,6 +189,9 @@ class Stub:
             return
         blocks: list[Block] = []
         results = [self._result(response, blocks) for response in checked]
+        if refused and not decoupled:
+            for place, (_key, error) in sorted(refused.items()):
+                results.insert(place, ("error", error_to_wire(error)))
         self.send(("done", batch, ("results", results)), blocks)
 
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:

@@ -37,6 +37,7 @@ and a truncation discards even the private copies of a ``MAP_PRIVATE`` mapping.
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from typing import Any
@@ -44,10 +45,12 @@ from typing import Any
 import numpy as np
 
 from .._errors import InvalidArgumentError
+from ..ipc._windows import read_window, shrunk_message
 from ._region import Region
 
 SHM_DIRECTORY = "/dev/shm"
 _NAME_MAX = 255  # the longest file name, as shm_open allows (NAME_MAX)
+_serials = itertools.count(1)
 
 
 class SystemRegion(Region):
@@ -58,6 +61,14 @@ class SystemRegion(Region):
         self.key = key
         self.offset = offset
         self._fd = _open_window(name, key, offset, byte_size)
+        # Which region this is, never reused: an instance process that was handed the
+        # descriptor knows the region by it (a name can be registered again).
+        self.serial = next(_serials)
+
+    @property
+    def descriptor(self) -> int:
+        """The object's descriptor: open until the region is released."""
+        return self._fd
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
@@ -67,13 +78,8 @@ class SystemRegion(Region):
         """Fill the uint8 array ``buffer`` with the region's bytes at ``offset`` (checked by
         the caller with ``check_span``); INVALID_ARG if the object no longer holds them."""
         view = buffer.data.cast("B")
-        position = self.offset + offset
-        done = 0
-        while done < len(view):  # a read may return less than asked, as any read
-            count = os.preadv(self._fd, [view[done:]], position + done)
-            if count == 0:  # the end of the file, inside the window
-                raise self._shrunk(offset, len(view), what)
-            done += count
+        if not read_window(self._fd, self.offset + offset, view):
+            raise self._shrunk(offset, len(view), what)
 
     def check_holds(self, offset: int, byte_size: int, what: str) -> None:
         """INVALID_ARG unless the object still holds the region's ``byte_size`` bytes at
@@ -91,11 +97,7 @@ class SystemRegion(Region):
             data, position = data[written:], position + written
 
     def _shrunk(self, offset: int, byte_size: int, what: str) -> InvalidArgumentError:
-        return InvalidArgumentError(
-            f"{what}: shared memory region '{self.name}' no longer holds its bytes "
-            f"{offset} to {offset + byte_size}: its object '{self.key}' was shrunk after "
-            "registration"
-        )
+        return InvalidArgumentError(shrunk_message(what, self.name, self.key, offset, byte_size))
 
     def _release(self) -> None:
         os.close(self._fd)
@@ -148,3 +150,23 @@ def _size(name: str) -> int:
         return len(name.encode())
     except UnicodeEncodeError:
         return -1
+
+
+class WindowInput(np.ndarray[Any, Any]):
+    """An input left in its client's system region, for a model whose instance process
+    reads it from there itself (``RequestRegions(windows=True)``): of the input's datatype
+    and shape, but holding none of its bytes (a read-only broadcast zero), so nothing is
+    copied in the server. The bytes are ``byte_size`` at ``offset`` of ``region``, which
+    the request leases until its response is written."""
+
+    region: SystemRegion
+    offset: int
+    byte_size: int
+
+    @classmethod
+    def over(
+        cls, region: SystemRegion, offset: int, byte_size: int, dtype: Any, shape: tuple[int, ...]
+    ) -> WindowInput:
+        window = np.broadcast_to(np.zeros((), dtype), shape).view(cls)
+        window.region, window.offset, window.byte_size = region, offset, byte_size
+        return window

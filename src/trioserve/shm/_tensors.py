@@ -11,6 +11,9 @@ system region is read into a read-only numpy array of its own while the request 
 decoded (through the region's descriptor, which cannot fault whatever the client does
 to its object: see ``_system``); outputs are copied in after the model ran, each checked
 to fit before any is written, so a failed request leaves every region as it was.
+A model whose instances run in processes of their own (``windows``) gets a fixed-size
+input in a system region as a ``WindowInput``: the instance process reads the bytes from
+the region's descriptor itself, so the server copies none of them.
 
 Work on a GPU waits on the device, and a copy from ``OFF_LOOP_BYTES`` (256 KiB) takes
 milliseconds, so both run in a worker thread, as models do. Decoding stays synchronous:
@@ -40,7 +43,7 @@ from .._types import InferenceResponse, OutputTensor, RequestedOutput
 from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
 from ._region import Region
 from ._registry import SharedMemoryRegistry
-from ._system import SystemRegion
+from ._system import SystemRegion, WindowInput
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -78,13 +81,17 @@ class RequestRegions:
     """
 
     __slots__ = (  # one per request
-        "_device", "_host_copies", "_leases", "_outputs", "_registry", "inputs_off_loop",
-        "leasing_from_thread", "outputs_off_loop",
+        "_device", "_host_copies", "_leases", "_outputs", "_registry", "_windows",
+        "inputs_off_loop", "leasing_from_thread", "outputs_off_loop",
     )  # fmt: skip
 
-    def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
+    def __init__(
+        self, registry: SharedMemoryRegistry, device: str = "cpu", windows: bool = False
+    ) -> None:
         self._registry = registry
         self._device = device  # where the model runs: "gpu" models get cupy inputs
+        # The model's instance process reads system-region inputs itself: they stay there.
+        self._windows = windows
         self._leases: list[Region] = []
         self._outputs: dict[str, _Span] = {}
         self._host_copies: tuple[_HostCopy, ...] = ()  # rare: no list for every request
@@ -124,6 +131,9 @@ class RequestRegions:
         self, span: _Span, dt: Datatype, shape: tuple[int, ...], what: str
     ) -> np.ndarray[Any, Any]:
         region = span.region
+        if self._windows and isinstance(region, SystemRegion) and not dt.is_bytes:
+            check_raw_size(dt, shape, span.byte_size, what)
+            return WindowInput.over(region, span.offset, span.byte_size, dt.dtype, shape)
         if isinstance(region, SystemRegion) and span.byte_size < OFF_LOOP_BYTES:
             return _read_input(region, span, dt, shape, what)
         if isinstance(region, CudaRegion) and self._device == "gpu" and not dt.is_bytes:

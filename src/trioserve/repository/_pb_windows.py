@@ -1,0 +1,80 @@
+"""Client system shared-memory inputs in an instance process: the descriptors of the
+client regions the server handed over, and the inputs of a batch read from them.
+
+The server sends a region's descriptor once per process (a ``windows`` frame, as arena
+segments are announced) and each input that lies in it as (serial, position, size); it
+tells the process to close the descriptor once the region is released (``unwindow``).
+An input is read with ``preadv`` into memory of the process's own before the model runs:
+the client may shrink its object at any time, and a mapped page past the end of the file
+would kill the process (SIGBUS) under the model's feet, while a read just comes back
+short, which refuses that request alone (INVALID_ARG naming the region) and leaves the
+rest of the batch to run. The batch's inputs are read by the thread that read its frame,
+before any later frame (an ``unwindow``) is read. Standard library and numpy only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._errors import InferenceServerError, InvalidArgumentError
+from ..ipc._windows import read_window, shrunk_message
+
+WINDOW = "window"  # the mark of a tensor that lies in a client region, in an exec frame
+
+
+class _Handed(NamedTuple):
+    fd: int
+    name: str  # the region's, as the client registered it
+    key: str  # its object's
+    offset: int  # where the region's window starts in the object
+
+
+class ClientWindows:
+    """The client regions this process holds a descriptor of, by serial."""
+
+    def __init__(self) -> None:
+        self._regions: dict[int, _Handed] = {}
+
+    def add(self, regions: list[tuple[int, str, str, int]], fds: list[int]) -> None:
+        for (serial, name, key, offset), fd in zip(regions, fds, strict=True):
+            self._regions[serial] = _Handed(fd, name, key, offset)
+
+    def forget(self, serials: list[int]) -> None:
+        for serial in serials:
+            handed = self._regions.pop(serial, None)
+            if handed is not None:
+                os.close(handed.fd)
+
+    def read_batch(
+        self, requests: list[tuple[Any, ...]]
+    ) -> tuple[list[tuple[Any, ...]], dict[int, tuple[int, InferenceServerError]]]:
+        """The batch's requests with their window inputs read (as inline tensors), and
+        the refused ones by their place in the batch: their key, and why."""
+        read: list[tuple[Any, ...]] = []
+        refused: dict[int, tuple[int, InferenceServerError]] = {}
+        for place, request in enumerate(requests):
+            try:
+                read.append(self._read_request(request))
+            except InferenceServerError as exc:
+                refused[place] = (request[0], exc)
+        return read, refused
+
+    def _read_request(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+        tensors = request[3]
+        if all(len(t) != 7 for t in tensors):  # the usual request: nothing to read
+            return request
+        return (*request[:3], [self._read(t) if len(t) == 7 else t for t in tensors],
+                *request[4:])  # fmt: skip
+
+    def _read(self, tensor: tuple[Any, ...]) -> tuple[Any, ...]:
+        name, datatype_name, shape, _mark, serial, offset, byte_size = tensor
+        handed = self._regions[serial]
+        buffer = np.empty(byte_size, dtype=np.uint8)
+        if not read_window(handed.fd, handed.offset + offset, buffer.data.cast("B")):
+            raise InvalidArgumentError(
+                shrunk_message(f"input '{name}'", handed.name, handed.key, offset, byte_size)
+            )
+        return (name, datatype_name, shape, buffer.data)
