@@ -25,7 +25,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,6 +60,7 @@ from ._pb_wire import (
     error_from_wire,
     error_to_wire,
     frame_block,
+    leased,
     put_tensor,
     read_inline,
     read_tensor,
@@ -74,15 +74,6 @@ _COPY_BELOW = 64 * 1024  # an output this small is copied out and its block give
 
 class InitializeFailed(Exception):
     """The model's ``initialize`` (or import) failed in its process."""
-
-
-class _Lease:
-    """Owns a view of one block of the process's arena: numpy arrays made from it keep it
-    alive, and the block is given back when the last of them goes."""
-
-    def __init__(self, array: np.ndarray[Any, Any]) -> None:
-        self._array = array
-        self.__array_interface__ = array.__array_interface__
 
 
 class InstanceProcess:
@@ -375,9 +366,7 @@ class InstanceProcess:
             array = array if datatype(tensor.datatype).is_bytes else array.copy()
             self._give_back(tensor.block, self._generation)
             return array
-        lease = _Lease(array)
-        weakref.finalize(lease, self._give_back, tensor.block, self._generation)
-        return np.asarray(lease)
+        return leased(array, self._give_back, tensor.block, self._generation)
 
     def _give_back(self, block: Block, generation: int) -> None:
         """From any thread (a finalizer): the block goes back with the next ``exec``

@@ -109,7 +109,7 @@ class Stub:
         elif kind == "exec":
             self._free(blocks_from_wire(message[3]))
             # Read now, before a later frame may let go of a region they lie in.
-            requests, refused = self.windows.read_batch(message[2])
+            requests, refused = self.windows.read_batch(message[2], self.arena)
             return lambda: self._execute(message[1], requests, refused)
         elif kind == "windows":
             self.windows.add(message[1], fds)

@@ -4,7 +4,9 @@ client regions the server handed over, and the inputs of a batch read from them.
 The server sends a region's descriptor once per process (a ``windows`` frame, as arena
 segments are announced) and each input that lies in it as (serial, position, size); it
 tells the process to close the descriptor once the region is released (``unwindow``).
-An input is read with ``preadv`` into memory of the process's own before the model runs:
+An input is read with ``preadv`` into a block of the process's own arena (memory used
+before, so the copy costs no page faults; the block is freed when the model's last array
+of it goes) before the model runs:
 the client may shrink its object at any time, and a mapped page past the end of the file
 would kill the process (SIGBUS) under the model's feet, while a read just comes back
 short, which refuses that request alone (INVALID_ARG naming the region) and leaves the
@@ -20,7 +22,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._errors import InferenceServerError, InvalidArgumentError
+from ..ipc._arena import Arena
 from ..ipc._windows import read_window, shrunk_message
+from ._pb_wire import leased
 
 WINDOW = "window"  # the mark of a tensor that lies in a client region, in an exec frame
 
@@ -49,7 +53,7 @@ class ClientWindows:
                 os.close(handed.fd)
 
     def read_batch(
-        self, requests: list[tuple[Any, ...]]
+        self, requests: list[tuple[Any, ...]], arena: Arena
     ) -> tuple[list[tuple[Any, ...]], dict[int, tuple[int, InferenceServerError]]]:
         """The batch's requests with their window inputs read (as inline tensors), and
         the refused ones by their place in the batch: their key, and why."""
@@ -57,24 +61,32 @@ class ClientWindows:
         refused: dict[int, tuple[int, InferenceServerError]] = {}
         for place, request in enumerate(requests):
             try:
-                read.append(self._read_request(request))
+                read.append(self._read_request(request, arena))
             except InferenceServerError as exc:
                 refused[place] = (request[0], exc)
         return read, refused
 
-    def _read_request(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _read_request(self, request: tuple[Any, ...], arena: Arena) -> tuple[Any, ...]:
         tensors = request[3]
         if all(len(t) != 7 for t in tensors):  # the usual request: nothing to read
             return request
-        return (*request[:3], [self._read(t) if len(t) == 7 else t for t in tensors],
+        return (*request[:3], [self._read(t, arena) if len(t) == 7 else t for t in tensors],
                 *request[4:])  # fmt: skip
 
-    def _read(self, tensor: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _read(self, tensor: tuple[Any, ...], arena: Arena) -> tuple[Any, ...]:
+        """The tensor inline, its bytes in a block of ``arena``."""
         name, datatype_name, shape, _mark, serial, offset, byte_size = tensor
         handed = self._regions[serial]
-        buffer = np.empty(byte_size, dtype=np.uint8)
-        if not read_window(handed.fd, handed.offset + offset, buffer.data.cast("B")):
+        block = arena.allocate(byte_size)
+        view = arena.view(block)
+        if not read_window(handed.fd, handed.offset + offset, view):
+            arena.free(block)
             raise InvalidArgumentError(
                 shrunk_message(f"input '{name}'", handed.name, handed.key, offset, byte_size)
             )
-        return (name, datatype_name, shape, buffer.data)
+        return (
+            name,
+            datatype_name,
+            shape,
+            leased(np.frombuffer(view, np.uint8), arena.free, block),
+        )
