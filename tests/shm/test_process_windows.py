@@ -27,7 +27,8 @@ from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
 
 # X + 1, and the /dev/shm objects the process holds open. With a FIFO path in WAIT it
-# first writes its pid into WAIT + ".started", then waits for a line on WAIT.
+# first writes its pid into WAIT + ".started", then waits for a line on WAIT; with DIE,
+# its process ends.
 MODEL = """
 import os
 import numpy as np
@@ -49,6 +50,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if pb_utils.get_input_tensor_by_name(request, "DIE") is not None:
+                os._exit(3)
             wait = pb_utils.get_input_tensor_by_name(request, "WAIT")
             if wait is not None:
                 path = wait.as_numpy()[0].decode()
@@ -65,7 +68,8 @@ class TritonPythonModel:
 CONFIG = """
 backend: "python"
 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] },
-        { name: "WAIT" data_type: TYPE_STRING dims: [ 1 ] optional: true } ]
+        { name: "WAIT" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+        { name: "DIE" data_type: TYPE_INT32 dims: [ 1 ] optional: true } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] },
          { name: "HELD" data_type: TYPE_STRING dims: [ -1 ] } ]
 parameters { key: "TRIOSERVE_INSTANCE_MODE" value { string_value: "process" } }
@@ -93,7 +97,7 @@ def client_of(server: Server, protocol: str) -> Any:
 
 def infer(
     server: Server, protocol: str, placed: tuple[str, int, int] | None, count: int,
-    wait: Path | None = None,
+    wait: Path | None = None, die: bool = False,
 ) -> tuple[np.ndarray[Any, Any], set[str]]:  # fmt: skip
     """Y, and the objects the model's process held; X placed (region, bytes, offset) in
     shared memory, or DATA's first ``count`` on the wire."""
@@ -108,6 +112,9 @@ def infer(
         fifo = module.InferInput("WAIT", [1], "BYTES")
         fifo.set_data_from_numpy(np.array([str(wait).encode()], dtype=object))
         inputs.append(fifo)
+    if die:
+        inputs.append(module.InferInput("DIE", [1], "INT32"))
+        inputs[-1].set_data_from_numpy(np.zeros(1, np.int32))
     client = client_of(server, protocol)
     try:
         result = client.infer("plus_one", inputs)
@@ -222,3 +229,20 @@ def test_a_shrunk_region_refuses_only_its_request(server, regions, protocol):
         np.testing.assert_array_equal(y, DATA[:1024] + 1)
     finally:
         unregister(server, "short")
+
+
+@pytest.mark.parametrize("protocol", CLIENTS)
+def test_a_restarted_process_is_handed_the_region_again(server, regions, protocol):
+    handle, key = regions.create("again", DATA.nbytes)
+    shm.set_shared_memory_region(handle, [DATA])
+    register(server, "again", key, DATA.nbytes)
+    try:
+        _y, held = infer(server, protocol, ("again", DATA.nbytes, 0), DATA.size)
+        assert path_of(key) in held
+        with pytest.raises(InferenceServerException, match="exited with status 3"):
+            infer(server, protocol, ("again", DATA.nbytes, 0), DATA.size, die=True)
+        y, held = infer(server, protocol, ("again", DATA.nbytes, 0), DATA.size)
+        np.testing.assert_array_equal(y, DATA + 1)
+        assert path_of(key) in held  # the new process got its own descriptor
+    finally:
+        unregister(server, "again")

@@ -46,21 +46,24 @@ class HandedRegions:
         self._fresh.clear()
 
     def frame_tensor(
-        self, arena: Arena, name: str, datatype_name: str, data: np.ndarray[Any, Any],
+        self,
+        arena: Arena,
+        name: str,
+        datatype_name: str,
+        data: np.ndarray[Any, Any],
         blocks: list[Block],
-    ) -> FrameTensor:  # fmt: skip
+    ) -> FrameTensor:
         """An input for a batch's frame: by region and offset if it lies in a client's
         region, else as ``_pb_wire.frame_tensor`` places it."""
         if not isinstance(data, WindowInput):
             return frame_tensor(arena, name, datatype_name, data, blocks)
         region = data.region
-        if region.serial not in self._handed:
-            self._handed.add(region.serial)
+        serial = region.serial
+        if serial not in self._handed:
+            self._handed.add(serial)
             self._fresh.append(region)
-            serial = region.serial
             region.when_released(lambda: self._released(serial))
-        return (name, datatype_name, data.shape, WINDOW, region.serial, data.offset,
-                data.byte_size)  # fmt: skip
+        return (name, datatype_name, data.shape, WINDOW, serial, data.offset, data.byte_size)
 
     async def announce(self, channel: TrioChannel) -> None:
         """Send the descriptors of the regions handed since the last call. Call it with no
