@@ -28,7 +28,7 @@ from trioserve.testing import server_in_thread
 
 # X + 1, and the /dev/shm objects the process holds open. With a FIFO path in WAIT it
 # first writes its pid into WAIT + ".started", then waits for a line on WAIT; with DIE,
-# its process ends.
+# its process ends; with F64, Y is float64 (FP32 declared: the server converts it).
 MODEL = """
 import os
 import numpy as np
@@ -59,8 +59,11 @@ class TritonPythonModel:
                     started.write(str(os.getpid()))
                 with open(path) as go:
                     go.readline()
+            y = x + 1
+            if pb_utils.get_input_tensor_by_name(request, "F64") is not None:
+                y = y.astype(np.float64)
             responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("Y", x + 1), pb_utils.Tensor("HELD", held())
+                pb_utils.Tensor("Y", y), pb_utils.Tensor("HELD", held())
             ]))
         return responses
 """
@@ -69,7 +72,8 @@ CONFIG = """
 backend: "python"
 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] },
         { name: "WAIT" data_type: TYPE_STRING dims: [ 1 ] optional: true },
-        { name: "DIE" data_type: TYPE_INT32 dims: [ 1 ] optional: true } ]
+        { name: "DIE" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+        { name: "F64" data_type: TYPE_INT32 dims: [ 1 ] optional: true } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] },
          { name: "HELD" data_type: TYPE_STRING dims: [ -1 ] } ]
 parameters { key: "TRIOSERVE_INSTANCE_MODE" value { string_value: "process" } }
@@ -97,10 +101,12 @@ def client_of(server: Server, protocol: str) -> Any:
 
 def infer(
     server: Server, protocol: str, placed: tuple[str, int, int] | None, count: int,
-    wait: Path | None = None, die: bool = False,
-) -> tuple[np.ndarray[Any, Any], set[str]]:  # fmt: skip
-    """Y, and the objects the model's process held; X placed (region, bytes, offset) in
-    shared memory, or DATA's first ``count`` on the wire."""
+    wait: Path | None = None, die: bool = False, output: tuple[str, int, int] | None = None,
+    f64: bool = False,
+) -> tuple[np.ndarray[Any, Any] | None, set[str]]:  # fmt: skip
+    """Y (None if ``output`` placed it in shared memory), and the objects the model's
+    process held; X placed (region, bytes, offset) in shared memory, or DATA's first
+    ``count`` on the wire."""
     module = CLIENTS[protocol]
     x = module.InferInput("X", [count], "FP32")
     if placed is None:
@@ -112,16 +118,20 @@ def infer(
         fifo = module.InferInput("WAIT", [1], "BYTES")
         fifo.set_data_from_numpy(np.array([str(wait).encode()], dtype=object))
         inputs.append(fifo)
-    if die:
-        inputs.append(module.InferInput("DIE", [1], "INT32"))
-        inputs[-1].set_data_from_numpy(np.zeros(1, np.int32))
+    for flag, name in ((die, "DIE"), (f64, "F64")):
+        if flag:
+            inputs.append(module.InferInput(name, [1], "INT32"))
+            inputs[-1].set_data_from_numpy(np.zeros(1, np.int32))
+    outputs = [module.InferRequestedOutput("Y"), module.InferRequestedOutput("HELD")]
+    if output is not None:
+        outputs[0].set_shared_memory(*output)
     client = client_of(server, protocol)
     try:
-        result = client.infer("plus_one", inputs)
+        result = client.infer("plus_one", inputs, outputs=outputs)
     finally:
         client.close()
     held = {p.decode() for p in result.as_numpy("HELD").tolist() if p}
-    return result.as_numpy("Y"), held
+    return (None if output else result.as_numpy("Y")), held
 
 
 def register(server: Server, name: str, key: str, byte_size: int) -> None:
@@ -246,3 +256,37 @@ def test_a_restarted_process_is_handed_the_region_again(server, regions, protoco
         assert path_of(key) in held  # the new process got its own descriptor
     finally:
         unregister(server, "again")
+
+
+@pytest.mark.parametrize("protocol", CLIENTS)
+def test_outputs_are_written_into_their_region_by_the_process(server, regions, protocol):
+    """The process writes an output placed in a system region itself (it holds the
+    region's descriptor); one of another datatype than declared is converted and written
+    by the server; one larger than its window is refused and writes nothing."""
+    handle, key = regions.create("outputs", DATA.nbytes + 64)
+    register(server, "outputs", key, DATA.nbytes + 64)
+    try:
+        y, held = infer(server, protocol, None, 16, output=("outputs", 64, 0))
+        assert y is None and path_of(key) in held
+        written = shm.get_contents_as_numpy(handle, np.float32, [16])
+        np.testing.assert_array_equal(written, DATA[:16] + 1)
+        infer(server, protocol, None, 16, output=("outputs", 64, 64), f64=True)
+        written = shm.get_contents_as_numpy(handle, np.float32, [16], offset=64)
+        np.testing.assert_array_equal(written, DATA[:16] + 1)
+        shm.set_shared_memory_region(handle, [np.full(16, 7, np.float32)])
+        with pytest.raises(InferenceServerException) as caught:
+            infer(server, protocol, None, 32, output=("outputs", 64, 0))
+        assert caught.value.message() == (
+            "shared memory size specified with the request for output 'Y' (64 bytes) "
+            "should be at least 128 bytes to hold the results"
+        )
+        unchanged = shm.get_contents_as_numpy(handle, np.float32, [16])
+        np.testing.assert_array_equal(unchanged, np.full(16, 7, np.float32))
+        # 4 MiB in, 4 MiB out: neither crosses the server.
+        shm.set_shared_memory_region(handle, [DATA])
+        placed = ("outputs", DATA.nbytes, 0)
+        infer(server, protocol, placed, DATA.size, output=placed)
+        written = shm.get_contents_as_numpy(handle, np.float32, [DATA.size])
+        np.testing.assert_array_equal(written, DATA + 1)
+    finally:
+        unregister(server, "outputs")

@@ -1,11 +1,14 @@
-"""Reading a window of a file another process may shrink at any time, without faulting.
+"""Reading and writing a window of a file another process may shrink at any time,
+without faulting.
 
 A page of a mapping that lies past the end of its file faults on access (SIGBUS), and
 no check of the size beforehand closes that: the file may shrink between the check and
 the access. A read through the file's descriptor cannot fault: at the end of the file
-it returns fewer bytes. The server reads its clients' system shared-memory inputs so,
-and so does an instance process the server hands such a region to (the standard library
-only: the instance process imports this).
+it returns fewer bytes; a write past the end extends the file (so a window found whole
+by ``holds`` is written whole, growing the file back to at most the window's end). The
+server reads and writes its clients' system shared-memory tensors so, and so does an
+instance process the server hands such a region to (the standard library only: the
+instance process imports this).
 """
 
 from __future__ import annotations
@@ -23,6 +26,26 @@ def read_window(fd: int, position: int, view: memoryview) -> bool:
             return False
         done += count
     return True
+
+
+def holds(fd: int, end: int) -> bool:
+    """Whether the file still holds its bytes up to ``end``."""
+    return os.fstat(fd).st_size >= end
+
+
+def write_window(fd: int, position: int, data: memoryview) -> None:
+    """Write ``data`` (bytes) at ``position``."""
+    while data:  # pwrite may write less than asked, as any write
+        written = os.pwrite(fd, data, position)
+        data, position = data[written:], position + written
+
+
+def too_small_message(name: str, byte_size: int, size: int) -> str:
+    """How an output larger than the window the request placed it in is refused."""
+    return (
+        f"shared memory size specified with the request for output '{name}' ({byte_size} "
+        f"bytes) should be at least {size} bytes to hold the results"
+    )
 
 
 def shrunk_message(what: str, region: str, key: str, offset: int, byte_size: int) -> str:

@@ -93,7 +93,8 @@ class InstanceProcess:
         self._token = trio.lowlevel.current_trio_token()
         self._arena = Arena(spec.default_bytes, spec.growth_bytes)  # the inputs' memory
         self._theirs = SegmentMap()  # the process's arena: outputs, BLS inputs
-        self._windows = HandedRegions()  # clients' regions the process reads inputs from
+        # Clients' regions the process reads inputs from and writes outputs into.
+        self._windows = HandedRegions(spec.settings["args"]["model_config"])
         self._channel: TrioChannel | None = None
         self._process: trio.Process | None = None
         self._generation = 0  # which process: a dead one's blocks are not given back
@@ -310,9 +311,10 @@ class InstanceProcess:
                 self._senders[key] = (request.response_sender, inputs)
             else:
                 blocks += inputs
+            placed = {} if decoupled else self._windows.placed_outputs(request.outputs)
             described.append(
                 (key, request.id, request.model_name, tensors,
-                 [o.name for o in request.outputs], dict(request.parameters))
+                 [o.name for o in request.outputs], dict(request.parameters), placed)
             )  # fmt: skip
         batch, answers = self._batches.open()
         self._batch_inputs[batch] = blocks
@@ -340,19 +342,22 @@ class InstanceProcess:
         kind, value = answer
         if kind == "failed":
             raise error_from_wire(value)
-        return [self._result(result) for result in value]
+        return [self._result(r, request) for r, request in zip(value, requests, strict=True)]
 
-    def _result(self, result: tuple[Any, ...]) -> Result:
+    def _result(self, result: tuple[Any, ...], request: CoreRequest) -> Result:
         if result[0] == "error":
             return error_from_wire(result[1])
         _kind, tensors, parameters = result
-        outputs = {t[0]: self._received(t) for t in tensors}
+        outputs = {t[0]: self._received(t, request) for t in tensors}
         if parameters == "{}":  # what nearly every response has: nothing to parse
             return outputs
         parsed = json.loads(parameters)
         return ResponseOutputs(outputs, parsed) if parsed else outputs
 
-    def _received(self, tensor: FrameTensor) -> np.ndarray[Any, Any]:
+    def _received(self, tensor: FrameTensor, request: CoreRequest) -> np.ndarray[Any, Any]:
+        written = self._windows.written(tensor, request.outputs)
+        if written is not None:
+            return written
         in_block = frame_block(tensor)
         return read_inline(tensor) if in_block is None else self._leased(in_block)
 

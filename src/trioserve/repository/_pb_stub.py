@@ -188,7 +188,10 @@ class Stub:
             self.send(("done", batch, ("failed", error_to_wire(exc))))
             return
         blocks: list[Block] = []
-        results = [self._result(response, blocks) for response in checked]
+        results = [
+            self._result(response, blocks, request[6])
+            for response, request in zip(checked, requests, strict=False)  # none if decoupled
+        ]
         if refused and not decoupled:
             for place, (_key, error) in sorted(refused.items()):
                 results.insert(place, ("error", error_to_wire(error)))
@@ -196,7 +199,7 @@ class Stub:
 
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
         """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
-        key, request_id, model, tensors, outputs, parameters = described
+        key, request_id, model, tensors, outputs, parameters, _placed = described
         inputs = [pb_utils.Tensor(t[0], self._array(t), triton_dtype=t[1]) for t in tensors]
         return pb_utils.InferenceRequest._received(
             model,
@@ -213,14 +216,26 @@ class Stub:
             return read_inline(tensor)
         return read_tensor(in_block, self.server_memory.view(in_block.block))
 
-    def _result(self, response: pb_utils.InferenceResponse, blocks: list[Block]) -> tuple[Any, ...]:
-        """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``."""
+    def _result(
+        self,
+        response: pb_utils.InferenceResponse,
+        blocks: list[Block],
+        placed: dict[str, tuple[int, int, int, str]],
+    ) -> tuple[Any, ...]:
+        """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``.
+        ``placed``: the outputs to write into clients' regions (by name)."""
         error = response.error()
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
+        outputs = response.output_tensors()
+        try:
+            written = self.windows.write_outputs(outputs, placed) if placed else {}
+        except InferenceServerError as exc:
+            return ("error", error_to_wire(exc))
         tensors = [
-            frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
-            for t in response.output_tensors()
+            written.get(t.name())
+            or frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
+            for t in outputs
         ]
         return ("outputs", tensors, response.parameters())
 

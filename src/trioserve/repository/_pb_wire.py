@@ -87,8 +87,8 @@ def frame_tensor(
 
 
 def frame_block(tensor: FrameTensor) -> WireTensor | None:
-    """The tensor as it lies in a block; None for one inline."""
-    if len(tensor) == 4:
+    """The tensor as it lies in a block; None for one inline (or in a client's region)."""
+    if len(tensor) != 6:
         return None
     name, datatype_name, shape, segment, offset, size = tensor
     return WireTensor(name, datatype_name, shape, Block(segment, offset, size))

@@ -12,7 +12,7 @@ worker threads.
 from ._cuda import is_device_array
 from ._region import Kind
 from ._registry import SharedMemoryRegistry
-from ._system import WindowInput
+from ._system import OutputWindow, WindowInput
 from ._tensors import (
     RequestRegions,
     is_shared_memory_output,
@@ -22,6 +22,7 @@ from ._tensors import (
 
 __all__ = [
     "Kind",
+    "OutputWindow",
     "RequestRegions",
     "SharedMemoryRegistry",
     "WindowInput",

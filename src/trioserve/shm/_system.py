@@ -40,12 +40,13 @@ from __future__ import annotations
 import itertools
 import os
 import stat
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._errors import InvalidArgumentError
-from ..ipc._windows import read_window, shrunk_message
+from ..ipc._windows import holds, read_window, shrunk_message, write_window
 from ._region import Region
 
 SHM_DIRECTORY = "/dev/shm"
@@ -84,17 +85,13 @@ class SystemRegion(Region):
     def check_holds(self, offset: int, byte_size: int, what: str) -> None:
         """INVALID_ARG unless the object still holds the region's ``byte_size`` bytes at
         ``offset``: an output is refused before anything is written."""
-        if os.fstat(self._fd).st_size < self.offset + offset + byte_size:
+        if not holds(self._fd, self.offset + offset + byte_size):
             raise self._shrunk(offset, byte_size, what)
 
     def write(self, offset: int, raw: np.ndarray[Any, Any]) -> None:
         """Write the uint8 array ``raw`` at ``offset`` (checked by the caller with
         ``check_span`` and ``check_holds``) with pwrite, which cannot fault."""
-        data = np.ascontiguousarray(raw).data.cast("B")
-        position = self.offset + offset
-        while data:  # pwrite may write less than asked, as any write
-            written = os.pwrite(self._fd, data, position)
-            data, position = data[written:], position + written
+        write_window(self._fd, self.offset + offset, np.ascontiguousarray(raw).data.cast("B"))
 
     def _shrunk(self, offset: int, byte_size: int, what: str) -> InvalidArgumentError:
         return InvalidArgumentError(shrunk_message(what, self.name, self.key, offset, byte_size))
@@ -167,6 +164,23 @@ class WindowInput(np.ndarray[Any, Any]):
     def over(
         cls, region: SystemRegion, offset: int, byte_size: int, dtype: Any, shape: tuple[int, ...]
     ) -> WindowInput:
-        window = np.broadcast_to(np.zeros((), dtype), shape).view(cls)
+        window = stand_in(dtype, shape).view(cls)
         window.region, window.offset, window.byte_size = region, offset, byte_size
         return window
+
+
+@dataclass(slots=True)
+class OutputWindow:
+    """Where a requested output goes in a client's system region, for a model whose own
+    process may write it there itself (``RequestedOutput.place``): ``written`` says how
+    many bytes it wrote, once it did (None: the server writes the output)."""
+
+    region: SystemRegion
+    offset: int
+    byte_size: int
+    written: int | None = None
+
+
+def stand_in(dtype: Any, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """A read-only array of ``shape`` that holds one zero: a stand-in for bytes elsewhere."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
