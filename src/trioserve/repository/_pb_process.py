@@ -342,7 +342,8 @@ class InstanceProcess:
         kind, value = answer
         if kind == "failed":
             raise error_from_wire(value)
-        return [self._result(r, request) for r, request in zip(value, requests, strict=True)]
+        # One result per request; none for a decoupled model's (it answers as it goes).
+        return [self._result(r, request) for r, request in zip(value, requests, strict=False)]
 
     def _result(self, result: tuple[Any, ...], request: CoreRequest) -> Result:
         if result[0] == "error":
