@@ -9,6 +9,7 @@ of when it runs: what the server handed it, and what it let go of."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import textwrap
 import threading
@@ -146,17 +147,30 @@ def unregister(server: Server, name: str) -> None:
     client.close()
 
 
+@contextlib.contextmanager
+def registered(
+    server: Server, regions: Any, name: str, byte_size: int, data: Any = None
+) -> Iterator[tuple[Any, str]]:
+    """A new object of ``byte_size`` (``data`` at its start), registered as ``name`` while
+    in use: its handle and key."""
+    handle, key = regions.create(name, byte_size)
+    if data is not None:
+        shm.set_shared_memory_region(handle, [data])
+    register(server, name, key, byte_size)
+    try:
+        yield handle, key
+    finally:
+        unregister(server, name)
+
+
 def path_of(key: str) -> str:
     return f"/dev/shm/{key.lstrip('/')}"
 
 
 @pytest.mark.parametrize("protocol", CLIENTS)
 def test_inputs_are_handed_over_by_region_and_offset(server, regions, protocol):
-    handle, key = regions.create("inputs", 3 * DATA.nbytes)
-    shm.set_shared_memory_region(handle, [DATA])
-    shm.set_shared_memory_region(handle, [DATA[::-1][:16].copy()], offset=2 * DATA.nbytes + 4)
-    register(server, "inputs", key, 3 * DATA.nbytes)
-    try:
+    with registered(server, regions, "inputs", 3 * DATA.nbytes, DATA) as (handle, key):
+        shm.set_shared_memory_region(handle, [DATA[::-1][:16].copy()], offset=2 * DATA.nbytes + 4)
         y, held = infer(server, protocol, ("inputs", DATA.nbytes, 0), DATA.size)
         np.testing.assert_array_equal(y, DATA + 1)
         assert path_of(key) in held  # the process reads the object itself
@@ -166,8 +180,6 @@ def test_inputs_are_handed_over_by_region_and_offset(server, regions, protocol):
         y, held = infer(server, protocol, ("inputs", 64, 2 * DATA.nbytes + 4), 16)
         np.testing.assert_array_equal(y, DATA[::-1][:16] + 1)
         assert regions.held(key) == 1
-    finally:
-        unregister(server, "inputs")
     assert regions.held(key) == 0
     y, held = infer(server, protocol, None, 16)  # after its unwindow frame, in order
     assert path_of(key) not in held
@@ -221,10 +233,7 @@ def test_a_region_unregistered_and_shrunk_while_its_request_runs(
 
 @pytest.mark.parametrize("protocol", CLIENTS)
 def test_a_shrunk_region_refuses_only_its_request(server, regions, protocol):
-    handle, key = regions.create("short", DATA.nbytes)
-    shm.set_shared_memory_region(handle, [DATA])
-    register(server, "short", key, DATA.nbytes)
-    try:
+    with registered(server, regions, "short", DATA.nbytes, DATA) as (_handle, key):
         os.truncate(path_of(key), 4096)
         with pytest.raises(InferenceServerException) as caught:
             infer(server, protocol, ("short", 8192, 4096), 2048)
@@ -237,16 +246,11 @@ def test_a_shrunk_region_refuses_only_its_request(server, regions, protocol):
         )
         y, _held = infer(server, protocol, ("short", 4096, 0), 1024)  # still held
         np.testing.assert_array_equal(y, DATA[:1024] + 1)
-    finally:
-        unregister(server, "short")
 
 
 @pytest.mark.parametrize("protocol", CLIENTS)
 def test_a_restarted_process_is_handed_the_region_again(server, regions, protocol):
-    handle, key = regions.create("again", DATA.nbytes)
-    shm.set_shared_memory_region(handle, [DATA])
-    register(server, "again", key, DATA.nbytes)
-    try:
+    with registered(server, regions, "again", DATA.nbytes, DATA) as (_handle, key):
         _y, held = infer(server, protocol, ("again", DATA.nbytes, 0), DATA.size)
         assert path_of(key) in held
         with pytest.raises(InferenceServerException, match="exited with status 3"):
@@ -254,8 +258,6 @@ def test_a_restarted_process_is_handed_the_region_again(server, regions, protoco
         y, held = infer(server, protocol, ("again", DATA.nbytes, 0), DATA.size)
         np.testing.assert_array_equal(y, DATA + 1)
         assert path_of(key) in held  # the new process got its own descriptor
-    finally:
-        unregister(server, "again")
 
 
 @pytest.mark.parametrize("protocol", CLIENTS)
@@ -263,9 +265,7 @@ def test_outputs_are_written_into_their_region_by_the_process(server, regions, p
     """The process writes an output placed in a system region itself (it holds the
     region's descriptor); one of another datatype than declared is converted and written
     by the server; one larger than its window is refused and writes nothing."""
-    handle, key = regions.create("outputs", DATA.nbytes + 64)
-    register(server, "outputs", key, DATA.nbytes + 64)
-    try:
+    with registered(server, regions, "outputs", DATA.nbytes + 64) as (handle, key):
         y, held = infer(server, protocol, None, 16, output=("outputs", 64, 0))
         assert y is None and path_of(key) in held
         written = shm.get_contents_as_numpy(handle, np.float32, [16])
@@ -288,5 +288,3 @@ def test_outputs_are_written_into_their_region_by_the_process(server, regions, p
         infer(server, protocol, placed, DATA.size, output=placed)
         written = shm.get_contents_as_numpy(handle, np.float32, [DATA.size])
         np.testing.assert_array_equal(written, DATA + 1)
-    finally:
-        unregister(server, "outputs")
