@@ -74,7 +74,8 @@ backend: "python"
 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] },
         { name: "WAIT" data_type: TYPE_STRING dims: [ 1 ] optional: true },
         { name: "DIE" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
-        { name: "F64" data_type: TYPE_INT32 dims: [ 1 ] optional: true } ]
+        { name: "F64" data_type: TYPE_INT32 dims: [ 1 ] optional: true },
+        { name: "FLAGS" data_type: TYPE_BOOL dims: [ -1 ] optional: true } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] },
          { name: "HELD" data_type: TYPE_STRING dims: [ -1 ] } ]
 parameters { key: "TRIOSERVE_INSTANCE_MODE" value { string_value: "process" } }
@@ -288,3 +289,21 @@ def test_outputs_are_written_into_their_region_by_the_process(server, regions, p
         infer(server, protocol, placed, DATA.size, output=placed)
         written = shm.get_contents_as_numpy(handle, np.float32, [DATA.size])
         np.testing.assert_array_equal(written, DATA + 1)
+
+
+@pytest.mark.parametrize("protocol", CLIENTS)
+def test_bool_inputs_are_checked_by_the_server(server, regions, protocol):
+    """BOOL bytes must be 0 or 1: the server reads and checks them, as any input."""
+    with registered(server, regions, "flags", 4, np.array([0, 1, 2, 1], np.uint8)):
+        module = CLIENTS[protocol]
+        x = module.InferInput("X", [1], "FP32")
+        x.set_data_from_numpy(DATA[:1])
+        flags = module.InferInput("FLAGS", [4], "BOOL")
+        flags.set_shared_memory("flags", 4)
+        client = client_of(server, protocol)
+        try:
+            with pytest.raises(InferenceServerException) as caught:
+                client.infer("plus_one", [x, flags])
+        finally:
+            client.close()
+        assert caught.value.message() == "input 'FLAGS': BOOL data must be bytes 0 or 1"

@@ -13,10 +13,11 @@ holds only these modules on its path (``_pb_launch``).
 
 Frames from the server: ``map`` (its arena's new segments, with their descriptors),
 ``windows`` / ``unwindow`` (client shared-memory regions handed over, and let go of:
-``_pb_windows``), ``init``, ``exec`` (a batch, and the output blocks the server is done
-with), ``free``, ``reply`` (to a call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``,
-``done`` (a batch's responses or its failure), ``send`` (a decoupled response),
-``call``, ``cancel``, ``release``, ``log``, ``metric``, ``finalized``.
+``_pb_windows`` reads inputs from them and writes outputs into them), ``init``, ``exec``
+(a batch, and the output blocks the server is done with), ``free``, ``reply`` (to a
+call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``, ``done`` (a
+batch's responses or its failure), ``send`` (a decoupled response), ``call``,
+``cancel``, ``release``, ``log``, ``metric``, ``finalized``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ segments are announced) and each input that lies in it as (serial, position, siz
 tells the process to close the descriptor once the region is released (``unwindow``).
 An input is read with ``preadv`` into a block of the process's own arena (memory used
 before, so the copy costs no page faults; the block is freed when the model's last array
-of it goes) before the model runs: the client may shrink its object at any time, and a mapped page past the end of the file
-would kill the process (SIGBUS) under the model's feet, while a read just comes back
-short, which refuses that request alone (INVALID_ARG naming the region) and leaves the
+of it goes) before the model runs: the client may shrink its object at any time, and a
+mapped page past the end of the file would kill the process (SIGBUS) under the model's
+feet, while a read just comes back short, which refuses that request alone (INVALID_ARG naming the region) and leaves the
 rest of the batch to run. The batch's inputs are read by the thread that read its frame,
 before any later frame (an ``unwindow``) is read. An output the request placed in a
 client's region is written there with ``pwrite`` (``write_outputs``), which cannot fault

@@ -135,7 +135,9 @@ class RequestRegions:
         self, span: _Span, dt: Datatype, shape: tuple[int, ...], what: str
     ) -> np.ndarray[Any, Any]:
         region = span.region
-        if self._windows and isinstance(region, SystemRegion) and not dt.is_bytes:
+        # BYTES and BOOL are checked as they are read (parsed; bytes 0 or 1): read here.
+        handed = self._windows and not dt.is_bytes and dt.name != "BOOL"
+        if handed and isinstance(region, SystemRegion):
             check_raw_size(dt, shape, span.byte_size, what)
             return WindowInput.over(region, span.offset, span.byte_size, dt.dtype, shape)
         if isinstance(region, SystemRegion) and span.byte_size < OFF_LOOP_BYTES:
