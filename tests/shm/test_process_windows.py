@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
 
-# X + 1, and the /dev/shm objects the process holds open. With a FIFO path in WAIT it
+# X + 1, and the /dev/shm objects the process holds open (and maps, if any). With a FIFO path in WAIT it
 # first writes its pid into WAIT + ".started", then waits for a line on WAIT; with DIE,
 # its process ends; with F64, Y is float64 (FP32 declared: the server converts it).
 MODEL = """
@@ -44,6 +44,8 @@ def held():
             continue
         if path.startswith("/dev/shm/"):
             found.append(path.encode())
+    with open("/proc/self/maps") as maps:  # a mapped object would show as "mapped:PATH"
+        found += {("mapped:" + line.split()[-1]).encode() for line in maps if "/dev/shm/" in line}
     return np.array(sorted(found) or [b""], dtype=object)
 
 class TritonPythonModel:
@@ -175,6 +177,7 @@ def test_inputs_are_handed_over_by_region_and_offset(server, regions, protocol):
         y, held = infer(server, protocol, ("inputs", DATA.nbytes, 0), DATA.size)
         np.testing.assert_array_equal(y, DATA + 1)
         assert path_of(key) in held  # the process reads the object itself
+        assert not any(p.startswith("mapped:") for p in held)  # through its descriptor
         # The server holds its one descriptor of the region, no copy of it.
         assert regions.held(key) == 1
         # A small window, at an unaligned offset: the descriptor was handed over once.
