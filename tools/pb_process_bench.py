@@ -4,6 +4,9 @@
     python tools/pb_process_bench.py triton    # `simple` CPU per request and 16 MiB identity_fp32
                                                # MiB/s, trioserve (process mode) against real
                                                # Triton, alternating in one sitting
+    python tools/pb_process_bench.py big       # 16 MiB identity_fp32, binary body and system
+                                               # shared memory: MiB/s and server CPU, process
+                                               # mode, thread mode and real Triton alternating
     python tools/pb_process_bench.py sigkill   # SIGKILL one instance under load
     python tools/pb_process_bench.py boundary  # `simple`: server CPU and instance-process CPU
                                                # per request, process mode against thread mode
@@ -18,7 +21,10 @@ rounds alternating; the figure for ``simple`` is the CPU time of the server and 
 processes (Triton's stubs, trioserve's instance processes) per request, from /proc.
 ``boundary``: trioserve alone on the reference zoo's ``simple`` (JSON, 4 clients), process
 and thread mode alternating; the server's own CPU per request and its instance processes'
-(the children) apart, from /proc. ``sigkill``: ``steady`` (count 2, 5 ms per request, answering its pid) under 8 clients;
+(the children) apart, from /proc. ``big``: one client posts 16 MiB to the reference zoo's
+``identity_fp32`` (binary data in the body, then both tensors in system shared memory
+regions it registered) to trioserve in each mode and to Triton, rounds alternating; MiB/s
+and the CPU of the server with all its processes per request. ``sigkill``: ``steady`` (count 2, 5 ms per request, answering its pid) under 8 clients;
 one instance's process is killed; the failures, and the time until the new process
 answers, are reported.
 """
@@ -41,7 +47,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import _describe, _free_port, _wait_ready, cpu_seconds, http_body, run_wrk
+from bench import (
+    _describe,
+    _free_port,
+    _wait_ready,
+    big_regions,
+    cpu_seconds,
+    http_body,
+    run_wrk,
+)
 
 # The main checkout's neighbour; --reference names it from elsewhere.
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "triton-reference"
@@ -189,6 +203,28 @@ def boundary_scenario(args: argparse.Namespace) -> None:
                       f"instances {(total - own) / count * 1e6:6.1f} us/req")  # fmt: skip
 
 
+def big_scenario(args: argparse.Namespace) -> None:
+    models = args.reference / "models"
+    print(f"identity_fp32, 16 MiB, 1 client, {args.duration} s per body; CPU: server + children")
+    for round_ in range(args.rounds):
+        for name, server in (
+            ("trioserve process", lambda: trioserve(models, "process")),
+            ("trioserve thread", lambda: trioserve(models, "thread")),
+            ("triton", lambda: triton(args.reference)),
+        ):
+            with server() as (url, pid), big_regions(url):
+                figures = []
+                for body in ("big-binary", "big-shm"):
+                    run_wrk(url, body, 1, 2, "0-1")  # warm up
+                    before = cpu_seconds(pid)
+                    result = run_wrk(url, body, 1, args.duration, "0-1")
+                    count = result.requests_per_s * args.duration
+                    cpu_ms = (cpu_seconds(pid) - before) / count * 1e3
+                    figures.append(f"{body[4:]:<6} {result.requests_per_s * 16:7.1f} MiB/s "
+                                   f"{cpu_ms:6.2f} ms CPU/req")  # fmt: skip
+                print(f"  round {round_ + 1} {name:<17} " + "   ".join(figures))
+
+
 def own_cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of ``pid`` itself, without its children."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -236,7 +272,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("scenario", choices=("cpu", "triton", "boundary", "sigkill"))
+    parser.add_argument("scenario", choices=("cpu", "triton", "boundary", "big", "sigkill"))
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--work-ms", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2)
@@ -244,7 +280,7 @@ def main() -> None:
     args = parser.parse_args()
     print(_describe(sys.executable))
     scenarios = {"cpu": cpu_scenario, "triton": triton_scenario, "boundary": boundary_scenario,
-                 "sigkill": sigkill_scenario}  # fmt: skip
+                 "big": big_scenario, "sigkill": sigkill_scenario}  # fmt: skip
     scenarios[args.scenario](args)
 
 

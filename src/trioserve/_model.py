@@ -211,6 +211,13 @@ class Model:
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.execute)
 
+    @property
+    def reads_client_windows(self) -> bool:
+        """Whether ``execute`` takes a fixed-size input that a client placed in a system
+        shared-memory region as a ``shm.WindowInput`` (its bytes left there, for the
+        model's own process to read) rather than as an array of the bytes."""
+        return False
+
 
 class FunctionModel(Model):
     """A model whose ``execute`` stacks the batch, calls one function and splits the result."""

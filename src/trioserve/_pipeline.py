@@ -267,7 +267,9 @@ class InferencePipeline:
         gives them back."""
         served.admit()
         trace = self._sample(served, headers) if self._tracing.active else None
-        return RequestRegions(self._shared_memory, served.model.device), trace
+        # A traced request's trace records its inputs' bytes: they are read here then.
+        windows = trace is None and served.model.reads_client_windows
+        return RequestRegions(self._shared_memory, served.model.device, windows), trace
 
     def _sample(self, served: ServedModel, headers: Mapping[Any, Any] | None) -> Trace | None:
         return self._tracing.sample(served.model.name, served.version, headers)

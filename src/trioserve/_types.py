@@ -38,6 +38,9 @@ class RequestedOutput:
 
     name: str
     parameters: Parameters = field(default_factory=dict)
+    # Where it goes in a client's system shared-memory region, for a model whose own
+    # process writes it there (``shm.RequestRegions(windows=True)``): ``shm.OutputWindow``.
+    place: Any = None
 
 
 class ResponseSender(Protocol):

@@ -122,7 +122,8 @@ input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ 262144 ] } ]
 """
 
-# The numpy its process imports, and the interpreter it runs.
+# The numpy its process imports, and the interpreter it runs. Its input goes through
+# DLPack and back (numpy 1.26 exports no read-only array: a copy of it).
 VERSIONS = """
 import sys
 import numpy as np
@@ -130,6 +131,11 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            back = pb_utils.Tensor.from_dlpack("X", x.to_dlpack()).as_numpy()
+            if back.tolist() != x.as_numpy().tolist():
+                raise pb_utils.TritonModelException(f"through DLPack: {back}")
         found = np.array([np.__version__.encode(), sys.executable.encode()], dtype=object)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("V", found)]) for _ in requests]
 """

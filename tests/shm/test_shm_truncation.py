@@ -4,7 +4,8 @@ Any process that can open a POSIX shared-memory object can truncate it, and a pa
 mapping past the new end of the file faults on access (SIGBUS), which kills the process.
 The server reads inputs and writes outputs through the object's descriptor instead, so
 a shrunk object costs only the requests that meet its end: 400 / INVALID_ARGUMENT naming
-the region. Before, a model reading its input after a truncation killed the server
+the region. So does a model's own process, which reads its inputs from the region
+itself (process mode; each test runs in both modes). Before, a model reading its input after a truncation killed the server
 (exit -7): it runs in a subprocess here, so that such a fault ends it and fails the test
 instead of ending pytest.
 """
@@ -99,8 +100,12 @@ class RunningServer:
         return _module(protocol).InferenceServerClient(self.urls[protocol])
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The models' instances in the server's threads, or each in a process of its own
+    (which reads its inputs from the region itself)."""
     repository = tmp_path_factory.mktemp("repository")
     for name, holds in MODELS.items():
         (repository / name / "1").mkdir(parents=True)
@@ -109,7 +114,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     command = [
         sys.executable, "-m", "trioserve", "run", "--model-repository", str(repository),
         "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-        "--allow-metrics", "false",
+        "--allow-metrics", "false", "--python-instance-mode", request.param,
     ]  # fmt: skip
     with subprocess.Popen(
         command, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1

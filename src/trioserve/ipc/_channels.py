@@ -6,7 +6,7 @@ into one ``sendmsg``.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import trio
@@ -39,14 +39,21 @@ class TrioChannel:
         self._pending: list[Outgoing] = []
         self._writing = False
         self._closed = False
+        self._owned: set[int] = set()  # descriptors to close once sent
         self.frames_sent = 0
         self.writes = 0
 
-    async def send(self, message: Any, fds: Sequence[int] = ()) -> None:
+    async def send(self, message: Any, fds: Sequence[int] = (), *, owned: bool = False) -> None:
         """Queue a frame and, unless a send is already writing, write every queued one.
-        Descriptors are duplicated by the kernel on send; the caller keeps its own."""
+        Descriptors are duplicated by the kernel on send; the caller keeps its own, unless
+        ``owned``: the channel closes them once sent (the frame may wait for another
+        send's write, while the caller's own descriptor could be closed)."""
         if self._closed:
+            if owned:
+                _close(fds)
             raise LinkClosed("the link is closed")
+        if owned:
+            self._owned.update(fds)
         self._pending.append((message, fds))
         if self._writing:
             return
@@ -71,12 +78,21 @@ class TrioChannel:
                 # A frame cut short by a cancellation would garble every later one. The
                 # peer reads all the time, so the write is brief; a peer that stopped
                 # reading is killed by its owner, which ends the write with EPIPE.
-                with trio.CancelScope(shield=True):
-                    await self._write(data, all_fds)
+                try:
+                    with trio.CancelScope(shield=True):
+                        await self._write(data, all_fds)
+                finally:
+                    self._close_owned(all_fds)
         except OSError as exc:
             raise LinkClosed(f"the peer is gone: {exc}") from None
         finally:
             self._writing = False
+
+    def _close_owned(self, fds: Sequence[int]) -> None:
+        if self._owned:
+            sent = self._owned.intersection(fds)
+            self._owned -= sent
+            _close(sent)
 
     def _write_now(self, data: bytes) -> int:
         """How much of ``data`` the socket took without waiting (it is non-blocking)."""
@@ -111,3 +127,10 @@ class TrioChannel:
         self._closed = True
         self._reader.close()
         self._socket.close()
+        owned, self._owned = self._owned, set()  # frames never sent
+        _close(owned)
+
+
+def _close(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -34,6 +34,7 @@ STUB_MODULES = (
     "ipc/_arena.py",
     "ipc/_blocking.py",
     "ipc/_frames.py",
+    "ipc/_windows.py",
     "repository/_pb_execution.py",
     "repository/_pb_loop.py",
     "repository/_pb_metrics.py",
@@ -44,6 +45,7 @@ STUB_MODULES = (
     "repository/_pb_tensors.py",
     "repository/_pb_turns.py",
     "repository/_pb_utils.py",
+    "repository/_pb_windows.py",
     "repository/_pb_wire.py",
 )
 ENV_PARAMETER = "EXECUTION_ENV_PATH"

@@ -3,8 +3,9 @@
 ``InstanceProcess`` starts the stub (``_pb_stub``, by ``_pb_launch``'s command) and
 supervises it from a trio system task: a nursery holding the task that reads the
 process's frames and the BLS calls the model makes. ``execute`` writes the batch's
-inputs once into the instance's arena (small ones ride in the frame, ``_pb_wire``), sends
-one ``exec`` frame and waits for its ``done`` frame; the outputs are read in place from
+inputs once into the instance's arena (small ones ride in the frame, ``_pb_wire``; those
+in a client's system region stay there, ``_pb_regions``), sends one ``exec`` frame and
+waits for its ``done`` frame; the outputs are read in place from
 the process's arena (small ones from the frame), each block given back (``free``) once
 the last array viewing it is gone.
 
@@ -24,7 +25,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +52,7 @@ from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
+from ._pb_regions import HandedRegions
 from ._pb_wire import (
     FrameTensor,
     WireTensor,
@@ -59,7 +60,7 @@ from ._pb_wire import (
     error_from_wire,
     error_to_wire,
     frame_block,
-    frame_tensor,
+    leased,
     put_tensor,
     read_inline,
     read_tensor,
@@ -73,15 +74,6 @@ _COPY_BELOW = 64 * 1024  # an output this small is copied out and its block give
 
 class InitializeFailed(Exception):
     """The model's ``initialize`` (or import) failed in its process."""
-
-
-class _Lease:
-    """Owns a view of one block of the process's arena: numpy arrays made from it keep it
-    alive, and the block is given back when the last of them goes."""
-
-    def __init__(self, array: np.ndarray[Any, Any]) -> None:
-        self._array = array
-        self.__array_interface__ = array.__array_interface__
 
 
 class InstanceProcess:
@@ -101,6 +93,8 @@ class InstanceProcess:
         self._token = trio.lowlevel.current_trio_token()
         self._arena = Arena(spec.default_bytes, spec.growth_bytes)  # the inputs' memory
         self._theirs = SegmentMap()  # the process's arena: outputs, BLS inputs
+        # Clients' regions the process reads inputs from and writes outputs into.
+        self._windows = HandedRegions(spec.settings["args"]["model_config"])
         self._channel: TrioChannel | None = None
         self._process: trio.Process | None = None
         self._generation = 0  # which process: a dead one's blocks are not given back
@@ -210,6 +204,7 @@ class InstanceProcess:
         self._theirs.close()
         self._theirs = SegmentMap()
         self._channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
+        self._windows.reset(self._channel)
         self._initialized = trio.Event()
         self._init_error = None
         nursery.start_soon(self._read, self._channel, nursery)
@@ -306,7 +301,7 @@ class InstanceProcess:
         for request in requests:
             inputs: list[Block] = []
             tensors = [
-                frame_tensor(self._arena, t.name, t.datatype.name, t.data, inputs)
+                self._windows.frame_tensor(self._arena, t.name, t.datatype.name, t.data, inputs)
                 for t in request.inputs.values()
             ]
             key = next(self._keys)
@@ -316,13 +311,15 @@ class InstanceProcess:
                 self._senders[key] = (request.response_sender, inputs)
             else:
                 blocks += inputs
+            placed = {} if decoupled else self._windows.placed_outputs(request.outputs)
             described.append(
                 (key, request.id, request.model_name, tensors,
-                 [o.name for o in request.outputs], dict(request.parameters))
+                 [o.name for o in request.outputs], dict(request.parameters), placed)
             )  # fmt: skip
         batch, answers = self._batches.open()
         self._batch_inputs[batch] = blocks
         try:
+            await self._windows.announce(channel)  # no checkpoint since frame_tensor
             await self._announce(channel, all_inputs)
             given_back = blocks_to_wire(self._take_given_back())
             await channel.send(("exec", batch, described, given_back))
@@ -356,13 +353,16 @@ class InstanceProcess:
         if result[0] == "error":
             return error_from_wire(result[1])
         _kind, tensors, parameters = result
-        outputs = {t[0]: self._received(t) for t in tensors}
+        outputs = {t[0]: self._received(t, request) for t in tensors}
         if parameters == "{}":  # what nearly every response has: nothing to parse
             return outputs
         parsed = json.loads(parameters)
         return ResponseOutputs(outputs, parsed) if parsed else outputs
 
-    def _received(self, tensor: FrameTensor) -> np.ndarray[Any, Any]:
+    def _received(self, tensor: FrameTensor, request: CoreRequest) -> np.ndarray[Any, Any]:
+        written = self._windows.written(tensor, request.outputs)
+        if written is not None:
+            return written
         in_block = frame_block(tensor)
         return read_inline(tensor) if in_block is None else self._leased(in_block)
 
@@ -376,9 +376,7 @@ class InstanceProcess:
             array = array if datatype(tensor.datatype).is_bytes else array.copy()
             self._give_back(tensor.block, self._generation)
             return array
-        lease = _Lease(array)
-        weakref.finalize(lease, self._give_back, tensor.block, self._generation)
-        return np.asarray(lease)
+        return leased(array, self._give_back, tensor.block, self._generation)
 
     def _give_back(self, block: Block, generation: int) -> None:
         """From any thread (a finalizer): the block goes back with the next ``exec``

@@ -110,6 +110,12 @@ class ProcessBackendModel(PythonBackendModel):
             if self._metrics is not None:
                 self._metrics.release(self)
 
+    @property
+    def reads_client_windows(self) -> bool:
+        """The instance processes read inputs from clients' system regions themselves
+        (``_pb_regions``), unless the response cache needs the bytes for its key."""
+        return not self.response_cache
+
     def unavailable(self) -> str | None:
         reasons = [p.unavailable for p in self._processes if p.unavailable is not None]
         return "; ".join(reasons) if reasons else None

@@ -12,10 +12,12 @@ under another environment's interpreter (``EXECUTION_ENV_PATH``), with a folder 
 holds only these modules on its path (``_pb_launch``).
 
 Frames from the server: ``map`` (its arena's new segments, with their descriptors),
-``init``, ``exec`` (a batch, and the output blocks the server is done with), ``free``,
-``reply`` (to a call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``,
-``done`` (a batch's responses or its failure), ``send`` (a decoupled response),
-``call``, ``cancel``, ``release``, ``log``, ``metric``, ``finalized``.
+``windows`` / ``unwindow`` (client shared-memory regions handed over, and let go of:
+``_pb_windows`` reads inputs from them and writes outputs into them), ``init``, ``exec``
+(a batch, and the output blocks the server is done with), ``free``, ``reply`` (to a
+call), ``finalize``. To the server: ``map``, ``ready``/``init_failed``, ``done`` (a
+batch's responses or its failure), ``send`` (a decoupled response), ``call``,
+``cancel``, ``release``, ``log``, ``metric``, ``finalized``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from ._pb_metrics import serving_metrics
 from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandler
 from ._pb_serving import Serving, serving
 from ._pb_turns import Turns, Work
+from ._pb_windows import ClientWindows
 from ._pb_wire import (
     Array,
     FrameTensor,
@@ -68,6 +71,7 @@ class Stub:
     def __init__(self, channel: BlockingChannel) -> None:
         self.channel = channel
         self.server_memory = SegmentMap()  # the server's arena: inputs, BLS answers
+        self.windows = ClientWindows()  # clients' regions: inputs read from them
         self.arena = Arena(1, 1)  # replaced at init by one of the server's sizes
         self.link = RemoteLink(self)
         self._families = RemoteFamilies(self)
@@ -105,7 +109,13 @@ class Stub:
             self.link.replied(message[1], message[2])
         elif kind == "exec":
             self._free(blocks_from_wire(message[3]))
-            return lambda: self._execute(message[1], message[2])
+            # Read now, before a later frame may let go of a region they lie in.
+            requests, refused = self.windows.read_batch(message[2], self.arena)
+            return lambda: self._execute(message[1], requests, refused)
+        elif kind == "windows":
+            self.windows.add(message[1], fds)
+        elif kind == "unwindow":
+            self.windows.forget(message[1])
         elif kind == "free":
             self._free(blocks_from_wire(message[1]))
         elif kind == "init":
@@ -143,22 +153,37 @@ class Stub:
             _exit(1)
         self.send(("ready",))
 
-    def _execute(self, batch: int, requests: list[tuple[Any, ...]]) -> None:
+    def _execute(
+        self,
+        batch: int,
+        requests: list[tuple[Any, ...]],
+        refused: dict[int, tuple[int, InferenceServerError]],
+    ) -> None:
+        """Run a batch. ``refused``: the requests whose inputs could not be read (by
+        their place in the batch: their key and error), answered with their error while
+        the others run."""
         settings = self._settings
         decoupled = settings["decoupled"]
-        with self._serving():
-            served = [self._request(r, decoupled) for r in requests]
-            try:
-                responses = run_execute(
-                    self._model,
-                    self._loop,
-                    served,
-                    decoupled,
-                    lambda exc: self._failed_later(exc, served),
-                )
-            except BaseException as exc:  # the model's, whatever it is
-                self.send(("done", batch, ("failed", error_to_wire(self._failure(exc)))))
-                return
+        if decoupled:
+            for key, error in refused.values():
+                self.send(("send", key, ("error", error_to_wire(error)), True))
+        if requests:
+            with self._serving():
+                served = [self._request(r, decoupled) for r in requests]
+                try:
+                    responses = run_execute(
+                        self._model,
+                        self._loop,
+                        served,
+                        decoupled,
+                        lambda exc: self._failed_later(exc, served),
+                    )
+                except BaseException as exc:  # the model's, whatever it is
+                    self.send(("done", batch, ("failed", error_to_wire(self._failure(exc)))))
+                    return
+        else:  # every request was refused
+            served = []
+            responses = None if decoupled else []
         try:
             checked = checked_responses(
                 settings["name"], decoupled, settings["iterative"], served, responses
@@ -167,12 +192,18 @@ class Stub:
             self.send(("done", batch, ("failed", error_to_wire(exc))))
             return
         blocks: list[Block] = []
-        results = [("rescheduled",) if r is None else self._result(r, blocks) for r in checked]
+        results = [
+            ("rescheduled",) if response is None else self._result(response, blocks, request[6])
+            for response, request in zip(checked, requests, strict=False)  # none if decoupled
+        ]
+        if refused and not decoupled:
+            for place, (_key, error) in sorted(refused.items()):
+                results.insert(place, ("error", error_to_wire(error)))
         self.send(("done", batch, ("results", results)), blocks)
 
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
         """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
-        key, request_id, model, tensors, outputs, parameters = described
+        key, request_id, model, tensors, outputs, parameters, _placed = described
         inputs = [pb_utils.Tensor(t[0], self._array(t), triton_dtype=t[1]) for t in tensors]
         return pb_utils.InferenceRequest._received(
             model,
@@ -189,14 +220,26 @@ class Stub:
             return read_inline(tensor)
         return read_tensor(in_block, self.server_memory.view(in_block.block))
 
-    def _result(self, response: pb_utils.InferenceResponse, blocks: list[Block]) -> tuple[Any, ...]:
-        """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``."""
+    def _result(
+        self,
+        response: pb_utils.InferenceResponse,
+        blocks: list[Block],
+        placed: dict[str, tuple[int, int, int, str]],
+    ) -> tuple[Any, ...]:
+        """A response for the ``done`` frame; its outputs' blocks are added to ``blocks``.
+        ``placed``: the outputs to write into clients' regions (by name)."""
         error = response.error()
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
+        outputs = response.output_tensors()
+        try:
+            written = self.windows.write_outputs(outputs, placed) if placed else {}
+        except InferenceServerError as exc:
+            return ("error", error_to_wire(exc))
         tensors = [
-            frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
-            for t in response.output_tensors()
+            written.get(t.name())
+            or frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
+            for t in outputs
         ]
         return ("outputs", tensors, response.parameters())
 

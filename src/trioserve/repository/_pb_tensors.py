@@ -155,10 +155,19 @@ class Tensor:
         return True
 
     def to_dlpack(self) -> Any:
-        return self._array.__dlpack__()
+        """A DLPack capsule sharing the tensor's memory. Inputs are read-only (they lie in
+        the server's memory, or the request's own bytes): a DLPack 1.0 capsule, which
+        says so, carries them (numpy 2.1 and later; an older numpy exports a copy)."""
+        if self._array.flags.writeable:
+            return self._array.__dlpack__()
+        try:
+            return self._array.__dlpack__(max_version=(1, 0))
+        except (TypeError, BufferError):  # a numpy without DLPack 1.0
+            return self._array.copy().__dlpack__()
 
-    def __dlpack__(self, stream: Any = None) -> Any:
-        return self._array.__dlpack__()
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """The protocol, as its consumer asks for it (``max_version``, ``stream``...)."""
+        return self._array.__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU

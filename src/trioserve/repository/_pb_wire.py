@@ -17,7 +17,8 @@ array (a copy, as any BYTES decoding is).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -86,8 +87,8 @@ def frame_tensor(
 
 
 def frame_block(tensor: FrameTensor) -> WireTensor | None:
-    """The tensor as it lies in a block; None for one inline."""
-    if len(tensor) == 4:
+    """The tensor as it lies in a block; None for one inline (or in a client's region)."""
+    if len(tensor) != 6:
         return None
     name, datatype_name, shape, segment, offset, size = tensor
     return WireTensor(name, datatype_name, shape, Block(segment, offset, size))
@@ -106,6 +107,22 @@ def read_tensor(tensor: WireTensor, view: memoryview) -> Array:
     array = array_from_raw(datatype(tensor.datatype), tensor.shape, view, tensor.name)
     array.flags.writeable = False
     return array
+
+
+class _Lease:
+    """Owns a view of one block of an arena: numpy arrays made from it keep it alive."""
+
+    def __init__(self, array: Array) -> None:
+        self._array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+def leased(array: Array, give_back: Callable[..., Any], *args: Any) -> Array:
+    """``array`` (a view of an arena's block), calling ``give_back(*args)`` once the last
+    array viewing it is gone."""
+    lease = _Lease(array)
+    weakref.finalize(lease, give_back, *args)
+    return np.asarray(lease)
 
 
 def error_to_wire(exc: BaseException) -> WireError:

@@ -12,6 +12,7 @@ worker threads.
 from ._cuda import is_device_array
 from ._region import Kind
 from ._registry import SharedMemoryRegistry
+from ._system import OutputWindow, WindowInput
 from ._tensors import (
     RequestRegions,
     is_shared_memory_output,
@@ -21,8 +22,10 @@ from ._tensors import (
 
 __all__ = [
     "Kind",
+    "OutputWindow",
     "RequestRegions",
     "SharedMemoryRegistry",
+    "WindowInput",
     "is_device_array",
     "is_shared_memory_output",
     "shared_memory_input",

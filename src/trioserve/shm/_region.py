@@ -6,11 +6,14 @@ Unregistering only *retires* a region: its name is free again at once, but what 
 open (a system region's descriptor, a CUDA region's memory handle) stays open until the
 last lease is returned. That is what keeps a request in flight from reading or writing
 through a descriptor that was closed (and perhaps reused for another file) under it.
+Whatever was handed a copy of the descriptor (an instance process) is told to close it
+then (``when_released``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Literal
 
 from .._errors import InvalidArgumentError
@@ -29,6 +32,7 @@ class Region(ABC):
         self._leases = 0
         self._retired = False
         self._released = False
+        self._on_release: list[Callable[[], None]] = []
 
     @property
     def released(self) -> bool:
@@ -50,6 +54,11 @@ class Region(ABC):
         if self._leases == 0:
             self._release_once()
 
+    def when_released(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the event loop) once the region let go of what it held
+        open: what was handed its descriptor lets go of it too."""
+        self._on_release.append(callback)
+
     def check_span(self, offset: int, byte_size: int, what: str) -> None:
         """INVALID_ARG unless ``[offset, offset + byte_size)`` lies inside the region."""
         if offset + byte_size > self.byte_size:
@@ -70,3 +79,6 @@ class Region(ABC):
         if not self._released:
             self._released = True
             self._release()
+            callbacks, self._on_release = self._on_release, []
+            for callback in callbacks:
+                callback()

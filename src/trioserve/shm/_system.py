@@ -37,17 +37,21 @@ and a truncation discards even the private copies of a ``MAP_PRIVATE`` mapping.
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._errors import InvalidArgumentError
+from ..ipc._windows import holds, read_window, shrunk_message, write_window
 from ._region import Region
 
 SHM_DIRECTORY = "/dev/shm"
 _NAME_MAX = 255  # the longest file name, as shm_open allows (NAME_MAX)
+_serials = itertools.count(1)
 
 
 class SystemRegion(Region):
@@ -58,6 +62,14 @@ class SystemRegion(Region):
         self.key = key
         self.offset = offset
         self._fd = _open_window(name, key, offset, byte_size)
+        # Which region this is, never reused: an instance process that was handed the
+        # descriptor knows the region by it (a name can be registered again).
+        self.serial = next(_serials)
+
+    @property
+    def descriptor(self) -> int:
+        """The object's descriptor: open until the region is released."""
+        return self._fd
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset,
@@ -67,35 +79,22 @@ class SystemRegion(Region):
         """Fill the uint8 array ``buffer`` with the region's bytes at ``offset`` (checked by
         the caller with ``check_span``); INVALID_ARG if the object no longer holds them."""
         view = buffer.data.cast("B")
-        position = self.offset + offset
-        done = 0
-        while done < len(view):  # a read may return less than asked, as any read
-            count = os.preadv(self._fd, [view[done:]], position + done)
-            if count == 0:  # the end of the file, inside the window
-                raise self._shrunk(offset, len(view), what)
-            done += count
+        if not read_window(self._fd, self.offset + offset, view):
+            raise self._shrunk(offset, len(view), what)
 
     def check_holds(self, offset: int, byte_size: int, what: str) -> None:
         """INVALID_ARG unless the object still holds the region's ``byte_size`` bytes at
         ``offset``: an output is refused before anything is written."""
-        if os.fstat(self._fd).st_size < self.offset + offset + byte_size:
+        if not holds(self._fd, self.offset + offset + byte_size):
             raise self._shrunk(offset, byte_size, what)
 
     def write(self, offset: int, raw: np.ndarray[Any, Any]) -> None:
         """Write the uint8 array ``raw`` at ``offset`` (checked by the caller with
         ``check_span`` and ``check_holds``) with pwrite, which cannot fault."""
-        data = np.ascontiguousarray(raw).data.cast("B")
-        position = self.offset + offset
-        while data:  # pwrite may write less than asked, as any write
-            written = os.pwrite(self._fd, data, position)
-            data, position = data[written:], position + written
+        write_window(self._fd, self.offset + offset, np.ascontiguousarray(raw).data.cast("B"))
 
     def _shrunk(self, offset: int, byte_size: int, what: str) -> InvalidArgumentError:
-        return InvalidArgumentError(
-            f"{what}: shared memory region '{self.name}' no longer holds its bytes "
-            f"{offset} to {offset + byte_size}: its object '{self.key}' was shrunk after "
-            "registration"
-        )
+        return InvalidArgumentError(shrunk_message(what, self.name, self.key, offset, byte_size))
 
     def _release(self) -> None:
         os.close(self._fd)
@@ -148,3 +147,40 @@ def _size(name: str) -> int:
         return len(name.encode())
     except UnicodeEncodeError:
         return -1
+
+
+class WindowInput(np.ndarray[Any, Any]):
+    """An input left in its client's system region, for a model whose instance process
+    reads it from there itself (``RequestRegions(windows=True)``): of the input's datatype
+    and shape, but holding none of its bytes (a read-only broadcast zero), so nothing is
+    copied in the server. The bytes are ``byte_size`` at ``offset`` of ``region``, which
+    the request leases until its response is written."""
+
+    region: SystemRegion
+    offset: int
+    byte_size: int
+
+    @classmethod
+    def over(
+        cls, region: SystemRegion, offset: int, byte_size: int, dtype: Any, shape: tuple[int, ...]
+    ) -> WindowInput:
+        window = stand_in(dtype, shape).view(cls)
+        window.region, window.offset, window.byte_size = region, offset, byte_size
+        return window
+
+
+@dataclass(slots=True)
+class OutputWindow:
+    """Where a requested output goes in a client's system region, for a model whose own
+    process may write it there itself (``RequestedOutput.place``): ``written`` says how
+    many bytes it wrote, once it did (None: the server writes the output)."""
+
+    region: SystemRegion
+    offset: int
+    byte_size: int
+    written: int | None = None
+
+
+def stand_in(dtype: Any, shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    """A read-only array of ``shape`` that holds one zero: a stand-in for bytes elsewhere."""
+    return np.broadcast_to(np.zeros((), dtype), shape)

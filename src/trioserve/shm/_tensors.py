@@ -11,6 +11,11 @@ system region is read into a read-only numpy array of its own while the request 
 decoded (through the region's descriptor, which cannot fault whatever the client does
 to its object: see ``_system``); outputs are copied in after the model ran, each checked
 to fit before any is written, so a failed request leaves every region as it was.
+A model whose instances run in processes of their own (``windows``) gets a fixed-size
+input in a system region as a ``WindowInput``: the instance process reads the bytes from
+the region's descriptor itself, so the server copies none of them; an output placed in
+a system region gets an ``OutputWindow`` as ``RequestedOutput.place``, which says so if
+that process wrote it there itself (checked as here, the same way).
 
 Work on a GPU waits on the device, and a copy from ``OFF_LOOP_BYTES`` (256 KiB) takes
 milliseconds, so both run in a worker thread, as models do. Decoding stays synchronous:
@@ -37,10 +42,11 @@ from .._errors import InvalidArgumentError, UnsupportedError
 from .._limits import OFF_LOOP_BYTES
 from .._tensor import Datatype, array_from_raw, array_to_raw, check_raw_size
 from .._types import InferenceResponse, OutputTensor, RequestedOutput
+from ..ipc._windows import too_small_message
 from ._cuda import CudaRegion, device_bytes, is_device_array, to_host
 from ._region import Region
 from ._registry import SharedMemoryRegistry
-from ._system import SystemRegion
+from ._system import OutputWindow, SystemRegion, WindowInput
 
 REGION = "shared_memory_region"
 BYTE_SIZE = "shared_memory_byte_size"
@@ -78,13 +84,18 @@ class RequestRegions:
     """
 
     __slots__ = (  # one per request
-        "_device", "_host_copies", "_leases", "_outputs", "_registry", "inputs_off_loop",
-        "leasing_from_thread", "outputs_off_loop",
+        "_device", "_host_copies", "_leases", "_outputs", "_places", "_registry", "_windows",
+        "inputs_off_loop", "leasing_from_thread", "outputs_off_loop",
     )  # fmt: skip
 
-    def __init__(self, registry: SharedMemoryRegistry, device: str = "cpu") -> None:
+    def __init__(
+        self, registry: SharedMemoryRegistry, device: str = "cpu", windows: bool = False
+    ) -> None:
         self._registry = registry
         self._device = device  # where the model runs: "gpu" models get cupy inputs
+        # The model's instance process reads system-region inputs itself: they stay there.
+        self._windows = windows
+        self._places: dict[str, OutputWindow] | None = None  # outputs a model may write
         self._leases: list[Region] = []
         self._outputs: dict[str, _Span] = {}
         self._host_copies: tuple[_HostCopy, ...] = ()  # rare: no list for every request
@@ -124,6 +135,11 @@ class RequestRegions:
         self, span: _Span, dt: Datatype, shape: tuple[int, ...], what: str
     ) -> np.ndarray[Any, Any]:
         region = span.region
+        # BYTES and BOOL are checked as they are read (parsed; bytes 0 or 1): read here.
+        handed = self._windows and not dt.is_bytes and dt.name != "BOOL"
+        if handed and isinstance(region, SystemRegion):
+            check_raw_size(dt, shape, span.byte_size, what)
+            return WindowInput.over(region, span.offset, span.byte_size, dt.dtype, shape)
         if isinstance(region, SystemRegion) and span.byte_size < OFF_LOOP_BYTES:
             return _read_input(region, span, dt, shape, what)
         if isinstance(region, CudaRegion) and self._device == "gpu" and not dt.is_bytes:
@@ -163,6 +179,11 @@ class RequestRegions:
                 span = self.span(output.parameters, f"output '{output.name}'")
                 if span is not None:
                     self._outputs[output.name] = span
+                    if self._windows and isinstance(span.region, SystemRegion):
+                        # The model's process may write it there itself.
+                        place = OutputWindow(span.region, span.offset, span.byte_size)
+                        output.place = place
+                        self._places = {**(self._places or {}), output.name: place}
                     if isinstance(span.region, CudaRegion) or span.byte_size >= OFF_LOOP_BYTES:
                         self.outputs_off_loop = True
 
@@ -184,19 +205,20 @@ class RequestRegions:
             if span is None:
                 _to_host(tensor)
                 continue
+            place = self._places.get(tensor.name) if self._places else None
+            if place is not None and place.written is not None:  # there already, checked
+                writes.append((tensor, span, None, place.written))
+                continue
             raw = _raw_output(tensor.data, tensor.datatype, span.region)
             size = int(raw.nbytes)
             if size > span.byte_size:
-                raise InvalidArgumentError(
-                    f"shared memory size specified with the request for output "
-                    f"'{tensor.name}' ({span.byte_size} bytes) should be at least {size} "
-                    "bytes to hold the results"
-                )
+                raise InvalidArgumentError(too_small_message(tensor.name, span.byte_size, size))
             if isinstance(span.region, SystemRegion):  # refused before anything is written
                 span.region.check_holds(span.offset, size, f"output '{tensor.name}'")
             writes.append((tensor, span, raw, size))
         for tensor, span, raw, size in writes:
-            _write(span, raw, size)
+            if raw is not None:
+                _write(span, raw, size)
             tensor.parameters = _reported(span, size)
 
     async def write_outputs_off_loop(self, response: InferenceResponse) -> None:
