@@ -88,22 +88,32 @@ class WireRequest:
         head: list[memoryview] = []
         raw: list[memoryview] = []
         start = pos = 0
+        # Keys and lengths under 128 (nearly all) are read inline: a call per varint was
+        # most of the scan's cost.
         while pos < size:
-            key, after = _varint(view, pos)
+            key = view[pos]
+            if key < 0x80:
+                after = pos + 1
+            else:
+                key, after = _varint(view, pos)
             wire = key & 7
-            if wire == 0:
-                _, after = _varint(view, after)
-            elif wire == 1:
-                after += 8
-            elif wire == 5:
-                after += 4
-            elif wire == 2:
-                length, after = _varint(view, after)
+            if wire == 2:
+                if after < size and view[after] < 0x80:
+                    length = view[after]
+                    after += 1
+                else:
+                    length, after = _varint(view, after)
                 if key >> 3 == _RAW_INPUT_FIELD:
                     head.append(view[start:pos])
                     raw.append(view[after : after + length])
                     start = after + length
                 after += length
+            elif wire == 0:
+                _, after = _varint(view, after)
+            elif wire == 1:
+                after += 8
+            elif wire == 5:
+                after += 4
             else:
                 raise DecodeError(f"unexpected wire type {wire}")
             if after > size:
