@@ -2,11 +2,15 @@
 through the same code a single process runs (the REST app, the gRPC method table), so
 every connection, whichever worker took it, gets the same answer.
 
-Each call runs in a task of its own. A CANCEL from the worker (its client left)
-withdraws it, as a client's disconnect does in one process: an INFER's ticket is
-withdrawn from its model's queue (the pipeline's ``Watch``, which costs an inference
-no cancel scope), any other call's cancel scope is cancelled. When the link dies (the
-worker exited), every call of that worker is cancelled; other workers' calls go on.
+An INFER (an inference the worker decoded) costs no task: it is submitted as its frame
+is read (``InferencePipeline.submit``), its ticket notes it as finished, and one task,
+``_answer_inferences``, answers every inference finished since its last turn in one
+ANSWER frame (the input blocks read meanwhile go back in one FREE). Every other call
+runs in a task of its own. A CANCEL from the worker (its client left) withdraws it, as
+a client's disconnect does in one process: an INFER's ticket is withdrawn from its
+model's queue, any other call's cancel scope is cancelled. When the link dies (the
+worker exited), every call of that worker is withdrawn or cancelled; other workers'
+calls go on.
 """
 
 from __future__ import annotations
@@ -16,16 +20,17 @@ import logging
 import math
 import weakref
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import trio
 
 from .._context import ServerContext
 from .._errors import ErrorKind, InferenceServerError
-from .._served import ServedModel, Ticket
+from .._pipeline import Submitted
+from .._served import ServedModel
 from .._tensor import array_from_raw, array_to_raw, datatype
-from .._types import InferenceRequest, InputTensor, RequestedOutput
+from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from ..grpc import (
     ClientGone,
     GrpcError,
@@ -87,9 +92,12 @@ class WorkerLink:
         self._rest_app = rest_app
         self._grpc_methods = grpc_methods
         self._calls: dict[int, trio.CancelScope] = {}
-        # Each INFER in flight: its ticket once submitted (None before, _LEFT if the
-        # worker cancelled it before it was submitted).
-        self._tickets: dict[int, Ticket | None] = {}
+        self._inferences: dict[int, _Inference] = {}  # each INFER in flight
+        self._finished: list[_Inference] = []  # for ``_answer_inferences``' next turn
+        self._outcomes: list[tuple[int, tuple[Any, ...], bool]] = []  # its next ANSWER's
+        self._outcome_blocks: list[Payload] = []
+        self._read: list[Block] = []  # input blocks done with, for its next FREE
+        self._answerer: trio.lowlevel.Task | None = None  # while it waits for work
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
         self._pulls: Replies[Snapshot] = Replies()
         self._answers: list[tuple[int, tuple[Any, ...], bool]] = []  # for the next ANSWER
@@ -102,6 +110,7 @@ class WorkerLink:
         try:
             async with trio.open_nursery() as calls:
                 self._nursery = calls
+                calls.start_soon(self._answer_inferences)
                 try:
                     while True:
                         for message, fds in frames:
@@ -111,6 +120,7 @@ class WorkerLink:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it
         finally:
             self._nursery = None
+            self._abandon_inferences()
             self._pulls.fail_all(LinkClosed("the worker exited"))
             self.channel.close()
             self.peer.close()
@@ -131,8 +141,7 @@ class WorkerLink:
     def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == INFER:
-            self._tickets[message[1]] = None
-            calls.start_soon(self._infer, *message[1:])
+            self._infer(*message[1:])
         elif kind == HTTP:
             calls.start_soon(self._http, *message[1:])
         elif kind == GRPC:
@@ -164,21 +173,8 @@ class WorkerLink:
         scope = self._calls.get(call)
         if scope is not None:
             scope.cancel()
-        elif call in self._tickets:
-            ticket = self._tickets[call]
-            if ticket is None:
-                self._tickets[call] = _LEFT  # withdrawn as soon as it is submitted
-            else:
-                ticket.withdraw()
-
-    def track(self, ticket: Ticket, call: int) -> None:
-        """An INFER's ticket is in its model's queue (``_pipeline.Watch``)."""
-        if self._tickets.get(call) is _LEFT:
-            ticket.withdraw()
-        self._tickets[call] = ticket
-
-    def untrack(self, ticket: Ticket, token: None) -> None:
-        pass  # ``_infer`` forgets the call when it ends, whether it was submitted or not
+        elif (inference := self._inferences.get(call)) is not None:
+            inference.submitted.ticket.withdraw()  # finished: not answered, inputs freed
 
     async def _answer(
         self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
@@ -208,7 +204,7 @@ class WorkerLink:
             except LinkClosed:
                 return
 
-    async def _infer(
+    def _infer(
         self,
         call: int,
         endpoint: str,
@@ -221,45 +217,138 @@ class WorkerLink:
         report: tuple[str, Any] | None,
         trace_context: dict[Any, Any] | None,
     ) -> None:
-        """An inference the worker decoded: the pipeline reads its inputs in place. A
-        withdrawn one (its client left) is not answered: the worker dropped it."""
-        context = self._context
-        outcome: tuple[Any, ...]
-        blocks: list[Payload] = []
-        kept: list[Block] = []  # input blocks freed once the model lets go of their arrays
-        try:
-            served = context.repository.get(model, version)
+        """Submit an inference the worker decoded (the pipeline reads its inputs in
+        place); ``_answer_inferences`` answers it once its ticket has its outcome. One
+        refused or failing here is answered in that task's next turn too."""
+        inference = _Inference(self, call, model, version, inputs, report)
 
-            def decode(regions: object) -> InferenceRequest:
-                return InferenceRequest(
-                    model, version, self._input_tensors(inputs, kept),
-                    [RequestedOutput(name, params) for name, params in outputs],
-                    request_id, parameters,
-                )  # fmt: skip
-
-            done = await context.pipeline.infer(
-                served, decode, self, call, endpoint=endpoint, headers=trace_context
-            )
-            if done is None:
-                return
-            response = done[1]
-            tensors = []
-            for tensor in response.outputs:
-                payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
-                blocks.append(payload)
-                tensors.append(
-                    (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
-                )
-            outcome = (
-                OUTCOME, None, response.model_name, response.model_version, response.id,
-                response.parameters, tensors, _load_report(context, served, report),
+        def decode(regions: object) -> InferenceRequest:
+            return InferenceRequest(
+                model, version, self._input_tensors(inputs, inference.kept),
+                [RequestedOutput(name, params) for name, params in outputs],
+                request_id, parameters,
             )  # fmt: skip
+
+        try:
+            inference.served = served = self._context.repository.get(model, version)
+            inference.submitted = self._context.pipeline.submit(
+                served, decode, endpoint=endpoint, headers=trace_context
+            )
         except Exception as exc:
-            outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
-        finally:
-            del self._tickets[call]
-            await self._release(*[given[3] for given in inputs if given[3] not in kept])
-        await self._answer(call, outcome, True, *blocks)
+            self._read_inputs(inference)
+            self._outcomes.append((call, _failed(exc, model, version), True))
+            self._wake_answerer()
+            return
+        self._inferences[call] = inference
+        inference.submitted.ticket.when_finished(inference.finished)
+
+    def _finished_inference(self, inference: _Inference) -> None:
+        """``inference``'s ticket has its outcome (called inside its model's runner)."""
+        self._finished.append(inference)
+        self._wake_answerer()
+
+    def _wake_answerer(self) -> None:
+        answerer = self._answerer
+        if answerer is not None:
+            self._answerer = None
+            trio.lowlevel.reschedule(answerer)
+
+    def _stop_waiting(self, _: object) -> trio.lowlevel.Abort:
+        self._answerer = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def _answer_inferences(self) -> None:
+        """Answer the inferences finished since the last turn, in one ANSWER frame
+        (those of a batch finish together), and free the input blocks they read."""
+        while True:
+            if not (self._finished or self._outcomes):
+                self._answerer = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+            try:
+                await self._send_answers()
+            except LinkClosed:
+                return  # the worker is gone; serve() withdraws the rest
+
+    async def _send_answers(self) -> None:
+        self._answer_finished()
+        read, self._read = self._read, []
+        outcomes, self._outcomes = self._outcomes, []
+        blocks, self._outcome_blocks = self._outcome_blocks, []
+        if read:
+            await self.out.send((FREE, read))
+        if outcomes:
+            await self.out.send((ANSWER, outcomes), *blocks)
+
+    def _answer_finished(self) -> None:
+        # A method of its own: nothing of these inferences stays in the frame of the
+        # waiting task (a model may keep an input: its block is freed once let go).
+        finished, self._finished = self._finished, []
+        for inference in finished:
+            self._answer_inference(inference)
+
+    def _answer_inference(self, inference: _Inference) -> None:
+        """Add a finished inference's answer to the next ANSWER (none if withdrawn: the
+        worker dropped it), its input blocks to the next FREE."""
+        del self._inferences[inference.call]
+        submitted = inference.submitted
+        if submitted.writes_off_loop:  # a device's outputs are copied in a thread
+            assert self._nursery is not None
+            self._nursery.start_soon(self._answer_off_loop, inference)
+            return
+        self._read_inputs(inference)
+        try:
+            response = submitted.finish()
+            if response is None:
+                return
+            outcome = self._outcome(inference, response)
+        except Exception as exc:
+            outcome = _failed(exc, inference.model, inference.version)
+        self._outcomes.append((inference.call, outcome, True))
+
+    async def _answer_off_loop(self, inference: _Inference) -> None:
+        self._read_inputs(inference)
+        try:
+            response = await inference.submitted.finish_off_loop()
+            if response is None:
+                return
+            outcome = self._outcome(inference, response)
+        except Exception as exc:
+            outcome = _failed(exc, inference.model, inference.version)
+        self._outcomes.append((inference.call, outcome, True))
+        self._wake_answerer()
+
+    def _outcome(self, inference: _Inference, response: InferenceResponse) -> tuple[Any, ...]:
+        """An answered inference's OUTCOME; its output blocks go with the next ANSWER."""
+        tensors = []
+        for tensor in response.outputs:
+            payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
+            self._outcome_blocks.append(payload)
+            tensors.append(
+                (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
+            )
+        report = _load_report(self._context, inference.served, inference.report)
+        return (
+            OUTCOME, None, response.model_name, response.model_version, response.id,
+            response.parameters, tensors, report,
+        )  # fmt: skip
+
+    def _read_inputs(self, inference: _Inference) -> None:
+        """The worker may reuse the input blocks no model array still reads."""
+        kept = inference.kept
+        for given in inference.inputs:
+            payload = given[3]
+            if isinstance(payload, Block) and payload not in kept:
+                self._read.append(payload)
+
+    def _abandon_inferences(self) -> None:
+        """The link is gone: withdraw what it had in flight, and let go of what
+        finished unanswered."""
+        for inference in list(self._inferences.values()):
+            inference.submitted.ticket.withdraw()
+        for inference in self._finished:
+            inference.submitted.abandon()
+        self._inferences.clear()
+        self._finished.clear()
 
     def _input_tensors(self, inputs: list[Tensor], kept: list[Block]) -> dict[str, InputTensor]:
         """The inputs as the model sees them: a large one reads the worker's block in
@@ -390,7 +479,41 @@ class WorkerLink:
 
 
 Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
-_LEFT = cast(Ticket, object())  # an INFER cancelled before its ticket was submitted
+
+
+class _Inference:
+    """An INFER in flight: what its answer needs once its ticket has its outcome."""
+
+    __slots__ = (
+        "call", "inputs", "kept", "link", "model", "report", "served", "submitted", "version",
+    )  # fmt: skip
+
+    served: ServedModel
+    submitted: Submitted
+
+    def __init__(
+        self,
+        link: WorkerLink,
+        call: int,
+        model: str,
+        version: str,
+        inputs: list[Tensor],
+        report: tuple[str, Any] | None,
+    ) -> None:
+        self.link = link
+        self.call = call
+        self.model = model
+        self.version = version
+        self.inputs = inputs
+        self.kept: list[Block] = []  # input blocks freed once the model lets go of them
+        self.report = report
+
+    def finished(self) -> None:
+        self.link._finished_inference(self)
+
+
+def _failed(exc: Exception, model: str, version: str) -> tuple[Any, ...]:
+    return (OUTCOME, _error(exc), model, version, "", {}, [], None)
 
 
 def _error(exc: Exception) -> tuple[str, str]:
