@@ -106,8 +106,26 @@ def keeper() -> Keeper:
 
 
 @pytest.fixture
-async def server(gate: GatedModel, keeper: Keeper) -> AsyncIterator[Server]:
-    async with open_test_server([gate, keeper.model()]) as server:
+def on_device() -> Model:
+    """A model whose outputs are written off the loop, as a GPU model's (copied to the
+    host in a worker thread); here they are numpy already."""
+
+    @trioserve.model(
+        name="on_device",
+        inputs=[TensorSpec("INPUT0", "FP32", [1])],
+        outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
+        max_batch_size=8,
+        device="gpu",
+    )
+    def on_device(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
+        return {"OUTPUT0": INPUT0 * 2}
+
+    return on_device
+
+
+@pytest.fixture
+async def server(gate: GatedModel, keeper: Keeper, on_device: Model) -> AsyncIterator[Server]:
+    async with open_test_server([gate, keeper.model(), on_device]) as server:
         yield server
 
 
@@ -281,3 +299,19 @@ async def test_the_inferences_of_a_worker_that_leaves_are_withdrawn(
     statistics = model_statistics(server, "delay")
     assert statistics.failures[FailureReason.CANCELED] == 3  # the one executing too
     assert statistics.inference_count == 0  # none answered
+
+
+async def test_inferences_whose_outputs_are_written_off_the_loop_are_answered(
+    autojump_clock: trio.abc.Clock, worker: Worker
+) -> None:
+    await worker.send_together(
+        _infer(-1, 1.0, model="on_device"),
+        _infer(-2, 2.0, model="on_device", width=2),  # refused: one value per item
+        _infer(-3, 3.0, model="on_device"),
+    )
+    outcomes: dict[int, tuple[Any, ...]] = {}
+    while len(outcomes) < 3:
+        for frame in await worker.outcomes():
+            outcomes.update(frame)
+    assert _value(outcomes[-1]) == 2.0 and _value(outcomes[-3]) == 6.0
+    assert outcomes[-2][1][0] == "INVALID_ARG"
