@@ -236,7 +236,7 @@ class WorkerLink:
             )
         except Exception as exc:
             self._read_inputs(inference)
-            self._outcomes.append((call, _failed(exc, model, version), True))
+            self._add_failure(inference, exc)
             self._wake_answerer()
             return
         self._inferences[call] = inference
@@ -297,25 +297,27 @@ class WorkerLink:
             return
         self._read_inputs(inference)
         try:
-            response = submitted.finish()
-            if response is None:
-                return
-            outcome = self._outcome(inference, response)
+            self._add_outcome(inference, submitted.finish())
         except Exception as exc:
-            outcome = _failed(exc, inference.model, inference.version)
-        self._outcomes.append((inference.call, outcome, True))
+            self._add_failure(inference, exc)
 
     async def _answer_off_loop(self, inference: _Inference) -> None:
         self._read_inputs(inference)
         try:
-            response = await inference.submitted.finish_off_loop()
-            if response is None:
-                return
-            outcome = self._outcome(inference, response)
+            self._add_outcome(inference, await inference.submitted.finish_off_loop())
         except Exception as exc:
-            outcome = _failed(exc, inference.model, inference.version)
-        self._outcomes.append((inference.call, outcome, True))
+            self._add_failure(inference, exc)
         self._wake_answerer()
+
+    def _add_outcome(self, inference: _Inference, response: InferenceResponse | None) -> None:
+        if response is not None:
+            self._outcomes.append((inference.call, self._outcome(inference, response), True))
+
+    def _add_failure(self, inference: _Inference, exc: Exception) -> None:
+        outcome: tuple[Any, ...] = (
+            OUTCOME, _error(exc), inference.model, inference.version, "", {}, [], None
+        )  # fmt: skip
+        self._outcomes.append((inference.call, outcome, True))
 
     def _outcome(self, inference: _Inference, response: InferenceResponse) -> tuple[Any, ...]:
         """An answered inference's OUTCOME; its output blocks go with the next ANSWER."""
@@ -510,10 +512,6 @@ class _Inference:
 
     def finished(self) -> None:
         self.link._finished_inference(self)
-
-
-def _failed(exc: Exception, model: str, version: str) -> tuple[Any, ...]:
-    return (OUTCOME, _error(exc), model, version, "", {}, [], None)
 
 
 def _error(exc: Exception) -> tuple[str, str]:
