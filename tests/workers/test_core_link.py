@@ -18,6 +18,7 @@ from trioserve.models import reference_zoo
 from trioserve.testing import (
     FailureReason,
     GatedModel,
+    TimedLM,
     gated,
     model_statistics,
     open_test_server,
@@ -125,7 +126,7 @@ def on_device() -> Model:
 
 @pytest.fixture
 async def server(gate: GatedModel, keeper: Keeper, on_device: Model) -> AsyncIterator[Server]:
-    async with open_test_server([gate, keeper.model(), on_device]) as server:
+    async with open_test_server([gate, keeper.model(), on_device, TimedLM()]) as server:
         yield server
 
 
@@ -315,3 +316,21 @@ async def test_inferences_whose_outputs_are_written_off_the_loop_are_answered(
             outcomes.update(frame)
     assert _value(outcomes[-1]) == 2.0 and _value(outcomes[-3]) == 6.0
     assert outcomes[-2][1][0] == "INVALID_ARG"
+
+
+def _generate(call: int, prompt: bytes) -> tuple[Any, ...]:
+    """An OIP inference of the generative fake (its text continues the prompt's bytes)."""
+    inputs = [("text_input", "BYTES", (1,), len(prompt).to_bytes(4, "little") + prompt, {})]
+    parameters = {"max_tokens": 3}
+    return (INFER, call, "HTTP end point", "timed_lm", "", "", parameters, inputs, [], None, None)
+
+
+async def test_a_generative_models_inferences_are_answered_or_withdrawn(
+    autojump_clock: trio.abc.Clock, worker: Worker
+) -> None:
+    await worker.send_together(_generate(-1, b"hello"), _generate(-2, b"hello"), (CANCEL, -2))
+    frames = await worker.outcomes()
+    assert [list(frame) for frame in frames] == [[-1]]  # the withdrawn one is not answered
+    ((name, datatype, shape, data, _),) = frames[0][-1][6]
+    assert (name, datatype, shape) == ("text_output", "BYTES", (1,))
+    assert data == (3).to_bytes(4, "little") + b"pqr"
