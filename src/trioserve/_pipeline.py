@@ -29,6 +29,14 @@ A front end may also pass a ``Watch``: the watch tracks the ticket while it wait
 may withdraw it (REST's and gRPC's do when the client disconnects), in which case
 ``infer`` returns None: there is nobody left to answer.
 
+A front end that handles many requests in one task (the core's end of a front-end
+worker's link, whose frames carry several inferences) takes the same steps apart instead:
+``submit`` runs steps 1, 2, 4 and 5's submission at once and returns a ``Submitted``,
+whose ticket calls back when its outcome is known (``Ticket.when_finished``); then
+``Submitted.finish`` runs 6 and 7. No task, coroutine or cancel scope per request: the
+front end withdraws the ticket itself. Its ``decode`` must lease no regions to read
+off the loop (step 3), as the worker's decoded inferences carry their tensors.
+
 When the server traces (``tracing``), ``infer`` asks its ``TraceControl`` whether this
 request is traced, before decoding it: a traced request carries its ``Trace``, which the
 runner stamps with its queue and compute times, and which ends here once the outputs
@@ -55,7 +63,7 @@ import trio
 from ._errors import InferenceServerError, UnsupportedError
 from ._served import Answer, ServedModel, Ticket
 from ._types import InferenceRequest, InferenceResponse
-from .metrics import LoadReporter
+from .metrics import Counting, LoadReporter
 from .scheduler import (
     GenerationChunk,
     GenerationRequest,
@@ -220,6 +228,38 @@ class InferencePipeline:
             _release(regions, trace)
         return request, response
 
+    def submit(
+        self,
+        served: ServedModel,
+        decode: Decode,
+        *,
+        endpoint: str,
+        headers: Mapping[Any, Any] | None = None,
+    ) -> Submitted:
+        """Admit, decode and queue the request ``decode`` gives, as ``infer`` does, in
+        one synchronous step; its outcome comes through ``Submitted``. A refusal, a
+        failed decode or submission raises here (counted as ``infer`` counts them)."""
+        if served.model.decoupled:
+            raise UnsupportedError(
+                f"{endpoint} doesn't support models with decoupled transaction policy"
+            )
+        regions, trace = self._admit(served, headers)
+        try:
+            request = decode(regions)
+            if trace is not None:
+                _arrived(request, regions, trace)
+            assert not regions.inputs_off_loop, "submit() reads no inputs off the loop"
+            counting = self._load.counting(served)
+            try:
+                ticket = served.submit(request)
+            except Exception:
+                with counting:  # a refusal counts as a failure, as in ``infer``
+                    raise
+        except BaseException:
+            _release(regions, trace)
+            raise
+        return Submitted(ticket, regions, trace, counting)
+
     async def infer_decoupled(
         self,
         served: ServedModel,
@@ -273,6 +313,62 @@ class InferencePipeline:
 
     def _sample(self, served: ServedModel, headers: Mapping[Any, Any] | None) -> Trace | None:
         return self._tracing.sample(served.model.name, served.version, headers)
+
+
+class Submitted:
+    """An inference queued by ``InferencePipeline.submit``: once its ``ticket`` has its
+    outcome, ``finish`` (or ``finish_off_loop`` where ``writes_off_loop``) ends it."""
+
+    __slots__ = ("_counting", "_regions", "_trace", "ticket")
+
+    def __init__(
+        self, ticket: Ticket, regions: RequestRegions, trace: Trace | None, counting: Counting
+    ) -> None:
+        self.ticket = ticket
+        self._regions = regions
+        self._trace = trace
+        self._counting = counting
+
+    @property
+    def writes_off_loop(self) -> bool:
+        """Its outputs are written off the loop (a device's): ``finish_off_loop``."""
+        return self._regions.outputs_off_loop
+
+    def finish(self) -> InferenceResponse | None:
+        """The response, None if the ticket was withdrawn, or the request's error raised;
+        the request is counted toward the load, its regions released, its trace ended."""
+        try:
+            with self._counting as counting:
+                response = self._outcome(counting)
+                if response is not None:
+                    _write(self._regions, response, self._trace)  # on the loop: None
+        finally:
+            _release(self._regions, self._trace)
+        return response
+
+    async def finish_off_loop(self) -> InferenceResponse | None:
+        """``finish`` for outputs written off the loop (``writes_off_loop``)."""
+        try:
+            with self._counting as counting:
+                response = self._outcome(counting)
+                if response is not None and (
+                    writing := _write(self._regions, response, self._trace)
+                ):
+                    await writing
+        finally:
+            _release(self._regions, self._trace)
+        return response
+
+    def abandon(self) -> None:
+        """Nobody will read the outcome (the front end is gone): the request is left out
+        of the load, its regions are released and its trace ended."""
+        _release(self._regions, self._trace)
+
+    def _outcome(self, counting: Counting) -> InferenceResponse | None:
+        if self.ticket.withdrawn:
+            counting.uncounted()  # nobody waits for it
+            return None
+        return self.ticket.outcome()
 
 
 # The steps around the wait are plain functions that hand back what is left to await, if

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -83,6 +83,11 @@ class Ticket(Protocol):
     def finished(self) -> bool: ...
 
     async def wait(self) -> None: ...
+
+    def when_finished(self, callback: Callable[[], object], /) -> None:
+        """Call ``callback`` once the outcome is known (now, if it is), instead of a task
+        waiting; it runs where the outcome is set, so it must not raise."""
+        ...
 
     def outcome(self) -> InferenceResponse:
         """The response, or the error raised, only once: the ticket hands the error over

@@ -15,7 +15,14 @@ from trioserve import Model, TensorSpec
 from trioserve._server import Server
 from trioserve.ipc import Arena, Block, TrioChannel, channel_pair, encode_frames
 from trioserve.models import reference_zoo
-from trioserve.testing import GatedModel, gated, model_statistics, open_test_server
+from trioserve.testing import (
+    FailureReason,
+    GatedModel,
+    TimedLM,
+    gated,
+    model_statistics,
+    open_test_server,
+)
 from trioserve.workers._core_link import WorkerLink
 from trioserve.workers._wire import ANSWER, CANCEL, FREE, INFER, OUTCOME, Outbound, new_arena
 
@@ -36,6 +43,14 @@ class Worker:
     async def infer(self, call: int, value: float) -> None:
         await self.channel.send(_infer(call, value))
 
+    async def outcomes(self) -> list[dict[int, tuple[Any, ...]]]:
+        """The next ANSWER frames to come, each as its OUTCOMEs by call."""
+        frames = []
+        for message, _ in await self.channel.receive():
+            assert message[0] == ANSWER
+            frames.append({call: item for call, item, last in message[1] if last})
+        return frames
+
     async def answers(self) -> list[tuple[int, float]]:
         """The next answers to come: (call, OUTPUT0) each."""
         answers = []
@@ -48,10 +63,17 @@ class Worker:
         return answers
 
 
-def _infer(call: int, value: float) -> tuple[Any, ...]:
-    data = np.array([[value]], np.float32).tobytes()
-    inputs = [("INPUT0", "FP32", (1, 1), data, {})]
-    return (INFER, call, "HTTP end point", "delay", "", "", {}, inputs, [], None, None)
+def _infer(call: int, value: float, model: str = "delay", width: int = 1) -> tuple[Any, ...]:
+    data = np.full((1, width), value, np.float32).tobytes()
+    inputs = [("INPUT0", "FP32", (1, width), data, {})]
+    return (INFER, call, "HTTP end point", model, "", "", {}, inputs, [], None, None)
+
+
+def _value(outcome: tuple[Any, ...]) -> float:
+    """An answered inference's OUTPUT0."""
+    assert outcome[0] == OUTCOME and outcome[1] is None
+    (_, _, _, data, _), *_ = outcome[6]
+    return float(np.frombuffer(data, np.float32)[0])
 
 
 class Keeper:
@@ -85,8 +107,26 @@ def keeper() -> Keeper:
 
 
 @pytest.fixture
-async def server(gate: GatedModel, keeper: Keeper) -> AsyncIterator[Server]:
-    async with open_test_server([gate, keeper.model()]) as server:
+def on_device() -> Model:
+    """A model whose outputs are written off the loop, as a GPU model's (copied to the
+    host in a worker thread); here they are numpy already."""
+
+    @trioserve.model(
+        name="on_device",
+        inputs=[TensorSpec("INPUT0", "FP32", [1])],
+        outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
+        max_batch_size=8,
+        device="gpu",
+    )
+    def on_device(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
+        return {"OUTPUT0": INPUT0 * 2}
+
+    return on_device
+
+
+@pytest.fixture
+async def server(gate: GatedModel, keeper: Keeper, on_device: Model) -> AsyncIterator[Server]:
+    async with open_test_server([gate, keeper.model(), on_device, TimedLM()]) as server:
         yield server
 
 
@@ -178,3 +218,119 @@ async def test_the_answers_of_one_batch_go_in_one_frame(
             assert message[0] == ANSWER
             frames.append([call for call, _, _ in message[1]])
     assert [set(calls) for calls in frames] == [{-1}, {-2, -3}]
+
+
+def _tasks() -> int:
+    return trio.lowlevel.current_statistics().tasks_living
+
+
+async def test_a_frame_of_inferences_is_submitted_and_answered_in_one_pass(
+    autojump_clock: trio.abc.Clock, server: Server, gate: GatedModel, worker: Worker
+) -> None:
+    """The inferences of one frame are queued as it is read, with no task each, and
+    those that finish together are answered together."""
+    await worker.infer(-1, 1.0)
+    await gate.entered.wait()  # the one instance is busy until release
+    tasks = _tasks()
+    await worker.send_together(_infer(-2, 2.0), _infer(-3, 3.0), _infer(-4, 4.0))
+    await _queued(server, 3)
+    assert _tasks() == tasks
+    gate.release.set()  # -1 runs, then the three in one batch
+    frames = await worker.outcomes()
+    while sum(map(len, frames)) < 4:
+        frames += await worker.outcomes()
+    assert [{call: _value(outcome) for call, outcome in frame.items()} for frame in frames] == [
+        {-1: 1.0},
+        {-2: 2.0, -3: 3.0, -4: 4.0},
+    ]
+
+
+async def test_a_cancel_withdraws_only_its_own_inference_of_a_frame(
+    autojump_clock: trio.abc.Clock, server: Server, gate: GatedModel, worker: Worker
+) -> None:
+    await worker.infer(-1, 1.0)
+    await gate.entered.wait()
+    await worker.send_together(_infer(-2, 2.0), _infer(-3, 3.0), _infer(-4, 4.0), (CANCEL, -3))
+    await _queued(server, 2)
+    gate.release.set()
+    answered: list[tuple[int, float]] = []
+    while len(answered) < 3:
+        answered += await worker.answers()
+    assert sorted(answered) == [(-4, 4.0), (-2, 2.0), (-1, 1.0)]
+    statistics = model_statistics(server, "delay")
+    assert statistics.inference_count == 3
+    assert statistics.failures[FailureReason.CANCELED] == 1
+
+
+async def test_a_failing_inference_does_not_fail_the_others_of_its_frame(
+    autojump_clock: trio.abc.Clock, server: Server, gate: GatedModel, worker: Worker
+) -> None:
+    gate.release.set()
+    await worker.send_together(
+        _infer(-1, 1.0),
+        _infer(-2, 2.0, model="no_such_model"),  # refused as it is submitted
+        _infer(-3, 3.0, width=2),  # the model takes one value per item
+        _infer(-4, 4.0),
+    )
+    outcomes: dict[int, tuple[Any, ...]] = {}
+    while len(outcomes) < 4:
+        for frame in await worker.outcomes():
+            outcomes.update(frame)
+    assert _value(outcomes[-1]) == 1.0 and _value(outcomes[-4]) == 4.0
+    assert outcomes[-2][:2] == (
+        OUTCOME,
+        ("NOT_FOUND", "Request for unknown model: 'no_such_model' is not found"),
+    )
+    assert outcomes[-3][1][0] == "INVALID_ARG"
+    assert outcomes[-3][1][1].startswith("unexpected shape for input 'INPUT0'")
+    assert model_statistics(server, "delay").inference_count == 2
+
+
+async def test_the_inferences_of_a_worker_that_leaves_are_withdrawn(
+    autojump_clock: trio.abc.Clock, server: Server, gate: GatedModel, worker: Worker
+) -> None:
+    await worker.infer(-1, 1.0)
+    await gate.entered.wait()
+    await worker.send_together(_infer(-2, 2.0), _infer(-3, 3.0))
+    await _queued(server, 2)
+    worker.channel.close()
+    await _queued(server, 0)
+    gate.release.set()
+    await server.repository.get("delay").wait_until(lambda stats: not stats.executing)  # type: ignore[attr-defined]
+    statistics = model_statistics(server, "delay")
+    assert statistics.failures[FailureReason.CANCELED] == 3  # the one executing too
+    assert statistics.inference_count == 0  # none answered
+
+
+async def test_inferences_whose_outputs_are_written_off_the_loop_are_answered(
+    autojump_clock: trio.abc.Clock, worker: Worker
+) -> None:
+    await worker.send_together(
+        _infer(-1, 1.0, model="on_device"),
+        _infer(-2, 2.0, model="on_device", width=2),  # refused: one value per item
+        _infer(-3, 3.0, model="on_device"),
+    )
+    outcomes: dict[int, tuple[Any, ...]] = {}
+    while len(outcomes) < 3:
+        for frame in await worker.outcomes():
+            outcomes.update(frame)
+    assert _value(outcomes[-1]) == 2.0 and _value(outcomes[-3]) == 6.0
+    assert outcomes[-2][1][0] == "INVALID_ARG"
+
+
+def _generate(call: int, prompt: bytes) -> tuple[Any, ...]:
+    """An OIP inference of the generative fake (its text continues the prompt's bytes)."""
+    inputs = [("text_input", "BYTES", (1,), len(prompt).to_bytes(4, "little") + prompt, {})]
+    parameters = {"max_tokens": 3}
+    return (INFER, call, "HTTP end point", "timed_lm", "", "", parameters, inputs, [], None, None)
+
+
+async def test_a_generative_models_inferences_are_answered_or_withdrawn(
+    autojump_clock: trio.abc.Clock, worker: Worker
+) -> None:
+    await worker.send_together(_generate(-1, b"hello"), _generate(-2, b"hello"), (CANCEL, -2))
+    frames = await worker.outcomes()
+    assert [list(frame) for frame in frames] == [[-1]]  # the withdrawn one is not answered
+    ((name, datatype, shape, data, _),) = frames[0][-1][6]
+    assert (name, datatype, shape) == ("text_output", "BYTES", (1,))
+    assert data == (3).to_bytes(4, "little") + b"pqr"

@@ -4,7 +4,7 @@ server instance."""
 
 from ._counters import CountersCollector
 from ._llm_telemetry import LLMMetricFamilies
-from ._orca import FORMAT_HEADER, REPORT_HEADER, LoadReport, LoadReporter
+from ._orca import FORMAT_HEADER, REPORT_HEADER, Counting, LoadReport, LoadReporter
 from ._registry import CONTENT_TYPE, exposition, server_registry
 from ._status import StatusReport
 
@@ -13,6 +13,7 @@ __all__ = [
     "FORMAT_HEADER",
     "REPORT_HEADER",
     "CountersCollector",
+    "Counting",
     "LLMMetricFamilies",
     "LoadReport",
     "LoadReporter",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Protocol
 
@@ -94,6 +94,7 @@ class _CollectedTicket:
         self._error: Exception | None = None
         self.record: EngineRequest | None = None  # once admitted (its prompt tokenized)
         self.admission = trio.CancelScope()
+        self._on_finished: Callable[[], object] | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +103,18 @@ class _CollectedTicket:
     async def wait(self) -> None:
         """Return once the outcome is known."""
         await self._done.wait()
+
+    def when_finished(self, callback: Callable[[], object]) -> None:
+        if self.finished:
+            callback()
+        else:
+            self._on_finished = callback
+
+    def _set_done(self) -> None:
+        self._done.set()
+        callback, self._on_finished = self._on_finished, None
+        if callback is not None:
+            callback()
 
     @property
     def withdrawn(self) -> bool:
@@ -122,11 +135,11 @@ class _CollectedTicket:
             [OutputTensor("text_output", _BYTES, texts)],
             id=self._request.id,
         )
-        self._done.set()
+        self._set_done()
 
     def fail(self, error: Exception) -> None:
         self._error = error
-        self._done.set()
+        self._set_done()
 
     def withdraw(self) -> None:
         """The client gave up: abort the generation and fail this ticket as cancelled."""

@@ -4,6 +4,7 @@ and the errors it may end with."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,7 +32,8 @@ class Ticket:
     ``wait`` can be cancelled without consequence; the caller decides whether to
     ``withdraw`` the request. One task waits on a ticket (the front end that submitted
     it), so it is rescheduled directly rather than through a ``trio.Event``, which would
-    cost a parking lot per request.
+    cost a parking lot per request. A front end that collects many tickets in one task
+    asks for a call instead (``when_finished``).
     """
 
     request: InferenceRequest
@@ -45,6 +47,7 @@ class Ticket:
     cache_ns: int = 0  # time spent looking it up in the response cache
     responses: DecoupledResponses | None = None  # a decoupled model's answers
     _waiter: trio.lowlevel.Task | None = None
+    _on_finished: Callable[[], object] | None = None
 
     async def wait(self) -> None:
         """Return once the outcome is known."""
@@ -60,6 +63,14 @@ class Ticket:
         self._waiter = None
         return trio.lowlevel.Abort.SUCCEEDED
 
+    def when_finished(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` once the outcome is known (now, if it is): it runs inside
+        the runner, so it must not raise, and should only note the ticket for a task."""
+        if self.finished:
+            callback()
+        else:
+            self._on_finished = callback
+
     def _resolve(
         self, response: InferenceResponse | None, error: InferenceServerError | None
     ) -> None:
@@ -70,6 +81,10 @@ class Ticket:
         if waiter is not None:
             self._waiter = None
             trio.lowlevel.reschedule(waiter)
+        callback = self._on_finished
+        if callback is not None:
+            self._on_finished = None
+            callback()
 
     def withdraw(self) -> None:
         """The client gave up: fail this request as cancelled and take it out of the queue."""

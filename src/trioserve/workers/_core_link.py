@@ -2,30 +2,25 @@
 through the same code a single process runs (the REST app, the gRPC method table), so
 every connection, whichever worker took it, gets the same answer.
 
-Each call runs in a task of its own. A CANCEL from the worker (its client left)
-withdraws it, as a client's disconnect does in one process: an INFER's ticket is
-withdrawn from its model's queue (the pipeline's ``Watch``, which costs an inference
-no cancel scope), any other call's cancel scope is cancelled. When the link dies (the
-worker exited), every call of that worker is cancelled; other workers' calls go on.
+An INFER (an inference the worker decoded) costs no task: ``_core_infer`` submits it as
+its frame is read and answers it with the others finished in the same turn. Every other
+call runs in a task of its own. A CANCEL from the worker (its client left) withdraws it, as
+a client's disconnect does in one process: an INFER's ticket is withdrawn from its
+model's queue, any other call's cancel scope is cancelled. When the link dies (the
+worker exited), every call of that worker is withdrawn or cancelled; other workers'
+calls go on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import weakref
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
-import numpy as np
 import trio
 
 from .._context import ServerContext
-from .._errors import ErrorKind, InferenceServerError
-from .._served import ServedModel, Ticket
-from .._tensor import array_from_raw, array_to_raw, datatype
-from .._types import InferenceRequest, InputTensor, RequestedOutput
 from ..grpc import (
     ClientGone,
     GrpcError,
@@ -34,13 +29,12 @@ from ..grpc import (
     StreamMethod,
     UnaryMethod,
     WireReply,
-    add_load_report,
     parse_message,
     status_of,
 )
 from ..ipc import Block, LinkClosed, Replies, SegmentMap, TrioChannel
-from ..metrics import FORMAT_HEADER
-from ..rest import RestApp, load_report_header
+from ..rest import RestApp
+from ._core_infer import ForwardedCall, LinkInferences
 from ._wire import (
     ANSWER,
     BODY,
@@ -54,7 +48,6 @@ from ._wire import (
     HTTP,
     INFER,
     MESSAGE,
-    OUTCOME,
     PULL,
     REPLY,
     START,
@@ -87,21 +80,17 @@ class WorkerLink:
         self._rest_app = rest_app
         self._grpc_methods = grpc_methods
         self._calls: dict[int, trio.CancelScope] = {}
-        # Each INFER in flight: its ticket once submitted (None before, _LEFT if the
-        # worker cancelled it before it was submitted).
-        self._tickets: dict[int, Ticket | None] = {}
+        self._inferences = LinkInferences(context, self.out, self.peer)
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
         self._pulls: Replies[Snapshot] = Replies()
         self._answers: list[tuple[int, tuple[Any, ...], bool]] = []  # for the next ANSWER
         self._answer_payloads: list[object] = []  # theirs that may be blocks
-        self._nursery: trio.Nursery | None = None  # while serving: for finalizers' FREEs
-        self._token = trio.lowlevel.current_trio_token()
 
     async def serve(self, frames: list[tuple[Any, list[int]]]) -> None:
         """Answer calls until the worker closes the link; ``frames``: received already."""
         try:
             async with trio.open_nursery() as calls:
-                self._nursery = calls
+                calls.start_soon(self._inferences.run)
                 try:
                     while True:
                         for message, fds in frames:
@@ -110,7 +99,7 @@ class WorkerLink:
                 except LinkClosed:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it
         finally:
-            self._nursery = None
+            self._inferences.abandon()
             self._pulls.fail_all(LinkClosed("the worker exited"))
             self.channel.close()
             self.peer.close()
@@ -131,8 +120,7 @@ class WorkerLink:
     def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == INFER:
-            self._tickets[message[1]] = None
-            calls.start_soon(self._infer, *message[1:])
+            self._inferences.submit(*message[1:])
         elif kind == HTTP:
             calls.start_soon(self._http, *message[1:])
         elif kind == GRPC:
@@ -164,21 +152,8 @@ class WorkerLink:
         scope = self._calls.get(call)
         if scope is not None:
             scope.cancel()
-        elif call in self._tickets:
-            ticket = self._tickets[call]
-            if ticket is None:
-                self._tickets[call] = _LEFT  # withdrawn as soon as it is submitted
-            else:
-                ticket.withdraw()
-
-    def track(self, ticket: Ticket, call: int) -> None:
-        """An INFER's ticket is in its model's queue (``_pipeline.Watch``)."""
-        if self._tickets.get(call) is _LEFT:
-            ticket.withdraw()
-        self._tickets[call] = ticket
-
-    def untrack(self, ticket: Ticket, token: None) -> None:
-        pass  # ``_infer`` forgets the call when it ends, whether it was submitted or not
+        else:
+            self._inferences.withdraw(call)
 
     async def _answer(
         self, call: int, item: tuple[Any, ...], last: bool, *payloads: object
@@ -207,87 +182,6 @@ class WorkerLink:
                 await self.out.send((FREE, blocks))
             except LinkClosed:
                 return
-
-    async def _infer(
-        self,
-        call: int,
-        endpoint: str,
-        model: str,
-        version: str,
-        request_id: str,
-        parameters: dict[str, Any],
-        inputs: list[Tensor],
-        outputs: list[tuple[str, dict[str, Any]]],
-        report: tuple[str, Any] | None,
-        trace_context: dict[Any, Any] | None,
-    ) -> None:
-        """An inference the worker decoded: the pipeline reads its inputs in place. A
-        withdrawn one (its client left) is not answered: the worker dropped it."""
-        context = self._context
-        outcome: tuple[Any, ...]
-        blocks: list[Payload] = []
-        kept: list[Block] = []  # input blocks freed once the model lets go of their arrays
-        try:
-            served = context.repository.get(model, version)
-
-            def decode(regions: object) -> InferenceRequest:
-                return InferenceRequest(
-                    model, version, self._input_tensors(inputs, kept),
-                    [RequestedOutput(name, params) for name, params in outputs],
-                    request_id, parameters,
-                )  # fmt: skip
-
-            done = await context.pipeline.infer(
-                served, decode, self, call, endpoint=endpoint, headers=trace_context
-            )
-            if done is None:
-                return
-            response = done[1]
-            tensors = []
-            for tensor in response.outputs:
-                payload = self.out.pack(array_to_raw(tensor.data, tensor.datatype))
-                blocks.append(payload)
-                tensors.append(
-                    (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
-                )
-            outcome = (
-                OUTCOME, None, response.model_name, response.model_version, response.id,
-                response.parameters, tensors, _load_report(context, served, report),
-            )  # fmt: skip
-        except Exception as exc:
-            outcome = (OUTCOME, _error(exc), model, version, "", {}, [], None)
-        finally:
-            del self._tickets[call]
-            await self._release(*[given[3] for given in inputs if given[3] not in kept])
-        await self._answer(call, outcome, True, *blocks)
-
-    def _input_tensors(self, inputs: list[Tensor], kept: list[Block]) -> dict[str, InputTensor]:
-        """The inputs as the model sees them: a large one reads the worker's block in
-        place, which is freed once no array reads it (``kept``), however long the model
-        keeps it: a model may keep an input beyond its request, as in one process."""
-        tensors = {}
-        for name, type_name, shape, payload, params in inputs:
-            dt = datatype(type_name)
-            data = array_from_raw(dt, shape, read(payload, self.peer), f"input '{name}'")
-            if isinstance(payload, Block):
-                root = data  # the array every view of the block leads back to
-                while isinstance(root.base, np.ndarray):
-                    root = root.base
-                if isinstance(root.base, memoryview):  # not a copy (BYTES are decoded)
-                    weakref.finalize(root, self._let_go, payload).atexit = False
-                    kept.append(payload)
-            tensors[name] = InputTensor(name, dt, shape, data, params)
-        return tensors
-
-    def _let_go(self, block: Block) -> None:
-        """No array reads an input's ``block`` any more (in whichever thread dropped the
-        last one): the worker may reuse it."""
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self._free_kept, block)
-
-    def _free_kept(self, block: Block) -> None:
-        if self._nursery is not None:  # else the link is gone, and the block with it
-            self._nursery.start_soon(self._release, block)
 
     async def _http(
         self,
@@ -346,7 +240,7 @@ class WorkerLink:
         self, call: int, path: str, metadata: dict[str, str], message: Payload
     ) -> None:
         method = self._grpc_methods.get(path)
-        forwarded = _ForwardedCall(metadata)
+        forwarded = ForwardedCall(metadata)
         reply: Payload = b""
         with trio.CancelScope() as cancel:
             self._calls[call] = cancel
@@ -373,7 +267,7 @@ class WorkerLink:
         messages: trio.MemoryReceiveChannel[Payload],
     ) -> None:
         method = self._grpc_methods.get(path)
-        forwarded = _ForwardedCall(metadata)
+        forwarded = ForwardedCall(metadata)
         status, text = GrpcStatus.OK, ""
         with trio.CancelScope() as cancel:
             self._calls[call] = cancel
@@ -389,47 +283,8 @@ class WorkerLink:
         await self._answer(call, (END, status, text, forwarded.trailers, b""), True)
 
 
-Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
-_LEFT = cast(Ticket, object())  # an INFER cancelled before its ticket was submitted
-
-
-def _error(exc: Exception) -> tuple[str, str]:
-    """A failed inference's (kind, message); anything but an ``InferenceServerError`` is
-    a bug of ours, logged and answered INTERNAL (the link and its other calls go on)."""
-    if isinstance(exc, InferenceServerError):
-        return exc.kind.name, exc.message
-    logger.exception("a forwarded inference failed")
-    return ErrorKind.INTERNAL.name, f"internal error: {exc!r}"
-
-
-def _load_report(context: ServerContext, served: ServedModel, asked: tuple[str, Any] | None) -> Any:
-    """The load report an INFER asked for: REST's header, or gRPC's trailers."""
-    if asked is None:
-        return None
-    transport, wanted = asked
-    if transport == "http":
-        return load_report_header(context.load, served, {FORMAT_HEADER: wanted})
-    call = _ForwardedCall({FORMAT_HEADER.decode(): wanted})
-    add_load_report(call, context.load, served)
-    return call.trailers
-
-
 def _parts(reply: Any) -> list[bytes | memoryview]:
     return reply.parts if isinstance(reply, WireReply) else [reply.SerializeToString()]
-
-
-class _ForwardedCall:
-    """What a handler sees of a call a worker forwarded (``grpc._call.Call``)."""
-
-    def __init__(self, metadata: dict[str, str]) -> None:
-        self.metadata = metadata
-        self.trailers: list[tuple[str, bytes]] = []
-
-    def add_trailer(self, key: str, value: bytes) -> None:
-        self.trailers.append((key, value))
-
-    def cancel_with(self, withdraw: object) -> None:
-        pass  # a forwarded call runs under a cancel scope, which a CANCEL cancels
 
 
 class _ForwardedStream:

@@ -1,0 +1,309 @@
+"""The INFERs of one front-end worker's link, in the core: an inference the worker
+decoded costs no task. It is submitted as its frame is read
+(``InferencePipeline.submit``), its ticket notes it as finished
+(``Ticket.when_finished``), and one task (``LinkInferences.run``) answers every
+inference finished since its last turn in one ANSWER frame, and gives the input blocks
+read meanwhile back in one FREE. A CANCEL withdraws an inference's ticket from its
+model's queue: it finishes, and is not answered (the worker dropped it). When the link
+closes, what it has in flight is withdrawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._context import ServerContext
+from .._errors import ErrorKind, InferenceServerError
+from .._pipeline import Submitted
+from .._served import ServedModel
+from .._tensor import array_from_raw, array_to_raw, datatype
+from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from ..grpc import add_load_report
+from ..ipc import Block, LinkClosed, SegmentMap
+from ..metrics import FORMAT_HEADER
+from ..rest import load_report_header
+from ._wire import ANSWER, FREE, OUTCOME, Outbound, Payload, read
+
+logger = logging.getLogger("trioserve.workers")
+
+Tensor = tuple[str, str, tuple[int, ...], Payload, dict[str, Any]]
+
+
+class LinkInferences:
+    """The INFERs in flight on one worker's link."""
+
+    def __init__(self, context: ServerContext, out: Outbound, peer: SegmentMap) -> None:
+        self._context = context
+        self._out = out
+        self._peer = peer
+        self._inferences: dict[int, _Inference] = {}  # each INFER in flight
+        self._finished: list[_Inference] = []  # for ``run``'s next turn
+        self._outcomes: list[tuple[int, tuple[Any, ...], bool]] = []  # its next ANSWER's
+        self._outcome_blocks: list[Payload] = []
+        self._read: list[Block] = []  # input blocks done with, for its next FREE
+        self._answerer: trio.lowlevel.Task | None = None  # while it waits for work
+        self._off_loop: trio.Nursery | None = None  # answers written off the loop
+        self._closed = False
+        self._token = trio.lowlevel.current_trio_token()
+
+    def withdraw(self, call: int) -> bool:
+        """Withdraw the inference ``call`` (its client left); False if there is none in
+        flight."""
+        inference = self._inferences.get(call)
+        if inference is None:
+            return False
+        inference.submitted.ticket.withdraw()  # finished: not answered, inputs freed
+        return True
+
+    def submit(
+        self,
+        call: int,
+        endpoint: str,
+        model: str,
+        version: str,
+        request_id: str,
+        parameters: dict[str, Any],
+        inputs: list[Tensor],
+        outputs: list[tuple[str, dict[str, Any]]],
+        report: tuple[str, Any] | None,
+        trace_context: dict[Any, Any] | None,
+    ) -> None:
+        """Submit an inference the worker decoded (the pipeline reads its inputs in
+        place); ``run`` answers it once its ticket has its outcome. One refused or
+        failing here is answered in its next turn too."""
+        inference = _Inference(self, call, model, version, inputs, report)
+
+        def decode(regions: object) -> InferenceRequest:
+            return InferenceRequest(
+                model, version, self._input_tensors(inputs, inference.kept),
+                [RequestedOutput(name, params) for name, params in outputs],
+                request_id, parameters,
+            )  # fmt: skip
+
+        try:
+            inference.served = served = self._context.repository.get(model, version)
+            inference.submitted = self._context.pipeline.submit(
+                served, decode, endpoint=endpoint, headers=trace_context
+            )
+        except Exception as exc:
+            self._read_inputs(inference)
+            self._add_failure(inference, exc)
+            self._wake_answerer()
+            return
+        self._inferences[call] = inference
+        inference.submitted.ticket.when_finished(inference.finished)
+
+    def _finished_inference(self, inference: _Inference) -> None:
+        """``inference``'s ticket has its outcome (called inside its model's runner)."""
+        self._finished.append(inference)
+        self._wake_answerer()
+
+    def _wake_answerer(self) -> None:
+        answerer = self._answerer
+        if answerer is not None:
+            self._answerer = None
+            trio.lowlevel.reschedule(answerer)
+
+    def _stop_waiting(self, _: object) -> trio.lowlevel.Abort:
+        self._answerer = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def run(self) -> None:
+        """Answer the inferences finished since the last turn, in one ANSWER frame
+        (those of a batch finish together), and free the input blocks they read, until
+        the link closes."""
+        async with trio.open_nursery() as self._off_loop:
+            while True:
+                if not (self._finished or self._outcomes or self._read):
+                    self._answerer = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(self._stop_waiting)
+                try:
+                    await self._send_answers()
+                except LinkClosed:
+                    return  # the worker is gone; its link withdraws the rest
+
+    async def _send_answers(self) -> None:
+        self._answer_finished()
+        freed, self._read = self._read, []
+        outcomes, self._outcomes = self._outcomes, []
+        blocks, self._outcome_blocks = self._outcome_blocks, []
+        if freed:
+            await self._out.send((FREE, freed))
+        if outcomes:
+            await self._out.send((ANSWER, outcomes), *blocks)
+
+    def _answer_finished(self) -> None:
+        # A method of its own: nothing of these inferences stays in the frame of the
+        # waiting task (a model may keep an input: its block is freed once let go).
+        finished, self._finished = self._finished, []
+        for inference in finished:
+            self._answer_inference(inference)
+
+    def _answer_inference(self, inference: _Inference) -> None:
+        """Add a finished inference's answer to the next ANSWER (none if withdrawn: the
+        worker dropped it), its input blocks to the next FREE."""
+        del self._inferences[inference.call]
+        submitted = inference.submitted
+        if submitted.writes_off_loop:  # a device's outputs are copied in a thread
+            assert self._off_loop is not None
+            self._off_loop.start_soon(self._answer_off_loop, inference)
+            return
+        self._read_inputs(inference)
+        try:
+            self._add_outcome(inference, submitted.finish())
+        except Exception as exc:
+            self._add_failure(inference, exc)
+
+    async def _answer_off_loop(self, inference: _Inference) -> None:
+        self._read_inputs(inference)
+        try:
+            self._add_outcome(inference, await inference.submitted.finish_off_loop())
+        except Exception as exc:
+            self._add_failure(inference, exc)
+        self._wake_answerer()
+
+    def _add_outcome(self, inference: _Inference, response: InferenceResponse | None) -> None:
+        if response is not None:
+            self._outcomes.append((inference.call, self._outcome(inference, response), True))
+
+    def _add_failure(self, inference: _Inference, exc: Exception) -> None:
+        outcome: tuple[Any, ...] = (
+            OUTCOME, _error(exc), inference.model, inference.version, "", {}, [], None
+        )  # fmt: skip
+        self._outcomes.append((inference.call, outcome, True))
+
+    def _outcome(self, inference: _Inference, response: InferenceResponse) -> tuple[Any, ...]:
+        """An answered inference's OUTCOME; its output blocks go with the next ANSWER."""
+        tensors = []
+        for tensor in response.outputs:
+            payload = self._out.pack(array_to_raw(tensor.data, tensor.datatype))
+            self._outcome_blocks.append(payload)
+            tensors.append(
+                (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
+            )
+        report = _load_report(self._context, inference.served, inference.report)
+        return (
+            OUTCOME, None, response.model_name, response.model_version, response.id,
+            response.parameters, tensors, report,
+        )  # fmt: skip
+
+    def _read_inputs(self, inference: _Inference) -> None:
+        """The worker may reuse the input blocks no model array still reads."""
+        kept = inference.kept
+        for given in inference.inputs:
+            payload = given[3]
+            if isinstance(payload, Block) and payload not in kept:
+                self._read.append(payload)
+
+    def abandon(self) -> None:
+        """The link is gone: withdraw what it had in flight, and let go of what
+        finished unanswered."""
+        self._closed = True
+        for inference in list(self._inferences.values()):
+            inference.submitted.ticket.withdraw()
+        for inference in self._finished:
+            inference.submitted.abandon()
+        self._inferences.clear()
+        self._finished.clear()
+
+    def _input_tensors(self, inputs: list[Tensor], kept: list[Block]) -> dict[str, InputTensor]:
+        """The inputs as the model sees them: a large one reads the worker's block in
+        place, which is freed once no array reads it (``kept``), however long the model
+        keeps it: a model may keep an input beyond its request, as in one process."""
+        tensors = {}
+        for name, type_name, shape, payload, params in inputs:
+            dt = datatype(type_name)
+            data = array_from_raw(dt, shape, read(payload, self._peer), f"input '{name}'")
+            if isinstance(payload, Block):
+                root = data  # the array every view of the block leads back to
+                while isinstance(root.base, np.ndarray):
+                    root = root.base
+                if isinstance(root.base, memoryview):  # not a copy (BYTES are decoded)
+                    weakref.finalize(root, self._let_go, payload).atexit = False
+                    kept.append(payload)
+            tensors[name] = InputTensor(name, dt, shape, data, params)
+        return tensors
+
+    def _let_go(self, block: Block) -> None:
+        """No array reads an input's ``block`` any more (in whichever thread dropped the
+        last one): the worker may reuse it."""
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._free_kept, block)
+
+    def _free_kept(self, block: Block) -> None:
+        if not self._closed:  # else the link is gone, and the block with it
+            self._read.append(block)
+            self._wake_answerer()
+
+
+class _Inference:
+    """An INFER in flight: what its answer needs once its ticket has its outcome."""
+
+    __slots__ = (
+        "call", "inferences", "inputs", "kept", "model", "report", "served", "submitted", "version",
+    )  # fmt: skip
+
+    served: ServedModel
+    submitted: Submitted
+
+    def __init__(
+        self,
+        inferences: LinkInferences,
+        call: int,
+        model: str,
+        version: str,
+        inputs: list[Tensor],
+        report: tuple[str, Any] | None,
+    ) -> None:
+        self.inferences = inferences
+        self.call = call
+        self.model = model
+        self.version = version
+        self.inputs = inputs
+        self.kept: list[Block] = []  # input blocks freed once the model lets go of them
+        self.report = report
+
+    def finished(self) -> None:
+        self.inferences._finished_inference(self)
+
+
+def _error(exc: Exception) -> tuple[str, str]:
+    """A failed inference's (kind, message); anything but an ``InferenceServerError`` is
+    a bug of ours, logged and answered INTERNAL (the link and its other calls go on)."""
+    if isinstance(exc, InferenceServerError):
+        return exc.kind.name, exc.message
+    logger.exception("a forwarded inference failed")
+    return ErrorKind.INTERNAL.name, f"internal error: {exc!r}"
+
+
+def _load_report(context: ServerContext, served: ServedModel, asked: tuple[str, Any] | None) -> Any:
+    """The load report an INFER asked for: REST's header, or gRPC's trailers."""
+    if asked is None:
+        return None
+    transport, wanted = asked
+    if transport == "http":
+        return load_report_header(context.load, served, {FORMAT_HEADER: wanted})
+    call = ForwardedCall({FORMAT_HEADER.decode(): wanted})
+    add_load_report(call, context.load, served)
+    return call.trailers
+
+
+class ForwardedCall:
+    """What a handler sees of a call a worker forwarded (``grpc._call.Call``); an
+    INFER's load report is added to one too (gRPC's trailers)."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata = metadata
+        self.trailers: list[tuple[str, bytes]] = []
+
+    def add_trailer(self, key: str, value: bytes) -> None:
+        self.trailers.append((key, value))
+
+    def cancel_with(self, withdraw: object) -> None:
+        pass  # a forwarded call runs under a cancel scope, which a CANCEL cancels
