@@ -49,6 +49,32 @@ async def test_new_clients_push_out_the_longest_idle(h2c: Any) -> None:
             await stream.aclose()
 
 
+def _task_names() -> list[str]:
+    """The qualified names of every task's coroutine in this run."""
+    names: list[str] = []
+    tasks = [trio.lowlevel.current_root_task()]
+    while tasks:
+        task = tasks.pop()
+        assert task is not None
+        names.append(task.coro.cr_code.co_qualname)  # type: ignore[attr-defined]
+        tasks.extend(child for nursery in task.child_nurseries for child in nursery.child_tasks)
+    return names
+
+
+async def test_an_idle_connection_holds_no_writer_task(h2c: Any) -> None:
+    # What an idle connection holds, a full garbage collection walks, thousands of times
+    # over: the writer task is made only once the socket refuses part of a write.
+    async with h2c.core_server(h2c.small_methods()) as port:
+        idle = [await idle_connection(port, h2c) for _ in range(5)]
+        with trio.fail_after(5):
+            await h2c.probe(port)  # a call answered on a connection of its own
+        names = _task_names()
+        assert names.count("_CoreServer._serve") >= 5  # a task per connection
+        assert names.count("Outbox.write_forever") == 0
+        for stream in idle:
+            await stream.aclose()
+
+
 HARDENING = {
     "--grpc-idle-close-share": ("idle_close_share", "0.5", 0.5),
     "--grpc-max-reset-burst": ("max_reset_burst", "10", 10),

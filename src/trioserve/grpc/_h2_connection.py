@@ -81,9 +81,10 @@ class H2Connection:
         self._reader = trio.CancelScope()
         self._calls: trio.Nursery | None = None
         self._since_yield = 0  # bytes read since the reader last checkpointed
-        self._window = trio.Event()  # set when the client's windows grow
-        self._window_waiters = 0  # replies waiting on it (else it need not change)
-        self._room = trio.Event()  # set when owed requests were repaid
+        # Made by whoever waits, set and dropped when it happens (an idle connection
+        # holds none: its objects are what a full garbage collection walks).
+        self._window: trio.Event | None = None  # the client's windows grew
+        self._room: trio.Event | None = None  # owed requests were repaid
 
     # --- lifetime ------------------------------------------------------------------------
 
@@ -93,7 +94,7 @@ class H2Connection:
         try:
             async with trio.open_nursery() as calls:
                 self._calls = calls
-                calls.start_soon(self.outbox.write_forever)
+                self.outbox.start(calls.start_soon)
                 try:
                     with self._reader:
                         await self._read_forever()
@@ -190,12 +191,13 @@ class H2Connection:
                 assert self._calls is not None
                 self._calls.start_soon(run_call, self, cast(GrpcStream, event))
             elif event is WINDOW_OPENED:
-                if self._window_waiters:
+                if self._window is not None:
                     self._window.set()
-                    self._window = trio.Event()
+                    self._window = None
             elif event is REPAID:
-                self._room.set()
-                self._room = trio.Event()
+                if self._room is not None:
+                    self._room.set()
+                    self._room = None
             elif event is IDLE:
                 self._roster.idle(self)
             elif event is BUSY:
@@ -212,6 +214,8 @@ class H2Connection:
             pending.waiting += 1
             try:
                 while pending.must_wait(True, size):
+                    if self._room is None:
+                        self._room = trio.Event()
                     await self._room.wait()
             finally:
                 pending.waiting -= 1
@@ -223,11 +227,9 @@ class H2Connection:
         self.outbox.flush()
 
     async def window_opened(self) -> None:
-        self._window_waiters += 1
-        try:
-            await self._window.wait()
-        finally:
-            self._window_waiters -= 1
+        if self._window is None:
+            self._window = trio.Event()
+        await self._window.wait()
 
     def finish(self, stream: H2Stream, status: GrpcStatus, message: str) -> None:
         self.state.finish(stream, status, message)
