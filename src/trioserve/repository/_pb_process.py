@@ -118,7 +118,9 @@ class InstanceProcess:
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        """The serving process's; None from its end until the next one starts."""
+        process = self._process
+        return None if process is None or process.returncode is not None else process.pid
 
     # --- life -------------------------------------------------------------------
 
