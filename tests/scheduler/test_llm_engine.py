@@ -31,6 +31,7 @@ from trioserve import (
     UnsupportedError,
 )
 from trioserve._server import open_server
+from trioserve._stats import FailureReason
 from trioserve._tensor import datatype
 from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
@@ -307,6 +308,19 @@ async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
         h.runner.submit(_oip_request(b"\xff"))
     with pytest.raises(InvalidArgumentError, match="'max_tokens' must be an integer"):
         h.runner.submit(_oip_request(b"a", max_tokens="many"))
+
+
+async def test_a_request_withdrawn_before_its_admission_is_not_generated(
+    make_harness, autojump_clock
+):
+    h = await make_harness()
+    ticket = h.runner.submit(_oip_request(b"a", max_tokens=3))
+    ticket.withdraw()  # before the runner's task admits it to the engine
+    await h.settled()
+    stats = h.runner.inference_statistics()
+    assert (stats.success.count, stats.fail.count) == (0, 1)
+    assert stats.failures[FailureReason.CANCELED] == 1
+    assert stats.execution_count == 0  # no step generated for it
 
 
 class BadTokenizerLM(CountingLM):

@@ -281,6 +281,9 @@ class GenerativeRunner:
         return ticket
 
     async def _admit(self, generation: GenerationRequest, ticket: _CollectedTicket) -> None:
+        if ticket.finished:  # withdrawn before this task began: nothing to generate
+            self.failed(generation.arrival_time, trio.current_time(), FailureReason.CANCELED)
+            return
         with ticket.admission:  # withdrawing the ticket cancels it
             try:
                 ticket.record = await self.engine.add(generation, ticket)
