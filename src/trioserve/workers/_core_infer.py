@@ -179,15 +179,17 @@ class LinkInferences:
         self._outcomes.append((inference.call, outcome, True))
 
     def _outcome(self, inference: _Inference, response: InferenceResponse) -> tuple[Any, ...]:
-        """An answered inference's OUTCOME; its output blocks go with the next ANSWER."""
-        tensors = []
-        for tensor in response.outputs:
-            payload = self._out.pack(array_to_raw(tensor.data, tensor.datatype))
-            self._outcome_blocks.append(payload)
-            tensors.append(
-                (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
-            )
+        """An answered inference's OUTCOME; its output blocks go with the next ANSWER.
+        Packed all or none: a failure here (an output that cannot be encoded, a full
+        arena) leaves no block behind that no OUTCOME names."""
         report = _load_report(self._context, inference.served, inference.report)
+        outputs = response.outputs
+        payloads = self._out.pack_all([array_to_raw(t.data, t.datatype) for t in outputs])
+        self._outcome_blocks.extend(payloads)
+        tensors = [
+            (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
+            for tensor, payload in zip(outputs, payloads, strict=True)
+        ]
         return (
             OUTCOME, None, response.model_name, response.model_version, response.id,
             response.parameters, tensors, report,
