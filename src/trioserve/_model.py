@@ -203,6 +203,14 @@ class Model:
     def output_specs(self) -> dict[str, TensorSpec]:
         return {spec.name: spec for spec in self.outputs}
 
+    @cached_property
+    def fixed_batch_key(self) -> frozenset[tuple[str, tuple[int, ...]]] | None:
+        """The batch key of every valid request that sends all the inputs, when no input's
+        dims vary (no -1): ``validate_request`` then builds none. None otherwise."""
+        if any(-1 in spec.dims for spec in self.inputs):
+            return None
+        return frozenset((spec.name, tuple(spec.dims)) for spec in self.inputs)
+
     @property
     def batches(self) -> bool:
         """Whether inputs carry a leading batch dimension."""

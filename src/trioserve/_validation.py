@@ -13,10 +13,11 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
     """Check ``request`` against ``model``; return its batch size and batch key.
 
     Requests batch together only when their inputs agree in name and per-item shape:
-    the key is the set of (name, item shape) pairs. One pass over the inputs does both,
-    since it runs for every request: each input that agrees with what the previous one
-    set (its batch size, the usual case) costs one comparison for it, and the model's
-    ``max_batch_size`` is read rather than its ``batches`` property (a call).
+    the key is the set of (name, item shape) pairs, the same for every request that sends
+    all the inputs of a model whose dims do not vary (``Model.fixed_batch_key``, made
+    once). One pass over the inputs checks them, since it runs for every request: each
+    input that agrees with the batch size an earlier one set costs one comparison for
+    it, and the model's ``max_batch_size`` is read rather than its ``batches`` property.
     """
     declared = model.input_specs
     inputs = request.inputs
@@ -28,7 +29,6 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
             "dimension of its inputs"
         )
     size = 0 if limit else 1
-    key = []
     for name, tensor in inputs.items():
         try:  # no test for the usual input, a declared one
             spec = declared[name]
@@ -65,12 +65,15 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
                 f"unexpected shape for input '{name}' for model '{model.name}'. "
                 f"Expected {expected}, got {list(shape)}"
             )
-        key.append((name, item))
-    if len(inputs) != len(declared):
+    complete = len(inputs) == len(declared)
+    if not complete:
         _check_required(model, request)
     if request.outputs:
         _check_outputs(model, request)
-    return size, frozenset(key)
+    key = model.fixed_batch_key if complete else None
+    if key is None:  # some input's dims vary, or an optional input was left out
+        key = frozenset([(name, t.shape[1:] if limit else t.shape) for name, t in inputs.items()])
+    return size, key
 
 
 def fits_dims(dims: Sequence[int], shape: tuple[int, ...]) -> bool:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Protocol, cast
+from typing import Protocol
 
 import trio
 
@@ -127,7 +127,7 @@ WAKE = None  # an instance came free while requests wait: decide again
 def tickets_leaving(items: list[QueuedItem]) -> list[Ticket]:
     """The tickets of items leaving the queue. A ticket and its item refer to each other;
     dropping the item's side here leaves no cycle for the garbage collector to find."""
-    tickets = cast(list[Ticket], list(map(_PAYLOAD, items)))  # in C: every request passes
+    tickets: list[Ticket] = list(map(_PAYLOAD, items))  # in C: every request passes
     for item in items:
         item.payload = None
     return tickets
