@@ -47,12 +47,13 @@ from .._model_code import model_failure, raise_failure
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._types import InferenceRequest, InferenceResponse
 from .._validation import validate_request
-from ._batching import Dispatch, QueuedItem, RequestQueue, Wait, decide, policy_for
+from ._batching import Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook, unload
+from ._policy import policy_for
 from ._responses import response_of
 from ._ticket import (
     FINISHED,
