@@ -267,7 +267,9 @@ PURE: dict[str, set[str]] = {
     "grpc/_hpack.py": {"hpack", "trioserve.grpc._sized_cache"},
     "grpc/_h2_frames.py": {"struct", "trioserve._limits"},
 }
-_STDLIB_ALLOWED = {"__future__", "bisect", "collections", "dataclasses", "enum", "typing"}
+_STDLIB_ALLOWED = {
+    "__future__", "bisect", "collections", "dataclasses", "enum", "itertools", "typing",
+}  # fmt: skip
 _PURE_MODULES = {f"trioserve.{p.removesuffix('.py').replace('/', '.')}" for p in PURE}
 
 

@@ -94,6 +94,23 @@ def test_a_value_on_a_bound_falls_in_that_bucket():
     assert ModelStats("m", "1").statistics().histograms == {}
 
 
+def test_a_batch_recorded_together_adds_up_as_its_requests_one_by_one():
+    bounds = (10 * US, 40 * US, 100 * US)
+    times = ExecutionTimes(dequeued_ns=50 * US, input_ready_ns=52 * US, executed_ns=80 * US,
+                           output_ready_ns=81 * US)  # fmt: skip
+    arrivals = (0, 15 * US, 45 * US, 49 * US)
+    sizes = (1, 2, 1, 4)
+    one_by_one = ModelStats("m", "1", histogram_bounds_ns=bounds)
+    for arrival, size in zip(arrivals, sizes, strict=True):
+        one_by_one.succeeded(arrival, 81 * US, size, times)
+    together = ModelStats("m", "1", histogram_bounds_ns=bounds)
+    together.batch_succeeded(arrivals, 81 * US, sum(sizes), times)
+    expected = one_by_one.statistics()
+    assert together.statistics() == expected
+    assert (expected.success.count, expected.success.ns) == (4, 4 * 81 * US - 109 * US)
+    assert expected.histograms["queue"].counts == (2, 1, 1, 0)  # 1, 5, 35, 50 µs
+
+
 def test_memory_usage_is_checked():
     with pytest.raises(ValueError, match="CPU, CPU_PINNED, GPU"):
         MemoryUsage("DISK", 0, 1)

@@ -222,7 +222,10 @@ class InferencePipeline:
                     counting.uncounted()
                     return None
                 response = ticket.outcome()
-                if writing := _write(regions, response, trace):
+                # The usual request has nothing traced nor placed: no call for it either.
+                if (trace is not None or regions.outputs_placed or regions.outputs_off_loop) and (
+                    writing := _write(regions, response, trace)
+                ):
                     await writing
         finally:
             _release(regions, trace)
@@ -319,7 +322,7 @@ class Submitted:
     """An inference queued by ``InferencePipeline.submit``: once its ``ticket`` has its
     outcome, ``finish`` (or ``finish_off_loop`` where ``writes_off_loop``) ends it."""
 
-    __slots__ = ("_counting", "_regions", "_trace", "ticket")
+    __slots__ = ("_counting", "_regions", "_trace", "ticket", "writes_off_loop")
 
     def __init__(
         self, ticket: Ticket, regions: RequestRegions, trace: Trace | None, counting: Counting
@@ -328,11 +331,10 @@ class Submitted:
         self._regions = regions
         self._trace = trace
         self._counting = counting
-
-    @property
-    def writes_off_loop(self) -> bool:
-        """Its outputs are written off the loop (a device's): ``finish_off_loop``."""
-        return self._regions.outputs_off_loop
+        # Its outputs are written off the loop (a device's): ``finish_off_loop``. Known
+        # once the request is decoded; an attribute, not a property, as it is asked of
+        # every request.
+        self.writes_off_loop = regions.outputs_off_loop
 
     def finish(self) -> InferenceResponse | None:
         """The response, None if the ticket was withdrawn, or the request's error raised;
@@ -340,7 +342,10 @@ class Submitted:
         try:
             with self._counting as counting:
                 response = self._outcome(counting)
-                if response is not None:
+                # As in ``infer``, no call for the usual response: nothing traced or placed.
+                if response is not None and (
+                    self._trace is not None or self._regions.outputs_placed
+                ):
                     _write(self._regions, response, self._trace)  # on the loop: None
         finally:
             _release(self._regions, self._trace)
@@ -399,7 +404,8 @@ def _write(
         trace.outputs(response.outputs)
     if regions.outputs_off_loop:
         return regions.write_outputs_off_loop(response)
-    regions.write_outputs(response)
+    if regions.outputs_placed:
+        regions.write_outputs(response)
     return None
 
 

@@ -231,22 +231,34 @@ class ModelStats:
     def succeeded(
         self, arrival_ns: int, sent_ns: int, batch_size: int, times: ExecutionTimes
     ) -> None:
-        """A request answered by an execution; each request of a batch reports the
-        batch's compute durations, as Triton does."""
+        """A request answered by an execution (``batch_size`` batch elements)."""
+        self.batch_succeeded((arrival_ns,), sent_ns, batch_size, times)
+
+    def batch_succeeded(
+        self, arrivals_ns: Sequence[int], sent_ns: int, inferences: int, times: ExecutionTimes
+    ) -> None:
+        """The requests of one execution that arrived at ``arrivals_ns``, answered at
+        ``sent_ns`` with ``inferences`` batch elements in all. Each reports the batch's
+        compute durations, as Triton does: recorded together, the batch's figures are
+        multiplied by its count rather than added once per request, to the same sums."""
+        count = len(arrivals_ns)
+        arrived_ns = sum(arrivals_ns)
         dequeued_ns = times.dequeued_ns
-        self._inference_count += batch_size
-        self._success_count += 1
-        self._success_ns += sent_ns - arrival_ns
-        self._queue_ns += dequeued_ns - arrival_ns
-        self._compute_input_ns += times.input_ready_ns - dequeued_ns
-        self._compute_infer_ns += times.executed_ns - times.input_ready_ns
-        self._compute_output_ns += times.output_ready_ns - times.executed_ns
+        self._inference_count += inferences
+        self._success_count += count
+        self._success_ns += count * sent_ns - arrived_ns
+        self._queue_ns += count * dequeued_ns - arrived_ns
+        self._compute_input_ns += count * (times.input_ready_ns - dequeued_ns)
+        self._compute_infer_ns += count * (times.executed_ns - times.input_ready_ns)
+        self._compute_output_ns += count * (times.output_ready_ns - times.executed_ns)
         bounds = self._bounds
         if bounds:
             # bisect_left: a value equal to a bound belongs to that bound's bucket (le).
-            self._request_buckets[bisect_left(bounds, sent_ns - arrival_ns)] += 1
-            self._queue_buckets[bisect_left(bounds, dequeued_ns - arrival_ns)] += 1
-            self._compute_buckets[bisect_left(bounds, times.output_ready_ns - dequeued_ns)] += 1
+            compute = bisect_left(bounds, times.output_ready_ns - dequeued_ns)
+            self._compute_buckets[compute] += count
+            for arrival_ns in arrivals_ns:
+                self._request_buckets[bisect_left(bounds, sent_ns - arrival_ns)] += 1
+                self._queue_buckets[bisect_left(bounds, dequeued_ns - arrival_ns)] += 1
 
     def cache_hit(self, arrival_ns: int, sent_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache (its lookup took ``lookup_ns``).

@@ -13,58 +13,67 @@ def validate_request(model: Model, request: InferenceRequest) -> tuple[int, Hash
     """Check ``request`` against ``model``; return its batch size and batch key.
 
     Requests batch together only when their inputs agree in name and per-item shape:
-    the key is the set of (name, item shape) pairs. One pass over the inputs does both,
-    since it runs for every request.
+    the key is the set of (name, item shape) pairs, the same for every request that sends
+    all the inputs of a model whose dims do not vary (``Model.fixed_batch_key``, made
+    once). One pass over the inputs checks them, since it runs for every request: each
+    input that agrees with the batch size an earlier one set costs one comparison for
+    it, and the model's ``max_batch_size`` is read rather than its ``batches`` property.
     """
     declared = model.input_specs
     inputs = request.inputs
-    batches = model.batches
-    if batches and not inputs:
+    limit = model.max_batch_size  # 0: the model does not batch
+    if limit and not inputs:
         _check_required(model, request)
         raise InvalidArgumentError(
             f"a request to model '{model.name}' needs an input: its batch size is the first "
             "dimension of its inputs"
         )
-    size = 0 if batches else 1
-    key = []
+    size = 0 if limit else 1
     for name, tensor in inputs.items():
-        spec = declared.get(name)
-        if spec is None:
+        try:  # no test for the usual input, a declared one
+            spec = declared[name]
+        except KeyError:
             raise InvalidArgumentError(
                 f"unexpected inference input '{name}' for model '{model.name}'"
-            )
+            ) from None
         if tensor.datatype is not spec.wire_datatype:
             raise InvalidArgumentError(
                 f"inference input '{name}' data-type is '{tensor.datatype.name}', "
                 f"but model '{model.name}' expects '{spec.datatype}'"
             )
         shape = tensor.shape
-        if batches:
-            if not shape or not 1 <= shape[0] <= model.max_batch_size:
-                raise InvalidArgumentError(
-                    f"inference input '{name}' batch size {shape[0] if shape else 0} "
-                    f"is outside 1..{model.max_batch_size} for model '{model.name}'"
-                )
-            if size and shape[0] != size:
-                raise InvalidArgumentError(
-                    f"inputs of a request to model '{model.name}' must share one batch size"
-                )
-            size = shape[0]
+        if limit:
+            first = shape[0] if shape else 0
+            if first != size or not size:  # else: the batch size an earlier input set
+                if not 1 <= first <= limit:
+                    raise InvalidArgumentError(
+                        f"inference input '{name}' batch size {first} "
+                        f"is outside 1..{limit} for model '{model.name}'"
+                    )
+                if size:
+                    raise InvalidArgumentError(
+                        f"inputs of a request to model '{model.name}' must share one batch size"
+                    )
+                size = first
             item = shape[1:]
         else:
             item = shape
-        if item != spec.dims and not fits_dims(spec.dims, item):
-            expected = ([-1] if batches else []) + list(spec.dims)
+        dims = spec.dims
+        if item != dims and not fits_dims(dims, item):
+            expected = ([-1] if limit else []) + list(dims)
             raise InvalidArgumentError(
                 f"unexpected shape for input '{name}' for model '{model.name}'. "
                 f"Expected {expected}, got {list(shape)}"
             )
-        key.append((name, item))
-    if len(inputs) != len(declared):
+    complete = len(inputs) == len(declared)
+    if not complete:
         _check_required(model, request)
     if request.outputs:
         _check_outputs(model, request)
-    return size, frozenset(key)
+    key = model.fixed_batch_key if complete else None
+    if key is None:  # some input's dims vary, or an optional input was left out
+        key = frozenset([(name, t.shape[1:] if limit else t.shape) for name, t in inputs.items()])
+    return size, key
 
 
 def fits_dims(dims: Sequence[int], shape: tuple[int, ...]) -> bool:

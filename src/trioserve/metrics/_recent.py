@@ -8,9 +8,9 @@ of ``trio.current_time()``), which keeps this module pure and testable synchrono
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from math import floor
 
 
 @dataclass(slots=True)
@@ -51,15 +51,17 @@ class RecentActivity:
         if window_s < 1:
             raise ValueError("window_s must be at least 1")
         self._buckets = [_Bucket() for _ in range(window_s)]
+        self._window_s = window_s  # len(self._buckets), without the call on every request
         self._first: float | None = None  # when the first request counted arrived
 
     def add(self, now: float, *, arrived: float, failed: bool) -> None:
         """One request that arrived at ``arrived`` finished at ``now``, ``failed`` if in
         error."""
-        if self._first is None or arrived < self._first:
+        first = self._first
+        if first is None or arrived < first:
             self._first = arrived
-        second = math.floor(now)
-        bucket = self._buckets[second % len(self._buckets)]
+        second = floor(now)
+        bucket = self._buckets[second % self._window_s]
         if bucket.second != second:
             bucket.second, bucket.requests, bucket.errors, bucket.busy_s = second, 0, 0, 0.0
         bucket.requests += 1
@@ -76,9 +78,9 @@ def combined_totals(activities: Iterable[RecentActivity], now: float) -> Totals:
     requests = errors = 0
     busy_s = 0.0
     first: float | None = None
-    oldest = math.floor(now)
+    oldest = floor(now)
     for activity in activities:
-        oldest = math.floor(now) - len(activity._buckets) + 1
+        oldest = floor(now) - len(activity._buckets) + 1
         for bucket in activity._buckets:
             if bucket.second >= oldest:
                 requests += bucket.requests

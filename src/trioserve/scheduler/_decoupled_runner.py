@@ -20,8 +20,9 @@ from .._stats import ExecutionTimes, FailureReason
 from .._types import InferenceRequest, InferenceResponse
 from ._clock import now_ns
 from ._decoupled import DecoupledResponses
+from ._responses import response_of
 from ._runner import ModelRunner
-from ._ticket import Ticket, model_error, shutting_down
+from ._ticket import REQUEST, Ticket, model_error, shutting_down
 
 
 class DecoupledRunner(ModelRunner):
@@ -41,7 +42,7 @@ class DecoupledRunner(ModelRunner):
     async def _execute_batch(self, batch: list[Ticket], dequeued_ns: int) -> None:
         try:
             input_ready_ns = now_ns()
-            await self._call_model([p.request for p in batch])
+            await self._call_model(list(map(REQUEST, batch)))
         except Exception as exc:
             error = model_error(self.name, exc)
             for ticket in batch:
@@ -77,7 +78,7 @@ class DecoupledRunner(ModelRunner):
             answer = model_error(self.name, outputs)
         elif outputs is not None:
             try:
-                answer = self._response(ticket.request, outputs)
+                answer = response_of(self.model, self.version, ticket.request, outputs)
             except BaseException as exc:  # what the model sent cannot be answered
                 failure = model_failure(exc, self.name, "in what it sent")
                 answer = model_error(self.name, failure)

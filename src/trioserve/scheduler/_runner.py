@@ -17,9 +17,11 @@ An instance the model says is down (``Model.instance_down``: a process restartin
 given up on) hands the batch it was given to another instance and takes none until it
 is up again (``_stays_down``), unless every other instance is down too.
 
-Every request ends in ``_finish``, exactly once: a response, or an error whose kind says
-why (model failure, full queue, timeout in queue, cancellation). ``_finish`` is also where
-each request's statistics are recorded (``_stats.py`` names the timestamps it uses).
+Every request ends in ``_resolve``, exactly once: a response, or an error whose kind says
+why (model failure, full queue, timeout in queue, cancellation). ``_finish`` resolves a
+request and records its statistics (``_stats.py`` names the timestamps it uses); the
+requests an execution answers as its outputs are ready, the usual case, are resolved by
+``_complete``, which records their statistics together.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import filterfalse
 from typing import ClassVar, NamedTuple, cast
 
 import trio
@@ -39,19 +42,22 @@ from .._errors import (
     UnavailableError,
 )
 from .._load_facts import LoadFacts, QueueState
-from .._model import MODEL_INSTANCE, Model, Outputs, Result
+from .._model import MODEL_INSTANCE, Model, Result
 from .._model_code import model_failure, raise_failure
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._types import InferenceRequest, InferenceResponse
 from .._validation import validate_request
-from ._batching import BatchingPolicy, Dispatch, QueuedItem, RequestQueue, Wait, decide
+from ._batching import Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook, unload
+from ._policy import policy_for
 from ._responses import response_of
 from ._ticket import (
+    FINISHED,
+    REQUEST,
     WAKE,
     Ticket,
     Withdraw,
@@ -62,29 +68,6 @@ from ._ticket import (
 )
 
 logger = logging.getLogger("trioserve.scheduler")
-
-
-def policy_for(model: Model) -> BatchingPolicy:
-    batching = model.dynamic_batching
-    if batching is None:
-        return BatchingPolicy(batching=False)
-    if not model.batches:  # the queue settings still apply, one request per execution
-        return BatchingPolicy(
-            batching=False,
-            max_queue_size=batching.max_queue_size,
-            default_timeout_ns=batching.default_timeout_microseconds * 1000,
-        )
-    levels = max(batching.priority_levels, 1)
-    return BatchingPolicy(
-        batching=True,
-        max_batch_size=model.max_batch_size,
-        preferred_batch_sizes=tuple(batching.preferred_batch_size),
-        max_queue_delay_ns=batching.max_queue_delay_microseconds * 1000,
-        max_queue_size=batching.max_queue_size,
-        default_timeout_ns=batching.default_timeout_microseconds * 1000,
-        priority_levels=levels,
-        default_priority_level=batching.default_priority_level or levels,
-    )
 
 
 class ModelRunner:
@@ -129,6 +112,9 @@ class ModelRunner:
         # Executions that a withdrawal cancels (``Model.withdraw_cancels_execution``).
         self._executions: dict[Ticket, trio.CancelScope] = {}
         self._load_facts = LoadFacts(queue=self.statistics)  # asked on every load report
+        # What ``now_ns`` reads, asked directly for each arrival once the runner runs:
+        # ``trio.current_time`` reaches it through two more Python calls.
+        self._clock: Callable[[], float] = trio.current_time
 
     @property
     def name(self) -> str:
@@ -172,14 +158,14 @@ class ModelRunner:
         if not self.ready:
             raise UnavailableError(f"model '{self.name}' version {self.version} is not ready")
         size, key = validate_request(self.model, request)
-        arrival = now_ns()
+        arrival = round(self._clock() * 1e9)  # now_ns(), as ``_clock`` says
         policy = self.policy
         if request.parameters:  # a priority or a timeout may be asked for
             level = policy.level(request.priority)
             deadline = policy.deadline(arrival, request.timeout_us)
-        else:
+        else:  # ``policy.deadline(arrival, 0)``, without the call on every request
             level = policy.default_priority_level
-            deadline = policy.deadline(arrival, 0)
+            deadline = arrival + policy.default_timeout_ns if policy.default_timeout_ns else None
         item = QueuedItem(size, key, arrival, level, deadline)
         ticket = Ticket(request, item, self)
         item.payload = ticket
@@ -225,6 +211,7 @@ class ModelRunner:
         """Load the model, serve until cancelled, then fail what waits and unload."""
         await call_hook(self.model.load, self.name, "in load", abandon_on_cancel=True)
         self._execute_is_async = self.model.is_async
+        self._clock = trio.lowlevel.current_clock().current_time
         self.stats.memory_usage = tuple(self.model.memory_usage())
         self.ready = True
         task_status.started()
@@ -298,13 +285,15 @@ class ModelRunner:
                 self._notify()
 
     def _pop_batch(self, count: int) -> list[Ticket]:
-        return [p for p in tickets_leaving(self._queue.pop_front(count)) if not p.finished]
+        return list(filterfalse(FINISHED, tickets_leaving(self._queue.pop_front(count))))
 
     def _handle_all(self, messages: list[Ticket | Withdraw | None]) -> None:
         for message in messages:
             self._handle(message)
+        self._notify()  # once for them all: the watchers run later anyway
 
     def _handle(self, message: Ticket | Withdraw | None) -> None:
+        """One message of the inbox (``_handle_all`` notifies the watchers after)."""
         if isinstance(message, Ticket):
             if message.finished:
                 message.item.payload = None  # cancelled before the batcher saw it
@@ -317,7 +306,6 @@ class ModelRunner:
             item = message.ticket.item
             if self._queue.remove(item):
                 item.payload = None
-        self._notify()
 
     async def _instance(self, index: int) -> None:
         """One model instance: runs the batches the batcher hands it, one at a time."""
@@ -400,7 +388,7 @@ class ModelRunner:
             else:
                 input_ready_ns = now_ns()
                 try:
-                    results = await self._call_model([p.request for p in batch])
+                    results = await self._call_model(list(map(REQUEST, batch)))
                     executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now_ns)
                 except Exception as exc:
                     executed = _Executed(batch, error=model_error(self.name, exc))
@@ -433,7 +421,7 @@ class ModelRunner:
         while True:
             input_ready_ns = now()
             try:
-                results = cast(Sequence[Result], self.model.execute([p.request for p in batch]))
+                results = cast(Sequence[Result], self.model.execute(list(map(REQUEST, batch))))
                 _check_count(results, batch)
                 executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now)
             except BaseException as exc:  # in a worker thread: always the model's
@@ -479,8 +467,13 @@ class ModelRunner:
             for ticket in batch:
                 self._finish(ticket, error=error, reason=FailureReason.BACKEND)
             return
-        self.stats.executed(sum([p.item.batch_size for p in batch]), times)
+        # The requests answered as the batch's outputs are ready (no clock to read) have
+        # their statistics recorded together, after the loop, and the watchers of the
+        # statistics are woken once: this runs for every request.
+        answered: list[int] = []  # their arrivals
+        inferences = executed_size = 0
         for ticket, response in zip(batch, responses, strict=True):
+            executed_size += ticket.item.batch_size
             if ticket.request.rescheduled and self._kept(ticket):
                 continue
             ticket.execution = times
@@ -489,8 +482,13 @@ class ModelRunner:
             elif ticket.cache_key is not None and not ticket.finished:
                 self._store_in_cache(ticket.cache_key, ticket.cache_ns, response)
                 self._finish(ticket, response=response)  # sent after the insertion
-            else:  # handed over as the batch's outputs are ready: no clock to read
-                self._finish(ticket, response=response, sent_ns=times.output_ready_ns)
+            elif self._resolve(ticket, response, None):
+                answered.append(ticket.item.arrival_ns)
+                inferences += ticket.item.batch_size
+        self.stats.executed(executed_size, times)
+        if answered:
+            self.stats.batch_succeeded(answered, times.output_ready_ns, inferences, times)
+        self._notify()
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         results = cast(Sequence[Result], await self._execute_model(requests))
@@ -516,12 +514,9 @@ class ModelRunner:
         if isinstance(result, InferenceServerError):
             return result
         try:
-            return self._response(request, result)
+            return response_of(self.model, self.version, request, result)
         except Exception as exc:
             return model_error(self.name, exc)
-
-    def _response(self, request: InferenceRequest, outputs: Outputs) -> InferenceResponse:
-        return response_of(self.model, self.version, request, outputs)
 
     def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
         assert self._cache is not None
@@ -543,20 +538,12 @@ class ModelRunner:
         response: InferenceResponse | None = None,
         error: InferenceServerError | None = None,
         reason: FailureReason = FailureReason.OTHER,
-        sent_ns: int | None = None,
     ) -> bool:
-        """Record a request's one outcome; False if it already had one. ``sent_ns``:
-        when the outcome is in the caller's hands ("response sent"), if not now."""
-        if ticket.finished:
+        """Record a request's one outcome, handed over now; False if it already had one."""
+        if not self._resolve(ticket, response, error):
             return False
-        if ticket.responses is not None:  # a decoupled model's answers end here
-            ticket.responses.end(error)
-        ticket._resolve(response, error)
-        if sent_ns is None:
-            sent_ns = now_ns()
+        sent_ns = now_ns()
         arrival_ns = ticket.item.arrival_ns
-        if ticket.request.trace is not None:
-            ticket.request.trace.queued(arrival_ns, ticket.execution)
         if error is not None:
             self.stats.failed(arrival_ns, sent_ns, reason)
         elif ticket.execution is not None:
@@ -564,6 +551,23 @@ class ModelRunner:
         else:
             self.stats.cache_hit(arrival_ns, sent_ns, ticket.cache_ns)
         self._notify()
+        return True
+
+    def _resolve(
+        self,
+        ticket: Ticket,
+        response: InferenceResponse | None,
+        error: InferenceServerError | None,
+    ) -> bool:
+        """Give a request its one outcome (its statistics are the caller's to record);
+        False if it already had one."""
+        if ticket.finished:
+            return False
+        if ticket.responses is not None:  # a decoupled model's answers end here
+            ticket.responses.end(error)
+        ticket._resolve(response, error)
+        if ticket.request.trace is not None:
+            ticket.request.trace.queued(ticket.item.arrival_ns, ticket.execution)
         return True
 
 

@@ -248,7 +248,6 @@ class SequenceRunner(ModelRunner):
                 self._end_cancelled(sequence)
             elif ticket in self._executing:
                 self._end_cancelled(self._executing[ticket])
-        self._notify()
 
     def _skip_withdrawn(self, ticket: Ticket) -> bool:
         """A request withdrawn before the batcher heard of it does not execute."""

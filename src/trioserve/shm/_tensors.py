@@ -85,7 +85,7 @@ class RequestRegions:
 
     __slots__ = (  # one per request
         "_device", "_host_copies", "_leases", "_outputs", "_places", "_registry", "_windows",
-        "inputs_off_loop", "leasing_from_thread", "outputs_off_loop",
+        "inputs_off_loop", "leasing_from_thread", "outputs_off_loop", "outputs_placed",
     )  # fmt: skip
 
     def __init__(
@@ -101,6 +101,8 @@ class RequestRegions:
         self._host_copies: tuple[_HostCopy, ...] = ()  # rare: no list for every request
         self.inputs_off_loop = False
         self.outputs_off_loop = device == "gpu"  # a GPU model's outputs are on the device
+        # Some output goes to a region: the usual request has none to write.
+        self.outputs_placed = False
         # Set while a worker thread decodes: leases are then taken on the event loop.
         self.leasing_from_thread = False
 
@@ -113,9 +115,11 @@ class RequestRegions:
         self.close()
 
     def close(self) -> None:
-        leases, self._leases = self._leases, []
-        for region in leases:
-            region.release()
+        leases = self._leases
+        if leases:  # the usual request leases none: no list to replace
+            self._leases = []
+            for region in leases:
+                region.release()
 
     def span(self, parameters: Mapping[str, Any], what: str) -> _Span | None:
         """The leased, bounds-checked place the parameters name; None if they name none."""
@@ -179,6 +183,7 @@ class RequestRegions:
                 span = self.span(output.parameters, f"output '{output.name}'")
                 if span is not None:
                     self._outputs[output.name] = span
+                    self.outputs_placed = True
                     if self._windows and isinstance(span.region, SystemRegion):
                         # The model's process may write it there itself.
                         place = OutputWindow(span.region, span.offset, span.byte_size)
