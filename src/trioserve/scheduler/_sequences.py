@@ -187,11 +187,14 @@ class SequenceTable:
     def fill_slots(self) -> None:
         """Give the backlog's sequences, in order, the lowest free slots of instances
         not avoided."""
-        while self._backlog:
-            slot = next((s for s in reversed(self._free) if not self._avoided(s)), None)
-            if slot is None:
-                return
-            self._free.remove(slot)
+        while self._backlog and self._free:
+            if self.avoided:
+                slot = next((s for s in reversed(self._free) if not self._avoided(s)), None)
+                if slot is None:
+                    return
+                self._free.remove(slot)
+            else:  # the usual: no instance down, the lowest free slot in O(1)
+                slot = self._free.pop()
             self._assign(self._backlog.popleft(), slot)
 
     def _avoided(self, slot: int) -> bool:
