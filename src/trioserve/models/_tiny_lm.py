@@ -8,9 +8,9 @@ sequence's block table, exactly as a production model would.
 
 It runs on numpy; with the ``gpu`` extra (cupy) and a CUDA device present and
 ``device="gpu"``, it runs on the GPU forward of the checkpoint models
-(``_gpu_forward.py``: fused kernels, decode steps as CUDA graphs) in float32. Dimensions are small so that a step of
-64 decoding sequences takes a few milliseconds on a CPU, which keeps benchmarks about
-the server rather than the model.
+(``_gpu_forward.py``: fused kernels, decode steps as CUDA graphs) in float32. Dimensions
+are small so that a step of 64 decoding sequences takes a few milliseconds on a CPU,
+which keeps benchmarks about the server rather than the model.
 """
 
 from __future__ import annotations

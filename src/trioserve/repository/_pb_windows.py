@@ -8,15 +8,16 @@ An input is read with ``preadv`` into a block of the process's own arena (memory
 before, so the copy costs no page faults; the block is freed when the model's last array
 of it goes) before the model runs: the client may shrink its object at any time, and a
 mapped page past the end of the file would kill the process (SIGBUS) under the model's
-feet, while a read just comes back short, which refuses that request alone (INVALID_ARG naming the region) and leaves the
-rest of the batch to run. The batch's inputs are read by the thread that read its frame,
-before any later frame (an ``unwindow``) is read. An output the request placed in a
-client's region is written there with ``pwrite`` (``write_outputs``), which cannot fault
-either, once every such output of the response was checked to fit its window and the
-object to still hold it (else the response is that INVALID_ARG, and nothing is written);
-it writes through a duplicate of the descriptor, taken under a lock: the batch runs on
-another thread than the one that reads frames, and the request may have been withdrawn
-and its region let go of meanwhile. Standard library and numpy only.
+feet, while a read just comes back short, which refuses that request alone (INVALID_ARG
+naming the region) and leaves the rest of the batch to run. The batch's inputs are read
+by the thread that read its frame, before any later frame (an ``unwindow``) is read. An
+output the request placed in a client's region is written there with ``pwrite``
+(``write_outputs``), which cannot fault either, once every such output of the response
+was checked to fit its window and the object to still hold it (else the response is that
+INVALID_ARG, and nothing is written); it writes through a duplicate of the descriptor,
+taken under a lock: the batch runs on another thread than the one that reads frames, and
+the request may have been withdrawn and its region let go of meanwhile. Standard library
+and numpy only.
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@ whose tokens are all processed, turns tokens into text, applies stop conditions 
 hands each request's new text to its sink. Then it sends one ``IterationStats`` down
 the stats channel and goes again; with nothing to do it sleeps until a request comes.
 
-Every request's end goes to ``Outcomes`` at once, whatever ended it: its output done,
-an abort, the model failing (its step, or its tokenizer on the prompt or the output),
-a fault of the engine's own work on that request (queueing it, sampling it, building
-its answer: it fails alone, and the engine goes on), or the engine stopping. That is the one place the model's statistics learn of it, so
-nothing ends uncounted, shutdown included (the stats channel's reader is gone by then).
-An ``add`` cancelled while it tokenizes is the one exception: the request never entered
-the engine, and its caller (the runner) records it.
+Every request's end goes to ``Outcomes`` at once, whatever ended it: its output done, an
+abort, the model failing (its step, or its tokenizer on the prompt or the output), a
+fault of the engine's own work on that request (queueing it, sampling it, building its
+answer: it fails alone, and the engine goes on), or the engine stopping. That is the one
+place the model's statistics learn of it, so nothing ends uncounted, shutdown included
+(the stats channel's reader is gone by then). An ``add`` cancelled while it tokenizes is
+the one exception: the request never entered the engine, and its caller (the runner)
+records it.
 
 ``add`` and ``abort`` are called from the front ends' tasks. ``add`` tokenizes the
 prompt in a worker thread (user tokenizers can be slow), then both change the engine's
