@@ -201,7 +201,6 @@ class InstanceProcess:
             )
         finally:
             child.close()
-        self._generation += 1
         self._arena.forget_peer()
         self._theirs.close()
         self._theirs = SegmentMap()
@@ -267,7 +266,10 @@ class InstanceProcess:
         for blocks in inputs.values():
             self._free_all(blocks)
         with self._give_back_lock:
-            self._given_back.clear()  # the dead process's arena went with it
+            # The dead process's arena went with it: its blocks let go of from now on
+            # (an answer still being sent) are not given to the next one.
+            self._generation += 1
+            self._given_back.clear()
             self._given_back_bytes = 0
 
     async def stop(self) -> None:

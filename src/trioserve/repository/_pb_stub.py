@@ -29,6 +29,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,7 @@ class Stub:
         self.link = RemoteLink(self)
         self._families = RemoteFamilies(self)
         self._send_lock = threading.RLock()
-        self.turns = Turns(self._read, lambda: _exit(1))
+        self.turns = Turns(self._read, self._failed)
         self._settings: dict[str, Any] = {}
         self._model_dir = Path()
         self._model: Any = None
@@ -94,6 +95,13 @@ class Stub:
 
     def run(self) -> None:
         self.turns.run()
+
+    @staticmethod
+    def _failed() -> None:
+        """A frame this process could not handle: the link cannot go on. Said on the
+        inherited stderr (the server's), since the link may be what broke."""
+        traceback.print_exc()
+        _exit(1)
 
     def _read(self) -> Work | None:
         """The next frame from the server: handled, or the model's work it brings."""

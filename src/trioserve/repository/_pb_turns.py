@@ -29,7 +29,7 @@ class Turns:
 
     def __init__(self, read: Callable[[], Work | None], ended: Callable[[], None]) -> None:
         self._read = read
-        self._ended = ended  # what a thread that saw the link close does (the process ends)
+        self._ended = ended  # what a thread whose read or work raised does: ends the process
         self._lock = threading.Condition()
         self._reader: int | None = None  # whose turn to read; None: the first to wake
         self._worker: int | None = None  # the thread inside the model's work
