@@ -38,7 +38,8 @@ from prometheus_client import CollectorRegistry
 
 from .._errors import InvalidArgumentError, NotFoundError, UnsupportedError
 from .._model import DynamicBatching, Model
-from .._model_code import failure_text, model_failure
+from .._model_code import model_failure
+from .._model_import import failure_text
 from .._served import LoadTimeout, ModelRepository, ServedModel, UploadedFile
 from ._config import ConfigError
 from ._ensemble import EnsembleModel

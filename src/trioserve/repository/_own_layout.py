@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._model import Model
-from .._model_code import import_model_code
+from .._model_import import import_model_code
 
 
 class RepositoryError(Exception):

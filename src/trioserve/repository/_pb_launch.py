@@ -29,13 +29,16 @@ STUB_MODULE = "trioserve.repository._pb_stub"
 # What the stub imports of trioserve, relative to the package: no trio, no protobuf.
 STUB_MODULES = (
     "_errors.py",
+    "_model_import.py",
     "_tensor.py",
     "_types.py",
     "ipc/_arena.py",
     "ipc/_blocking.py",
     "ipc/_frames.py",
     "ipc/_windows.py",
+    "repository/_auto_complete.py",
     "repository/_pb_execution.py",
+    "repository/_pb_inspect.py",
     "repository/_pb_loop.py",
     "repository/_pb_metrics.py",
     "repository/_pb_remote.py",
@@ -88,8 +91,10 @@ def interpreter(model_parameters: Mapping[str, str], model_dir: Path) -> str:
     return str(python)
 
 
-def command(python: str, fd: int) -> list[str]:
-    return [python, "-m", STUB_MODULE, str(fd)]
+def command(python: str, argument: str) -> list[str]:
+    """The stub's command: ``argument`` is its end of the link (a descriptor number), or
+    ``_pb_inspect.INSPECT``."""
+    return [python, "-m", STUB_MODULE, argument]
 
 
 def environment(gpu: int | None) -> dict[str, str]:

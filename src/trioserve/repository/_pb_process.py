@@ -195,7 +195,7 @@ class InstanceProcess:
         parent, child = channel_pair()
         try:
             self._process = await trio.lowlevel.open_process(
-                _pb_launch.command(spec.python, child.fileno()),
+                _pb_launch.command(spec.python, str(child.fileno())),
                 pass_fds=(child.fileno(),),
                 env=_pb_launch.environment(spec.gpu),
             )

@@ -13,7 +13,10 @@ environment (``EXECUTION_ENV_PATH``).
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -22,14 +25,15 @@ from .._model import MODEL_INSTANCE, Model, Result
 from .._model_code import raise_failure
 from .._types import InferenceRequest
 from . import _pb_launch
-from ._config import CONFIG_FILE, ConfigError, complete_config, model_settings
+from ._config import CONFIG_FILE, ConfigError, complete_config, config_document, model_settings
 from ._generated.model_config_pb2 import ModelInstanceGroup
 from ._layout import Reading, chosen_versions, version_folders
+from ._pb_inspect import INSPECT, ModelFileError, auto_complete, import_model_class
 from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_options import PythonOptions
 from ._pb_process import InitializeFailed, InstanceProcess
-from ._python_backend import PythonBackendModel, auto_complete, import_model_file, model_module_name
+from ._python_backend import PythonBackendModel, completed_config, model_module_name
 
 
 class ProcessBackendModel(PythonBackendModel):
@@ -143,34 +147,72 @@ def read_python(reading: Reading) -> list[Model]:
     config, folder, strict = reading.config, reading.folder, reading.strict
     versions = chosen_versions(config, folder)
     folders = version_folders(folder)
-    files = {v: reading.model_file(folders[v]) for v in versions}
-    classes = {v: import_model_file(files[v], folder.name, v) for v in versions}
-    if not strict:
-        auto_complete(classes[versions[-1]], config, folder / CONFIG_FILE)
+    files = {
+        v: (reading.model_file(folders[v]), model_module_name(folder.name, v)) for v in versions
+    }
+    python = reading.python or PythonOptions()
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    in_processes = python.mode_of(parameters, folder.name) == "process"
+    document = None if strict else config_document(config)
+    classes: dict[int, type] = {}
+    try:
+        if in_processes:
+            document = _inspected(folder, parameters, list(files.values()), document)
+        else:
+            classes = {v: import_model_class(*files[v], folder.name) for v in versions}
+            if document is not None:
+                auto_complete(classes[versions[-1]], document, folder / CONFIG_FILE, folder.name)
+    except ModelFileError as exc:
+        raise ConfigError(str(exc)) from None
+    if document is not None:
+        completed_config(config, document, folder / CONFIG_FILE)
     if not config.default_model_filename:
         config.default_model_filename = "model.py"  # what Triton's python backend names
     complete_config(config, folder)
     settings = model_settings(config, folder)
     repository, metrics = reading.repository, reading.metrics
-    python = reading.python or PythonOptions()
-    if python.mode_of(settings["parameters"], folder.name) == "process":
-        return [
-            ProcessBackendModel(
-                classes[v],
-                config,
-                folders[v].parent,
-                v,
-                repository,
-                metrics,
-                files[v],
-                options=python,
-                **settings,
-            )
-            for v in versions
-        ]
-    return [
-        PythonBackendModel(
-            classes[v], config, folders[v].parent, v, repository, metrics, files[v], **settings
-        )
-        for v in versions
-    ]
+
+    def made(version: int) -> Model:
+        place = (folders[version].parent, version, repository, metrics, files[version][0])
+        if in_processes:
+            return ProcessBackendModel(None, config, *place, options=python, **settings)
+        return PythonBackendModel(classes[version], config, *place, **settings)
+
+    return [made(v) for v in versions]
+
+
+def _inspected(
+    folder: Path,
+    parameters: dict[str, str],
+    files: list[tuple[Path, str]],
+    document: dict[str, Any] | None,
+) -> dict[str, Any] | None:
+    """What a process of the model's own, under its interpreter, finds of its files
+    (``_pb_inspect``): the config's form completed (None if ``document`` was), or the
+    ``ConfigError`` that keeps it from loading. The server imports none of them."""
+    try:
+        python = _pb_launch.interpreter(parameters, folder)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"model '{folder.name}': {exc}") from None
+    asked = {
+        "model": folder.name,
+        "files": [[str(p), m] for p, m in files],
+        "config": document,
+        "config_file": str(folder / CONFIG_FILE),
+    }
+    done = subprocess.run(
+        _pb_launch.command(python, INSPECT),
+        input=json.dumps(asked).encode(),
+        stdout=subprocess.PIPE,
+        env=_pb_launch.environment(None),
+        check=False,
+    )
+    try:
+        reply = json.loads(done.stdout)
+    except ValueError:
+        ended = _pb_launch.how_it_ended(done.returncode)
+        raise ConfigError(f"model '{folder.name}': {ended} while it imported model.py") from None
+    if "error" in reply:
+        raise ConfigError(reply["error"])
+    completed: dict[str, Any] | None = reply["config"]
+    return completed

@@ -1,5 +1,7 @@
 """The instance process of a Python-backend model: ``python -m
-trioserve.repository._pb_stub FD``, FD its end of the link to the server.
+trioserve.repository._pb_stub FD``, FD its end of the link to the server (or, with
+``inspect`` in place of FD, the short-lived process that inspects a model.py for the
+server, ``_pb_inspect``).
 
 It imports the model's model.py and runs its ``initialize``, ``execute`` and
 ``finalize`` as Triton's stub does (``_pb_execution``): the thread that reads a frame
@@ -46,6 +48,7 @@ from ._pb_execution import (
     import_model_module,
     run_execute,
 )
+from ._pb_inspect import INSPECT, answer_channel, inspect_files
 from ._pb_loop import InstanceLoop
 from ._pb_metrics import serving_metrics
 from ._pb_remote import RemoteFamilies, RemoteLink, RemoteSender, ServerLogHandler
@@ -309,10 +312,14 @@ def main(argv: list[str]) -> None:
     threading.Thread(
         target=_outlive_no_server, args=(os.getppid(),), name="server watch", daemon=True
     ).start()
-    channel = BlockingChannel(socket.socket(fileno=int(argv[1])))
+    work = argv[1]
     # Model code sees the command line of a script started without arguments (as under
     # ``trioserve run``): a model.py that parses its arguments reads its own defaults.
     del argv[1:]
+    if work == INSPECT:
+        inspect_files(sys.stdin, answer_channel())
+        _exit(0)  # whatever threads the model's import started
+    channel = BlockingChannel(socket.socket(fileno=int(work)))
     stub = Stub(channel)
     sys.modules.setdefault("triton_python_backend_utils", pb_utils)
     handler = ServerLogHandler(stub)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ._auto_complete import ModelConfig as ModelConfig
 from ._pb_metrics import COUNTER as COUNTER
 from ._pb_metrics import GAUGE as GAUGE
 from ._pb_metrics import HISTOGRAM as HISTOGRAM
@@ -53,19 +54,6 @@ from ._pb_tensors import serialize_byte_tensor as serialize_byte_tensor
 from ._pb_tensors import server_error as server_error
 from ._pb_tensors import triton_string_to_numpy as triton_string_to_numpy
 from ._pb_tensors import triton_to_numpy_type as triton_to_numpy_type
-
-if TYPE_CHECKING:
-    from ._auto_complete import ModelConfig as ModelConfig
-
-
-def __getattr__(name: str) -> Any:
-    # ``ModelConfig`` (auto_complete_config's, on protobuf) is the server's: it is read
-    # there, and an instance process, which has no protobuf, never needs it.
-    if name == "ModelConfig":
-        from ._auto_complete import ModelConfig
-
-        return ModelConfig
-    raise AttributeError(f"module 'triton_python_backend_utils' has no attribute {name!r}")
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

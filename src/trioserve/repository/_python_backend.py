@@ -23,25 +23,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import trio
+from google.protobuf import json_format
 
 from .._errors import InferenceServerError, InternalError
 from .._model import MODEL_INSTANCE, Model, ResponseOutputs, Result
-from .._model_code import import_model_code, model_failure, raise_failure
+from .._model_code import model_failure, raise_failure
 from .._served import ModelRepository
 from .._types import InferenceRequest
 from . import _pb_utils as pb_utils
 from ._config import ConfigError, config_document, config_json
 from ._generated.model_config_pb2 import ModelConfig, ModelInstanceGroup
 from ._pb_execution import (
-    MODULE_NAME,
     call_hook,
     checked_responses,
     failure_texts,
@@ -56,40 +54,18 @@ from ._pb_serving import Serving, serving
 logger = logging.getLogger("trioserve.python_backend")
 
 
-def import_model_file(path: Path, model_name: str, version: int) -> type:
-    """Import a model.py and return its ``TritonPythonModel`` class."""
-    # Models import the utilities by Triton's name; ours stands in for it.
-    sys.modules.setdefault(MODULE_NAME, pb_utils)
-    module_name = model_module_name(model_name, version)
-    return _model_class(import_model_code(path, module_name, model_name, ConfigError), path)
-
-
 def model_module_name(model_name: str, version: int) -> str:
     return f"trioserve_python_models.{model_name}.v{version}"
 
 
-def _model_class(module: ModuleType, path: Path) -> type:
-    found = getattr(module, "TritonPythonModel", None)
-    if not isinstance(found, type):
-        raise ConfigError(f"{path}: defines no class 'TritonPythonModel'")
-    if not callable(getattr(found, "execute", None)):
-        raise ConfigError(f"{path}: TritonPythonModel has no 'execute' method")
-    return found
-
-
-def auto_complete(model_class: type, config: ModelConfig, path: Path) -> None:
-    """Let the model's ``auto_complete_config`` fill in the config, as Triton does when
-    the config is not strict."""
-    hook = getattr(model_class, "auto_complete_config", None)
-    if hook is None:
-        return
+def completed_config(config: ModelConfig, document: dict[str, Any], path: Path) -> None:
+    """Take the config's JSON form as ``auto_complete_config`` completed it."""
+    completed = ModelConfig()
     try:
-        returned = hook(pb_utils.ModelConfig(config))
-    except BaseException as exc:
-        failure = model_failure(exc, config.name or path.parent.name, "in auto_complete_config")
-        raise ConfigError(f"{path}: auto_complete_config failed: {failure}") from None
-    if not isinstance(returned, pb_utils.ModelConfig):
-        raise ConfigError(f"{path}: auto_complete_config must return the config it received")
+        json_format.ParseDict(document, completed)
+    except json_format.ParseError as exc:
+        raise ConfigError(f"{path}: auto_complete_config made an invalid config: {exc}") from None
+    config.CopyFrom(completed)
 
 
 @dataclass(slots=True)
@@ -106,7 +82,7 @@ class PythonBackendModel(Model):
 
     def __init__(
         self,
-        model_class: type,
+        model_class: type | None,  # None: the model's code runs in processes of its own
         config: ModelConfig,
         folder: Path,
         version: int,
@@ -182,6 +158,7 @@ class PythonBackendModel(Model):
                     name = args["model_instance_name"]
                     instance = _Instance(None, name, InstanceLoop(name))
                     try:
+                        assert self._class is not None
                         instance.model = self._class()
                         call_hook(instance.loop, getattr(instance.model, "initialize", None), args)
                     except BaseException as exc:
