@@ -168,7 +168,9 @@ def triton_scenario(args: argparse.Namespace) -> None:
     print(
         f"simple (JSON, 4 clients) and identity_fp32 (16 MiB binary, 1 client), {args.duration} s"
     )
+    print("CPU per request: all, the server's own, its children (instance processes, stubs)")
     for round_ in range(args.rounds):
+        simple_cpu: dict[str, tuple[float, float]] = {}  # all, children
         for name, server in (
             ("trioserve process", lambda: trioserve(models, "process")),
             ("trioserve thread", lambda: trioserve(models, "thread")),
@@ -176,15 +178,22 @@ def triton_scenario(args: argparse.Namespace) -> None:
         ):
             with server() as (url, pid):
                 run_wrk(url, "http-json", 4, 2, "0-1")  # warm up
-                before = cpu_seconds(pid)
+                total, own = cpu_seconds(pid), own_cpu_seconds(pid)
                 simple = run_wrk(url, "http-json", 4, args.duration, "0-1")
-                used = cpu_seconds(pid) - before
-                cpu_us = used / (simple.requests_per_s * args.duration) * 1e6
+                total, own = cpu_seconds(pid) - total, own_cpu_seconds(pid) - own
+                per_request = 1e6 / (simple.requests_per_s * args.duration)
+                simple_cpu[name] = (total * per_request, (total - own) * per_request)
                 big = run_wrk(url, "big-binary", 1, args.duration, "0-1", "identity_fp32",
                               http_body("big-binary"))  # fmt: skip
                 print(f"  round {round_ + 1} {name:<17} simple {simple.requests_per_s:8.1f} req/s "
-                      f"{cpu_us:7.1f} us CPU/req   identity_fp32 "
+                      f"{total * per_request:7.1f} us CPU/req ({own * per_request:6.1f} + "
+                      f"{(total - own) * per_request:6.1f})   identity_fp32 "
                       f"{big.requests_per_s * 16:8.1f} MiB/s")  # fmt: skip
+        # The boundary's cost: what process mode adds to thread mode, against what Triton's
+        # stubs alone spend (a floor of its python backend's cost: its C++ side is not in it).
+        boundary = simple_cpu["trioserve process"][0] - simple_cpu["trioserve thread"][0]
+        print(f"  round {round_ + 1} boundary: trioserve {boundary:6.1f} us/req   "
+              f"Triton's stubs {simple_cpu['triton'][1]:6.1f} us/req")  # fmt: skip
 
 
 def boundary_scenario(args: argparse.Namespace) -> None:

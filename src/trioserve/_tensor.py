@@ -91,10 +91,14 @@ def datatype_from_config(config_name: str) -> Datatype:
 
 def datatype_of(array: np.ndarray[Any, Any]) -> Datatype:
     """The wire datatype for a numpy array a model produced (object/str/bytes -> BYTES)."""
-    kind = array.dtype.kind
+    dtype = array.dtype
+    found = _BY_DTYPE.get(dtype)  # a native dtype, as nearly every array's: no new one made
+    if found is not None:
+        return found
+    kind = dtype.kind
     if kind in "OSU":
         return DATATYPES["BYTES"]
-    found = _BY_DTYPE.get(array.dtype.newbyteorder("<") if kind != "b" else array.dtype)
+    found = _BY_DTYPE.get(dtype.newbyteorder("<") if kind != "b" else dtype)
     if found is None:
         raise InvalidArgumentError(f"numpy dtype {array.dtype} has no wire datatype")
     return found

@@ -25,7 +25,11 @@ class Replies(Generic[T]):
     def open(self) -> tuple[int, trio.MemoryReceiveChannel[T | BaseException]]:
         """A new call id, and where its answers arrive (an exception being a failure)."""
         call_id = next(self._ids)
-        send, receive = trio.open_memory_channel[T | BaseException](math.inf)
+        # Not ``open_memory_channel[...]``: subscripting at run time builds a union type
+        # on every call.
+        send: trio.MemorySendChannel[T | BaseException]
+        receive: trio.MemoryReceiveChannel[T | BaseException]
+        send, receive = trio.open_memory_channel(math.inf)
         self._open[call_id] = send
         return call_id, receive
 

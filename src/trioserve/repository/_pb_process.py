@@ -315,10 +315,11 @@ class InstanceProcess:
                 self._senders[key] = (request.response_sender, inputs)
             else:
                 blocks += inputs
-            placed = {} if decoupled else self._windows.placed_outputs(request.outputs)
+            wanted = request.outputs  # usually none by name: every output
+            placed = self._windows.placed_outputs(wanted) if wanted and not decoupled else {}
             described.append(
                 (key, request.id, request.model_name, tensors,
-                 [o.name for o in request.outputs], dict(request.parameters), placed)
+                 [o.name for o in wanted] if wanted else [], dict(request.parameters), placed)
             )  # fmt: skip
         batch, answers = self._batches.open()
         self._batch_inputs[batch] = blocks
@@ -364,11 +365,14 @@ class InstanceProcess:
         return ResponseOutputs(outputs, parsed) if parsed else outputs
 
     def _received(self, tensor: FrameTensor, request: CoreRequest) -> np.ndarray[Any, Any]:
+        if len(tensor) == 4:  # inline: what small outputs are
+            return read_inline(tensor)
         written = self._windows.written(tensor, request.outputs)
         if written is not None:
             return written
         in_block = frame_block(tensor)
-        return read_inline(tensor) if in_block is None else self._leased(in_block)
+        assert in_block is not None  # neither inline nor in a client's region: in a block
+        return self._leased(in_block)
 
     def _leased(self, tensor: WireTensor) -> np.ndarray[Any, Any]:
         """The output in place in the process's arena, its block given back when the last

@@ -38,7 +38,6 @@ TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 TRITONSERVER_MEMORY_GPU = 0
 TRITONSERVER_MEMORY_CPU = 1
-_MEMORY_DEFAULT = 2
 
 
 class PreferredMemory:
@@ -86,7 +85,7 @@ class InferenceResponse:
         return self._error
 
     def parameters(self) -> str:
-        return json.dumps(dict(self._parameters or {}))
+        return json.dumps(dict(self._parameters)) if self._parameters else "{}"
 
     @classmethod
     def _answer(cls, answer: CoreResponse | BaseException | None) -> InferenceResponse:
@@ -206,7 +205,7 @@ class InferenceRequest:
         self._flags = flags
         self._parameters = json.loads(parameters) if isinstance(parameters, str) else parameters
         self._timeout = timeout
-        self._preferred_memory = preferred_memory or PreferredMemory(_MEMORY_DEFAULT)
+        self._preferred_memory = preferred_memory  # None: the default (outputs on the host)
         self._trace = trace or InferenceTrace()
         self._sender: ResponseSender | None = None  # a served request to a decoupled model
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
@@ -287,7 +286,7 @@ class InferenceRequest:
         return self._trace
 
     def parameters(self) -> str:
-        return json.dumps(dict(self._parameters or {}))
+        return json.dumps(dict(self._parameters)) if self._parameters else "{}"
 
     def is_cancelled(self) -> bool:
         return self._sender is not None and self._sender.cancelled

@@ -215,7 +215,7 @@ class Stub:
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
         """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
         key, request_id, model, tensors, outputs, parameters, _placed = described
-        inputs = [pb_utils.Tensor(t[0], self._array(t), triton_dtype=t[1]) for t in tensors]
+        inputs = [pb_utils.Tensor._received(t[0], self._array(t), t[1]) for t in tensors]
         return pb_utils.InferenceRequest._received(
             model,
             inputs,

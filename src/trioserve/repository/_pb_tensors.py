@@ -134,6 +134,15 @@ class Tensor:
         self._array = array
         self._datatype = datatype_of(array) if triton_dtype is None else _datatype(triton_dtype)
 
+    @classmethod
+    def _received(cls, name: str, array: Array, datatype_name: str) -> Tensor:
+        """An input as the server sent it: its array and datatype were checked there."""
+        tensor = cls.__new__(cls)
+        tensor._name = name
+        tensor._array = array
+        tensor._datatype = DATATYPES[datatype_name]
+        return tensor
+
     def name(self) -> str:
         return self._name
 
