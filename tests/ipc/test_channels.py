@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,8 @@ from trioserve.ipc import (
     FrameError,
     FrameReader,
     LinkClosed,
+    Pending,
+    PendingCalls,
     Replies,
     TrioChannel,
     channel_pair,
@@ -165,6 +168,36 @@ async def test_replies_reach_their_callers_and_a_dead_link_fails_the_rest() -> N
     rest = [a async for a in streamed_answers]
     assert rest[:2] == ["a", "b"] and isinstance(rest[2], LinkClosed)
     assert len(replies) == 0
+
+
+async def test_pending_calls_get_one_answer_each_and_a_dead_link_fails_the_rest() -> None:
+    calls: PendingCalls[str] = PendingCalls()
+    answered, waiting, withdrawn, cancelled = (calls.open() for _ in range(4))
+    assert calls.deliver(answered.call, "one")
+    assert not calls.deliver(answered.call, "again")  # one answer per call
+    assert await answered.wait() == "one"  # it came before the wait: no parking
+
+    got: list[object] = []
+
+    async def wait_for(pending: Pending[str | BaseException]) -> None:
+        got.append(await pending.wait())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_for, waiting)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await cancelled.wait()  # parks, and is cancelled: it takes no answer
+        calls.withdraw(cancelled.call)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # parked until its answer comes
+        assert calls.deliver(waiting.call, "two")
+    assert got == ["two"]
+    calls.withdraw(withdrawn.call)
+    assert not calls.deliver(withdrawn.call, "late")
+    assert not calls.deliver(cancelled.call, "late")
+    late = calls.open()
+    calls.fail_all(LinkClosed("gone"))
+    assert isinstance(await late.wait(), LinkClosed)
 
 
 @pytest.mark.parametrize("coalesce", [False, True])

@@ -4,14 +4,14 @@ Tensor bytes go once into an ``Arena`` (anonymous shared memory the writer owns)
 are read in place by the peer through its ``SegmentMap``; control messages go as frames
 over a local stream socket (``TrioChannel`` in the event loop, ``BlockingChannel`` in a
 child's threads), the segments' descriptors riding along with the first frame that uses
-them. ``Replies`` matches answers to the requests that await them.
+them. ``Replies`` and ``PendingCalls`` match answers to the requests that await them.
 """
 
 from ._arena import ALIGNMENT, Arena, ArenaFull, Block, SegmentMap, anonymous_memory
 from ._blocking import BlockingChannel, LinkClosed, channel_pair
 from ._channels import TrioChannel
 from ._frames import FrameError, FrameReader, encode_frames
-from ._replies import Replies
+from ._replies import Pending, PendingCalls, Replies
 
 __all__ = [
     "ALIGNMENT",
@@ -22,6 +22,8 @@ __all__ = [
     "FrameError",
     "FrameReader",
     "LinkClosed",
+    "Pending",
+    "PendingCalls",
     "Replies",
     "SegmentMap",
     "TrioChannel",

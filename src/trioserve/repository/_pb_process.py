@@ -42,7 +42,7 @@ from ..ipc import (
     Block,
     FrameError,
     LinkClosed,
-    Replies,
+    PendingCalls,
     SegmentMap,
     TrioChannel,
     channel_pair,
@@ -98,7 +98,7 @@ class InstanceProcess:
         self._channel: TrioChannel | None = None
         self._process: trio.Process | None = None
         self._generation = 0  # which process: a dead one's blocks are not given back
-        self._batches = Replies[tuple[Any, ...]]()
+        self._batches = PendingCalls[tuple[Any, ...]]()
         self._batch_inputs: dict[int, list[Block]] = {}
         self._senders: dict[int, tuple[ResponseSender, list[Block]]] = {}
         self._keys = itertools.count(1)
@@ -321,14 +321,15 @@ class InstanceProcess:
                 (key, request.id, request.model_name, tensors,
                  [o.name for o in wanted] if wanted else [], dict(request.parameters), placed)
             )  # fmt: skip
-        batch, answers = self._batches.open()
+        pending = self._batches.open()
+        batch = pending.call
         self._batch_inputs[batch] = blocks
         try:
             await self._windows.announce(channel)  # no checkpoint since frame_tensor
             await self._announce(channel, all_inputs)
             given_back = blocks_to_wire(self._take_given_back())
             await channel.send(("exec", batch, described, given_back))
-            answer = await answers.receive()
+            answer = await pending.wait()
         except LinkClosed:  # it died before this batch reached it
             self._batches.withdraw(batch)
             self._free_all(self._batch_inputs.pop(batch, []))

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from ..ipc import Block, Replies, SegmentMap, TrioChannel
+from ..ipc import Block, Pending, Replies, SegmentMap, TrioChannel
 from ._wire import (
     ANSWER,
     CANCEL,
@@ -29,36 +29,6 @@ logger = logging.getLogger("trioserve.workers")
 
 Answer = tuple[Any, ...]
 WITHDRAWN: Answer = ()  # a single-answer call's answer once its client has left
-
-
-class Pending:
-    """The one answer one task awaits (an INFER's OUTCOME), without a memory channel:
-    the task parks until the answer comes, as a scheduler ticket's does. A channel per
-    request cost a tenth of a small request's CPU."""
-
-    __slots__ = ("answer", "call", "task")
-
-    def __init__(self, call: int) -> None:
-        self.call = call
-        self.answer: Answer | None = None
-        self.task: trio.lowlevel.Task | None = None
-
-    async def wait(self) -> Answer:
-        if self.answer is None:
-            self.task = trio.lowlevel.current_task()
-            await trio.lowlevel.wait_task_rescheduled(self._abort)
-        assert self.answer is not None
-        return self.answer
-
-    def _abort(self, _: object) -> trio.lowlevel.Abort:
-        self.task = None
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    def resolve(self, answer: Answer) -> None:
-        self.answer = answer
-        task, self.task = self.task, None
-        if task is not None:
-            trio.lowlevel.reschedule(task)
 
 
 class CoreClient:
@@ -80,7 +50,7 @@ class CoreClient:
         self._counters = counters
         self._frees: list[Block] = []
         # Single-answer calls, numbered below zero (``Replies`` numbers the others).
-        self._pending: dict[int, Pending] = {}
+        self._pending: dict[int, Pending[Answer]] = {}
         self._pending_ids = itertools.count(-1, -1)
 
     async def run(self, frames: list[tuple[Any, list[int]]]) -> None:
@@ -117,14 +87,14 @@ class CoreClient:
         self.forwarded += 1
         return self.replies.open()
 
-    def open_pending(self) -> Pending:
+    def open_pending(self) -> Pending[Answer]:
         """A new single-answer call."""
         self.forwarded += 1
-        pending = Pending(next(self._pending_ids))
+        pending: Pending[Answer] = Pending(next(self._pending_ids))
         self._pending[pending.call] = pending
         return pending
 
-    def cancel_pending(self, pending: Pending) -> None:
+    def cancel_pending(self, pending: Pending[Answer]) -> None:
         """The client left before its answer was read: the core withdraws the call, and
         its waiter wakes with ``WITHDRAWN``; an answer that came is dropped."""
         if self._pending.pop(pending.call, None) is not None:

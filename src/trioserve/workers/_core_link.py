@@ -32,7 +32,7 @@ from ..grpc import (
     parse_message,
     status_of,
 )
-from ..ipc import Block, LinkClosed, Replies, SegmentMap, TrioChannel
+from ..ipc import Block, LinkClosed, PendingCalls, SegmentMap, TrioChannel
 from ..rest import RestApp
 from ._core_infer import ForwardedCall, LinkInferences
 from ._wire import (
@@ -82,7 +82,7 @@ class WorkerLink:
         self._calls: dict[int, trio.CancelScope] = {}
         self._inferences = LinkInferences(context, self.out, self.peer)
         self._streams: dict[int, trio.MemorySendChannel[Payload]] = {}
-        self._pulls: Replies[Snapshot] = Replies()
+        self._pulls: PendingCalls[Snapshot] = PendingCalls()
         self._answers: list[tuple[int, tuple[Any, ...], bool]] = []  # for the next ANSWER
         self._answer_payloads: list[object] = []  # theirs that may be blocks
 
@@ -107,12 +107,12 @@ class WorkerLink:
 
     async def counters(self) -> Snapshot:
         """The worker's counters now (raises ``LinkClosed`` if it is gone)."""
-        pull, answers = self._pulls.open()
+        pending = self._pulls.open()
         try:
-            await self.out.send((PULL, pull))
-            answer = await answers.receive()
+            await self.out.send((PULL, pending.call))
+            answer = await pending.wait()
         finally:
-            self._pulls.withdraw(pull)
+            self._pulls.withdraw(pending.call)
         if isinstance(answer, BaseException):
             raise answer
         return answer

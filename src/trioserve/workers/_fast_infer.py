@@ -25,9 +25,10 @@ from .._model import Model
 from .._tensor import array_from_raw, array_to_raw, datatype
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..grpc import Call, ClientGone, InferPlans, ReplyHeads, WireReply, WireRequest, parse_message
+from ..ipc import Pending
 from ..metrics import FORMAT_HEADER
 from ..rest import Request, Response, decode_request, header_length, infer_response
-from ._client import WITHDRAWN, Answer, CoreClient, Pending
+from ._client import WITHDRAWN, Answer, CoreClient
 from ._forward import RestForwarder, Withdraw, forward_unary
 from ._wire import INFER
 
@@ -107,7 +108,7 @@ class InferForwarder:
         endpoint: str,
         report: tuple[str, Any] | None,
         headers: Mapping[Any, Any],
-    ) -> Pending:
+    ) -> Pending[Answer]:
         client = self._client
         tensors = inference.inputs.values()
         payloads = client.out.pack_all([array_to_raw(t.data, t.datatype) for t in tensors])
@@ -124,7 +125,7 @@ class InferForwarder:
         await client.out.send(message, *payloads)
         return pending
 
-    async def _outcome(self, pending: Pending) -> Answer | None:
+    async def _outcome(self, pending: Pending[Answer]) -> Answer | None:
         """The OUTCOME; None if the call was withdrawn meanwhile. Cancelled: withdrawn."""
         try:
             item = await pending.wait()

@@ -25,8 +25,9 @@ from ..grpc import (
     UnaryMethod,
     WireReply,
 )
+from ..ipc import Pending
 from ..rest import Endpoint, HttpError, Request, Router
-from ._client import Answer, CoreClient, Pending
+from ._client import Answer, CoreClient
 from ._wire import BODY, GRPC, GRPC_STREAM, HALF_CLOSE, HTTP, MESSAGE, REPLY, START
 
 _CORE_GONE = "the server's core process is gone"
@@ -53,7 +54,9 @@ class Withdraw:
 
     __slots__ = ("answers", "call", "client")
 
-    def __init__(self, client: CoreClient, call: Pending | int, answers: Any = None) -> None:
+    def __init__(
+        self, client: CoreClient, call: Pending[Answer] | int, answers: Any = None
+    ) -> None:
         self.client = client
         self.call = call
         self.answers = answers
