@@ -57,7 +57,10 @@ from ._pb_tensors import triton_to_numpy_type as triton_to_numpy_type
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
-    return next((t for t in request.inputs() if t.name() == name), None)
+    for tensor in request.inputs():  # a loop, not next(genexpr): called per input per request
+        if tensor.name() == name:
+            return tensor
+    return None
 
 
 def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:

@@ -68,6 +68,8 @@ class ClientWindows:
     ) -> tuple[list[tuple[Any, ...]], dict[int, tuple[int, InferenceServerError]]]:
         """The batch's requests with their window inputs read (as inline tensors), and
         the refused ones by their place in the batch: their key, and why."""
+        if not self._regions:  # none handed over, so no input lies in one
+            return requests, {}
         read: list[tuple[Any, ...]] = []
         refused: dict[int, tuple[int, InferenceServerError]] = {}
         for place, request in enumerate(requests):

@@ -25,7 +25,7 @@ import numpy as np
 
 from .. import _errors
 from .._errors import InferenceServerError, InternalError
-from .._tensor import array_from_raw, array_to_raw, datatype
+from .._tensor import DATATYPES, array_from_raw, array_to_raw, datatype
 from ..ipc._arena import Arena, Block
 
 Array = np.ndarray[Any, Any]
@@ -77,7 +77,7 @@ def frame_tensor(
 ) -> FrameTensor:
     """``array`` for a batch's frame: inline when small, else in a new block of
     ``arena`` (appended to ``blocks``)."""
-    raw = array_to_raw(array, datatype(datatype_name))
+    raw = array_to_raw(array, DATATYPES[datatype_name])
     shape = tuple(array.shape)
     if memoryview(raw).nbytes < INLINE_BELOW:
         return (name, datatype_name, shape, bytes(raw))
@@ -97,14 +97,14 @@ def frame_block(tensor: FrameTensor) -> WireTensor | None:
 def read_inline(tensor: FrameTensor) -> Array:
     """The array of an inline tensor: read-only, over the frame's bytes unless BYTES."""
     name, datatype_name, shape, data = tensor
-    array = array_from_raw(datatype(datatype_name), shape, data, name)
+    array = array_from_raw(DATATYPES[datatype_name], shape, data, name)
     array.flags.writeable = False
     return array
 
 
 def read_tensor(tensor: WireTensor, view: memoryview) -> Array:
     """The array ``view`` (the tensor's block) holds: read-only, in place unless BYTES."""
-    array = array_from_raw(datatype(tensor.datatype), tensor.shape, view, tensor.name)
+    array = array_from_raw(DATATYPES[tensor.datatype], tensor.shape, view, tensor.name)
     array.flags.writeable = False
     return array
 
