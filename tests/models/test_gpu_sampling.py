@@ -26,7 +26,7 @@ from trioserve.models._tiny_lm import TinyLM
 from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
 from trioserve.scheduler._model_steps import device_draw
-from trioserve.scheduler._sampling import Draw, choose_tokens
+from trioserve.scheduler._sampling import Draw, TokenHistory, choose_tokens
 
 from . import fake_device
 from .test_gpu_forward import BLOCK, forwards, steps
@@ -190,7 +190,8 @@ def test_penalties_are_the_host_samplers() -> None:
             repetition_penalty=float(rng.choice([1.0, 0.5, 1.3, 3.0])),
         )  # fmt: skip
         history = rng.integers(0, 90, 30).tolist()  # ids past the vocabulary too
-        host = Draw(case % 6, params, np.random.default_rng([case, 0]), history, 10)
+        host = Draw(case % 6, params, np.random.default_rng([case, 0]), history,
+                    TokenHistory(history, 10))  # fmt: skip
         (expected,) = choose_tokens(logits, [host])
         assert tokens(logits, [device_draw(host)]) == [expected], case
 

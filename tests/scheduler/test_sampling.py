@@ -3,10 +3,13 @@ seeded draws."""
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trioserve.scheduler import SamplingParams
 from trioserve.scheduler._sampling import (
     Draw,
+    TokenHistory,
     _penalised,
     choose_tokens,
     is_greedy,
@@ -52,20 +55,22 @@ HISTORY = [1, 0, 0, 2]
     ],
 )
 def test_penalties_as_vllm_applies_them(params, penalised):
-    draw = Draw(0, params, np.random.default_rng(0), HISTORY, 1)
+    draw = Draw(0, params, np.random.default_rng(0), HISTORY, TokenHistory(HISTORY, 1))
     rows = _penalised(np.array([PENALTY_LOGITS]), [draw])
     np.testing.assert_allclose(rows, [penalised])
 
 
 def test_token_ids_beyond_the_logits_are_not_penalised():
-    draw = Draw(0, SamplingParams(repetition_penalty=2), np.random.default_rng(0), [9, -1, 9], 1)
+    ids = [9, -1, 9]
+    draw = Draw(0, SamplingParams(repetition_penalty=2), np.random.default_rng(0), ids,
+                TokenHistory(ids, 1))  # fmt: skip
     np.testing.assert_allclose(_penalised(np.array([PENALTY_LOGITS]), [draw]), [PENALTY_LOGITS])
 
 
 def test_penalties_leave_the_models_logits_alone():
     logits = np.array([PENALTY_LOGITS])
     params = SamplingParams(frequency_penalty=2.0, temperature=0)
-    draws = [Draw(0, params, np.random.default_rng(0), HISTORY, 1)]
+    draws = [Draw(0, params, np.random.default_rng(0), HISTORY, TokenHistory(HISTORY, 1))]
     assert choose_tokens(logits, draws) == [1]  # 2.0 - 2 * 2 < 1.0
     assert logits.tolist() == [PENALTY_LOGITS]  # logprobs read these, unpenalised
 
@@ -73,9 +78,34 @@ def test_penalties_leave_the_models_logits_alone():
 def test_penalties_share_a_row_with_an_unpenalised_draw():
     """Two samples of one step read the same row (a request's forks); each gets its own."""
     logits = np.array([PENALTY_LOGITS])
-    plain = Draw(0, SamplingParams(temperature=0), np.random.default_rng(0), [0, 0], 1)
+    plain = Draw(0, SamplingParams(temperature=0), np.random.default_rng(0), [0, 0],
+                 TokenHistory([0, 0], 1))  # fmt: skip
     penalised = plain._replace(params=SamplingParams(temperature=0, frequency_penalty=2.0))
     assert choose_tokens(logits, [plain, penalised]) == [0, 1]
+
+
+@given(
+    st.lists(st.integers(-2, 40), min_size=1, max_size=30),
+    st.lists(st.integers(-2, 40), max_size=60),
+)
+def test_a_history_kept_up_is_the_history_counted_afresh(prompt, output):
+    kept = TokenHistory(prompt, len(prompt))
+    held = []
+    for token in output:
+        ids_now, counts_now = kept.arrays()
+        held.append(
+            (ids_now, counts_now, sorted(zip(ids_now.tolist(), counts_now.tolist(), strict=True)))
+        )
+        kept.add(token)
+    ids = np.array(prompt + output)
+    expected = {t: int((ids[len(prompt) :] == t).sum()) for t in set(ids.tolist())}
+    assert dict(zip(*(a.tolist() for a in kept.arrays()), strict=True)) == expected
+    for vocab in (1, 20, 50):
+        seen, counts = kept.vocabulary_counts(vocab)
+        assert seen.tolist() == [t in expected for t in range(vocab)]
+        assert counts.tolist() == [expected.get(t, 0) for t in range(vocab)]
+    for ids_then, counts_then, pairs in held:  # what earlier draws were given stays
+        assert sorted(zip(ids_then.tolist(), counts_then.tolist(), strict=True)) == pairs
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_likeliest():

@@ -50,7 +50,14 @@ from ._llm_policy import ContinuousBatchingPolicy, SchedulerLimits, Sequence, St
 from ._llm_stats import FinishedRequest, IterationStats, RequestTimes, finished_request
 from ._model_calls import call_tokenizer
 from ._model_steps import StepResult, call_step, device_draw, device_logprobs, step_kind
-from ._sampling import Draw, choose_tokens, draws_logprobs, sample_generator
+from ._sampling import (
+    Draw,
+    TokenHistory,
+    choose_tokens,
+    draws_logprobs,
+    is_penalised,
+    sample_generator,
+)
 
 logger = logging.getLogger("trioserve.llm")
 
@@ -80,6 +87,7 @@ class _Sample:
     seq: Sequence
     rng: np.random.Generator
     output: SampleOutput
+    history: TokenHistory | None  # a penalised sample's, kept up as tokens are added
     finish_reason: FinishReason | None = None
 
 
@@ -223,7 +231,7 @@ class LLMEngine:
             next(self._arrivals),
             pending_forks=params.n - 1,
         )
-        record.samples.append(_Sample(seq, rng, self._output(record)))
+        record.samples.append(_Sample(seq, rng, self._output(record), _history(seq)))
         record.live = params.n
         self._requests.add(record)
         self._logprob_requests += params.logprobs is not None
@@ -315,12 +323,14 @@ class LLMEngine:
             for index in range(params.n - seq.pending_forks, params.n):
                 due.forks.append((row, seq, index, sample_generator(params, index, self._rng)))
         due.draws = [
-            Draw(row, s.seq.owner.request.sampling, s.rng, s.seq.token_ids, s.seq.prompt_len)
+            Draw(row, s.seq.owner.request.sampling, s.rng, s.seq.token_ids, s.history)
             for row, s in due.heads
         ] + [
-            Draw(row, parent.owner.request.sampling, rng, parent.token_ids, parent.prompt_len)
+            # A fork draws its first token from the prompt, its parent's history so far.
+            Draw(row, parent.owner.request.sampling, rng, parent.token_ids,
+                 parent.owner.samples[parent.index].history)
             for row, parent, _, rng in due.forks
-        ]
+        ]  # fmt: skip
         return due
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> None:
@@ -367,6 +377,8 @@ class LLMEngine:
             if token is None or s.seq.owner.finished:
                 continue  # its request failed in sampling, or was aborted
             s.seq.token_ids.append(token)
+            if s.history is not None:
+                s.history.add(token)
             accepted.append((s, token, logprob))
         # Fork before accepting: a first sample that finishes frees the prompt's blocks.
         for (_, parent, index, rng), token, logprob in zip(
@@ -375,7 +387,8 @@ class LLMEngine:
             record = parent.owner
             if token is None or record.finished:
                 continue
-            child = _Sample(self.policy.fork(parent, index, token), rng, self._output(record))
+            forked = self.policy.fork(parent, index, token)
+            child = _Sample(forked, rng, self._output(record), _history(forked))
             record.samples.append(child)
             accepted.append((child, token, logprob))
         tally.generation_tokens += len(accepted)
@@ -564,3 +577,10 @@ def _end_trace(
             sampling=record.request.sampling,
         )
     )
+
+
+def _history(seq: Sequence) -> TokenHistory | None:
+    """A new sample's token history, if its request asks for penalties."""
+    if not is_penalised(seq.owner.request.sampling):
+        return None
+    return TokenHistory(seq.token_ids, seq.prompt_len)

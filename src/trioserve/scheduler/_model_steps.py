@@ -95,9 +95,8 @@ def device_draw(draw: Draw) -> DeviceDraw:
     seed, stream = _stream_key(draw.rng)
     seen: np.ndarray[Any, Any] | tuple[()] = ()
     output_counts: np.ndarray[Any, Any] | tuple[()] = ()
-    if is_penalised(params):
-        seen, where = np.unique(np.asarray(draw.token_ids, np.int64), return_inverse=True)
-        output_counts = np.bincount(where[draw.prompt_len :], minlength=seen.size)
+    if draw.history is not None and is_penalised(params):
+        seen, output_counts = draw.history.arrays()
     return DeviceDraw(
         row=draw.row,
         temperature=0.0 if is_greedy(params) else params.temperature,
