@@ -197,7 +197,7 @@ class InstanceProcess:
             self._process = await trio.lowlevel.open_process(
                 _pb_launch.command(spec.python, child.fileno()),
                 pass_fds=(child.fileno(),),
-                env=_pb_launch.environment(spec.gpu),
+                env=_pb_launch.environment(spec.gpu, spec.whole_package),
             )
         finally:
             child.close()
