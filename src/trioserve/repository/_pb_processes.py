@@ -120,7 +120,32 @@ class InstanceProcesses:
         return [p.pid for p in self._processes]
 
 
-class ProcessBackendModel(PythonBackendModel):
+class ServedByProcesses:
+    """What the runner asks of a model whose instances are ``_processes``, mixed into
+    such a model class before ``Model``."""
+
+    _processes: InstanceProcesses
+    response_cache: bool
+
+    @property
+    def reads_client_windows(self) -> bool:
+        """The instance processes read inputs from clients' system regions themselves
+        (``_pb_regions``), unless the response cache needs the bytes for its key."""
+        return not self.response_cache
+
+    def unavailable(self) -> str | None:
+        return self._processes.unavailable()
+
+    def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
+        return self._processes.instance_down(index)
+
+    def instance_pids(self) -> list[int | None]:
+        """The process of each instance (None while one starts again): for operators
+        and tests."""
+        return self._processes.pids()
+
+
+class ProcessBackendModel(ServedByProcesses, PythonBackendModel):
     """One version of a Python-backend model, each instance in its own process."""
 
     def __init__(self, *args: Any, options: PythonOptions, **settings: Any) -> None:
@@ -175,23 +200,6 @@ class ProcessBackendModel(PythonBackendModel):
     def _release_metrics(self) -> None:
         if self._metrics is not None:
             self._metrics.release(self)
-
-    @property
-    def reads_client_windows(self) -> bool:
-        """The instance processes read inputs from clients' system regions themselves
-        (``_pb_regions``), unless the response cache needs the bytes for its key."""
-        return not self.response_cache
-
-    def unavailable(self) -> str | None:
-        return self._processes.unavailable()
-
-    def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
-        return self._processes.instance_down(index)
-
-    def instance_pids(self) -> list[int | None]:
-        """The process of each instance (None while one starts again): for operators
-        and tests."""
-        return self._processes.pids()
 
 
 def read_python(reading: Reading) -> list[Model]:
