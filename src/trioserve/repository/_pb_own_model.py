@@ -27,9 +27,9 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -43,13 +43,25 @@ from ..ipc._arena import Block
 from ..shm._cuda import is_device_array, to_host
 from . import _pb_utils as pb_utils
 from ._own_layout import load_model_file
-from ._pb_wire import WireError, error_to_wire
-
-if TYPE_CHECKING:
-    from ._pb_stub import Stub
+from ._pb_wire import Array, FrameTensor, WireError, error_to_wire
 
 T = TypeVar("T")
 logger = logging.getLogger("trioserve.python_backend")  # forwarded to the server's log
+
+
+class Stub(Protocol):
+    """What an instance uses of its process's ``_pb_stub.Stub``."""
+
+    def send(self, message: tuple[Any, ...], blocks: Sequence[Block] = ()) -> None: ...
+
+    def array_of(self, tensor: FrameTensor) -> Array: ...
+
+    def response_result(
+        self,
+        response: pb_utils.InferenceResponse,
+        blocks: list[Block],
+        placed: dict[str, tuple[int, int, int, str]],
+    ) -> tuple[Any, ...]: ...
 
 
 class TrioThread:
