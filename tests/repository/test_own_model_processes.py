@@ -1,0 +1,340 @@
+"""trioserve's own ``Model``s (the own layout's model.py) with each instance in a process
+of its own (``parameters={"TRIOSERVE_INSTANCE_MODE": "process"}``): a plain and a trio
+``async`` model answer from processes other than the server's, one per instance; an
+``os._exit`` in execute fails only its request, with an error naming the model and how
+the process ended, and a new process serves next; one that keeps dying is UNAVAILABLE;
+``load`` and ``unload`` run in the process; an error returned for one request of a batch
+keeps its status; a client's system shared-memory input reaches the model; features
+that cannot cross into a process fail the load, named; a model that does not opt in
+still runs in the server, whatever the server's ``python_instance_mode``. Over REST and
+gRPC with tritonclient, against a server in the test's process (``os.getpid()`` is the
+server's)."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from trioserve import Server, ServerConfig
+from trioserve.testing import server_in_thread
+
+# MODE 0 answers the pid; 2 calls os._exit(3); 4 is refused alone as invalid.
+CRASHY = """
+import os
+import numpy as np
+import trioserve
+
+class Crashy(trioserve.Model):
+    def execute(self, requests):
+        results = []
+        for request in requests:
+            mode = int(request.inputs["MODE"].data.reshape(-1)[0])
+            if mode == 2:
+                os._exit(3)
+            if mode == 4:
+                results.append(trioserve.InvalidArgumentError("mode 4 is refused"))
+                continue
+            results.append({"PID": np.array([[os.getpid()]]), "BATCH": np.array([[len(requests)]])})
+        return results
+
+model = Crashy(
+    name="ignored: the folder names it",
+    inputs=[trioserve.TensorSpec("MODE", "INT32", [1])],
+    outputs=[trioserve.TensorSpec("PID", "INT64", [1]), trioserve.TensorSpec("BATCH", "INT64", [1])],
+    instance_count=INSTANCES,
+    max_batch_size=4,
+    dynamic_batching=trioserve.DynamicBatching(
+        preferred_batch_size=[2], max_queue_delay_microseconds=DELAY
+    ),
+    parameters={"TRIOSERVE_INSTANCE_MODE": "process"},
+)
+"""
+
+# Trio code in execute; load, async too, keeps the pid it ran in; unload writes its pid
+# beside the model.py.
+ASYNC = """
+import os
+from pathlib import Path
+import numpy as np
+import trio
+import trioserve
+
+class Loaded(trioserve.Model):
+    async def load(self):
+        await trio.sleep(0)
+        self.loaded_in = os.getpid()
+
+    async def execute(self, requests):
+        await trio.sleep(0)
+        pid = np.array([os.getpid()])
+        return [{"PID": pid, "LOADED": np.array([self.loaded_in])} for _ in requests]
+
+    def unload(self):
+        (Path(__file__).parent / "unloaded").write_text(str(os.getpid()))
+
+model = Loaded(
+    name="loaded",
+    inputs=[trioserve.TensorSpec("MODE", "INT32", [1])],
+    outputs=[trioserve.TensorSpec("PID", "INT64", [1]), trioserve.TensorSpec("LOADED", "INT64", [1])],
+    parameters=PARAMETERS,
+)
+"""
+
+# A decorated function; its input may come from a client's shared memory.
+SUMMED = """
+import os
+import numpy as np
+import trioserve
+
+@trioserve.model(
+    name="summed",
+    inputs=[trioserve.TensorSpec("X", "FP32", [-1])],
+    outputs=[trioserve.TensorSpec("SUM", "FP64", [1]), trioserve.TensorSpec("PID", "INT64", [1])],
+    parameters={"TRIOSERVE_INSTANCE_MODE": "process"},
+)
+def model(X):
+    return {"SUM": np.array([X.sum()]), "PID": np.array([os.getpid()])}
+"""
+
+CLIENTS = [httpclient, grpcclient]
+IDS = ["rest", "grpc"]
+PROCESS = '{"TRIOSERVE_INSTANCE_MODE": "process"}'
+
+
+def write(root: Path, name: str, code: str, **values: object) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    code = textwrap.dedent(code)
+    for key, value in values.items():
+        code = code.replace(key, str(value))
+    (folder / "model.py").write_text(code)
+    return folder
+
+
+def config_of(root: Path, restart_limit: int = 100) -> ServerConfig:
+    return ServerConfig(
+        model_repositories=[root],
+        http_port=0,
+        grpc_port=0,
+        # For Python-backend models only: the models that do not opt in stay in threads.
+        python_instance_mode="process",
+        backend_config={"python": {"instance-restart-limit": str(restart_limit)}},
+    )
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("own")
+    write(root, "crashy", CRASHY, INSTANCES=2, DELAY=0)
+    write(root, "batched", CRASHY, INSTANCES=1, DELAY=5_000_000)
+    write(root, "loaded", ASYNC, PARAMETERS=PROCESS)
+    write(root, "threaded", ASYNC, PARAMETERS="{}")
+    write(root, "summed", SUMMED)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root: Path) -> Iterator[Server]:
+    with server_in_thread(config_of(root)) as running:
+        yield running
+
+
+def client_of(server: Server, module: Any) -> Any:
+    port = server.http_port if module is httpclient else server.grpc_port
+    return module.InferenceServerClient(f"127.0.0.1:{port}")
+
+
+def mode(module: Any, value: int, batched: bool = True) -> list[Any]:
+    """The MODE input; ``batched``: for a model that batches (a batch of one)."""
+    shape = [1, 1] if batched else [1]
+    tensor = module.InferInput("MODE", shape, "INT32")
+    tensor.set_data_from_numpy(np.full(shape, value, np.int32))
+    return [tensor]
+
+
+def pids(server: Server, name: str) -> list[int | None]:
+    return server.repository.get(name).model.instance_pids()  # type: ignore[attr-defined, no-any-return]
+
+
+def failures(client: Any, name: str) -> int:
+    stats = client.get_inference_statistics(name)
+    if isinstance(stats, dict):
+        return int(stats["model_stats"][0]["inference_stats"]["fail"]["count"])
+    return int(stats.model_stats[0].inference_stats.fail.count)
+
+
+def answered_pid(client: Any, module: Any, name: str = "crashy") -> int:
+    return int(client.infer(name, mode(module, 0)).as_numpy("PID").reshape(-1)[0])
+
+
+@pytest.mark.parametrize("module", CLIENTS, ids=IDS)
+def test_instances_answer_from_processes_of_their_own(server: Server, module: Any) -> None:
+    client = client_of(server, module)
+    instances = pids(server, "crashy")
+    assert len(set(instances)) == 2 and os.getpid() not in instances
+    assert {answered_pid(client, module) for _ in range(4)} <= set(instances)
+    # The trio model: its load ran in its process too, before the first batch.
+    (loaded,) = pids(server, "loaded")
+    answer = client.infer("loaded", mode(module, 0, batched=False))
+    assert answer.as_numpy("PID").tolist() == answer.as_numpy("LOADED").tolist() == [loaded]
+    assert loaded != os.getpid()
+    # The same model without the parameter runs in the server, whatever the server's
+    # python_instance_mode.
+    answer = client.infer("threaded", mode(module, 0, batched=False))
+    assert answer.as_numpy("PID").tolist() == [os.getpid()]
+    assert not hasattr(server.repository.get("threaded").model, "instance_pids")
+    client.close()
+
+
+@pytest.mark.parametrize("module", CLIENTS, ids=IDS)
+def test_a_dying_instance_fails_only_its_request_and_starts_again(
+    server: Server, module: Any
+) -> None:
+    client = client_of(server, module)
+    before = pids(server, "crashy")
+    failed_before = failures(client, "crashy")
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("crashy", mode(module, 2))
+    assert "model 'crashy' instance 'crashy_" in str(raised.value)
+    assert "its process exited with status 3" in str(raised.value)
+    # The other instance served meanwhile; the dead one serves again once restarted.
+    assert {answered_pid(client, module) for _ in range(6)} <= set(pids(server, "crashy"))
+    after = pids(server, "crashy")
+    assert len(set(before) & set(after)) == 1  # one instance is a new process
+    assert failures(client, "crashy") == failed_before + 1
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("module", "status"),
+    [(httpclient, "400"), (grpcclient, "StatusCode.INVALID_ARGUMENT")],
+    ids=IDS,
+)
+def test_an_error_for_one_request_of_a_batch_keeps_its_status(
+    server: Server, module: Any, status: str
+) -> None:
+    def infer(value: int) -> Any:
+        client = client_of(server, module)
+        try:
+            return client.infer("batched", mode(module, value))
+        except InferenceServerException as exc:
+            return exc
+        finally:
+            client.close()
+
+    # Two requests make a batch at once (the preferred size); alone, either would wait
+    # the queue delay (5 s) and then run in a batch of one.
+    with ThreadPoolExecutor(2) as pool:
+        refused, answered = pool.map(infer, [4, 0])
+    assert isinstance(refused, InferenceServerException)
+    assert refused.status() == status
+    assert "mode 4 is refused" in str(refused)
+    assert answered.as_numpy("BATCH").tolist() == [[2]]
+    assert answered.as_numpy("PID").tolist() == [pids(server, "batched")]
+
+
+def test_a_client_system_shm_input_reaches_the_model(server: Server) -> None:
+    client = client_of(server, httpclient)
+    data = np.arange(1000, dtype=np.float32)
+    key = f"/trioserve-own-{os.getpid()}"
+    region = shm.create_shared_memory_region("own_input", key, data.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [data])
+        client.register_system_shared_memory("own_input", key, data.nbytes)
+        tensor = httpclient.InferInput("X", [1000], "FP32")
+        tensor.set_shared_memory("own_input", data.nbytes)
+        answer = client.infer("summed", [tensor])
+        assert answer.as_numpy("SUM").tolist() == [float(data.sum())]
+        assert answer.as_numpy("PID").tolist() == pids(server, "summed")
+        client.unregister_system_shared_memory("own_input")
+    finally:
+        shm.destroy_shared_memory_region(region)
+        client.close()
+
+
+def test_load_and_unload_run_in_the_process(tmp_path: Path) -> None:
+    folder = write(tmp_path, "loaded", ASYNC, PARAMETERS=PROCESS)
+    with server_in_thread(config_of(tmp_path)) as running:
+        (pid,) = pids(running, "loaded")
+    assert (folder / "unloaded").read_text() == str(pid)
+
+
+def test_one_that_keeps_dying_is_unavailable(tmp_path: Path) -> None:
+    write(tmp_path, "fragile", CRASHY, INSTANCES=1, DELAY=0)
+    with server_in_thread(config_of(tmp_path, restart_limit=2)) as running:
+        client = client_of(running, httpclient)
+        assert os.getpid() not in pids(running, "fragile")  # its exit ends no test run
+        with pytest.raises(InferenceServerException, match="exited with status 3"):
+            client.infer("fragile", mode(httpclient, 2))
+        # Restarted: the next request waits for the new process.
+        assert answered_pid(client, httpclient, "fragile") == pids(running, "fragile")[0]
+        with pytest.raises(InferenceServerException, match="exited with status 3"):
+            client.infer("fragile", mode(httpclient, 2))
+        with pytest.raises(InferenceServerException, match="'fragile' is unavailable"):
+            client.infer("fragile", mode(httpclient, 0))
+        (entry,) = client.get_model_repository_index()
+        assert entry["state"] == "UNAVAILABLE"
+        assert "'fragile_0' ended 2 times within 60 s" in entry["reason"]
+        client.close()
+
+
+OPTED_IN = "'TRIOSERVE_INSTANCE_MODE': 'process'"
+REFUSED = [
+    (f"decoupled=True, parameters={{{OPTED_IN}}}", "decoupled responses"),
+    (
+        "sequence_batching=trioserve.SequenceBatching(controls=["
+        "trioserve.SequenceControl('START', 'START')]), "
+        f"parameters={{{OPTED_IN}}}",
+        "the sequence batcher",
+    ),
+    (f"parameters={{{OPTED_IN}, 'EXECUTION_ENV_PATH': 'env'}}", "EXECUTION_ENV_PATH"),
+]
+
+
+@pytest.mark.parametrize(("setting", "feature"), REFUSED, ids=["decoupled", "sequences", "env"])
+def test_features_that_cannot_cross_fail_the_load(
+    tmp_path: Path, setting: str, feature: str
+) -> None:
+    code = (
+        f"import trioserve\nmodel = trioserve.Model(name='m', inputs=[], outputs=[], {setting})\n"
+    )
+    write(tmp_path, "refused", code)
+    with server_in_thread(ServerConfig(model_repositories=[tmp_path], http_port=0)) as running:
+        client = client_of(running, httpclient)
+        (entry,) = client.get_model_repository_index()
+        assert entry["state"] == "UNAVAILABLE"
+        assert f"model 'refused': {feature}" in entry["reason"]
+        assert "cannot be used with TRIOSERVE_INSTANCE_MODE 'process'" in entry["reason"]
+        client.close()
+
+
+def test_withdraw_cancels_execution_fails_the_load(tmp_path: Path) -> None:
+    code = """
+    import trioserve
+
+    class Cancellable(trioserve.Model):
+        withdraw_cancels_execution = True
+
+        async def execute(self, requests):
+            return [{} for _ in requests]
+
+    model = Cancellable(name="m", inputs=[], outputs=[],
+                        parameters={"TRIOSERVE_INSTANCE_MODE": "process"})
+    """
+    write(tmp_path, "refused", code)
+    with server_in_thread(ServerConfig(model_repositories=[tmp_path], http_port=0)) as running:
+        client = client_of(running, httpclient)
+        (entry,) = client.get_model_repository_index()
+        assert "model 'refused': withdraw_cancels_execution cannot be used" in entry["reason"]
+        client.close()
