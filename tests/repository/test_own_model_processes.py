@@ -4,7 +4,7 @@ of its own (``parameters={"TRIOSERVE_INSTANCE_MODE": "process"}``): a plain and 
 ``os._exit`` in execute fails only its request, with an error naming the model and how
 the process ended, and a new process serves next; one that keeps dying is UNAVAILABLE;
 ``load`` and ``unload`` run in the process; an error returned for one request of a batch
-keeps its status; a client's system shared-memory input reaches the model; features
+keeps its status; a decoupled model streams its responses from its process; a client's system shared-memory input reaches the model; features
 that cannot cross into a process fail the load, named; a model that does not opt in
 still runs in the server, whatever the server's ``python_instance_mode``. Over REST and
 gRPC with tritonclient, against a server in the test's process (``os.getpid()`` is the
@@ -13,6 +13,7 @@ server's)."""
 from __future__ import annotations
 
 import os
+import queue
 import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -107,6 +108,32 @@ def model(X):
     return {"SUM": np.array([X.sum()]), "PID": np.array([os.getpid()])}
 """
 
+# Decoupled: COUNT responses, each with its index and the pid, then the final flag alone.
+STREAMED = """
+import os
+import numpy as np
+import trio
+import trioserve
+
+class Streamed(trioserve.Model):
+    async def execute(self, requests):
+        for request in requests:
+            for index in range(int(request.inputs["COUNT"].data[0])):
+                await trio.sleep(0)
+                request.response_sender.send(
+                    {"INDEX": np.array([index]), "PID": np.array([os.getpid()])}
+                )
+            request.response_sender.send(final=True)
+
+model = Streamed(
+    name="streamed",
+    inputs=[trioserve.TensorSpec("COUNT", "INT32", [1])],
+    outputs=[trioserve.TensorSpec("INDEX", "INT64", [1]), trioserve.TensorSpec("PID", "INT64", [1])],
+    decoupled=True,
+    parameters={"TRIOSERVE_INSTANCE_MODE": "process"},
+)
+"""
+
 CLIENTS = [httpclient, grpcclient]
 IDS = ["rest", "grpc"]
 PROCESS = '{"TRIOSERVE_INSTANCE_MODE": "process"}'
@@ -141,6 +168,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write(root, "loaded", ASYNC, PARAMETERS=PROCESS)
     write(root, "threaded", ASYNC, PARAMETERS="{}")
     write(root, "summed", SUMMED)
+    write(root, "streamed", STREAMED)
     return root
 
 
@@ -263,6 +291,23 @@ def test_a_client_system_shm_input_reaches_the_model(server: Server) -> None:
         client.close()
 
 
+def test_a_decoupled_model_streams_from_its_process(server: Server) -> None:
+    client = client_of(server, grpcclient)
+    replies: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: replies.put(error or result))
+    count = grpcclient.InferInput("COUNT", [1], "INT32")
+    count.set_data_from_numpy(np.array([3], np.int32))
+    client.async_stream_infer("streamed", [count], enable_empty_final_response=True)
+    received = [replies.get(timeout=20) for _ in range(4)]
+    client.stop_stream()
+    client.close()
+    answers = [r.as_numpy("INDEX").tolist() for r in received[:3]]
+    assert answers == [[0], [1], [2]]
+    assert {r.as_numpy("PID")[0] for r in received[:3]} == set(pids(server, "streamed"))
+    final = received[3].get_response()
+    assert final.parameters["triton_final_response"].bool_param and not final.outputs
+
+
 def test_load_and_unload_run_in_the_process(tmp_path: Path) -> None:
     folder = write(tmp_path, "loaded", ASYNC, PARAMETERS=PROCESS)
     with server_in_thread(config_of(tmp_path)) as running:
@@ -291,7 +336,6 @@ def test_one_that_keeps_dying_is_unavailable(tmp_path: Path) -> None:
 
 OPTED_IN = "'TRIOSERVE_INSTANCE_MODE': 'process'"
 REFUSED = [
-    (f"decoupled=True, parameters={{{OPTED_IN}}}", "decoupled responses"),
     (
         "sequence_batching=trioserve.SequenceBatching(controls=["
         "trioserve.SequenceControl('START', 'START')]), "
@@ -302,7 +346,7 @@ REFUSED = [
 ]
 
 
-@pytest.mark.parametrize(("setting", "feature"), REFUSED, ids=["decoupled", "sequences", "env"])
+@pytest.mark.parametrize(("setting", "feature"), REFUSED, ids=["sequences", "env"])
 def test_features_that_cannot_cross_fail_the_load(
     tmp_path: Path, setting: str, feature: str
 ) -> None:

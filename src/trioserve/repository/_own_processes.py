@@ -15,9 +15,11 @@ versions; its ``load`` is not called there), and each of its ``instance_count``
 instances runs in a stub process told to take the model.py's ``model``
 (``"api": "trioserve"``). It describes the same config as in thread mode. What cannot
 cross into a process is refused at load, naming the model and the feature
-(``REFUSED``): a decoupled model's response senders, the sequence batcher (its
-sequences' state and controls), ``withdraw_cancels_execution`` (a process's work is not
-cancelled), ``EXECUTION_ENV_PATH`` (the process imports the server's trioserve).
+(``REFUSED``): the sequence batcher (its sequences' state, controls and rescheduled
+steps), ``withdraw_cancels_execution`` (a process's work is not cancelled),
+``EXECUTION_ENV_PATH`` (the process imports the server's trioserve). A decoupled
+model's responses cross as a Python-backend model's do (``send`` frames); the response
+cache works in the server, before any process.
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ from ._pb_processes import InstanceProcesses, ServedByProcesses
 
 # What a trioserve model in process mode cannot have: why, given the model.
 REFUSED: tuple[tuple[Callable[[Model], bool], str], ...] = (
-    (lambda m: m.decoupled, "decoupled responses (its response senders stay in the server)"),
     (lambda m: m.sequence_batching is not None, "the sequence batcher"),
     (lambda m: m.withdraw_cancels_execution, "withdraw_cancels_execution"),
     (lambda m: ENV_PARAMETER in m.parameters, ENV_PARAMETER),

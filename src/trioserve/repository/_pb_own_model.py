@@ -10,8 +10,10 @@ What it returns for each request (a mapping of output name to array, ``ResponseO
 with parameters, or an ``InferenceServerError``) goes back as the stub answers any model:
 outputs in this process's arena, errors by class and message, so that their status
 (INVALID_ARG: HTTP 400, gRPC INVALID_ARGUMENT) is kept. An exception from ``execute``
-fails its batch, with the words the server's process would use. ``unload`` runs when
-the stub finalizes.
+fails its batch, with the words the server's process would use. A decoupled model's
+requests carry a ``_pb_remote.RemoteSender`` (trioserve's ``ResponseSender``: each
+response goes to the server as it is sent, from any thread, even after ``execute``
+returned). ``unload`` runs when the stub finalizes.
 
 Users write trio code: an ``async`` ``execute``, ``load`` or ``unload`` is awaited on a
 trio loop of the process's own (``TrioThread``), the calling thread waiting for it, and
@@ -27,7 +29,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -43,16 +45,16 @@ from ..ipc._arena import Block
 from ..shm._cuda import is_device_array, to_host
 from . import _pb_utils as pb_utils
 from ._own_layout import load_model_file
+from ._pb_remote import RemoteSender
+from ._pb_remote import Stub as RemoteStub
 from ._pb_wire import Array, FrameTensor, WireError, error_to_wire
 
 T = TypeVar("T")
 logger = logging.getLogger("trioserve.python_backend")  # forwarded to the server's log
 
 
-class Stub(Protocol):
+class Stub(RemoteStub, Protocol):
     """What an instance uses of its process's ``_pb_stub.Stub``."""
-
-    def send(self, message: tuple[Any, ...], blocks: Sequence[Block] = ()) -> None: ...
 
     def array_of(self, tensor: FrameTensor) -> Array: ...
 
@@ -127,14 +129,24 @@ class OwnInstance:
         """Run a batch and send its ``done`` frame. ``refused``: the requests whose inputs
         could not be read (by their place in the batch), answered with their error."""
         stub = self._stub
+        decoupled = self.model.decoupled
+        if decoupled:  # a refused request is answered through its sender
+            for key, error in refused.values():
+                stub.send(("send", key, ("error", error_to_wire(error)), True))
         try:
-            results = list(self._call(self.model.execute, [self._request(d) for d in described]))
-            if len(results) != len(described):
+            requests = [self._request(d, decoupled) for d in described]
+            returned = self._call(self.model.execute, requests) if requests else []
+            # A decoupled model answered through its senders: what it returned is ignored.
+            results = [] if decoupled else list(returned)
+            if len(results) != len(described) and not decoupled:
                 raise InternalError(
                     f"model returned {len(results)} results for {len(described)} requests"
                 )
         except BaseException as exc:  # the model's, whatever it is
             stub.send(("done", batch, ("failed", self._error(exc))))
+            return
+        if decoupled:
+            stub.send(("done", batch, ("results", [])))
             return
         blocks: list[Block] = []
         answers = [self._answer(r, d, blocks) for r, d in zip(results, described, strict=True)]
@@ -145,16 +157,23 @@ class OwnInstance:
     def unload(self) -> None:
         self._call(self.model.unload)
 
-    def _request(self, described: tuple[Any, ...]) -> InferenceRequest:
-        """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
-        _key, request_id, model, tensors, outputs, parameters, _placed = described
+    def _request(self, described: tuple[Any, ...], decoupled: bool) -> InferenceRequest:
+        """A request of an ``exec`` frame (as ``_pb_process`` describes it); a decoupled
+        model's answers through a sender whose responses go to the server as they come."""
+        key, request_id, model, tensors, outputs, parameters, _placed = described
         inputs = {
             t[0]: InputTensor(t[0], datatype(t[1]), tuple(t[2]), self._stub.array_of(t))
             for t in tensors
         }
         requested = [RequestedOutput(name) for name in outputs]
         return InferenceRequest(
-            model, self._version, inputs, requested, id=request_id, parameters=parameters
+            model,
+            self._version,
+            inputs,
+            requested,
+            id=request_id,
+            parameters=parameters,
+            response_sender=RemoteSender(self._stub, key) if decoupled else None,
         )
 
     def _answer(self, result: Any, described: tuple[Any, ...], blocks: list[Block]) -> Any:
