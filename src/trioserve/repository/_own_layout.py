@@ -6,7 +6,10 @@ Layout (Triton's, with ``model.py`` in place of ``config.pbtxt`` + backend)::
     DIR/<model name>/<version>/model.py  one model.py per numeric version
 
 Each ``model.py`` defines a module-level ``model``: a ``trioserve.Model`` (for example one
-made with ``@trioserve.model``). The folder names the model, as in Triton.
+made with ``@trioserve.model``). The folder names the model, as in Triton. A model whose
+``parameters`` ask for ``TRIOSERVE_INSTANCE_MODE: process`` is served by
+``_own_processes`` (the server reads its files with ``model_files``; each instance's
+process imports its model.py again with ``load_model_file``).
 """
 
 from __future__ import annotations
