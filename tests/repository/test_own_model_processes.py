@@ -30,6 +30,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
 
+from .test_pb_processes import CLIENTS, IDS, client_of, failures, pids, process_config
+
 # MODE 0 answers the pid; 2 calls os._exit(3); 4 is refused alone as invalid.
 CRASHY = """
 import os
@@ -134,8 +136,6 @@ model = Streamed(
 )
 """
 
-CLIENTS = [httpclient, grpcclient]
-IDS = ["rest", "grpc"]
 PROCESS = '{"TRIOSERVE_INSTANCE_MODE": "process"}'
 
 
@@ -147,17 +147,6 @@ def write(root: Path, name: str, code: str, **values: object) -> Path:
         code = code.replace(key, str(value))
     (folder / "model.py").write_text(code)
     return folder
-
-
-def config_of(root: Path, restart_limit: int = 100) -> ServerConfig:
-    return ServerConfig(
-        model_repositories=[root],
-        http_port=0,
-        grpc_port=0,
-        # For Python-backend models only: the models that do not opt in stay in threads.
-        python_instance_mode="process",
-        backend_config={"python": {"instance-restart-limit": str(restart_limit)}},
-    )
 
 
 @pytest.fixture(scope="module")
@@ -174,13 +163,8 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(root: Path) -> Iterator[Server]:
-    with server_in_thread(config_of(root)) as running:
+    with server_in_thread(process_config(root, restart_limit=100)) as running:
         yield running
-
-
-def client_of(server: Server, module: Any) -> Any:
-    port = server.http_port if module is httpclient else server.grpc_port
-    return module.InferenceServerClient(f"127.0.0.1:{port}")
 
 
 def mode(module: Any, value: int, batched: bool = True) -> list[Any]:
@@ -189,17 +173,6 @@ def mode(module: Any, value: int, batched: bool = True) -> list[Any]:
     tensor = module.InferInput("MODE", shape, "INT32")
     tensor.set_data_from_numpy(np.full(shape, value, np.int32))
     return [tensor]
-
-
-def pids(server: Server, name: str) -> list[int | None]:
-    return server.repository.get(name).model.instance_pids()  # type: ignore[attr-defined, no-any-return]
-
-
-def failures(client: Any, name: str) -> int:
-    stats = client.get_inference_statistics(name)
-    if isinstance(stats, dict):
-        return int(stats["model_stats"][0]["inference_stats"]["fail"]["count"])
-    return int(stats.model_stats[0].inference_stats.fail.count)
 
 
 def answered_pid(client: Any, module: Any, name: str = "crashy") -> int:
@@ -310,14 +283,14 @@ def test_a_decoupled_model_streams_from_its_process(server: Server) -> None:
 
 def test_load_and_unload_run_in_the_process(tmp_path: Path) -> None:
     folder = write(tmp_path, "loaded", ASYNC, PARAMETERS=PROCESS)
-    with server_in_thread(config_of(tmp_path)) as running:
+    with server_in_thread(process_config(tmp_path, restart_limit=100)) as running:
         (pid,) = pids(running, "loaded")
     assert (folder / "unloaded").read_text() == str(pid)
 
 
 def test_one_that_keeps_dying_is_unavailable(tmp_path: Path) -> None:
     write(tmp_path, "fragile", CRASHY, INSTANCES=1, DELAY=0)
-    with server_in_thread(config_of(tmp_path, restart_limit=2)) as running:
+    with server_in_thread(process_config(tmp_path, restart_limit=2)) as running:
         client = client_of(running, httpclient)
         assert os.getpid() not in pids(running, "fragile")  # its exit ends no test run
         with pytest.raises(InferenceServerException, match="exited with status 3"):
