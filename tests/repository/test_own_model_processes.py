@@ -288,6 +288,20 @@ def test_load_and_unload_run_in_the_process(tmp_path: Path) -> None:
     assert (folder / "unloaded").read_text() == str(pid)
 
 
+def test_a_failing_load_fails_the_model_with_its_error(tmp_path: Path) -> None:
+    code = ASYNC.replace(
+        "self.loaded_in = os.getpid()", "raise RuntimeError(f'no weights in {os.getpid()}')"
+    )
+    write(tmp_path, "loaded", code, PARAMETERS=PROCESS)
+    with server_in_thread(process_config(tmp_path, restart_limit=100)) as running:
+        client = client_of(running, httpclient)
+        (entry,) = client.get_model_repository_index()
+        assert entry["state"] == "UNAVAILABLE"
+        assert "model 'loaded' failed in load: RuntimeError: no weights in " in entry["reason"]
+        assert f"no weights in {os.getpid()}" not in entry["reason"]  # not in the server
+        client.close()
+
+
 def test_one_that_keeps_dying_is_unavailable(tmp_path: Path) -> None:
     write(tmp_path, "fragile", CRASHY, INSTANCES=1, DELAY=0)
     with server_in_thread(process_config(tmp_path, restart_limit=2)) as running:
