@@ -1,7 +1,9 @@
 """A Python-backend model whose instances run in processes of their own (process mode),
 as Triton runs them: ``ProcessBackendModel`` starts one ``InstanceProcess``
 (``_pb_process``) per count of each instance group, hands each batch to the instance
-the runner picked, and ends them at unload.
+the runner picked, and ends them at unload. That part (``InstanceProcesses``, and
+``ServedByProcesses``, what the runner asks of such a model) serves trioserve's own
+models in processes too (``_own_processes``).
 
 Which mode a model gets: its config.pbtxt parameter ``TRIOSERVE_INSTANCE_MODE``
 (``thread`` or ``process``), else the server's ``python_instance_mode``. Thread mode
