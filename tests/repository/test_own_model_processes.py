@@ -32,7 +32,7 @@ from trioserve.testing import server_in_thread
 
 from .test_pb_processes import CLIENTS, IDS, client_of, failures, pids, process_config
 
-# MODE 0 answers the pid; 2 calls os._exit(3); 4 is refused alone as invalid.
+# MODE 0 answers the pid; 2 calls os._exit(3); 4 is refused alone as invalid; 5 raises.
 CRASHY = """
 import os
 import numpy as np
@@ -48,6 +48,8 @@ class Crashy(trioserve.Model):
             if mode == 4:
                 results.append(trioserve.InvalidArgumentError("mode 4 is refused"))
                 continue
+            if mode == 5:
+                raise ValueError(f"mode 5 in {os.getpid()}")
             results.append({"PID": np.array([[os.getpid()]]), "BATCH": np.array([[len(requests)]])})
         return results
 
@@ -243,6 +245,19 @@ def test_an_error_for_one_request_of_a_batch_keeps_its_status(
     assert "mode 4 is refused" in str(refused)
     assert answered.as_numpy("BATCH").tolist() == [[2]]
     assert answered.as_numpy("PID").tolist() == [pids(server, "batched")]
+
+
+@pytest.mark.parametrize(
+    ("module", "status"), [(httpclient, "500"), (grpcclient, "StatusCode.INTERNAL")], ids=IDS
+)
+def test_an_exception_in_execute_fails_its_batch(server: Server, module: Any, status: str) -> None:
+    client = client_of(server, module)
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("crashy", mode(module, 5))
+    assert raised.value.status() == status
+    assert "model 'crashy' failed: mode 5 in " in str(raised.value)
+    assert f"mode 5 in {os.getpid()}" not in str(raised.value)  # not the server's process
+    client.close()
 
 
 def test_a_client_system_shm_input_reaches_the_model(server: Server) -> None:
