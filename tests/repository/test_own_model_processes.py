@@ -3,12 +3,13 @@ of its own (``parameters={"TRIOSERVE_INSTANCE_MODE": "process"}``): a plain and 
 ``async`` model answer from processes other than the server's, one per instance; an
 ``os._exit`` in execute fails only its request, with an error naming the model and how
 the process ended, and a new process serves next; one that keeps dying is UNAVAILABLE;
-``load`` and ``unload`` run in the process; an error returned for one request of a batch
-keeps its status; a decoupled model streams its responses from its process; a client's system shared-memory input reaches the model; features
-that cannot cross into a process fail the load, named; a model that does not opt in
-still runs in the server, whatever the server's ``python_instance_mode``. Over REST and
-gRPC with tritonclient, against a server in the test's process (``os.getpid()`` is the
-server's)."""
+``load`` and ``unload`` run in the process, and a failing load fails the model; an error
+returned for one request of a batch keeps its status, an exception fails its batch; a
+decoupled model streams its responses from its process; a GPU model's processes see its
+device; a client's system shared-memory input reaches the model; features that cannot
+cross into a process fail the load, named; a model that does not opt in still runs in
+the server, whatever the server's ``python_instance_mode``. Over REST and gRPC with
+tritonclient, against a server in the test's process (``os.getpid()`` is the server's)."""
 
 from __future__ import annotations
 
@@ -112,6 +113,23 @@ def model(X):
     return {"SUM": np.array([X.sum()]), "PID": np.array([os.getpid()])}
 """
 
+# A GPU model: the device its instances' processes see.
+DEVICE = """
+import os
+import numpy as np
+import trioserve
+
+@trioserve.model(
+    name="device",
+    inputs=[trioserve.TensorSpec("MODE", "INT32", [1])],
+    outputs=[trioserve.TensorSpec("V", "BYTES", [1])],
+    device="gpu",
+    parameters={"TRIOSERVE_INSTANCE_MODE": "process"},
+)
+def model(MODE):
+    return {"V": np.array([os.environ.get("CUDA_VISIBLE_DEVICES", "unset").encode()], object)}
+"""
+
 # Decoupled: COUNT responses, each with its index and the pid, then the final flag alone.
 STREAMED = """
 import os
@@ -160,6 +178,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write(root, "threaded", ASYNC, PARAMETERS="{}")
     write(root, "summed", SUMMED)
     write(root, "streamed", STREAMED)
+    write(root, "device", DEVICE)
     return root
 
 
@@ -257,6 +276,16 @@ def test_an_exception_in_execute_fails_its_batch(server: Server, module: Any, st
     assert raised.value.status() == status
     assert "model 'crashy' failed: mode 5 in " in str(raised.value)
     assert f"mode 5 in {os.getpid()}" not in str(raised.value)  # not the server's process
+    client.close()
+
+
+def test_a_gpu_models_instances_see_the_device_of_its_config(server: Server) -> None:
+    client = client_of(server, httpclient)
+    assert client.infer("device", mode(httpclient, 0, batched=False)).as_numpy("V").tolist() == [
+        b"0"
+    ]
+    (group,) = client.get_model_config("device")["instance_group"]
+    assert (group["kind"], group["gpus"]) == ("KIND_GPU", [0])
     client.close()
 
 
