@@ -4,10 +4,10 @@ trioserve.repository._pb_stub FD``, FD its end of the link to the server.
 It imports the model's model.py and runs its ``initialize``, ``execute`` and
 ``finalize`` as Triton's stub does (``_pb_execution``), or, told so by the ``init``
 frame (``"api": "trioserve"``), a trioserve ``Model``'s ``load``, ``execute`` and
-``unload`` (``_pb_own_model``, imported only then: it imports trio and trioserve): the thread that reads a frame
-from the server runs the model's work it brings, in order, a second thread reading
-while the model waits for the server (``_pb_turns``); an ``async`` execute runs on the
-instance's asyncio loop (``_pb_loop``). Model code reaches
+``unload`` (``_pb_own_model``, imported only then: it imports trio and trioserve). The
+thread that reads a frame from the server runs the model's work it brings, in order, a
+second thread reading while the model waits for the server (``_pb_turns``); an
+``async`` execute runs on the instance's asyncio loop (``_pb_loop``). Model code reaches
 the server through ``_pb_remote``. Only the standard library, numpy, ``trioserve.ipc``'s
 arena, frames and blocking channel, and ``pb_utils`` are imported: the process may run
 under another environment's interpreter (``EXECUTION_ENV_PATH``), with a folder that
