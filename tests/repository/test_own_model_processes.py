@@ -185,7 +185,7 @@ def write(root: Path, name: str, code: str, **values: object) -> Path:
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("own")
     write(root, "crashy", CRASHY, INSTANCES=2, DELAY=0)
-    write(root, "batched", CRASHY, INSTANCES=1, DELAY=5_000_000)
+    write(root, "batched", CRASHY, INSTANCES=1, DELAY=20_000_000)
     write(root, "loaded", ASYNC, PARAMETERS=PROCESS)
     write(root, "threaded", ASYNC, PARAMETERS="{}")
     write(root, "summed", SUMMED)
@@ -270,7 +270,7 @@ def test_an_error_for_one_request_of_a_batch_keeps_its_status(
             client.close()
 
     # Two requests make a batch at once (the preferred size); alone, either would wait
-    # the queue delay (5 s) and then run in a batch of one.
+    # the queue delay (20 s) and then run in a batch of one.
     with ThreadPoolExecutor(2) as pool:
         refused, answered = pool.map(infer, [4, 0])
     assert isinstance(refused, InferenceServerException)
