@@ -10,6 +10,8 @@
     python tools/pb_process_bench.py sigkill   # SIGKILL one instance under load
     python tools/pb_process_bench.py boundary  # `simple`: server CPU and instance-process CPU
                                                # per request, process mode against thread mode
+    python tools/pb_process_bench.py own       # trioserve's own Model API: the GIL-bound model,
+                                               # and CPU per request of an echo, thread vs process
 
 ``cpu``: ``busy`` (a Triton python-backend model written to a temporary repository)
 spends ``--work-ms`` of pure-Python, GIL-holding work per request; wrk keeps 8 requests in
@@ -26,7 +28,10 @@ and thread mode alternating; the server's own CPU per request and its instance p
 regions it registered) to trioserve in each mode and to Triton, rounds alternating; MiB/s
 and the CPU of the server with all its processes per request. ``sigkill``: ``steady`` (count 2, 5 ms per request, answering its pid) under 8 clients;
 one instance's process is killed; the failures, and the time until the new process
-answers, are reported.
+answers, are reported. ``own``: ``busy`` written with ``@trioserve.model`` in the own
+layout, its ``TRIOSERVE_INSTANCE_MODE`` parameter thread or process, count 1 and 2, as
+``cpu`` runs it; then ``echo`` (no work) in each mode under 4 clients: req/s and the CPU
+of the server with its instance processes per request.
 """
 
 from __future__ import annotations
@@ -113,6 +118,32 @@ ONE = (
 )
 
 
+OWN_BUSY = """
+import time
+import trioserve
+
+def busy(seconds):
+    end = time.thread_time() + seconds  # the thread's own CPU time: work, not waiting
+    total = 0
+    while time.thread_time() < end:
+        for i in range(1000):
+            total += i * i
+    return total
+
+@trioserve.model(
+    name="busy",
+    inputs=[trioserve.TensorSpec("X", "INT64", [1])],
+    outputs=[trioserve.TensorSpec("Y", "INT64", [1])],
+    instance_count={count},
+    parameters={{"TRIOSERVE_INSTANCE_MODE": "{mode}"}},
+)
+def model(X):
+    if {work_s}:
+        busy({work_s})
+    return {{"Y": X}}
+"""
+
+
 def write_model(root: Path, name: str, code: str, count: int) -> None:
     (root / name / "1").mkdir(parents=True, exist_ok=True)
     (root / name / "config.pbtxt").write_text(CONFIG.format(count=count))
@@ -161,6 +192,37 @@ def cpu_scenario(args: argparse.Namespace) -> None:
                     result = run_wrk(url, "busy", 8, args.duration, "0-1", f"busy{count}", ONE)
                     print(f"  {mode:<8} count {count}: {result.requests_per_s:8.1f} req/s   "
                           f"p50 {result.p50_ms:7.1f} ms")  # fmt: skip
+
+
+def own_scenario(args: argparse.Namespace) -> None:
+    print(f"own Model API: busy ({args.work_ms} ms, 8 clients) and echo (4 clients), "
+          f"{args.duration} s")  # fmt: skip
+    work_s = args.work_ms / 1000
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("thread", "process"):
+            for count in (1, 2):
+                code = OWN_BUSY.format(count=count, mode=mode, work_s=work_s)
+                (Path(tmp) / f"busy_{mode}_{count}").mkdir()
+                (Path(tmp) / f"busy_{mode}_{count}" / "model.py").write_text(code)
+            (Path(tmp) / f"echo_{mode}").mkdir()
+            code = OWN_BUSY.format(count=1, mode=mode, work_s=0)
+            (Path(tmp) / f"echo_{mode}" / "model.py").write_text(code)
+        with trioserve(Path(tmp), "thread") as (url, pid):
+            for mode in ("thread", "process"):
+                for count in (1, 2):
+                    name = f"busy_{mode}_{count}"
+                    run_wrk(url, "busy", 8, 2, "0-1", name, ONE)  # warm up
+                    result = run_wrk(url, "busy", 8, args.duration, "0-1", name, ONE)
+                    print(f"  busy {mode:<8} count {count}: {result.requests_per_s:8.1f} req/s   "
+                          f"p50 {result.p50_ms:7.1f} ms")  # fmt: skip
+            for mode in ("thread", "process"):
+                run_wrk(url, "busy", 4, 2, "0-1", f"echo_{mode}", ONE)  # warm up
+                total = cpu_seconds(pid)
+                echo = run_wrk(url, "busy", 4, args.duration, "0-1", f"echo_{mode}", ONE)
+                total = cpu_seconds(pid) - total
+                count = echo.requests_per_s * args.duration
+                print(f"  echo {mode:<8} {echo.requests_per_s:8.1f} req/s   "
+                      f"p50 {echo.p50_ms:6.2f} ms   {total / count * 1e6:6.1f} us CPU/req")  # fmt: skip
 
 
 def triton_scenario(args: argparse.Namespace) -> None:
@@ -281,7 +343,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("scenario", choices=("cpu", "triton", "boundary", "big", "sigkill"))
+    parser.add_argument("scenario", choices=("cpu", "triton", "boundary", "big", "sigkill", "own"))
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--work-ms", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2)
@@ -289,7 +351,7 @@ def main() -> None:
     args = parser.parse_args()
     print(_describe(sys.executable))
     scenarios = {"cpu": cpu_scenario, "triton": triton_scenario, "boundary": boundary_scenario,
-                 "big": big_scenario, "sigkill": sigkill_scenario}  # fmt: skip
+                 "big": big_scenario, "sigkill": sigkill_scenario, "own": own_scenario}  # fmt: skip
     scenarios[args.scenario](args)
 
 

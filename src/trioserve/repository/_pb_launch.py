@@ -5,7 +5,9 @@ to a folder that holds only the modules the stub imports (``STUB_MODULES``, copi
 per server process into a temporary folder, removed at exit), so that it needs nothing
 of the server's environment but numpy: a model's ``EXECUTION_ENV_PATH`` (a folder
 holding a Python environment, a venv or an unpacked conda-pack archive, with
-``bin/python``) runs it under that environment's interpreter and libraries. Here too:
+``bin/python``) runs it under that environment's interpreter and libraries. A trioserve
+``Model``'s process imports trioserve itself (its model.py does): its ``PYTHONPATH``
+names the server's own package first (``InstanceSpec.whole_package``). Here too:
 what an instance starts with (``InstanceSpec``), when it is started again
 (``RestartPolicy``), and how an ended process is told.
 """
@@ -97,11 +99,16 @@ def command(python: str, argument: str) -> list[str]:
     return [python, "-m", STUB_MODULE, argument]
 
 
-def environment(gpu: int | None) -> dict[str, str]:
-    """The server's environment, but the stub's path; ``CUDA_VISIBLE_DEVICES`` for a
+def environment(gpu: int | None, whole_package: bool = False) -> dict[str, str]:
+    """The server's environment, but the stub's path (or, ``whole_package``, the
+    server's trioserve before the server's own path); ``CUDA_VISIBLE_DEVICES`` for a
     KIND_GPU instance's device."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(stub_path())
+    if whole_package:
+        paths = [str(_PACKAGE.parent), *filter(None, [env.get("PYTHONPATH")])]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    else:
+        env["PYTHONPATH"] = str(stub_path())
     env.pop("PYTHONHOME", None)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -126,6 +133,7 @@ class InstanceSpec:
     default_bytes: int
     growth_bytes: int
     settings: dict[str, Any]  # the stub's ``init`` frame
+    whole_package: bool = False  # a trioserve Model's: its process imports all of trioserve
 
 
 def how_it_ended(status: int | None) -> str:

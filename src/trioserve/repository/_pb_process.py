@@ -23,7 +23,6 @@ import itertools
 import json
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +47,7 @@ from ..ipc import (
     channel_pair,
 )
 from . import _pb_launch
+from ._pb_given_back import GivenBack
 from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
 from ._pb_metrics import MetricError
@@ -68,7 +68,6 @@ from ._pb_wire import (
 )
 
 logger = logging.getLogger("trioserve.python_backend")
-_FLUSH_BLOCKS = 64  # output blocks given back in a frame of their own, at most
 _COPY_BELOW = 64 * 1024  # an output this small is copied out and its block given back
 
 
@@ -97,15 +96,12 @@ class InstanceProcess:
         self._windows = HandedRegions(spec.settings["args"]["model_config"])
         self._channel: TrioChannel | None = None
         self._process: trio.Process | None = None
-        self._generation = 0  # which process: a dead one's blocks are not given back
         self._batches = PendingCalls[tuple[Any, ...]]()
         self._batch_inputs: dict[int, list[Block]] = {}
         self._senders: dict[int, tuple[ResponseSender, list[Block]]] = {}
         self._keys = itertools.count(1)
         self._calls: dict[int, trio.CancelScope] = {}
-        self._given_back: list[Block] = []
-        self._given_back_bytes = 0
-        self._give_back_lock = threading.Lock()
+        self._given_back = GivenBack(spec.growth_bytes, self._flush_soon)
         self._nursery: trio.Nursery | None = None
         self._initialized = trio.Event()
         self._init_error: str | None = None
@@ -197,7 +193,7 @@ class InstanceProcess:
             self._process = await trio.lowlevel.open_process(
                 _pb_launch.command(spec.python, str(child.fileno())),
                 pass_fds=(child.fileno(),),
-                env=_pb_launch.environment(spec.gpu),
+                env=_pb_launch.environment(spec.gpu, spec.whole_package),
             )
         finally:
             child.close()
@@ -265,12 +261,7 @@ class InstanceProcess:
         inputs, self._batch_inputs = self._batch_inputs, {}
         for blocks in inputs.values():
             self._free_all(blocks)
-        with self._give_back_lock:
-            # The dead process's arena went with it: its blocks let go of from now on
-            # (an answer still being sent) are not given to the next one.
-            self._generation += 1
-            self._given_back.clear()
-            self._given_back_bytes = 0
+        self._given_back.next_process()
 
     async def stop(self) -> None:
         """Finalize and end the process (killed after ``stop_timeout_s``). A process
@@ -327,7 +318,7 @@ class InstanceProcess:
         try:
             await self._windows.announce(channel)  # no checkpoint since frame_tensor
             await self._announce(channel, all_inputs)
-            given_back = blocks_to_wire(self._take_given_back())
+            given_back = blocks_to_wire(self._given_back.take())
             await channel.send(("exec", batch, described, given_back))
             answer = await pending.wait()
         except LinkClosed:  # it died before this batch reached it
@@ -383,44 +374,23 @@ class InstanceProcess:
         if datatype(tensor.datatype).is_bytes or tensor.block.size < _COPY_BELOW:
             # Decoded, or small enough that a copy costs less than watching the views.
             array = array if datatype(tensor.datatype).is_bytes else array.copy()
-            self._give_back(tensor.block, self._generation)
+            self._given_back.give_back(tensor.block, self._given_back.generation)
             return array
-        return leased(array, self._give_back, tensor.block, self._generation)
-
-    def _give_back(self, block: Block, generation: int) -> None:
-        """From any thread (a finalizer): the block goes back with the next ``exec``
-        frame, or in a ``free`` frame of its own once enough waits (a byte or a block
-        count), so that small outputs cost no frame of their own and big ones no memory
-        for long."""
-        with self._give_back_lock:
-            if generation != self._generation:
-                return
-            self._given_back.append(block)
-            self._given_back_bytes += block.size
-            flush = self._given_back_bytes >= self.spec.growth_bytes or (
-                len(self._given_back) >= _FLUSH_BLOCKS
-            )
-            if flush:
-                self._given_back_bytes = -(2**62)  # one flush scheduled at a time
-        if flush:
-            with contextlib.suppress(trio.RunFinishedError):
-                self._token.run_sync_soon(self._flush_soon)
+        return leased(array, self._given_back.give_back, tensor.block, self._given_back.generation)
 
     def _flush_soon(self) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._start_flush)
+
+    def _start_flush(self) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(self._flush)
 
     async def _flush(self) -> None:
-        blocks = self._take_given_back()
+        blocks = self._given_back.take()
         if blocks and self._channel is not None:
             with contextlib.suppress(LinkClosed):
                 await self._channel.send(("free", blocks_to_wire(blocks)))
-
-    def _take_given_back(self) -> list[Block]:
-        with self._give_back_lock:
-            blocks, self._given_back = self._given_back, []
-            self._given_back_bytes = 0
-        return blocks
 
     async def _announce(self, channel: TrioChannel, blocks: list[Block]) -> None:
         """Send the segments of ``blocks`` the process has not mapped yet. No checkpoint
@@ -467,13 +437,14 @@ class InstanceProcess:
 
     def _give_back_results(self, answer: tuple[Any, ...]) -> None:
         """A withdrawn batch's outputs: nobody reads them."""
+        generation = self._given_back.generation
         if answer[0] == "results":
             for result in answer[1]:
                 if result[0] == "outputs":
                     for tensor in result[1]:
                         in_block = frame_block(tensor)
                         if in_block is not None:
-                            self._give_back(in_block.block, self._generation)
+                            self._given_back.give_back(in_block.block, generation)
 
     def _decoupled_response(self, key: int, payload: Any, final: bool) -> None:
         entry = self._senders.pop(key, None) if final else self._senders.get(key)

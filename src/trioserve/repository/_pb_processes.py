@@ -1,7 +1,9 @@
 """A Python-backend model whose instances run in processes of their own (process mode),
 as Triton runs them: ``ProcessBackendModel`` starts one ``InstanceProcess``
 (``_pb_process``) per count of each instance group, hands each batch to the instance
-the runner picked, and ends them at unload.
+the runner picked, and ends them at unload. That part (``InstanceProcesses``, and
+``ServedByProcesses``, what the runner asks of such a model) serves trioserve's own
+models in processes too (``_own_processes``).
 
 Which mode a model gets: its config.pbtxt parameter ``TRIOSERVE_INSTANCE_MODE``
 (``thread`` or ``process``), else the server's ``python_instance_mode``. Thread mode
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,94 +33,80 @@ from ._layout import Reading, chosen_versions, version_folders
 from ._pb_inspect import INSPECT, ModelFileError, auto_complete, import_model_class
 from ._pb_launch import InstanceSpec, RestartPolicy
 from ._pb_link import ServerLink
+from ._pb_metrics_export import CustomMetrics
 from ._pb_options import PythonOptions
 from ._pb_process import InitializeFailed, InstanceProcess
 from ._python_backend import PythonBackendModel, completed_config, model_module_name
 
 
-class ProcessBackendModel(PythonBackendModel):
-    """One version of a Python-backend model, each instance in its own process."""
+class InstanceProcesses:
+    """The instance processes of one model version, by instance index: what a model
+    whose instances run in processes does at load, per batch and at unload (a
+    Python-backend model's, ``ProcessBackendModel``, and a trioserve ``Model``'s,
+    ``_own_processes``)."""
 
-    def __init__(self, *args: Any, options: PythonOptions, **settings: Any) -> None:
-        super().__init__(*args, **settings)
+    def __init__(self, model: Model, options: PythonOptions, metrics: CustomMetrics | None) -> None:
+        self._model = model
         self._options = options
+        self._metrics = metrics
         self._processes: list[InstanceProcess] = []
 
-    async def load(self) -> None:  # type: ignore[override]
-        """Start every instance's process; each has initialized when this returns."""
-        self._link = ServerLink(self._repository, trio.lowlevel.current_trio_token())
+    def spec(
+        self,
+        instance: str,
+        python: str,
+        gpu: int | None,
+        settings: dict[str, Any],
+        whole_package: bool = False,
+    ) -> InstanceSpec:
+        """What one instance's process starts with; ``settings``, its ``init`` frame, gets
+        the arena's sizes."""
+        options = self._options.settings
+        return InstanceSpec(
+            model=self._model.name,
+            instance=instance,
+            python=python,
+            gpu=gpu,
+            default_bytes=options.shm_default_bytes,
+            growth_bytes=options.shm_growth_bytes,
+            settings={
+                **settings,
+                "default_bytes": options.shm_default_bytes,
+                "growth_bytes": options.shm_growth_bytes,
+            },
+            whole_package=whole_package,
+        )
+
+    async def start(self, specs: Iterable[InstanceSpec], link: ServerLink, hook: str) -> None:
+        """Start a process per spec, one after the other; each has run the model's
+        ``hook`` (its initialize, its load) when this returns. A failure stops those
+        started and is raised as the model's load error."""
+        policy = RestartPolicy(
+            self._options.settings.restart_limit,
+            self._options.settings.restart_window_s,
+            self._options.settings.stub_timeout_s,
+        )
         try:
-            for group in self._config.instance_group:
-                gpu = group.kind == ModelInstanceGroup.KIND_GPU
-                for index in range(group.count):
-                    process = InstanceProcess(
-                        self._spec(self._args(group, index, gpu)),
-                        self._link,
-                        self._metrics,
-                        self,
-                        self._policy(),
-                    )
-                    self._processes.append(process)
-                    await process.start()
+            for spec in specs:
+                process = InstanceProcess(spec, link, self._metrics, self._model, policy)
+                self._processes.append(process)
+                await process.start()
         except BaseException as exc:
             with trio.CancelScope(shield=True):
-                await self.unload()
+                await self.stop()
             if isinstance(exc, InitializeFailed):
-                raise ConfigError(f"model '{self.name}' failed in initialize: {exc}") from None
-            raise_failure(exc, self.name, "in initialize")
+                raise ConfigError(f"model '{self._model.name}' failed in {hook}: {exc}") from None
+            raise_failure(exc, self._model.name, f"in {hook}")
 
-    def _policy(self) -> RestartPolicy:
-        settings = self._options.settings
-        return RestartPolicy(
-            settings.restart_limit, settings.restart_window_s, settings.stub_timeout_s
-        )
-
-    def _spec(self, args: dict[str, str]) -> InstanceSpec:
-        settings = self._options.settings
-        gpu = (
-            int(args["model_instance_device_id"]) if args["model_instance_kind"] == "GPU" else None
-        )
-        return InstanceSpec(
-            model=self.name,
-            instance=args["model_instance_name"],
-            python=_pb_launch.interpreter(self.parameters, self._model_dir.parent),
-            gpu=gpu,
-            default_bytes=settings.shm_default_bytes,
-            growth_bytes=settings.shm_growth_bytes,
-            settings={
-                "args": args,
-                "name": self.name,
-                "version": self.versions[0],
-                "model_file": str(self._model_file),
-                "module": model_module_name(self.name, int(self.versions[0])),
-                "model_dir": str(self._model_dir),
-                "repository": str(self._folder.parent),
-                "decoupled": self.decoupled,
-                "iterative": self.iterative,
-                "default_bytes": settings.shm_default_bytes,
-                "growth_bytes": settings.shm_growth_bytes,
-            },
-        )
-
-    async def execute(self, requests: Sequence[InferenceRequest]) -> Sequence[Result]:  # type: ignore[override]
+    async def execute(self, requests: Sequence[InferenceRequest]) -> Sequence[Result]:
         process = self._processes[MODEL_INSTANCE.get()]
-        return await process.execute(requests, self.decoupled)
+        return await process.execute(requests, self._model.decoupled)
 
-    async def unload(self) -> None:  # type: ignore[override]
+    async def stop(self) -> None:
         processes, self._processes = self._processes, []
-        try:
-            async with trio.open_nursery() as nursery:
-                for process in processes:
-                    nursery.start_soon(process.stop)
-        finally:
-            if self._metrics is not None:
-                self._metrics.release(self)
-
-    @property
-    def reads_client_windows(self) -> bool:
-        """The instance processes read inputs from clients' system regions themselves
-        (``_pb_regions``), unless the response cache needs the bytes for its key."""
-        return not self.response_cache
+        async with trio.open_nursery() as nursery:
+            for process in processes:
+                nursery.start_soon(process.stop)
 
     def unavailable(self) -> str | None:
         reasons = [p.unavailable for p in self._processes if p.unavailable is not None]
@@ -134,10 +122,90 @@ class ProcessBackendModel(PythonBackendModel):
             return trio.Event().wait
         return None if process.serving.is_set() else process.serving.wait
 
+    def pids(self) -> list[int | None]:
+        return [p.pid for p in self._processes]
+
+
+class ServedByProcesses:
+    """What the runner asks of a model whose instances are ``_processes``, mixed into
+    such a model class before ``Model``."""
+
+    _processes: InstanceProcesses
+    response_cache: bool
+
+    @property
+    def reads_client_windows(self) -> bool:
+        """The instance processes read inputs from clients' system regions themselves
+        (``_pb_regions``), unless the response cache needs the bytes for its key."""
+        return not self.response_cache
+
+    def unavailable(self) -> str | None:
+        return self._processes.unavailable()
+
+    def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
+        return self._processes.instance_down(index)
+
     def instance_pids(self) -> list[int | None]:
         """The process of each instance (None while one starts again): for operators
         and tests."""
-        return [p.pid for p in self._processes]
+        return self._processes.pids()
+
+
+class ProcessBackendModel(ServedByProcesses, PythonBackendModel):
+    """One version of a Python-backend model, each instance in its own process."""
+
+    def __init__(self, *args: Any, options: PythonOptions, **settings: Any) -> None:
+        super().__init__(*args, **settings)
+        self._processes = InstanceProcesses(self, options, self._metrics)
+
+    async def load(self) -> None:  # type: ignore[override]
+        """Start every instance's process; each has initialized when this returns."""
+        self._link = ServerLink(self._repository, trio.lowlevel.current_trio_token())
+        try:
+            await self._processes.start(self._specs(), self._link, "initialize")
+        except BaseException:
+            self._release_metrics()
+            raise
+
+    def _specs(self) -> Iterator[InstanceSpec]:
+        for group in self._config.instance_group:
+            gpu = group.kind == ModelInstanceGroup.KIND_GPU
+            for index in range(group.count):
+                yield self._spec(self._args(group, index, gpu))
+
+    def _spec(self, args: dict[str, str]) -> InstanceSpec:
+        gpu = (
+            int(args["model_instance_device_id"]) if args["model_instance_kind"] == "GPU" else None
+        )
+        return self._processes.spec(
+            args["model_instance_name"],
+            _pb_launch.interpreter(self.parameters, self._model_dir.parent),
+            gpu,
+            {
+                "args": args,
+                "name": self.name,
+                "version": self.versions[0],
+                "model_file": str(self._model_file),
+                "module": model_module_name(self.name, int(self.versions[0])),
+                "model_dir": str(self._model_dir),
+                "repository": str(self._folder.parent),
+                "decoupled": self.decoupled,
+                "iterative": self.iterative,
+            },
+        )
+
+    async def execute(self, requests: Sequence[InferenceRequest]) -> Sequence[Result]:  # type: ignore[override]
+        return await self._processes.execute(requests)
+
+    async def unload(self) -> None:  # type: ignore[override]
+        try:
+            await self._processes.stop()
+        finally:
+            self._release_metrics()
+
+    def _release_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.release(self)
 
 
 def read_python(reading: Reading) -> list[Model]:

@@ -4,10 +4,12 @@ trioserve.repository._pb_stub FD``, FD its end of the link to the server (or, wi
 server, ``_pb_inspect``).
 
 It imports the model's model.py and runs its ``initialize``, ``execute`` and
-``finalize`` as Triton's stub does (``_pb_execution``): the thread that reads a frame
-from the server runs the model's work it brings, in order, a second thread reading
-while the model waits for the server (``_pb_turns``); an ``async`` execute runs on the
-instance's asyncio loop (``_pb_loop``). Model code reaches
+``finalize`` as Triton's stub does (``_pb_execution``), or, told so by the ``init``
+frame (``"api": "trioserve"``), a trioserve ``Model``'s ``load``, ``execute`` and
+``unload`` (``_pb_own_model``, imported only then: it imports trio and trioserve). The
+thread that reads a frame from the server runs the model's work it brings, in order, a
+second thread reading while the model waits for the server (``_pb_turns``); an
+``async`` execute runs on the instance's asyncio loop (``_pb_loop``). Model code reaches
 the server through ``_pb_remote``. Only the standard library, numpy, ``trioserve.ipc``'s
 arena, frames and blocking channel, and ``pb_utils`` are imported: the process may run
 under another environment's interpreter (``EXECUTION_ENV_PATH``), with a folder that
@@ -34,7 +36,7 @@ import time
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import InferenceServerError, InternalError
 from ..ipc._arena import Arena, Block, SegmentMap
@@ -66,6 +68,9 @@ from ._pb_wire import (
     read_tensor,
 )
 
+if TYPE_CHECKING:
+    from ._pb_own_model import OwnInstance
+
 logger = logging.getLogger("trioserve.python_backend")
 
 
@@ -84,6 +89,7 @@ class Stub:
         self._settings: dict[str, Any] = {}
         self._model_dir = Path()
         self._model: Any = None
+        self._own: OwnInstance | None = None  # a trioserve Model's instance
         self._loop = InstanceLoop("model")
 
     def send(self, message: tuple[Any, ...], blocks: Sequence[Block] = ()) -> None:
@@ -155,10 +161,16 @@ class Stub:
         self.arena = Arena(settings["default_bytes"], settings["growth_bytes"])
         self._loop = InstanceLoop(settings["args"]["model_instance_name"])
         try:
-            module = import_model_module(Path(settings["model_file"]), settings["module"])
-            self._model = module.TritonPythonModel()
-            with self._serving():
-                call_hook(self._loop, getattr(self._model, "initialize", None), settings["args"])
+            if settings.get("api") == "trioserve":
+                from ._pb_own_model import OwnInstance
+
+                self._own = OwnInstance(self, settings)
+            else:
+                module = import_model_module(Path(settings["model_file"]), settings["module"])
+                self._model = module.TritonPythonModel()
+                with self._serving():
+                    hook = getattr(self._model, "initialize", None)
+                    call_hook(self._loop, hook, settings["args"])
         except BaseException as exc:  # anything the model raised fails the load
             self.send(("init_failed", described(exc)))
             _exit(1)
@@ -173,6 +185,9 @@ class Stub:
         """Run a batch. ``refused``: the requests whose inputs could not be read (by
         their place in the batch: their key and error), answered with their error while
         the others run."""
+        if self._own is not None:
+            self._own.execute(batch, requests, refused)
+            return
         settings = self._settings
         decoupled = settings["decoupled"]
         if decoupled:
@@ -204,7 +219,9 @@ class Stub:
             return
         blocks: list[Block] = []
         results = [
-            ("rescheduled",) if response is None else self._result(response, blocks, request[6])
+            ("rescheduled",)
+            if response is None
+            else self.response_result(response, blocks, request[6])
             for response, request in zip(checked, requests, strict=False)  # none if decoupled
         ]
         if refused and not decoupled:
@@ -215,7 +232,7 @@ class Stub:
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> pb_utils.InferenceRequest:
         """A request of an ``exec`` frame (as ``_pb_process`` describes it)."""
         key, request_id, model, tensors, outputs, parameters, _placed = described
-        inputs = [pb_utils.Tensor._received(t[0], self._array(t), t[1]) for t in tensors]
+        inputs = [pb_utils.Tensor._received(t[0], self.array_of(t), t[1]) for t in tensors]
         return pb_utils.InferenceRequest._received(
             model,
             inputs,
@@ -225,13 +242,14 @@ class Stub:
             RemoteSender(self, key) if decoupled else None,
         )
 
-    def _array(self, tensor: FrameTensor) -> Array:
+    def array_of(self, tensor: FrameTensor) -> Array:
+        """An input of an ``exec`` frame: read-only, in place unless BYTES."""
         in_block = frame_block(tensor)
         if in_block is None:
             return read_inline(tensor)
         return read_tensor(in_block, self.server_memory.view(in_block.block))
 
-    def _result(
+    def response_result(
         self,
         response: pb_utils.InferenceResponse,
         blocks: list[Block],
@@ -278,8 +296,11 @@ class Stub:
     def _finalize(self) -> None:
         error = None
         try:
-            with self._serving():
-                call_hook(self._loop, getattr(self._model, "finalize", None))
+            if self._own is not None:
+                self._own.unload()
+            else:
+                with self._serving():
+                    call_hook(self._loop, getattr(self._model, "finalize", None))
         except BaseException as exc:
             error = described(exc)
         self._loop.stop()

@@ -7,7 +7,8 @@
     -> Triton's defaults and checks -> one Model per version
 
 A folder in trioserve's own layout (a ``model.py`` defining ``model``, no config.pbtxt)
-is read as before, by ``_own_layout``; any other by its backend's row of ``_backends``.
+is read as before, by ``_own_layout`` (its models that ask for processes of their own
+served by ``_own_processes``); any other by its backend's row of ``_backends``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ._ensemble import PLATFORM as ENSEMBLE
 from ._ensemble import EnsembleModel, ensemble_steps
 from ._generated.model_config_pb2 import ModelConfig
 from ._layout import CheckpointLoader, Reading, chosen_versions, version_folders
-from ._own_layout import RepositoryError, load_model_folder
+from ._own_layout import RepositoryError
+from ._own_processes import read_own
 from ._pb_metrics_export import CustomMetrics
 from ._pb_options import PythonOptions
 
@@ -47,7 +49,7 @@ def read_model(
     """The folder's models, one per version; ConfigError says why it cannot serve."""
     if override is None and _own_layout(folder):
         try:
-            return load_model_folder(folder)
+            return read_own(folder, repository, python or PythonOptions())
         except RepositoryError as exc:
             raise ConfigError(str(exc)) from None
     if strict and override is None and not (folder / CONFIG_FILE).is_file():
