@@ -316,8 +316,10 @@ class InstanceProcess:
         batch = pending.call
         self._batch_inputs[batch] = blocks
         try:
-            await self._windows.announce(channel)  # no checkpoint since frame_tensor
-            await self._announce(channel, all_inputs)
+            if self._windows.unannounced:  # no checkpoint since frame_tensor
+                await self._windows.announce(channel)
+            if all_inputs:
+                await self._announce(channel, all_inputs)
             given_back = blocks_to_wire(self._given_back.take())
             await channel.send(("exec", batch, described, given_back))
             answer = await pending.wait()

@@ -109,6 +109,11 @@ class HandedRegions:
             region.when_released(lambda: self._released(serial))
         return serial
 
+    @property
+    def unannounced(self) -> bool:
+        """Whether regions were handed since the last ``announce``."""
+        return bool(self._fresh)
+
     async def announce(self, channel: TrioChannel) -> None:
         """Send the descriptors of the regions handed since the last call. Call it with no
         checkpoint after ``frame_tensor``: the frame is queued before any, so it goes
