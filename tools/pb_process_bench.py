@@ -65,12 +65,9 @@ from bench import (
 # The main checkout's neighbour; --reference names it from elsewhere.
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "triton-reference"
 
-BUSY = """
+# Pure-Python work that holds the GIL for ``seconds`` of the thread's CPU time.
+BUSY_FUNCTION = """
 import time
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
-WORK_S = {work_s}
 
 def busy(seconds):
     end = time.thread_time() + seconds  # the thread's own CPU time: work, not waiting
@@ -79,6 +76,15 @@ def busy(seconds):
         for i in range(1000):
             total += i * i
     return total
+"""
+
+BUSY = (
+    BUSY_FUNCTION
+    + """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WORK_S = {work_s}
 
 class TritonPythonModel:
     def execute(self, requests):
@@ -89,6 +95,7 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
         return responses
 """
+)
 
 STEADY = """
 import os
@@ -118,17 +125,10 @@ ONE = (
 )
 
 
-OWN_BUSY = """
-import time
+OWN_BUSY = (
+    BUSY_FUNCTION
+    + """
 import trioserve
-
-def busy(seconds):
-    end = time.thread_time() + seconds  # the thread's own CPU time: work, not waiting
-    total = 0
-    while time.thread_time() < end:
-        for i in range(1000):
-            total += i * i
-    return total
 
 @trioserve.model(
     name="busy",
@@ -142,6 +142,7 @@ def model(X):
         busy({work_s})
     return {{"Y": X}}
 """
+)
 
 
 def write_model(root: Path, name: str, code: str, count: int) -> None:
