@@ -221,7 +221,9 @@ class RestApp:
                 pieces = BodyPieces(receive, headers, self.max_body_bytes)
             else:
                 whole = extensions.get(RECEIVE_WHOLE)
-                body = await self._read_body(receive if whole is None else whole["receive"], headers)
+                body = await self._read_body(
+                    receive if whole is None else whole["receive"], headers
+                )
             cancel_with = extensions.get(CANCEL_WITH)
             request = Request(
                 scope["method"], scope["path"], params, headers, body, receive, send,
@@ -240,9 +242,7 @@ class RestApp:
             return  # answered by the endpoint itself, or the client went away
         await _send(send, response, headers, BODY_PARTS in extensions)
 
-    async def _read_body(
-        self, receive: Receive, headers: dict[bytes, bytes]
-    ) -> bytes | bytearray:
+    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | bytearray:
         # Not through BodyPieces: this is every request's path, and a call less per
         # request shows in its CPU time.
         chunks: list[bytes | bytearray] = []
