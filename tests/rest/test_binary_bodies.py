@@ -210,6 +210,27 @@ def test_a_body_cut_short_is_answered_400_and_the_server_serves_on(
     np.testing.assert_array_equal(_infer(server, y), y)
 
 
+def _memory_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def test_a_length_only_announced_takes_no_memory(server: Server) -> None:
+    announced = 200 * MIB  # under the body limit, so the buffer is allocated
+    head, header = _binary_request(np.zeros(announced // 4, np.float32))
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # the peak resident size starts again from here
+    before = _memory_kib("VmRSS")
+    with _connect(server) as sock:
+        sock.sendall(head + b"content-length: %d\r\n\r\n" % (len(header) + announced) + header)
+        sock.shutdown(socket.SHUT_WR)
+        status, _, _ = _read_response(sock)
+    assert status == b"HTTP/1.1 400 Bad Request"
+    # Allocated at its length, but not written before bytes arrive.
+    assert _memory_kib("VmHWM") - before < 32 * 1024
+
+
 @pytest.mark.parametrize("framing", ["chunked", "gzip"])
 def test_chunked_and_compressed_binary_bodies_still_arrive(server: Server, framing: str) -> None:
     x = _data(8)[: MIB // 4]

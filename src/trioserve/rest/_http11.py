@@ -34,6 +34,7 @@ that only half-closes still gets its response, but ``receive()`` reports the dis
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import socket
@@ -71,6 +72,14 @@ _LINGER_BYTES = 1024 * 1024
 _MAX_PARTS = 512
 
 _Read = TypeVar("_Read", bytes, int)
+
+# A bytearray of a given length whose bytes are left unset (the C API's constructor given
+# no source), for a body received into it at once. ``bytearray(n)`` would zero it first:
+# a pass over memory about to be overwritten, which also commits every page of a length
+# that a client may only have announced.
+_unset_bytearray = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)(
+    ("PyByteArray_FromStringAndSize", ctypes.pythonapi)
+)
 
 # Where a connection is, for the timeout sweeper: waiting for a request, reading a head, or
 # anything else (the app runs, a body is read, a response is written).
@@ -402,9 +411,9 @@ class Connection:
         buffered ones copied in, the socket's received into it in place, no pieces to
         join. A new buffer each time, as the app's views of one (input tensors) may
         outlive the request. With how many arrived: all unless the client closed, failed
-        or stalled first (the rest is zeros, not to be read). HttpError 408 past
-        ``deadline``."""
-        body = bytearray(length)
+        or stalled first (the rest was never written: it must not be read). HttpError 408
+        past ``deadline``."""
+        body: bytearray = _unset_bytearray(None, length)
         with memoryview(body) as view:  # released: the app may resize its bytearray
             filled = len(self.buf) - self.pos
             view[:filled] = memoryview(self.buf)[self.pos :]

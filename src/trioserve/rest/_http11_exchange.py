@@ -315,7 +315,6 @@ class Exchange:
         return body
 
     def _cut_short(self) -> HttpError:
-        self.keep_alive = False
         if self.decoder is not None:
             return HttpError(400, "the client ended the chunked request body before its end")
         return HttpError(
