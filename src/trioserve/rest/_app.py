@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 import logging
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -240,7 +240,7 @@ class RestApp:
             response = Response(exc.status, error_body(exc.message), headers=exc.headers)
         if response is None:
             return  # answered by the endpoint itself, or the client went away
-        await _send(send, response, headers, BODY_PARTS in extensions)
+        await _send(send, response, headers, extensions)
 
     async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | bytearray:
         # Not through BodyPieces: this is every request's path, and a call less per
@@ -303,25 +303,30 @@ def _compression(headers: dict[bytes, bytes]) -> bytes | None:
 
 
 async def _send(
-    send: Send, response: Response, request_headers: dict[bytes, bytes], sends_parts: bool
+    send: Send,
+    response: Response,
+    request_headers: dict[bytes, bytes],
+    extensions: Mapping[str, object],
 ) -> None:
-    """Write ``response``; ``sends_parts``: the server takes a ``BODY_PARTS`` message."""
+    """Write ``response`` through ``send``, whose scope offered ``extensions``."""
     headers = list(response.headers)
+    body = response.body
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type))
     encoding = _compression(request_headers) if response.compressible else None
-    if response.parts and (encoding is not None or not sends_parts):
-        response = response.joined()
-    body = response.body
+    if response.parts:
+        if encoding is None and BODY_PARTS in extensions:
+            parts = [body, *response.parts]
+            headers.append((b"content-length", str(sum(map(len, parts))).encode()))
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+            await send({"type": BODY_PARTS, "parts": parts})
+            return
+        body = response.joined().body  # to compress, or for a server that takes bytes only
     if encoding is not None:
         body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
         headers.append((b"content-encoding", encoding))
-    if response.parts:
-        parts = [body, *response.parts]
-        headers.append((b"content-length", str(sum(map(len, parts))).encode()))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        await send({"type": BODY_PARTS, "parts": parts})
-        return
     headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

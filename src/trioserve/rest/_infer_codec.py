@@ -60,7 +60,9 @@ def decode_request(
 
     ``regions``: where tensors placed in shared memory are read from (and leased).
     """
-    view = memoryview(body).toreadonly()  # a bytearray body must not give writable inputs
+    view = memoryview(body)
+    if not view.readonly:  # a bytearray body, received whole: inputs must not be writable
+        view = view.toreadonly()
     if header_length == 0:
         return _decode_raw_body(view, model, model_name, model_version)
     if header_length is None:
