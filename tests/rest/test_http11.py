@@ -24,7 +24,7 @@ import trio
 import trio.testing
 
 from trioserve._limits import HttpLimits
-from trioserve.rest._asgi import ASGIApp, Receive, Scope, Send
+from trioserve.rest._asgi import RECEIVE_WHOLE, ASGIApp, Receive, Scope, Send
 from trioserve.rest._errors import HttpError
 from trioserve.rest._http11 import HttpStatistics, serve_http11
 from trioserve.rest._http11_parser import ChunkedDecoder, parse_head
@@ -910,14 +910,17 @@ async def test_header_timeout_answers_408(
     assert statistics == HttpStatistics(header_timeouts=1)
 
 
+@pytest.mark.parametrize("whole", [False, True])
 async def test_body_timeout_answers_408_to_a_trickling_body(
-    serve11: Serve, autojump_clock: trio.testing.MockClock
+    serve11: Serve, autojump_clock: trio.testing.MockClock, whole: bool
 ) -> None:
     """One byte every 2 s never stalls for the idle timeout: only the body timeout, which
-    bounds the whole body, ends it."""
+    bounds the whole body, ends it (read in pieces, or whole into one buffer)."""
     told: list[str] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if whole:
+            receive = scope["extensions"][RECEIVE_WHOLE]["receive"]
         while (message := await receive())["type"] == "http.request":
             if not message["more_body"]:
                 await hello_app(scope, receive, send)

@@ -1,9 +1,12 @@
 """The REST front end as one hand-written ASGI app.
 
-It reads the body (bounded, decompressed), routes, calls an endpoint and writes its
+It reads the body (bounded, decompressed; whole into one buffer where the server offers
+``RECEIVE_WHOLE``), routes, calls an endpoint and writes its
 ``Response``; every ``InferenceServerError`` becomes ``{"error": ...}`` with the status
 from ``_errors.HTTP_STATUS``, every ``HttpError`` (405, 413) with its own status and
-headers. It runs unchanged on our HTTP/1.1 core and on Hypercorn.
+headers. A response's binary ``parts`` go to a server that offers ``BODY_PARTS`` as they
+are (tensors' memory), joined otherwise. It runs unchanged on our HTTP/1.1 core and on
+Hypercorn.
 """
 
 from __future__ import annotations
@@ -11,14 +14,23 @@ from __future__ import annotations
 import gzip
 import logging
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import trio
 
 from .._errors import InferenceServerError, InvalidArgumentError
-from ._asgi import CANCEL_WITH, CancelWith, Receive, Scope, Send, answer_lifespan
+from ._asgi import (
+    BODY_PARTS,
+    CANCEL_WITH,
+    RECEIVE_WHOLE,
+    CancelWith,
+    Receive,
+    Scope,
+    Send,
+    answer_lifespan,
+)
 from ._disconnects import ReceiveWatch
 from ._errors import HttpError, body_too_large, error_body, error_status
 from ._router import Router
@@ -34,7 +46,7 @@ class Request:
     path: str
     params: dict[str, str]
     headers: dict[bytes, bytes]
-    body: bytes
+    body: bytes | bytearray  # a bytearray: received whole in one buffer (RECEIVE_WHOLE)
     receive: Receive
     send: Send  # for endpoints that stream their response; they then return None
     cancel_with: CancelWith  # what to withdraw if the client leaves (``_asgi.CancelWith``)
@@ -50,6 +62,15 @@ class Response(NamedTuple):
     content_type: bytes | None = JSON
     headers: tuple[tuple[bytes, bytes], ...] = ()
     compressible: bool = False  # honour Accept-Encoding (inference responses)
+    # Byte buffers (bytes, 1-D byte memoryviews of tensors) that follow ``body``, written
+    # without being joined to it where the server offers BODY_PARTS.
+    parts: tuple[bytes | memoryview, ...] = ()
+
+    def joined(self) -> Response:
+        """This response with its parts joined into its body: a copy the caller owns."""
+        if not self.parts:
+            return self
+        return self._replace(body=b"".join((self.body, *self.parts)), parts=())
 
 
 Endpoint = Callable[[Request], Awaitable[Response | None]]
@@ -191,17 +212,24 @@ class RestApp:
         if scope["type"] != "http":
             return
         headers = dict(scope["headers"])
+        extensions = scope.get("extensions") or _NO_EXTENSIONS
         try:
             endpoint, params = self.router.resolve(scope["method"], scope["path"])
             pieces = None
+            body: bytes | bytearray = b""
             if isinstance(endpoint, ReadsBody):
-                body = b""
                 pieces = BodyPieces(receive, headers, self.max_body_bytes)
             else:
-                body = await self._read_body(receive, headers)
+                whole = extensions.get(RECEIVE_WHOLE)
+                body = await self._read_body(
+                    receive if whole is None else whole["receive"], headers
+                )
+            cancel_with = extensions.get(CANCEL_WITH)
             request = Request(
                 scope["method"], scope["path"], params, headers, body, receive, send,
-                _cancel_with(scope) or self.disconnects.cancel_with(receive), pieces,
+                self.disconnects.cancel_with(receive) if cancel_with is None
+                else cancel_with["cancel_with"],
+                pieces,
             )  # fmt: skip
             response = await endpoint(request)
         except ClientLeft:
@@ -212,12 +240,12 @@ class RestApp:
             response = Response(exc.status, error_body(exc.message), headers=exc.headers)
         if response is None:
             return  # answered by the endpoint itself, or the client went away
-        await _send(send, response, headers)
+        await _send(send, response, headers, extensions)
 
-    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes:
+    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | bytearray:
         # Not through BodyPieces: this is every request's path, and a call less per
         # request shows in its CPU time.
-        chunks: list[bytes] = []
+        chunks: list[bytes | bytearray] = []
         total = 0
         while True:
             message = await receive()
@@ -239,10 +267,7 @@ class RestApp:
         return await trio.to_thread.run_sync(_decompress, body, encoding, self.max_body_bytes)
 
 
-def _cancel_with(scope: Scope) -> CancelWith | None:
-    extensions = scope.get("extensions")
-    offered = extensions.get(CANCEL_WITH) if extensions else None
-    return None if offered is None else offered["cancel_with"]
+_NO_EXTENSIONS: dict[str, dict[str, Any]] = {}
 
 
 def _inflater(encoding: bytes) -> zlib._Decompress:
@@ -253,7 +278,7 @@ def _inflater(encoding: bytes) -> zlib._Decompress:
     raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
 
 
-def _decompress(body: bytes, encoding: bytes, limit: int) -> bytes:
+def _decompress(body: bytes | bytearray, encoding: bytes, limit: int) -> bytes:
     inflater = _inflater(encoding)
     try:
         data = inflater.decompress(body, limit + 1)
@@ -277,12 +302,28 @@ def _compression(headers: dict[bytes, bytes]) -> bytes | None:
     return None
 
 
-async def _send(send: Send, response: Response, request_headers: dict[bytes, bytes]) -> None:
+async def _send(
+    send: Send,
+    response: Response,
+    request_headers: dict[bytes, bytes],
+    extensions: Mapping[str, object],
+) -> None:
+    """Write ``response`` through ``send``, whose scope offered ``extensions``."""
     headers = list(response.headers)
     body = response.body
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type))
     encoding = _compression(request_headers) if response.compressible else None
+    if response.parts:
+        if encoding is None and BODY_PARTS in extensions:
+            parts = [body, *response.parts]
+            headers.append((b"content-length", str(sum(map(len, parts))).encode()))
+            await send(
+                {"type": "http.response.start", "status": response.status, "headers": headers}
+            )
+            await send({"type": BODY_PARTS, "parts": parts})
+            return
+        body = response.joined().body  # to compress, or for a server that takes bytes only
     if encoding is not None:
         body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
         headers.append((b"content-encoding", encoding))

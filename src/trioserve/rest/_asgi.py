@@ -25,6 +25,18 @@ watch for the client's hangup (``_http11_hangups.py``), one per connection, clea
 the end of each response. Servers without it give none; the app then learns the
 disconnect through ``receive()`` (``rest/_disconnects.py``)."""
 
+RECEIVE_WHOLE = "trioserve.receive_whole"
+"""A scope extension of our HTTP/1.1 core: ``{"receive": Receive}``, a ``receive`` that
+hands a Content-Length body not yet read over whole, in one ``bytearray`` allocated once
+at its length and filled from the socket in place (no pieces to join). For an app that
+holds the whole body anyway; other messages are ``receive()``'s."""
+
+BODY_PARTS = "trioserve.body_parts"
+"""A scope extension of our HTTP/1.1 core (``{}``), and the type of the message it
+allows: ``{"type": BODY_PARTS, "parts": [buffer, ...]}``, a whole response body given as
+byte buffers (bytes, or 1-D byte memoryviews such as a tensor's), written with
+``sendmsg`` as they are rather than joined first. In place of ``http.response.body``."""
+
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:
     """Complete the lifespan protocol: trioserve starts and stops its models itself."""

@@ -34,11 +34,14 @@ that only half-closes still gets its response, but ``receive()`` reports the dis
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import math
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
 
 import trio
 from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writable
@@ -46,9 +49,9 @@ from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writab
 from .._admission import Accepted, Address, Departures
 from .._limits import HttpLimits
 from .._sockets import serve_tcp
-from ._asgi import CANCEL_WITH, ASGIApp
+from ._asgi import BODY_PARTS, CANCEL_WITH, RECEIVE_WHOLE, ASGIApp, Message
 from ._errors import HttpError
-from ._http11_exchange import RECV_SIZE, Exchange
+from ._http11_exchange import RECV_SIZE, Buffer, Exchange
 from ._http11_hangups import Hangups
 from ._http11_parser import (
     CLOSE,
@@ -63,6 +66,20 @@ logger = logging.getLogger("trioserve.http")
 
 _LINGER_S = 1.0
 _LINGER_BYTES = 1024 * 1024
+
+# sendmsg's limit on buffers per call is IOV_MAX (1024 on Linux); a response of more
+# parts is written in turns of this many.
+_MAX_PARTS = 512
+
+_Read = TypeVar("_Read", bytes, int)
+
+# A bytearray of a given length whose bytes are left unset (the C API's constructor given
+# no source), for a body received into it at once. ``bytearray(n)`` would zero it first:
+# a pass over memory about to be overwritten, which also commits every page of a length
+# that a client may only have announced.
+_unset_bytearray = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_ssize_t)(
+    ("PyByteArray_FromStringAndSize", ctypes.pythonapi)
+)
 
 # Where a connection is, for the timeout sweeper: waiting for a request, reading a head, or
 # anything else (the app runs, a body is read, a response is written).
@@ -181,6 +198,7 @@ class Connection:
         "buf",
         "client",
         "epoch",
+        "exchange",
         "expired",
         "extensions",
         "fd",
@@ -211,7 +229,12 @@ class Connection:
         self.fd = sock.fileno()
         self.hangup = server.hangups.hook(self)
         # The ASGI scope's extensions, the same for each request on this connection.
-        self.extensions = {CANCEL_WITH: {"cancel_with": self.hangup.cancel_with}}
+        self.extensions: dict[str, dict[str, Any]] = {
+            CANCEL_WITH: {"cancel_with": self.hangup.cancel_with},
+            RECEIVE_WHOLE: {"receive": self.receive_whole},
+            BODY_PARTS: {},
+        }
+        self.exchange: Exchange | None = None  # the request being served
         self.client = client
         self.local = local
         # Unparsed input is buf[pos:]; bytes + offset so a whole request parses without copies.
@@ -258,8 +281,9 @@ class Connection:
                 return
             if head is None:
                 return
-            request = Exchange(self, head)
+            self.exchange = request = Exchange(self, head)
             carries_on = await request.run(self.server.app)
+            self.exchange = None
             if self.hangup.withdraw is not None:  # the response is over: nothing waits
                 self.hangup.cancel_with(None)
             if not carries_on:
@@ -359,17 +383,6 @@ class Connection:
             if data is not None:
                 return data
 
-    async def _recv(self, deadline: float) -> bytes | None:
-        """Wait for input: the bytes, ``b""`` at EOF, None at ``deadline``."""
-        while True:
-            with trio.move_on_at(deadline) as scope:
-                await wait_readable(self.fd)
-            if scope.cancelled_caught:
-                return None
-            data = self._recv_ready()
-            if data is not None:
-                return data
-
     def _recv_ready(self) -> bytes | None:
         """One recv after readiness: the bytes, ``b""`` at EOF or error, None if spurious."""
         try:
@@ -379,31 +392,73 @@ class Connection:
         except OSError:
             return b""
 
+    def receive_whole(self) -> Awaitable[Message]:
+        """The ``RECEIVE_WHOLE`` extension's ``receive``: the current request's."""
+        if self.exchange is None:
+            raise RuntimeError("receive_whole() outside a request")
+        return self.exchange.receive_whole()
+
     async def recv_body(self, max_bytes: int, deadline: float) -> bytes:
         """Body bytes (at most ``max_bytes``); ``b""`` at EOF, error or a stalled upload.
 
         HttpError 408 past ``deadline``: a body that trickles in keeps making progress, so
         only a bound on the whole body frees the connection from it.
         """
+        return await self._body_read(partial(self.sock.recv, max_bytes), deadline) or b""
+
+    async def recv_whole(self, length: int, deadline: float) -> tuple[bytearray, int]:
+        """The next ``length`` body bytes in one buffer allocated at that length: the
+        buffered ones copied in, the socket's received into it in place, no pieces to
+        join. A new buffer each time, as the app's views of one (input tensors) may
+        outlive the request. With how many arrived: all unless the client closed, failed
+        or stalled first (the rest was never written: it must not be read). HttpError 408
+        past ``deadline``."""
+        body: bytearray = _unset_bytearray(None, length)
+        with memoryview(body) as view:  # released: the app may resize its bytearray
+            filled = len(self.buf) - self.pos
+            view[:filled] = memoryview(self.buf)[self.pos :]
+            self.buf = b""
+            self.pos = 0
+            recv_into = self.sock.recv_into
+            while filled < length:
+                count = await self._body_read(partial(recv_into, view[filled:]), deadline)
+                if count is None:
+                    break
+                filled += count
+        return body, filled
+
+    async def _body_read(self, read: Callable[[], _Read], deadline: float) -> _Read | None:
+        """One ``read`` of body input (``recv`` or ``recv_into``): what it returned, None
+        at EOF, error or a stalled upload (no progress for ``idle_timeout_s`` counts as
+        the client having gone). HttpError 408 past ``deadline``."""
         try:
-            data = self.sock.recv(max_bytes)  # a body is usually already in flight: try first
+            data: _Read | None = read()  # a body is usually already in flight: try first
         except BlockingIOError:
             data = None
         except OSError:
-            data = b""
+            self.peer_closed = True
+            return None
         if data is not None:
             await checkpoint()  # got data without waiting: still be a checkpoint
         else:
-            # No progress for idle_timeout_s counts as the client having gone.
             stalled = trio.current_time() + self.limits.idle_timeout_s
-            data = await self._recv(min(stalled, deadline))
-            if data is None:
-                if deadline < stalled:
-                    self.server.statistics.body_timeouts += 1
-                    raise HttpError(408, "timed out reading the request body")
-                data = b""
+            while data is None:
+                with trio.move_on_at(min(stalled, deadline)) as scope:
+                    await wait_readable(self.fd)
+                if scope.cancelled_caught:
+                    if deadline < stalled:
+                        self.server.statistics.body_timeouts += 1
+                        raise HttpError(408, "timed out reading the request body")
+                    break
+                try:
+                    data = read()
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    break
         if not data:
             self.peer_closed = True
+            return None
         return data
 
     async def write(self, data: bytes) -> bool:
@@ -416,36 +471,48 @@ class Connection:
             return False
         if sent == len(data):
             return True
-        return await self.write_rest(memoryview(data)[sent:])
+        return await self.write_rest([data], sent)
 
-    async def write_parts(self, parts: list[bytes]) -> bool:
-        """Like ``write(b"".join(parts))`` without copying large bodies on the fast path."""
+    async def write_parts(self, parts: list[Buffer]) -> bool:
+        """Like ``write(b"".join(parts))`` without copying: one ``sendmsg`` of the parts
+        (byte buffers) as they are."""
         try:
-            sent = self.sock.sendmsg(parts)
+            sent = self.sock.sendmsg(parts[:_MAX_PARTS])
         except BlockingIOError:
             sent = 0
         except OSError:
             return False
-        if sent == sum(map(len, parts)):
+        if len(parts) <= _MAX_PARTS and sent == sum(map(len, parts)):
             return True
-        return await self.write_rest(memoryview(b"".join(parts))[sent:])
+        return await self.write_rest(parts, sent)
 
-    async def write_rest(self, view: memoryview) -> bool:
+    async def write_rest(self, parts: list[Buffer], sent: int) -> bool:
+        """Send what is left of ``parts`` (byte buffers, changed in place) after the
+        first ``sent`` bytes, as the client takes it: the list is advanced past what each
+        ``sendmsg`` took, never joined."""
         # If this is cancelled part way, the response on the wire is cut; `torn` makes sure
         # the connection is not reused for another request afterwards.
         self.torn = True
-        while view:
+        first = 0  # parts[first:] is still to go, less `sent` bytes of parts[first]
+        while True:
+            while first < len(parts) and sent >= len(parts[first]):
+                sent -= len(parts[first])
+                first += 1
+            if first == len(parts):
+                break
+            if sent:
+                parts[first] = memoryview(parts[first])[sent:]
+                sent = 0
             with trio.move_on_after(self.limits.idle_timeout_s) as scope:
                 await wait_writable(self.fd)
             if scope.cancelled_caught:
                 return False  # a reader that takes nothing for that long has gone
             try:
-                sent = self.sock.send(view)
+                sent = self.sock.sendmsg(parts[first : first + _MAX_PARTS])
             except BlockingIOError:
                 continue
             except OSError:
                 return False
-            view = view[sent:]
         self.torn = False
         return True
 

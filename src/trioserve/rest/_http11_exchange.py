@@ -7,10 +7,14 @@ module holds the per-request half:
 * ``receive()`` hands out the body (from the connection's buffer first, then the socket;
   Content-Length or chunked), sends ``100 Continue`` on the first read of a body the
   client is waiting to send, and once the body is complete waits for the client to go
-  away (or the response to finish) to return ``http.disconnect``.
+  away (or the response to finish) to return ``http.disconnect``. ``receive_whole()``
+  (the ``RECEIVE_WHOLE`` extension) receives a Content-Length body into one buffer of its
+  length instead of pieces. A body cut short by the client is answered 400.
 * ``send()`` holds the response head back until the first body message so head and body
   go out in one ``send``, adds ``content-length`` when the app sent the body in one
-  message, and otherwise frames with chunked encoding (HTTP/1.1) or closes (HTTP/1.0).
+  message, and otherwise frames with chunked encoding (HTTP/1.1) or closes (HTTP/1.0). A
+  ``BODY_PARTS`` message, a body as a list of buffers, goes out with them in ``sendmsg``
+  calls that continue through the list where the last one stopped.
 """
 
 from __future__ import annotations
@@ -18,13 +22,13 @@ from __future__ import annotations
 import logging
 import math
 import socket
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import trio
 from trio.lowlevel import checkpoint, wait_readable
 
 from .._limits import HttpLimits
-from ._asgi import ASGIApp, Message
+from ._asgi import BODY_PARTS, ASGIApp, Message
 from ._errors import HttpError
 from ._http11_parser import (
     CLOSE,
@@ -46,6 +50,8 @@ _PIPELINE_CAP = 256 * 1024  # bytes buffered for later requests while the app ru
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _KEEP_ALIVE = b"connection: keep-alive\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+Buffer: TypeAlias = bytes | bytearray | memoryview  # of bytes: a 1-D memoryview of format B
 
 # Response progress.
 _NO_RESPONSE, _HEAD_PENDING, _STREAMING, _DONE = range(4)
@@ -94,11 +100,13 @@ class Connection(Protocol):
 
     async def recv_body(self, max_bytes: int, deadline: float) -> bytes: ...
 
+    async def recv_whole(self, length: int, deadline: float) -> tuple[bytearray, int]: ...
+
     async def write(self, data: bytes) -> bool: ...
 
-    async def write_parts(self, parts: list[bytes]) -> bool: ...
+    async def write_parts(self, parts: list[Buffer]) -> bool: ...
 
-    async def write_rest(self, view: memoryview) -> bool: ...
+    async def write_rest(self, parts: list[Buffer], sent: int) -> bool: ...
 
 
 def _disconnect() -> Message:
@@ -127,6 +135,7 @@ class Exchange:
         "state",
         "status",
         "waiter",
+        "whole",
     )
 
     # Set by http.response.start; read only after it.
@@ -153,6 +162,7 @@ class Exchange:
         self.dropped = False  # sends are ignored: client gone or the server answered already
         self.waiter: trio.CancelScope | None = None
         self.body_deadline = math.inf  # set when the body is first waited for
+        self.whole = False  # receive a Content-Length body into one buffer (receive_whole)
 
     async def run(self, app: ASGIApp) -> bool:
         """Run the app for this request; True if the connection can carry another one."""
@@ -233,15 +243,24 @@ class Exchange:
         except HttpError as exc:
             await self._reject_body(exc)
             return _disconnect()
-        if body is None:
-            return _disconnect()
         if self.body_done:
             self.delivered = True
             return {"type": "http.request", "body": body, "more_body": False}
         return {"type": "http.request", "body": body, "more_body": True}
 
-    async def _next_body(self) -> bytes | None:
-        """The next piece of the body; None if the client went away before its end."""
+    async def receive_whole(self) -> Message:
+        """``receive()``, but a Content-Length body not read yet comes whole, in one
+        ``bytearray`` (``RECEIVE_WHOLE``)."""
+        self.whole = True
+        return await self.receive()
+
+    async def _next_body(self) -> bytes | bytearray:
+        """The next piece of the body.
+
+        HttpError 400 if the client ended its side of the connection before the end of
+        the body: it may still read the answer (a half-close), and the app must not take
+        a body cut short for the request.
+        """
         conn = self.conn
         decoder = self.decoder
         if decoder is None:
@@ -253,6 +272,8 @@ class Exchange:
                 body = buf if pos == 0 and avail == left else buf[pos : pos + left]
                 conn.pos = pos + left
                 self.body_left = 0
+            elif self.whole:
+                return await self._read_whole()
             elif avail:
                 body = buf[pos:] if pos else buf
                 conn.buf = b""
@@ -261,7 +282,7 @@ class Exchange:
             else:
                 body = await conn.recv_body(min(left, _BODY_RECV_SIZE), self._body_deadline())
                 if not body:
-                    return None
+                    raise self._cut_short()
                 self.body_left = left - len(body)
             if not self.body_left:
                 self.body_done = True
@@ -279,9 +300,28 @@ class Exchange:
                     return body
             data = await conn.recv_body(_BODY_RECV_SIZE, self._body_deadline())
             if not data:
-                return None
+                raise self._cut_short()
             conn.buf = buf[conn.pos :] + data if conn.pos < len(buf) else data
             conn.pos = 0
+
+    async def _read_whole(self) -> bytearray:
+        """The rest of a Content-Length body in one buffer (``recv_whole``); HttpError 400
+        if the client stops before filling it, so nobody reads its unfilled end."""
+        body, filled = await self.conn.recv_whole(self.body_left, self._body_deadline())
+        self.body_left -= filled
+        if self.body_left:
+            raise self._cut_short()
+        self.body_done = True
+        return body
+
+    def _cut_short(self) -> HttpError:
+        if self.decoder is not None:
+            return HttpError(400, "the client ended the chunked request body before its end")
+        return HttpError(
+            400,
+            f"the client ended the request body after {self.head[6] - self.body_left} of "
+            f"its {self.head[6]} bytes",
+        )
 
     def _body_deadline(self) -> float:
         """When the body must be complete: ``body_timeout_s`` after it was first waited for
@@ -335,8 +375,7 @@ class Exchange:
         with trio.move_on_after(self.conn.limits.header_timeout_s):
             try:
                 while not self.body_done:
-                    if await self._next_body() is None:
-                        return False
+                    await self._next_body()
             except HttpError:
                 return False
             return True
@@ -369,6 +408,8 @@ class Exchange:
                 raise RuntimeError("http.response.body before http.response.start")
             elif more or not self.plain:
                 await self._send_first_general(body, more)
+            elif len(body) > _BIG_WRITE:
+                await self._send_parts([body])
             else:
                 # Nearly every response: the whole body in one message. One buffer, one
                 # send; kept inline here because it runs once per request.
@@ -391,26 +432,27 @@ class Exchange:
                     body,
                 )
                 self.state = _DONE
-                if len(body) > _BIG_WRITE:
-                    ok = await conn.write_parts(list(parts))
+                data = b"".join(parts)
+                try:
+                    sent = conn.sock.send(data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    sent = -1
+                if sent == len(data):
+                    ok = True
+                elif sent < 0:
+                    ok = False
                 else:
-                    data = b"".join(parts)
-                    try:
-                        sent = conn.sock.send(data)
-                    except BlockingIOError:
-                        sent = 0
-                    except OSError:
-                        sent = -1
-                    if sent == len(data):
-                        ok = True
-                    elif sent < 0:
-                        ok = False
-                    else:
-                        ok = await conn.write_rest(memoryview(data)[sent:])
+                    ok = await conn.write_rest([data], sent)
                 if not ok:
                     self._client_gone()
                 elif self.waiter is not None:
                     self.waiter.cancel()
+        elif kind == BODY_PARTS:
+            if self.state != _HEAD_PENDING:
+                raise RuntimeError(f"{BODY_PARTS} message out of place")
+            await self._send_parts(list(message["parts"]))
         elif kind == "http.response.start":
             if self.state != _NO_RESPONSE:
                 raise RuntimeError("http.response.start sent twice")
@@ -429,6 +471,29 @@ class Exchange:
             self.state = _HEAD_PENDING
         else:
             raise RuntimeError(f"unexpected ASGI message type {kind!r}")
+
+    async def _send_parts(self, parts: list[Buffer]) -> None:
+        """A whole body given as buffers, written with the head through ``sendmsg``: no
+        buffer joined, nor copied when a send stops part way (``write_rest``)."""
+        length = sum(map(len, parts))
+        block, declared, close, has_date = self.response
+        if not self.plain or declared not in (-1, length):
+            # Rare (HEAD, 204, a wrong content-length): the general path, joined.
+            await self._send_first_general(b"".join(parts), False)
+            return
+        head = (
+            STATUS_LINES[self.status],
+            block,
+            b"" if has_date else self.conn.server.date,
+            b"content-length: %d\r\n" % length if declared < 0 else b"",
+            self._connection_line(close),
+            b"\r\n",
+        )
+        self.state = _DONE
+        if not await self.conn.write_parts([b"".join(head), *parts]):
+            self._client_gone()
+        elif self.waiter is not None:
+            self.waiter.cancel()
 
     def _connection_line(self, close_asked: bool) -> bytes:
         """Settle keep-alive as the head is written; the ``connection`` line saying so."""
@@ -487,7 +552,9 @@ class Exchange:
     async def _send_more(self, body: bytes, more: bool) -> None:
         payload = self._frame(body, more)
         ok = True
-        if payload:
+        if len(body) > _BIG_WRITE:
+            ok = await self.conn.write_parts(list(payload))
+        elif payload:
             ok = await self.conn.write(payload[0] if len(payload) == 1 else b"".join(payload))
         await self._after_write(ok, more)
 

@@ -3,7 +3,9 @@
 A request body is a JSON header, optionally followed by raw tensors (its length given by
 ``Inference-Header-Content-Length``), in the order the inputs that carry
 ``binary_data_size`` appear in the JSON. A header length of 0 means the whole body is the
-raw data of the model's single input. Raw input data becomes numpy views of the body.
+raw data of the model's single input. Raw input data becomes read-only numpy views of
+the body (which may be a bytearray received whole: the views keep it alive). A response's
+raw output data is left as the outputs' own memory, to be sent after the JSON header.
 """
 
 from __future__ import annotations
@@ -58,9 +60,11 @@ def decode_request(
 
     ``regions``: where tensors placed in shared memory are read from (and leased).
     """
-    if header_length == 0:
-        return _decode_raw_body(body, model, model_name, model_version)
     view = memoryview(body)
+    if not view.readonly:  # a bytearray body, received whole: inputs must not be writable
+        view = view.toreadonly()
+    if header_length == 0:
+        return _decode_raw_body(view, model, model_name, model_version)
     if header_length is None:
         header, binary = view, view[:0]
     else:
@@ -217,7 +221,7 @@ def _decode_outputs(value: Any) -> list[RequestedOutput]:
 
 
 def _decode_raw_body(
-    body: bytes | bytearray, model: Model, model_name: str, model_version: str
+    body: memoryview, model: Model, model_name: str, model_version: str
 ) -> InferenceRequest:
     """Inference-Header-Content-Length: 0: the body is the single input's raw bytes."""
     if len(model.inputs) != 1:
@@ -238,7 +242,7 @@ def _decode_raw_body(
 
 
 def _raw_shape(
-    dims: Sequence[int], dt: Datatype, body: bytes | bytearray, batches: bool, name: str
+    dims: Sequence[int], dt: Datatype, body: memoryview, batches: bool, name: str
 ) -> tuple[int, ...]:
     shape = ([1] if batches else []) + list(dims)
     variable = [i for i, d in enumerate(shape) if d == -1]
@@ -262,7 +266,7 @@ def _raw_shape(
     return tuple(shape)
 
 
-def _count_bytes_elements(body: bytes | bytearray) -> int:
+def _count_bytes_elements(body: memoryview) -> int:
     """How many length-prefixed elements the body holds (``array_from_raw`` parses them)."""
     count = offset = 0
     while offset + 4 <= len(body):
@@ -275,8 +279,9 @@ def _count_bytes_elements(body: bytes | bytearray) -> int:
 
 def encode_response(
     response: InferenceResponse, request: InferenceRequest
-) -> tuple[bytes, int | None]:
-    """The body, and the JSON header length when any output is binary (else None).
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """The JSON header, and the raw data of the binary outputs to follow it (none: the
+    header is the whole body): bytes, or byte views of the outputs' arrays, not copied.
 
     The header is assembled from fragments: only the data and the parameters go through
     the JSON encoder. Every inference response is written here, and building the whole
@@ -309,10 +314,7 @@ def encode_response(
         else:
             parts += ('],"data":', _json_data(tensor), "}")
     parts.append("]}")
-    header = "".join(parts).encode()
-    if not raw_parts:
-        return header, None
-    return b"".join([header, *raw_parts]), len(header)
+    return "".join(parts).encode(), raw_parts
 
 
 def _json_data(tensor: OutputTensor) -> str:

@@ -40,7 +40,7 @@ _yielding_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(  # typ
 ).scan_once
 
 
-def json_object(text: bytes | str) -> dict[str, Any]:
+def json_object(text: bytes | bytearray | str) -> dict[str, Any]:
     """The JSON object ``text`` holds; anything else is INVALID_ARG."""
     try:
         if not isinstance(text, str):

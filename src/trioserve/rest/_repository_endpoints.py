@@ -73,11 +73,11 @@ class _RepositoryEndpoints:
         return _DONE
 
 
-def _body(body: bytes) -> dict[str, Any]:
+def _body(body: bytes | bytearray) -> dict[str, Any]:
     return json_object(body) if body.strip() else {}
 
 
-def _parameters(body: bytes) -> dict[str, Any]:
+def _parameters(body: bytes | bytearray) -> dict[str, Any]:
     parameters = _body(body).get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgumentError("'parameters' must be a JSON object")

@@ -74,7 +74,9 @@ class InferForwarder:
             return None  # withdrawn: the client left
         try:
             result = self._response(outcome)
-            return await infer_response(inference, result, outcome[7])
+            # Joined: the parts would be views of the blocks released below, before the
+            # response is sent.
+            return (await infer_response(inference, result, outcome[7])).joined()
         finally:
             self._client.release(outcome)
 
