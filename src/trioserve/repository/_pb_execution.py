@@ -80,6 +80,10 @@ def run_execute(
     return responses
 
 
+_RESPONSE = pb_utils.InferenceResponse
+_RELEASE_ALL = pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
+
+
 def checked_responses(
     model_name: str,
     decoupled: bool,
@@ -94,7 +98,8 @@ def checked_responses(
     count = len(served)
     if not iterative:
         for request in served:
-            _refuse_rescheduling(model_name, decoupled, request)
+            if request._release_flags != _RELEASE_ALL:
+                _refuse_rescheduling(model_name, decoupled, request)
     if decoupled:
         if responses is not None:
             raise InternalError(
@@ -110,6 +115,10 @@ def checked_responses(
         )
     checked: list[pb_utils.InferenceResponse | None] = []
     for request, response in zip(served, responses, strict=True):
+        usual = request._release_flags == _RELEASE_ALL and request._refused is None
+        if usual and type(response) is _RESPONSE:  # released, and answered
+            checked.append(response)
+            continue
         if request._refused is not None:
             response = pb_utils.InferenceResponse(error=request._refused)
         elif request._rescheduled() and response is not None:

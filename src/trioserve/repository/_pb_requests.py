@@ -62,6 +62,9 @@ class InferenceTrace:
         return None if context is None else json.dumps(dict(context))
 
 
+_UNTRACED = InferenceTrace()  # what a request not traced carries (nothing to change in it)
+
+
 class InferenceResponse:
     """One request's outputs, or its error."""
 
@@ -194,7 +197,7 @@ class InferenceRequest:
     ) -> None:
         if isinstance(model_name, bytes):
             model_name = model_name.decode()
-        if not isinstance(correlation_id, int | str):
+        if not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")
         self._model_name = str(model_name)
         self._inputs = list(inputs)
@@ -206,7 +209,7 @@ class InferenceRequest:
         self._parameters = json.loads(parameters) if isinstance(parameters, str) else parameters
         self._timeout = timeout
         self._preferred_memory = preferred_memory  # None: the default (outputs on the host)
-        self._trace = trace or InferenceTrace()
+        self._trace = trace or _UNTRACED
         self._sender: ResponseSender | None = None  # a served request to a decoupled model
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._refused: TritonError | None = None  # why it could not be rescheduled

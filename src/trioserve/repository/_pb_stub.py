@@ -244,9 +244,10 @@ class Stub:
 
     def array_of(self, tensor: FrameTensor) -> Array:
         """An input of an ``exec`` frame: read-only, in place unless BYTES."""
-        in_block = frame_block(tensor)
-        if in_block is None:
+        if len(tensor) == 4:  # inline: what small inputs are
             return read_inline(tensor)
+        in_block = frame_block(tensor)
+        assert in_block is not None  # client windows were read into inline ones
         return read_tensor(in_block, self.server_memory.view(in_block.block))
 
     def response_result(
@@ -261,13 +262,18 @@ class Stub:
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
         outputs = response.output_tensors()
+        arena = self.arena
+        if not placed:  # the usual: no output goes into a client's region
+            tensors = [frame_tensor(arena, t._name, t._datatype.name, t._array, blocks)
+                       for t in outputs]  # fmt: skip
+            return ("outputs", tensors, response.parameters())
         try:
-            written = self.windows.write_outputs(outputs, placed) if placed else {}
+            written = self.windows.write_outputs(outputs, placed)
         except InferenceServerError as exc:
             return ("error", error_to_wire(exc))
         tensors = [
             written.get(t.name())
-            or frame_tensor(self.arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
+            or frame_tensor(arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
             for t in outputs
         ]
         return ("outputs", tensors, response.parameters())

@@ -97,9 +97,14 @@ def frame_block(tensor: FrameTensor) -> WireTensor | None:
 def read_inline(tensor: FrameTensor) -> Array:
     """The array of an inline tensor: read-only, over the frame's bytes unless BYTES."""
     name, datatype_name, shape, data = tensor
-    array = array_from_raw(DATATYPES[datatype_name], shape, data, name)
-    array.flags.writeable = False
-    return array
+    dt = DATATYPES[datatype_name]
+    if dt.is_bytes:
+        array = array_from_raw(dt, shape, data, name)
+        array.flags.writeable = False
+        return array
+    # Written by ``frame_tensor`` from an array of this shape: its size is right. numpy
+    # makes an array over ``bytes`` read-only.
+    return np.frombuffer(data, dt.dtype).reshape(shape)
 
 
 def read_tensor(tensor: WireTensor, view: memoryview) -> Array:
