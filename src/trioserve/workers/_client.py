@@ -17,6 +17,7 @@ from ._wire import (
     COUNTERS,
     DRAIN,
     FREE,
+    OUTCOME,
     PULL,
     Outbound,
     Payload,
@@ -127,10 +128,14 @@ class CoreClient:
             self._frees.append(payload)
 
     def release(self, item: Answer | BaseException) -> None:
-        """Free the blocks of an answer nobody will read."""
+        """Free the blocks of an answer nobody will read (any more): its payloads, and an
+        OUTCOME's outputs' (they lie in its list of tensors)."""
         if isinstance(item, tuple):
             for value in item:
                 self.free(value)
+            if item and item[0] == OUTCOME:
+                for tensor in item[6] or ():
+                    self.free(tensor[3])
 
     async def _send_frees(self) -> None:
         blocks, self._frees = self._frees, []
