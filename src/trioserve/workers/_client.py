@@ -128,14 +128,17 @@ class CoreClient:
             self._frees.append(payload)
 
     def release(self, item: Answer | BaseException) -> None:
-        """Free the blocks of an answer nobody will read (any more): its payloads, and an
-        OUTCOME's outputs' (they lie in its list of tensors)."""
-        if isinstance(item, tuple):
-            for value in item:
-                self.free(value)
-            if item and item[0] == OUTCOME:
-                for tensor in item[6] or ():
-                    self.free(tensor[3])
+        """Free the blocks of an answer nobody will read (any more): its payloads, or an
+        OUTCOME's outputs' (they lie in its list of tensors; nothing else of it does)."""
+        if not isinstance(item, tuple) or not item:
+            return
+        if item[0] == OUTCOME:
+            payloads: Any = [tensor[3] for tensor in item[6] or ()]
+        else:
+            payloads = item
+        for payload in payloads:
+            if type(payload) is Block:  # small payloads ride in the frame
+                self.free(payload)
 
     async def _send_frees(self) -> None:
         blocks, self._frees = self._frees, []

@@ -22,7 +22,7 @@ import trio
 from .._errors import ErrorKind, InferenceServerError
 from .._limits import OFF_LOOP_BYTES
 from .._model import Model
-from .._tensor import array_from_raw, array_to_raw, datatype
+from .._tensor import DATATYPES, array_from_raw, array_to_raw
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..grpc import Call, ClientGone, InferPlans, ReplyHeads, WireReply, WireRequest, parse_message
 from ..ipc import Pending
@@ -145,7 +145,7 @@ class InferForwarder:
         _, _, model, version, request_id, parameters, tensors, _ = outcome
         outputs = []
         for name, type_name, shape, payload, params in tensors:
-            dt = datatype(type_name)
+            dt = DATATYPES[type_name]  # the core's name for it
             data = array_from_raw(dt, shape, self._client.take(payload), f"output '{name}'")
             outputs.append(OutputTensor(name, dt, data, params))
         return InferenceResponse(model, version, outputs, request_id, parameters)
