@@ -6,7 +6,6 @@ API, both instance modes where the behaviour is shared."""
 
 from __future__ import annotations
 
-import json
 import os
 import textwrap
 from collections.abc import Iterator
@@ -159,4 +158,3 @@ def test_a_process_that_dies_while_importing_fails_the_load(tmp_path: Path) -> N
     assert "model 'dies': its process exited with status 4 while it imported model.py" in (
         failed.value.message()
     )
-    assert json.loads(json.dumps(failed.value.message()))  # a plain string, no bytes

@@ -262,18 +262,13 @@ class Stub:
         if error is not None:
             return ("error", error_to_wire(pb_utils.server_error(error)))
         outputs = response.output_tensors()
-        arena = self.arena
-        if not placed:  # the usual: no output goes into a client's region
-            tensors = [frame_tensor(arena, t._name, t._datatype.name, t._array, blocks)
-                       for t in outputs]  # fmt: skip
-            return ("outputs", tensors, response.parameters())
         try:
-            written = self.windows.write_outputs(outputs, placed)
+            written = self.windows.write_outputs(outputs, placed) if placed else {}
         except InferenceServerError as exc:
             return ("error", error_to_wire(exc))
+        arena = self.arena
         tensors = [
-            written.get(t.name())
-            or frame_tensor(arena, t.name(), t.datatype_name(), t.as_numpy(), blocks)
+            written.get(t._name) or frame_tensor(arena, t._name, t._datatype.name, t._array, blocks)
             for t in outputs
         ]
         return ("outputs", tensors, response.parameters())
