@@ -212,6 +212,17 @@ def array_from_raw(
     return array.reshape(shape)
 
 
+def array_from_own_raw(
+    dt: Datatype, shape: tuple[int, ...], buffer: bytes | memoryview
+) -> np.ndarray[Any, Any]:
+    """The tensor another process of this server wrote with ``array_to_raw`` from an
+    array of ``shape``: its size and values were checked where it was made (a front-end
+    worker's decoded input, a model's output), so not again; no copy either."""
+    if dt.is_bytes:
+        return deserialize_bytes(buffer, prod(shape), "a forwarded tensor").reshape(shape)
+    return np.frombuffer(buffer, dt.dtype).reshape(shape)
+
+
 def check_raw_size(dt: Datatype, shape: Sequence[int], size: int, what: str) -> int:
     """The element count of ``shape``; INVALID_ARG unless ``size`` bytes are exactly that
     many elements of the fixed-size ``dt``."""
@@ -224,10 +235,18 @@ def check_raw_size(dt: Datatype, shape: Sequence[int], size: int, what: str) -> 
     return count
 
 
+_COPY_BELOW = 4096
+"""Arrays smaller than this many bytes go raw as a copy: one call, where a view of the
+array takes four, and a copy this small costs less than they do."""
+
+
 def array_to_raw(array: np.ndarray[Any, Any], dt: Datatype) -> bytes | memoryview:
-    """The raw form of ``array``; a view (no copy) when it is already contiguous LE."""
+    """The raw form of ``array``; a view (no copy) when it is already contiguous LE, a
+    copy when it is small."""
     if dt.is_bytes:
         return serialize_bytes(array)
+    if array.nbytes < _COPY_BELOW and array.dtype == dt.dtype:
+        return array.tobytes()  # row-major whatever the array's strides
     return np.ascontiguousarray(array, dt.dtype).reshape(-1).view(np.uint8).data
 
 

@@ -124,7 +124,7 @@ def test_malformed_head_is_invalid_argument() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(
-    st.lists(st.tuples(names, st.integers(0, 5)), max_size=4),
+    st.lists(st.tuples(names, st.integers(0, 5) | st.just(2000)), max_size=4),
     names,
     st.booleans(),
 )
@@ -147,7 +147,8 @@ def test_reply_in_parts_is_protobufs_reply(
         parsed = pb.ModelInferResponse.FromString(reply.SerializeToString())
         assert parsed == encode_response(response)
     data_parts = [part for part in reply.parts if isinstance(part, memoryview)]
-    assert len(data_parts) == len(outputs)  # tensors are views, not copies
+    # Large tensors are views, not copies; small ones are copied (one call, not four).
+    assert len(data_parts) == sum(count == 2000 for _, count in outputs)
     # A stream's reply, the same in parts inside a ModelStreamInferResponse.
     streamed = pb.ModelStreamInferResponse.FromString(
         stream_reply(response_head(response), response.outputs).SerializeToString()

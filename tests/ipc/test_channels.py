@@ -24,6 +24,7 @@ from trioserve.ipc import (
     PendingCalls,
     Replies,
     TrioChannel,
+    _frames,
     channel_pair,
     encode_frames,
 )
@@ -42,7 +43,7 @@ MESSAGES = st.lists(
 @settings(max_examples=80, deadline=None)
 @given(MESSAGES, st.data())
 def test_frames_split_anywhere_read_the_same(messages: list[object], data: st.DataObject) -> None:
-    encoded, _ = encode_frames((m, ()) for m in messages)
+    encoded, _ = encode_frames([(m, ()) for m in messages])
     cuts = sorted(data.draw(st.lists(st.integers(0, len(encoded)), max_size=6)))
     reader = FrameReader()
     got: list[object] = []
@@ -56,6 +57,28 @@ def test_each_frame_gets_the_descriptors_its_header_names() -> None:
     assert fds == [10, 11, 12]
     frames = FrameReader().feed(encoded, fds)
     assert frames == [("a", [10, 11]), ("b", []), ("c", [12])]
+
+
+def test_messages_past_the_frame_bound_go_in_several_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages sent together are one frame, unless that frame would exceed the bound:
+    then halves, each a frame, read back in order with their descriptors."""
+    monkeypatch.setattr(_frames, "MAX_FRAME_BYTES", 300)
+    messages = [(f"m{i}", [20 + i] if i % 2 else []) for i in range(6)]
+    big = [("x" * 100 + str(i), fds) for i, (_, fds) in enumerate(messages)]
+    together, _ = encode_frames(messages)
+    apart, fds = encode_frames(big)
+    assert len(together) < 300 and fds == [21, 23, 25]
+    headers = []
+    offset = 0
+    while offset < len(apart):
+        length, count = _frames.HEADER.unpack_from(apart, offset)
+        assert length <= 300
+        headers.append(count)
+        offset += _frames.HEADER.size + length
+    assert len(headers) > 1 and sum(headers) == 3
+    assert FrameReader().feed(apart, fds) == [(m, list(f)) for m, f in big]
 
 
 def test_garbage_is_a_frame_error() -> None:

@@ -37,7 +37,7 @@ class Worker:
 
     async def send_together(self, *messages: tuple[Any, ...]) -> None:
         """``messages`` in one write: the core reads them all at once."""
-        data, _ = encode_frames((message, []) for message in messages)
+        data, _ = encode_frames([(message, []) for message in messages])
         assert await self.socket.send(data) == len(data)
 
     async def infer(self, call: int, value: float) -> None:

@@ -1,7 +1,9 @@
 """An answer's outputs over 64 KiB cross from the core to the worker in blocks of the
 core's arena; the worker gives each back once its response is encoded, so the core's
-memory follows the outputs in flight, not every output ever sent (real processes,
-tritonclient REST and gRPC)."""
+memory follows the outputs in flight, not every output ever sent. Inputs go the other
+way (a binary REST body is received straight into the worker's arena), and an output
+that is its input is read by the worker where it wrote it: the worker's memory follows
+the requests in flight too (real processes, tritonclient REST and gRPC)."""
 
 from __future__ import annotations
 
@@ -51,9 +53,12 @@ def test_the_cores_memory_follows_the_outputs_in_flight(served: Served, module: 
 
         for _ in range(8):  # the arena's first segments, the allocator's warm-up
             infer()
-        before = resident_bytes(served.process.pid)
+        processes = {"the core": served.process.pid}
+        processes.update({f"worker {pid}": pid for pid in served.worker_pids()})
+        before = {name: resident_bytes(pid) for name, pid in processes.items()}
         for _ in range(REQUESTS):
             infer()
-        grown = resident_bytes(served.process.pid) - before
+        grown = {name: resident_bytes(pid) - before[name] for name, pid in processes.items()}
     # Kept blocks would hold all 96 MiB; given back, a few blocks' worth at most.
-    assert grown < 32 * 1024 * 1024, f"the core grew by {grown / 2**20:.0f} MiB"
+    for name, size in grown.items():
+        assert size < 32 * 1024 * 1024, f"{name} grew by {size / 2**20:.0f} MiB"

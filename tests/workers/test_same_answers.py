@@ -195,6 +195,26 @@ def test_generate_stream_and_openai_streams(served: Served) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
 
 
+def test_large_json_bodies_on_other_endpoints(served: Served) -> None:
+    """A body over a frame's inline size reaches the core in the worker's shared memory:
+    every endpoint reads it there (JSON padded with blanks past 64 KiB)."""
+    padding = b" " * 70_000
+    index = httpx.post(
+        f"http://{served.url}/v2/repository/index",
+        content=b'{"ready": true}' + padding,
+        timeout=TIMEOUT,
+    )
+    assert index.status_code == 200, index.text
+    assert any(model["name"] == "simple" for model in index.json())
+    generated = httpx.post(
+        f"http://{served.url}/v2/models/tiny_lm/generate",
+        content=json.dumps({"text_input": "Hello", "max_tokens": 2}).encode() + padding,
+        timeout=TIMEOUT,
+    )
+    assert generated.status_code == 200, generated.text
+    assert "text_output" in generated.json()
+
+
 def test_a_sequence_goes_on_across_connections(served: Served) -> None:
     def step(value: int, **flags: Any) -> int:
         with httpclient.InferenceServerClient(served.url) as client:  # a new connection

@@ -1,14 +1,16 @@
 """Framed control messages over a local stream socket, descriptors riding with them.
 
-A frame is an 8-byte header (payload length, descriptor count) and a pickled payload.
+A frame is an 8-byte header (payload length, descriptor count) and a pickled payload:
+the messages sent together, and how many of the frame's descriptors each names.
 Messages carry control only: names, shapes, dtypes, ``Block`` places, errors. Tensor
 bytes live in an ``Arena`` and never pass through pickle. The descriptors a frame
 names travel in the ancillary data (``SCM_RIGHTS``) of the ``sendmsg`` that carries
 the frame's bytes, so by the time a frame is whole its descriptors have arrived, in
 order; the reader hands each frame the count its header says.
 
-Several frames sent at once are one ``sendmsg``: a sender that finds others waiting
-writes their frames together (``encode_frames``), a batch per system call.
+Messages sent at once are one frame and one ``sendmsg``: a sender that finds others
+waiting writes their messages together (``encode_frames``), one pickle call and one
+system call for the batch, and the reader one unpickling.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import pickle
 import socket
 import struct
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 HEADER = struct.Struct("<II")
@@ -36,16 +38,19 @@ class FrameError(ValueError):
 Outgoing = tuple[Any, Sequence[int]]  # a message and the descriptors it sends
 
 
-def encode_frames(frames: Iterable[Outgoing]) -> tuple[bytes, list[int]]:
-    """The bytes of ``frames`` one after another, and all their descriptors in order."""
-    parts: list[bytes] = []
-    fds: list[int] = []
-    for message, frame_fds in frames:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        parts.append(HEADER.pack(len(payload), len(frame_fds)))
-        parts.append(payload)
-        fds.extend(frame_fds)
-    return b"".join(parts), fds
+def encode_frames(frames: Sequence[Outgoing]) -> tuple[bytes, list[int]]:
+    """The bytes of one frame holding the messages ``frames`` names, in order, and all
+    their descriptors in order (several frames if one would exceed the bound)."""
+    fds = [fd for _, frame_fds in frames for fd in frame_fds]
+    payload = pickle.dumps(
+        ([message for message, _ in frames], [len(frame_fds) for _, frame_fds in frames]),
+        protocol=pickle.HIGHEST_PROTOCOL,
+    )
+    if len(payload) > MAX_FRAME_BYTES and len(frames) > 1:  # halves, each within it
+        half = len(frames) // 2
+        first, second = encode_frames(frames[:half]), encode_frames(frames[half:])
+        return first[0] + second[0], fds
+    return HEADER.pack(len(payload), len(fds)) + payload, fds
 
 
 def ancillary(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
@@ -87,10 +92,16 @@ class FrameReader:
             if fd_count > len(self._fds):
                 raise FrameError(f"a frame names {fd_count} descriptors; {len(self._fds)} came")
             try:
-                message = pickle.loads(memoryview(buffer)[start + HEADER.size : end])
+                messages, counts = pickle.loads(memoryview(buffer)[start + HEADER.size : end])
             except Exception as exc:
                 raise FrameError(f"a frame does not decode: {exc!r}") from None
-            frames.append((message, [self._fds.popleft() for _ in range(fd_count)]))
+            if sum(counts) != fd_count or len(counts) != len(messages):
+                raise FrameError("a frame's messages name other descriptors than its header")
+            if fd_count:
+                for message, count in zip(messages, counts, strict=True):
+                    frames.append((message, [self._fds.popleft() for _ in range(count)]))
+            else:
+                frames += [(message, []) for message in messages]
             start = end
         if start:
             del buffer[:start]

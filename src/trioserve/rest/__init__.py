@@ -9,12 +9,14 @@ the name.
 from typing import TYPE_CHECKING
 
 from ._app import Endpoint as Endpoint
+from ._app import ReceivesInto as ReceivesInto
 from ._app import Request as Request
 from ._app import Response as Response
 from ._app import RestApp
 from ._endpoints import build_app
 from ._endpoints import header_length as header_length
 from ._endpoints import infer_response as infer_response
+from ._endpoints import small_infer_response as small_infer_response
 from ._errors import HttpError as HttpError
 from ._http11 import HTTP_COUNTERS, HttpStatistics, serve_http11
 from ._infer_codec import decode_request as decode_request
@@ -30,6 +32,7 @@ __all__ = [
     "Endpoint",
     "HttpError",
     "HttpStatistics",
+    "ReceivesInto",
     "Request",
     "Response",
     "RestApp",
@@ -42,6 +45,7 @@ __all__ = [
     "serve_http11",
     "serve_hypercorn",
     "serve_metrics",
+    "small_infer_response",
 ]
 
 

@@ -16,6 +16,7 @@ import logging
 import zlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import trio
@@ -26,6 +27,7 @@ from ._asgi import (
     CANCEL_WITH,
     RECEIVE_WHOLE,
     CancelWith,
+    Message,
     Receive,
     Scope,
     Send,
@@ -46,7 +48,9 @@ class Request:
     path: str
     params: dict[str, str]
     headers: dict[bytes, bytes]
-    body: bytes | bytearray  # a bytearray: received whole in one buffer (RECEIVE_WHOLE)
+    # A bytearray or a memoryview: received whole in one buffer (RECEIVE_WHOLE; a
+    # ``ReceivesInto`` endpoint's), or read in place where a front-end worker wrote it.
+    body: bytes | bytearray | memoryview
     receive: Receive
     send: Send  # for endpoints that stream their response; they then return None
     cancel_with: CancelWith  # what to withdraw if the client leaves (``_asgi.CancelWith``)
@@ -65,6 +69,9 @@ class Response(NamedTuple):
     # Byte buffers (bytes, 1-D byte memoryviews of tensors) that follow ``body``, written
     # without being joined to it where the server offers BODY_PARTS.
     parts: tuple[bytes | memoryview, ...] = ()
+    # Called once the response is written, or could not be: lets go of what its parts
+    # view (a front-end worker's answer lies in the core's shared memory until then).
+    after_send: Callable[[], object] | None = None
 
     def joined(self) -> Response:
         """This response with its parts joined into its body: a copy the caller owns."""
@@ -82,6 +89,23 @@ class ReadsBody:
 
     def __init__(self, endpoint: Endpoint) -> None:
         self._endpoint = endpoint
+
+    async def __call__(self, request: Request) -> Response | None:
+        return await self._endpoint(request)
+
+
+class ReceivesInto:
+    """An endpoint whose body, where the server receives bodies whole
+    (``RECEIVE_WHOLE``), goes into the buffer ``into(headers, length)`` gives: a
+    writable byte buffer of exactly ``length`` bytes, or None for a new bytearray (a
+    front-end worker receives a binary request into its shared memory, so that the
+    tensors in it cross to the core without another copy)."""
+
+    def __init__(
+        self, endpoint: Endpoint, into: Callable[[dict[bytes, bytes], int], memoryview | None]
+    ) -> None:
+        self._endpoint = endpoint
+        self.into = into
 
     async def __call__(self, request: Request) -> Response | None:
         return await self._endpoint(request)
@@ -216,14 +240,18 @@ class RestApp:
         try:
             endpoint, params = self.router.resolve(scope["method"], scope["path"])
             pieces = None
-            body: bytes | bytearray = b""
+            body: bytes | bytearray | memoryview = b""
             if isinstance(endpoint, ReadsBody):
                 pieces = BodyPieces(receive, headers, self.max_body_bytes)
             else:
                 whole = extensions.get(RECEIVE_WHOLE)
-                body = await self._read_body(
-                    receive if whole is None else whole["receive"], headers
-                )
+                if whole is None:
+                    body = await self._read_body(receive, headers)
+                elif isinstance(endpoint, ReceivesInto):
+                    into = partial(endpoint.into, headers)
+                    body = await self._read_body(partial(whole["receive"], into), headers)
+                else:
+                    body = await self._read_body(whole["receive"], headers)
             cancel_with = extensions.get(CANCEL_WITH)
             request = Request(
                 scope["method"], scope["path"], params, headers, body, receive, send,
@@ -240,12 +268,18 @@ class RestApp:
             response = Response(exc.status, error_body(exc.message), headers=exc.headers)
         if response is None:
             return  # answered by the endpoint itself, or the client went away
-        await _send(send, response, headers, extensions)
+        try:
+            await _send(send, response, headers, extensions)
+        finally:
+            if response.after_send is not None:
+                response.after_send()
 
-    async def _read_body(self, receive: Receive, headers: dict[bytes, bytes]) -> bytes | bytearray:
+    async def _read_body(
+        self, receive: Callable[[], Awaitable[Message]], headers: dict[bytes, bytes]
+    ) -> bytes | bytearray | memoryview:
         # Not through BodyPieces: this is every request's path, and a call less per
         # request shows in its CPU time.
-        chunks: list[bytes | bytearray] = []
+        chunks: list[bytes | bytearray | memoryview] = []
         total = 0
         while True:
             message = await receive()
@@ -278,7 +312,7 @@ def _inflater(encoding: bytes) -> zlib._Decompress:
     raise InvalidArgumentError(f"unsupported Content-Encoding '{encoding.decode('latin-1')}'")
 
 
-def _decompress(body: bytes | bytearray, encoding: bytes, limit: int) -> bytes:
+def _decompress(body: bytes | bytearray | memoryview, encoding: bytes, limit: int) -> bytes:
     inflater = _inflater(encoding)
     try:
         data = inflater.decompress(body, limit + 1)

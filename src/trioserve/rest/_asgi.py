@@ -26,10 +26,15 @@ the end of each response. Servers without it give none; the app then learns the
 disconnect through ``receive()`` (``rest/_disconnects.py``)."""
 
 RECEIVE_WHOLE = "trioserve.receive_whole"
-"""A scope extension of our HTTP/1.1 core: ``{"receive": Receive}``, a ``receive`` that
-hands a Content-Length body not yet read over whole, in one ``bytearray`` allocated once
-at its length and filled from the socket in place (no pieces to join). For an app that
-holds the whole body anyway; other messages are ``receive()``'s."""
+"""A scope extension of our HTTP/1.1 core: ``{"receive": ReceiveWhole}``, a ``receive``
+that hands a Content-Length body not yet read over whole, in one buffer filled from the
+socket in place (no pieces to join): ``into(length)``'s, a writable byte buffer of
+exactly ``length`` bytes, where ``into`` is given and gives one, else a ``bytearray``
+allocated once at its length. For an app that holds the whole body anyway; other
+messages are ``receive()``'s."""
+
+BodyInto: TypeAlias = Callable[[int], memoryview | None]
+ReceiveWhole: TypeAlias = Callable[[BodyInto | None], Awaitable[Message]]
 
 BODY_PARTS = "trioserve.body_parts"
 """A scope extension of our HTTP/1.1 core (``{}``), and the type of the message it

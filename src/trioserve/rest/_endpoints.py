@@ -115,16 +115,26 @@ class _InferenceEndpoints:
             return None  # withdrawn because the client disconnected: nobody to answer
         inference, result = answered
         load_report = load_report_header(self.load, served, request.headers)
-        if sum([t.data.nbytes for t in result.outputs]) < OFF_LOOP_BYTES:  # no coroutine more
-            return _response(encode_response(result, inference), load_report)
-        return await infer_response(inference, result, load_report)
+        return small_infer_response(inference, result, load_report) or await infer_response(
+            inference, result, load_report
+        )
+
+
+def small_infer_response(
+    inference: InferenceRequest, result: InferenceResponse, load_report: Header | None
+) -> Response | None:
+    """An inference's HTTP response (JSON, or binary outputs after the JSON header) if
+    its outputs are small, as nearly all are: no coroutine for it; else None, and
+    ``infer_response`` encodes it in a worker thread."""
+    if sum([t.data.nbytes for t in result.outputs]) >= OFF_LOOP_BYTES:
+        return None
+    return _response(encode_response(result, inference), load_report)
 
 
 async def infer_response(
     inference: InferenceRequest, result: InferenceResponse, load_report: Header | None
 ) -> Response:
-    """An inference's HTTP response (JSON, or binary outputs after the JSON header),
-    encoded in a worker thread if its outputs are large."""
+    """An inference's HTTP response, encoded in a worker thread if its outputs are large."""
     if sum(t.data.nbytes for t in result.outputs) >= OFF_LOOP_BYTES:
         encoded = await trio.to_thread.run_sync(encode_response, result, inference)
     else:

@@ -179,7 +179,7 @@ async def collect_samples(
     return CollectedSamples(["".join(parts) for parts in texts], reasons, tokens, logprobs)
 
 
-def _parse(body: bytes | bytearray) -> dict[str, Any]:
+def _parse(body: bytes | bytearray | memoryview) -> dict[str, Any]:
     document = json_object(body)
     if TEXT_INPUT not in document:
         raise InvalidArgumentError(f"the request must carry '{TEXT_INPUT}'")

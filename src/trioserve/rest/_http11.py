@@ -49,7 +49,7 @@ from trio.lowlevel import checkpoint, notify_closing, wait_readable, wait_writab
 from .._admission import Accepted, Address, Departures
 from .._limits import HttpLimits
 from .._sockets import serve_tcp
-from ._asgi import BODY_PARTS, CANCEL_WITH, RECEIVE_WHOLE, ASGIApp, Message
+from ._asgi import BODY_PARTS, CANCEL_WITH, RECEIVE_WHOLE, ASGIApp, BodyInto, Message
 from ._errors import HttpError
 from ._http11_exchange import RECV_SIZE, Buffer, Exchange
 from ._http11_hangups import Hangups
@@ -392,11 +392,11 @@ class Connection:
         except OSError:
             return b""
 
-    def receive_whole(self) -> Awaitable[Message]:
+    def receive_whole(self, into: BodyInto | None = None) -> Awaitable[Message]:
         """The ``RECEIVE_WHOLE`` extension's ``receive``: the current request's."""
         if self.exchange is None:
             raise RuntimeError("receive_whole() outside a request")
-        return self.exchange.receive_whole()
+        return self.exchange.receive_whole(into)
 
     async def recv_body(self, max_bytes: int, deadline: float) -> bytes:
         """Body bytes (at most ``max_bytes``); ``b""`` at EOF, error or a stalled upload.
@@ -406,14 +406,17 @@ class Connection:
         """
         return await self._body_read(partial(self.sock.recv, max_bytes), deadline) or b""
 
-    async def recv_whole(self, length: int, deadline: float) -> tuple[bytearray, int]:
-        """The next ``length`` body bytes in one buffer allocated at that length: the
-        buffered ones copied in, the socket's received into it in place, no pieces to
-        join. A new buffer each time, as the app's views of one (input tensors) may
-        outlive the request. With how many arrived: all unless the client closed, failed
-        or stalled first (the rest was never written: it must not be read). HttpError 408
-        past ``deadline``."""
-        body: bytearray = _unset_bytearray(None, length)
+    async def recv_whole(
+        self, length: int, deadline: float, into: BodyInto | None = None
+    ) -> tuple[bytearray | memoryview, int]:
+        """The next ``length`` body bytes in one buffer: ``into(length)``'s if it gives
+        one, else a bytearray allocated at that length; the buffered ones copied in, the
+        socket's received into it in place, no pieces to join. A new buffer each time,
+        as the app's views of one (input tensors) may outlive the request. With how many
+        arrived: all unless the client closed, failed or stalled first (the rest was
+        never written: it must not be read). HttpError 408 past ``deadline``."""
+        given = None if into is None else into(length)
+        body: bytearray | memoryview = _unset_bytearray(None, length) if given is None else given
         with memoryview(body) as view:  # released: the app may resize its bytearray
             filled = len(self.buf) - self.pos
             view[:filled] = memoryview(self.buf)[self.pos :]

@@ -28,7 +28,7 @@ import trio
 from trio.lowlevel import checkpoint, wait_readable
 
 from .._limits import HttpLimits
-from ._asgi import BODY_PARTS, ASGIApp, Message
+from ._asgi import BODY_PARTS, ASGIApp, BodyInto, Message
 from ._errors import HttpError
 from ._http11_parser import (
     CLOSE,
@@ -100,7 +100,9 @@ class Connection(Protocol):
 
     async def recv_body(self, max_bytes: int, deadline: float) -> bytes: ...
 
-    async def recv_whole(self, length: int, deadline: float) -> tuple[bytearray, int]: ...
+    async def recv_whole(
+        self, length: int, deadline: float, into: BodyInto | None = None
+    ) -> tuple[bytearray | memoryview, int]: ...
 
     async def write(self, data: bytes) -> bool: ...
 
@@ -136,6 +138,7 @@ class Exchange:
         "status",
         "waiter",
         "whole",
+        "whole_into",
     )
 
     # Set by http.response.start; read only after it.
@@ -163,6 +166,7 @@ class Exchange:
         self.waiter: trio.CancelScope | None = None
         self.body_deadline = math.inf  # set when the body is first waited for
         self.whole = False  # receive a Content-Length body into one buffer (receive_whole)
+        self.whole_into: BodyInto | None = None  # that buffer's maker, if not a bytearray
 
     async def run(self, app: ASGIApp) -> bool:
         """Run the app for this request; True if the connection can carry another one."""
@@ -248,13 +252,14 @@ class Exchange:
             return {"type": "http.request", "body": body, "more_body": False}
         return {"type": "http.request", "body": body, "more_body": True}
 
-    async def receive_whole(self) -> Message:
+    async def receive_whole(self, into: BodyInto | None = None) -> Message:
         """``receive()``, but a Content-Length body not read yet comes whole, in one
-        ``bytearray`` (``RECEIVE_WHOLE``)."""
+        buffer: ``into``'s, or a ``bytearray`` (``RECEIVE_WHOLE``)."""
         self.whole = True
+        self.whole_into = into
         return await self.receive()
 
-    async def _next_body(self) -> bytes | bytearray:
+    async def _next_body(self) -> bytes | bytearray | memoryview:
         """The next piece of the body.
 
         HttpError 400 if the client ended its side of the connection before the end of
@@ -304,10 +309,12 @@ class Exchange:
             conn.buf = buf[conn.pos :] + data if conn.pos < len(buf) else data
             conn.pos = 0
 
-    async def _read_whole(self) -> bytearray:
+    async def _read_whole(self) -> bytearray | memoryview:
         """The rest of a Content-Length body in one buffer (``recv_whole``); HttpError 400
         if the client stops before filling it, so nobody reads its unfilled end."""
-        body, filled = await self.conn.recv_whole(self.body_left, self._body_deadline())
+        body, filled = await self.conn.recv_whole(
+            self.body_left, self._body_deadline(), self.whole_into
+        )
         self.body_left -= filled
         if self.body_left:
             raise self._cut_short()

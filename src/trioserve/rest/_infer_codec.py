@@ -49,7 +49,7 @@ _JSON_KEYS = frozenset({"id", "parameters", "inputs", "outputs", "model_name", "
 
 
 def decode_request(
-    body: bytes | bytearray,
+    body: bytes | bytearray | memoryview,
     header_length: int | None,
     model: Model,
     model_name: str,

@@ -40,9 +40,12 @@ _yielding_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(  # typ
 ).scan_once
 
 
-def json_object(text: bytes | bytearray | str) -> dict[str, Any]:
-    """The JSON object ``text`` holds; anything else is INVALID_ARG."""
+def json_object(text: bytes | bytearray | memoryview | str) -> dict[str, Any]:
+    """The JSON object ``text`` holds; anything else is INVALID_ARG. (A memoryview: a
+    body read in place where a front-end worker wrote it.)"""
     try:
+        if isinstance(text, memoryview):
+            text = bytes(text)
         if not isinstance(text, str):
             text = text.decode(json.detect_encoding(text), "surrogatepass")
         start = _WHITESPACE.match(text).end() if text[:1] in _SPACE else 0  # type: ignore[union-attr]
@@ -64,3 +67,8 @@ def json_object(text: bytes | bytearray | str) -> dict[str, Any]:
     if not isinstance(document, dict):
         raise InvalidArgumentError("the request must be a JSON object")
     return document
+
+
+def json_object_or_empty(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """``json_object`` of a body that may be left empty (or blank): then ``{}``."""
+    return json_object(body) if bytes(body).strip() else {}

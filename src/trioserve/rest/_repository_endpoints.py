@@ -21,7 +21,7 @@ from .._limits import OFF_LOOP_BYTES
 from .._restricted import Restriction
 from .._served import ModelRepository, RepositoryControl
 from ._app import BodyPieces, Endpoint, ReadsBody, Request, Response
-from ._json_body import COMPACT, json_object
+from ._json_body import COMPACT, json_object_or_empty
 from ._load_body import LoadBody
 from ._router import Router
 from ._shm_endpoints import _restricted
@@ -40,7 +40,7 @@ class _RepositoryEndpoints:
         return self.repository.control
 
     async def index(self, request: Request) -> Response:
-        ready = _body(request.body).get("ready", False)
+        ready = json_object_or_empty(request.body).get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgumentError("'ready' must be a boolean")
         return Response(200, COMPACT.encode(self._control().index(ready)).encode())
@@ -73,12 +73,8 @@ class _RepositoryEndpoints:
         return _DONE
 
 
-def _body(body: bytes | bytearray) -> dict[str, Any]:
-    return json_object(body) if body.strip() else {}
-
-
-def _parameters(body: bytes | bytearray) -> dict[str, Any]:
-    parameters = _body(body).get("parameters", {})
+def _parameters(body: bytes | bytearray | memoryview) -> dict[str, Any]:
+    parameters = json_object_or_empty(body).get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgumentError("'parameters' must be a JSON object")
     return parameters

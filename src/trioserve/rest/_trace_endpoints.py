@@ -20,7 +20,7 @@ from .._restricted import Restriction
 from .._served import ModelRepository
 from ..tracing import TraceControl
 from ._app import Endpoint, Request, Response
-from ._json_body import json_object
+from ._json_body import json_object, json_object_or_empty
 from ._router import Router
 from ._shm_endpoints import _json, _restricted
 
@@ -41,7 +41,7 @@ class _TraceEndpoints:
 
     async def update(self, request: Request) -> Response:
         model = self._model(request)
-        body = json_object(request.body) if request.body.strip() else {}
+        body = json_object_or_empty(request.body)
         changes = {key: _values(key, value) for key, value in body.items()}
         return _json(self.tracing.update(model, changes))
 

@@ -11,16 +11,20 @@ from typing import Any
 import trio
 
 from ..ipc import Block, Pending, Replies, SegmentMap, TrioChannel
+from ._input_blocks import InputBlocks
 from ._wire import (
     ANSWER,
     CANCEL,
     COUNTERS,
     DRAIN,
     FREE,
+    INLINE_BYTES,
     OUTCOME,
     PULL,
     Outbound,
+    OutputPayload,
     Payload,
+    Returned,
     new_arena,
     read,
     unwrap,
@@ -43,6 +47,7 @@ class CoreClient:
         arena_max_bytes: int,
     ) -> None:
         self.out = Outbound(channel, new_arena(arena_max_bytes))
+        self.inputs = InputBlocks(self.out.arena)  # bodies received into it, inputs read
         self.peer = SegmentMap()
         self.replies: Replies[Answer] = Replies()
         self.drain = trio.Event()  # the core asks this worker to drain and exit
@@ -65,6 +70,8 @@ class CoreClient:
     def _dispatch(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == ANSWER:
+            for block in message[2] if len(message) > 2 else ():
+                self.inputs.read_by_answer(block)  # before a FREE of it can come
             for call, item, last in message[1]:
                 if call < 0:
                     pending = self._pending.pop(call, None)
@@ -76,7 +83,7 @@ class CoreClient:
                     self.release(item)
         elif kind == FREE:
             for block in message[1]:
-                self.out.arena.free(block)
+                self.inputs.free(block)
         elif kind == PULL:
             self._send_soon((COUNTERS, message[1], self._counters()))
         elif kind == DRAIN:
@@ -117,8 +124,27 @@ class CoreClient:
             self.release(item)
         self._send_soon((CANCEL, call))
 
-    def take(self, payload: Payload) -> bytes | memoryview:
-        """A payload's bytes; a block's stay valid until ``free(payload)``."""
+    def pack_inputs(self, datas: list[bytes | memoryview]) -> list[Payload]:
+        """An inference's inputs as they travel: a large one that lies in a body
+        received into the arena as the part of it that it is, the others packed (all,
+        or none: parts let go of again)."""
+        parts = [self.inputs.part(data) if len(data) >= INLINE_BYTES else None for data in datas]
+        if not any(parts):
+            return self.out.pack_all(datas)
+        try:
+            return self.out.pack_all(datas, parts)
+        except BaseException:
+            for part in parts:
+                if part is not None:
+                    self.inputs.free(part)
+            raise
+
+    def take(self, payload: OutputPayload) -> bytes | memoryview:
+        """A payload's bytes; a block's stay valid until ``free(payload)``, an input's
+        that an output lies in (``Returned``) until the answer is released."""
+        if isinstance(payload, Returned):
+            block = payload.block
+            return self.out.arena.view(block)[payload.offset : payload.offset + payload.size]
         return read(payload, self.peer)
 
     def free(self, payload: Payload) -> None:
@@ -139,6 +165,8 @@ class CoreClient:
         for payload in payloads:
             if type(payload) is Block:  # small payloads ride in the frame
                 self.free(payload)
+            elif type(payload) is Returned:
+                self.inputs.answer_done(payload.block)
 
     async def _send_frees(self) -> None:
         blocks, self._frees = self._frees, []

@@ -22,13 +22,25 @@ from .._context import ServerContext
 from .._errors import ErrorKind, InferenceServerError
 from .._pipeline import Submitted
 from .._served import ServedModel
-from .._tensor import array_from_raw, array_to_raw, datatype
+from .._tensor import DATATYPES, array_from_own_raw, array_to_raw
 from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
 from ..grpc import add_load_report
 from ..ipc import Block, LinkClosed, SegmentMap
 from ..metrics import FORMAT_HEADER
 from ..rest import load_report_header
-from ._wire import ANSWER, FREE, OUTCOME, Outbound, Payload, read
+from ._wire import (
+    ANSWER,
+    FREE,
+    INLINE_BYTES,
+    OUTCOME,
+    Outbound,
+    OutputPayload,
+    Payload,
+    Returned,
+    address_of,
+    lies_in,
+    read,
+)
 
 logger = logging.getLogger("trioserve.workers")
 
@@ -45,7 +57,8 @@ class LinkInferences:
         self._inferences: dict[int, _Inference] = {}  # each INFER in flight
         self._finished: list[_Inference] = []  # for ``run``'s next turn
         self._outcomes: list[tuple[int, tuple[Any, ...], bool]] = []  # its next ANSWER's
-        self._outcome_blocks: list[Payload] = []
+        self._outcome_blocks: list[OutputPayload] = []
+        self._returned: list[Block] = []  # the inputs its outcomes' outputs lie in
         self._read: list[Block] = []  # input blocks done with, for its next FREE
         self._answerer: trio.lowlevel.Task | None = None  # while it waits for work
         self._off_loop: trio.Nursery | None = None  # answers written off the loop
@@ -81,7 +94,7 @@ class LinkInferences:
 
         def decode(regions: object) -> InferenceRequest:
             return InferenceRequest(
-                model, version, self._input_tensors(inputs, inference.kept),
+                model, version, self._input_tensors(inference),
                 [RequestedOutput(name, params) for name, params in outputs],
                 request_id, parameters,
             )  # fmt: skip
@@ -133,9 +146,12 @@ class LinkInferences:
         freed, self._read = self._read, []
         outcomes, self._outcomes = self._outcomes, []
         blocks, self._outcome_blocks = self._outcome_blocks, []
+        returned, self._returned = self._returned, []
         if freed:
             await self._out.send((FREE, freed))
-        if outcomes:
+        if returned:  # the worker keeps them for the answers, whenever they are freed
+            await self._out.send((ANSWER, outcomes, returned), *blocks)
+        elif outcomes:
             await self._out.send((ANSWER, outcomes), *blocks)
 
     def _answer_finished(self) -> None:
@@ -184,8 +200,12 @@ class LinkInferences:
         arena) leaves no block behind that no OUTCOME names."""
         report = _load_report(self._context, inference.served, inference.report)
         outputs = response.outputs
-        payloads = self._out.pack_all([array_to_raw(t.data, t.datatype) for t in outputs])
+        raws = [array_to_raw(t.data, t.datatype) for t in outputs]
+        returned = _returned(raws, inference.kept) if inference.kept else None
+        payloads = self._out.pack_all(raws, returned)
         self._outcome_blocks.extend(payloads)
+        if returned is not None:
+            self._returned += [part.block for part in returned if part is not None]
         tensors = [
             (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
             for tensor, payload in zip(outputs, payloads, strict=True)
@@ -214,21 +234,22 @@ class LinkInferences:
         self._inferences.clear()
         self._finished.clear()
 
-    def _input_tensors(self, inputs: list[Tensor], kept: list[Block]) -> dict[str, InputTensor]:
+    def _input_tensors(self, inference: _Inference) -> dict[str, InputTensor]:
         """The inputs as the model sees them: a large one reads the worker's block in
         place, which is freed once no array reads it (``kept``), however long the model
         keeps it: a model may keep an input beyond its request, as in one process."""
         tensors = {}
-        for name, type_name, shape, payload, params in inputs:
-            dt = datatype(type_name)
-            data = array_from_raw(dt, shape, read(payload, self._peer), f"input '{name}'")
-            if isinstance(payload, Block):
+        for name, type_name, shape, payload, params in inference.inputs:
+            dt = DATATYPES[type_name]  # the worker's name for it
+            raw = read(payload, self._peer)
+            data = array_from_own_raw(dt, shape, raw)
+            if type(payload) is Block:
                 root = data  # the array every view of the block leads back to
                 while isinstance(root.base, np.ndarray):
                     root = root.base
                 if isinstance(root.base, memoryview):  # not a copy (BYTES are decoded)
                     weakref.finalize(root, self._let_go, payload).atexit = False
-                    kept.append(payload)
+                    inference.kept[payload] = address_of(raw)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors
 
@@ -268,11 +289,25 @@ class _Inference:
         self.model = model
         self.version = version
         self.inputs = inputs
-        self.kept: list[Block] = []  # input blocks freed once the model lets go of them
+        # Input blocks freed once the model lets go of them, with where they start here.
+        self.kept: dict[Block, int] = {}
         self.report = report
 
     def finished(self) -> None:
         self.inferences._finished_inference(self)
+
+
+def _returned(
+    raws: list[bytes | memoryview], kept: dict[Block, int]
+) -> list[Returned | None] | None:
+    """Where a large output lies in one of its inference's input blocks (a model that
+    answers with its input, or a slice of it), the part of it that it is: not copied
+    into the core's arena, the worker reads it where it wrote it. None if none does."""
+    parts: list[Returned | None] = []
+    for raw in raws:
+        found = lies_in(raw, kept) if len(raw) >= INLINE_BYTES else None
+        parts.append(None if found is None else Returned(found[0], found[1], len(raw)))
+    return parts if any(parts) else None
 
 
 def _error(exc: Exception) -> tuple[str, str]:

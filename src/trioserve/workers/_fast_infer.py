@@ -15,6 +15,7 @@ body (its meaning depends on the model).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, cast
 
 import trio
@@ -22,20 +23,28 @@ import trio
 from .._errors import ErrorKind, InferenceServerError
 from .._limits import OFF_LOOP_BYTES
 from .._model import Model
-from .._tensor import DATATYPES, array_from_raw, array_to_raw
+from .._tensor import DATATYPES, array_from_own_raw, array_to_raw
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
 from ..grpc import Call, ClientGone, InferPlans, ReplyHeads, WireReply, WireRequest, parse_message
 from ..ipc import Pending
 from ..metrics import FORMAT_HEADER
-from ..rest import Request, Response, decode_request, header_length, infer_response
+from ..rest import (
+    Request,
+    Response,
+    decode_request,
+    header_length,
+    infer_response,
+    small_infer_response,
+)
 from ._client import WITHDRAWN, Answer, CoreClient
 from ._forward import RestForwarder, Withdraw, forward_unary
-from ._wire import INFER
+from ._wire import INFER, INLINE_BYTES
 
 _SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
 _NO_MODEL = cast(Model, None)  # decode_request reads the model only for a raw body
 _GRPC_FORMAT = FORMAT_HEADER.decode()
-_TRACE_HEADERS = ("traceparent", "tracestate", b"traceparent", b"tracestate")
+_HTTP_TRACE = (b"traceparent", b"tracestate")  # W3C trace context: HTTP's header names
+_GRPC_TRACE = ("traceparent", "tracestate")  # gRPC's metadata keys
 
 
 class InferForwarder:
@@ -47,10 +56,20 @@ class InferForwarder:
         self._plans = InferPlans()
         self._reply_heads = ReplyHeads()
 
+    def body_buffer(self, headers: dict[bytes, bytes], length: int) -> memoryview | None:
+        """Where a REST request's body is received (``rest.ReceivesInto``): a large
+        binary one into this worker's arena, so that its tensors cross to the core
+        without another copy; others into a bytearray (None)."""
+        if length < INLINE_BYTES or b"inference-header-content-length" not in headers:
+            return None
+        return self._client.inputs.buffer(length)
+
     async def rest(self, request: Request) -> Response | None:
         body = request.body
         length = header_length(request.headers)
         head = body if length is None else body[:length]
+        if isinstance(head, memoryview):  # a body received into the arena: no ``in``
+            head = bytes(head)
         if length == 0 or _SHARED_MEMORY in head:
             await self._generic(request)  # answers the client itself
             return None
@@ -63,7 +82,9 @@ class InferForwarder:
             inference = decode_request(body, length, _NO_MODEL, name, version)
         report = request.headers.get(FORMAT_HEADER)
         wanted = None if report is None else ("http", report)
-        pending = await self._send(inference, "HTTP end point", wanted, request.headers)
+        pending = await self._send(
+            inference, "HTTP end point", wanted, _trace_context(request.headers, _HTTP_TRACE)
+        )
         handle = Withdraw(self._client, pending)
         request.cancel_with(handle.withdraw)
         try:
@@ -74,11 +95,18 @@ class InferForwarder:
             return None  # withdrawn: the client left
         try:
             result = self._response(outcome)
-            # Joined: the parts would be views of the blocks released below, before the
-            # response is sent.
-            return (await infer_response(inference, result, outcome[7])).joined()
-        finally:
+            response = small_infer_response(inference, result, outcome[7])
+            if response is None:
+                response = await infer_response(inference, result, outcome[7])
+        except BaseException:
             self._client.release(outcome)
+            raise
+        if not response.parts:  # the outputs were copied into the body, if not encoded
+            self._client.release(outcome)
+            return response
+        # Its parts view the outputs in the core's blocks: sent from there, not copied,
+        # and the blocks released once it is written.
+        return response._replace(after_send=partial(self._client.release, outcome))
 
     async def grpc(self, path: str, data: bytes, call: Call) -> Any:
         wire = parse_message(WireRequest, data)
@@ -88,7 +116,9 @@ class InferForwarder:
         inference = plan.decode(wire.raw, None)  # type: ignore[arg-type]
         report = call.metadata.get(_GRPC_FORMAT)
         wanted = None if report is None else ("grpc", report)
-        pending = await self._send(inference, "ModelInfer RPC", wanted, call.metadata)
+        pending = await self._send(
+            inference, "ModelInfer RPC", wanted, _trace_context(call.metadata, _GRPC_TRACE)
+        )
         call.cancel_with(Withdraw(self._client, pending).withdraw)
         outcome = await self._outcome(pending)
         if outcome is None:
@@ -109,11 +139,11 @@ class InferForwarder:
         inference: InferenceRequest,
         endpoint: str,
         report: tuple[str, Any] | None,
-        headers: Mapping[Any, Any],
+        trace_context: dict[Any, Any] | None,
     ) -> Pending[Answer]:
         client = self._client
         tensors = inference.inputs.values()
-        payloads = client.out.pack_all([array_to_raw(t.data, t.datatype) for t in tensors])
+        payloads = client.pack_inputs([array_to_raw(t.data, t.datatype) for t in tensors])
         inputs = [
             (tensor.name, tensor.datatype.name, tensor.shape, payload, dict(tensor.parameters))
             for tensor, payload in zip(tensors, payloads, strict=True)
@@ -122,7 +152,7 @@ class InferForwarder:
         outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
         message = (
             INFER, pending.call, endpoint, inference.model_name, inference.model_version, inference.id,
-            dict(inference.parameters), inputs, outputs, report, _trace_context(headers),
+            dict(inference.parameters), inputs, outputs, report, trace_context,
         )  # fmt: skip
         await client.out.send(message, *payloads)
         return pending
@@ -146,16 +176,16 @@ class InferForwarder:
         outputs = []
         for name, type_name, shape, payload, params in tensors:
             dt = DATATYPES[type_name]  # the core's name for it
-            data = array_from_raw(dt, shape, self._client.take(payload), f"output '{name}'")
+            data = array_from_own_raw(dt, shape, self._client.take(payload))
             outputs.append(OutputTensor(name, dt, data, params))
         return InferenceResponse(model, version, outputs, request_id, parameters)
 
 
-def _trace_context(headers: Mapping[Any, Any]) -> dict[Any, Any] | None:
-    """A client's W3C trace context among its headers (HTTP: bytes; gRPC: str), for the
-    core's tracing; None (nearly always) when there is none."""
+def _trace_context(headers: Mapping[Any, Any], names: tuple[Any, ...]) -> dict[Any, Any] | None:
+    """A client's W3C trace context among its headers (``names``: HTTP's or gRPC's), for
+    the core's tracing; None (nearly always) when there is none."""
     carried = {}
-    for name in _TRACE_HEADERS:
+    for name in names:
         value = headers.get(name)
         if value is not None:
             carried[name] = value

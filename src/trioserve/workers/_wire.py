@@ -18,8 +18,10 @@ worker -> core:
     (READY,)                                             listening, after CONFIG
 core -> worker:
     (CONFIG, settings)                                   first, with the listening sockets
-    (ANSWER, [(call, item, last), ...])                  answers to calls (see below),
-                                                         those of one turn together
+    (ANSWER, [(call, item, last), ...][, returned])      answers to calls (see below),
+                                                         those of one turn together;
+                                                         ``returned``: the input blocks
+                                                         their outputs lie in
     (FREE, blocks)                                       the worker's blocks, done with
     (PULL, pull)                                         a scrape wants the counters
     (DRAIN,)                                             stop accepting, finish, exit
@@ -37,14 +39,20 @@ Bodies and messages (``Payload``) below ``INLINE_BYTES`` travel inside the frame
 larger ones are written once into the sender's ``Arena`` and travel as a ``Block``,
 read in place by the peer, which sends the block back in a FREE once it is done. A
 frame that uses a segment the peer has not seen yet is wrapped in
-``(SEGMENTS, [(segment, size)...], frame)`` carrying the segments' descriptors.
+``(SEGMENTS, [(segment, size)...], frame)`` carrying the segments' descriptors. An
+output that lies in one of its inference's input blocks (a model that answers with its
+input, or a slice of it) goes back as ``Returned``, the part of that block it is: the
+worker reads it in its own arena, and keeps the block until its answer is sent even
+if the core frees it first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
 
 from .._errors import UnavailableError
 from .._limits import GrpcLimits, HttpLimits
@@ -58,7 +66,37 @@ INLINE_BYTES = 64 * 1024  # below this a copy into the frame costs less than a b
 _ARENA_BYTES = 64 * 1024 * 1024  # the first segment of each side's arena
 _ARENA_GROWTH = 64 * 1024 * 1024
 
+
+class Returned(NamedTuple):
+    """An output that is ``size`` bytes of an input's ``block`` (the worker's), from its
+    byte ``offset``."""
+
+    block: Block
+    offset: int
+    size: int
+
+
 Payload = bytes | Block
+OutputPayload = Payload | Returned  # an OUTCOME's output
+_Placed = TypeVar("_Placed")
+
+
+def address_of(data: bytes | bytearray | memoryview) -> int:
+    """Where ``data``'s bytes start in this process's memory."""
+    return int(np.frombuffer(data, np.uint8).__array_interface__["data"][0])
+
+
+def lies_in(
+    data: bytes | bytearray | memoryview, blocks: Mapping[Block, int]
+) -> tuple[Block, int] | None:
+    """The block of ``blocks`` (each with the address its bytes start at here) that
+    ``data`` lies within, and from which of its bytes; None if none."""
+    start = address_of(data)
+    for block, block_start in blocks.items():
+        offset = start - block_start
+        if offset >= 0 and offset + len(data) <= block.size:
+            return block, offset
+    return None
 
 
 def new_arena(max_bytes: int | None = None) -> Arena:
@@ -84,15 +122,21 @@ class Outbound:
         self.arena.view(block)[:] = memoryview(data).cast("B")
         return block
 
-    def pack_all(self, datas: Sequence[bytes | bytearray | memoryview]) -> list[Payload]:
-        """Several payloads of one message: all packed, or none (blocks given back)."""
-        payloads: list[Payload] = []
+    def pack_all(
+        self,
+        datas: Sequence[bytes | bytearray | memoryview],
+        placed: Sequence[_Placed | None] | None = None,
+    ) -> list[Payload | _Placed]:
+        """Several payloads of one message: all packed, or none (blocks given back);
+        where ``placed`` has one for a data already, that one (the caller's to undo)."""
+        payloads: list[Payload | _Placed] = []
         try:
-            for data in datas:
-                payloads.append(self.pack(data))
+            for index, data in enumerate(datas):
+                found = None if placed is None else placed[index]
+                payloads.append(self.pack(data) if found is None else found)
         except UnavailableError:
-            for payload in payloads:
-                if isinstance(payload, Block):
+            for index, payload in enumerate(payloads):
+                if type(payload) is Block and (placed is None or placed[index] is None):
                     self.arena.free(payload)
             raise
         return payloads
@@ -140,7 +184,7 @@ def unwrap(message: tuple[Any, ...], fds: list[int], peer: SegmentMap) -> tuple[
     return inner  # type: ignore[no-any-return]
 
 
-def read(payload: Payload, peer: SegmentMap) -> bytes | memoryview:
+def read(payload: bytes | Block, peer: SegmentMap) -> bytes | memoryview:
     """A payload's bytes: the frame's own, or a view of the peer's block (no copy)."""
     return payload if isinstance(payload, bytes) else peer.view(payload)
 

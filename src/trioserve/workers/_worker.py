@@ -22,7 +22,7 @@ import trio
 
 from ..grpc import CoreStatistics, UnaryMethod, serve_methods, tls_context, with_reflection
 from ..ipc import LinkClosed, TrioChannel
-from ..rest import HttpStatistics, RestApp, serve_http11
+from ..rest import HttpStatistics, ReceivesInto, RestApp, serve_http11
 from ._client import CoreClient
 from ._fast_infer import InferForwarder
 from ._forward import ForwardAll, Raw, RestForwarder, forwarding_methods
@@ -69,7 +69,7 @@ async def serve_worker(channel: TrioChannel) -> None:
         infer = InferForwarder(client, generic)
         router = ForwardAll(generic)
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            router.add("POST", f"{base}/infer", infer.rest)
+            router.add("POST", f"{base}/infer", ReceivesInto(infer.rest, infer.body_buffer))
         async with trio.open_nursery() as front_ends:
             if http_listeners:
                 limits = settings.http_limits

@@ -1,0 +1,251 @@
+"""A worker's input blocks: binary bodies received into its arena, the parts of them the
+core reads in place, and inputs that answers read where the worker wrote them; each
+freed once its last holder is done, in whichever order they finish (a real arena), and
+through a real server, outputs that are an input, a slice of one, or new."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+
+from trioserve.ipc import Arena
+from trioserve.workers._input_blocks import InputBlocks
+
+from ._served import TIMEOUT, Served
+
+MiB = 1024 * 1024
+
+
+async def settle() -> None:
+    """Let the event loop run what a collected body scheduled (its block let go of)."""
+    gc.collect()
+    await trio.testing.wait_all_tasks_blocked()
+
+
+@pytest.fixture
+def arena() -> Arena:
+    return Arena(4 * MiB, 4 * MiB)
+
+
+@pytest.fixture
+async def blocks(arena: Arena) -> InputBlocks:
+    return InputBlocks(arena)  # in the event loop: it lets go of bodies through it
+
+
+def body(blocks: InputBlocks) -> memoryview:
+    view = blocks.buffer(MiB)
+    assert view is not None and len(view) == MiB and not view.readonly
+    return view
+
+
+async def test_a_body_is_freed_once_the_request_and_every_part_are_done(
+    arena: Arena, blocks: InputBlocks
+) -> None:
+    view = body(blocks)
+    view[:] = bytes(range(256)) * 4096
+    first, second = view[100 : 100 + 65536], view[200_000:300_000]
+    part, other = blocks.part(first), blocks.part(second)
+    assert part is not None and other is not None
+    assert bytes(arena.view(part)) == bytes(first)  # the core reads these very bytes
+    assert part.size == 65536 and other.size == 100_000
+    del first, second, view  # the request is done with its body
+    await settle()
+    assert arena.in_use() >= MiB  # the core still reads two parts
+    blocks.free(part)
+    assert arena.in_use() >= MiB
+    blocks.free(other)
+    assert arena.in_use() == 0
+
+
+async def test_parts_freed_before_the_request_is_done(arena: Arena, blocks: InputBlocks) -> None:
+    view = body(blocks)
+    part = blocks.part(view[:100_000])
+    assert part is not None
+    blocks.free(part)
+    assert arena.in_use() >= MiB  # the request still holds its body
+    del view
+    await settle()
+    assert arena.in_use() == 0
+
+
+async def test_data_outside_every_body_is_no_part(blocks: InputBlocks) -> None:
+    assert blocks.part(bytes(100_000)) is None  # no body at all
+    view = body(blocks)
+    assert blocks.part(bytearray(100_000)) is None
+    assert blocks.part(view[MiB - 10 :]) is not None  # the very end is inside
+
+
+async def test_a_full_arena_gives_no_buffer() -> None:
+    assert InputBlocks(Arena(MiB, MiB, max_bytes=MiB)).buffer(2 * MiB) is None
+
+
+@pytest.mark.parametrize("core_frees_first", [True, False])
+async def test_an_input_an_answer_reads_outlives_the_cores_free(
+    arena: Arena, blocks: InputBlocks, core_frees_first: bool
+) -> None:
+    block = arena.write(b"x" * 100_000)  # an input the worker packed
+    blocks.read_by_answer(block)
+    blocks.read_by_answer(block)  # two outputs are that input
+    if core_frees_first:
+        blocks.free(block)
+        blocks.answer_done(block)
+        assert arena.in_use() > 0  # one answer still reads it
+        blocks.answer_done(block)
+    else:
+        blocks.answer_done(block)
+        blocks.answer_done(block)
+        assert arena.in_use() > 0  # the core still reads it
+        blocks.free(block)
+    assert arena.in_use() == 0
+
+
+async def test_a_body_part_an_answer_reads_outlives_its_free(
+    arena: Arena, blocks: InputBlocks
+) -> None:
+    view = body(blocks)
+    part = blocks.part(view[1000:200_000])
+    assert part is not None
+    del view
+    await settle()
+    blocks.read_by_answer(part)
+    blocks.free(part)  # the core is done with it; the answer is not
+    assert arena.in_use() >= MiB
+    blocks.answer_done(part)
+    assert arena.in_use() == 0
+
+
+# Answers with its input, a slice of it that starts 4 bytes in (not aligned as the
+# block is), and a new array: the first two are read by the worker where it wrote them.
+VIEWS = """
+import numpy as np
+import trioserve
+
+class Views(trioserve.Model):
+    def execute(self, requests):
+        results = []
+        for request in requests:
+            data = request.inputs["INPUT"].data
+            results.append({"SAME": data, "TAIL": data[:, 1:], "DOUBLE": data * 2})
+        return results
+
+model = Views(
+    name="views",
+    inputs=[trioserve.TensorSpec("INPUT", "FP32", [-1])],
+    outputs=[
+        trioserve.TensorSpec("SAME", "FP32", [-1]),
+        trioserve.TensorSpec("TAIL", "FP32", [-1]),
+        trioserve.TensorSpec("DOUBLE", "FP32", [-1]),
+    ],
+    max_batch_size=4,
+)
+"""
+
+
+# Two inputs, for a request that sends one in system shared memory, one in its body.
+SUM = """
+import trioserve
+
+class Sum(trioserve.Model):
+    def execute(self, requests):
+        return [{"SUM": r.inputs["A"].data + r.inputs["B"].data} for r in requests]
+
+model = Sum(
+    name="sum",
+    inputs=[trioserve.TensorSpec("A", "FP32", [-1]), trioserve.TensorSpec("B", "FP32", [-1])],
+    outputs=[trioserve.TensorSpec("SUM", "FP32", [-1])],
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("repository")
+    for name, code in (("views", VIEWS), ("sum", SUM)):
+        (root / name).mkdir()
+        (root / name / "model.py").write_text(textwrap.dedent(code))
+    server = Served("--model-repository", str(root), workers=1)
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize(
+    ("module", "binary"), [(httpclient, True), (httpclient, False), (grpcclient, False)]
+)
+def test_outputs_that_are_inputs_come_back_right(served: Served, module: Any, binary: bool) -> None:
+    url = served.url if module is httpclient else served.grpc_url
+    options = {"binary_data": binary} if module is httpclient else {}
+    with module.InferenceServerClient(url) as client:
+        for size in (20_000, 300_000):  # below and above a block's threshold
+            data = np.random.default_rng(size).random((1, size), dtype=np.float32)
+            tensor = module.InferInput("INPUT", [1, size], "FP32")
+            tensor.set_data_from_numpy(data, **options)
+            outputs = [
+                module.InferRequestedOutput(n, **options) for n in ("SAME", "TAIL", "DOUBLE")
+            ]
+            for _ in range(3):  # the blocks are reused: each answer reads its own
+                answer = client.infer("views", [tensor], outputs=outputs)
+                np.testing.assert_array_equal(answer.as_numpy("SAME"), data)
+                np.testing.assert_array_equal(answer.as_numpy("TAIL"), data[:, 1:])
+                np.testing.assert_array_equal(answer.as_numpy("DOUBLE"), data * 2)
+
+
+def test_a_raw_binary_body_received_into_the_arena_goes_the_generic_way(served: Served) -> None:
+    """A body of one raw tensor (header length 0) means what the model says: the core
+    reads it, from the worker's arena where it was received."""
+    data = np.arange(100_000, dtype=np.float32)
+    answer = httpx.post(
+        f"http://{served.url}/v2/models/views/infer",
+        content=data.tobytes(),
+        headers={"Inference-Header-Content-Length": "0"},
+        timeout=TIMEOUT,
+    )
+    assert answer.status_code == 200, answer.text
+    length = int(answer.headers["inference-header-content-length"])
+    header = json.loads(answer.content[:length])
+    sizes = [output["parameters"]["binary_data_size"] for output in header["outputs"]]
+    offsets = np.cumsum([length, *sizes])
+    outputs = {
+        output["name"]: np.frombuffer(answer.content[start:end], np.float32)
+        for output, start, end in zip(header["outputs"], offsets[:-1], offsets[1:], strict=True)
+    }
+    np.testing.assert_array_equal(outputs["SAME"], data)
+    np.testing.assert_array_equal(outputs["TAIL"], data[1:])
+
+
+def test_a_body_with_a_tensor_in_shared_memory_goes_the_generic_way(served: Served) -> None:
+    """The shared-memory registry is the core's: a large binary body that names a region
+    is read there, from the worker's arena where it was received."""
+    a = np.arange(100_000, dtype=np.float32)
+    b = np.full(100_000, 0.5, dtype=np.float32)
+    key = f"/input-blocks-{os.getpid()}"
+    region = shm.create_shared_memory_region("a", key, a.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [a])
+        with httpclient.InferenceServerClient(served.url) as client:
+            client.register_system_shared_memory("a", key, a.nbytes)
+            try:
+                first = httpclient.InferInput("A", [100_000], "FP32")
+                first.set_shared_memory("a", a.nbytes)
+                second = httpclient.InferInput("B", [100_000], "FP32")
+                second.set_data_from_numpy(b, binary_data=True)
+                output = httpclient.InferRequestedOutput("SUM", binary_data=True)
+                answer = client.infer("sum", [first, second], outputs=[output])
+            finally:
+                client.unregister_system_shared_memory("a")
+        np.testing.assert_array_equal(answer.as_numpy("SUM"), a + b)
+    finally:
+        shm.destroy_shared_memory_region(region)
