@@ -104,11 +104,11 @@ class ReceivesInto:
     def __init__(
         self, endpoint: Endpoint, into: Callable[[dict[bytes, bytes], int], memoryview | None]
     ) -> None:
-        self._endpoint = endpoint
+        self.endpoint = endpoint  # ``RestApp`` calls it directly: no coroutine more
         self.into = into
 
     async def __call__(self, request: Request) -> Response | None:
-        return await self._endpoint(request)
+        return await self.endpoint(request)
 
 
 class ClientLeft(Exception):
@@ -250,6 +250,7 @@ class RestApp:
                 elif isinstance(endpoint, ReceivesInto):
                     into = partial(endpoint.into, headers)
                     body = await self._read_body(partial(whole["receive"], into), headers)
+                    endpoint = endpoint.endpoint
                 else:
                     body = await self._read_body(whole["receive"], headers)
             cancel_with = extensions.get(CANCEL_WITH)

@@ -128,9 +128,9 @@ class CoreClient:
         """An inference's inputs as they travel: a large one that lies in a body
         received into the arena as the part of it that it is, the others packed (all,
         or none: parts let go of again)."""
-        parts = [self.inputs.part(data) if len(data) >= INLINE_BYTES else None for data in datas]
-        if not any(parts):
+        if not self.inputs.receiving:  # no body in the arena: the usual small request
             return self.out.pack_all(datas)
+        parts = [self.inputs.part(data) if len(data) >= INLINE_BYTES else None for data in datas]
         try:
             return self.out.pack_all(datas, parts)
         except BaseException:

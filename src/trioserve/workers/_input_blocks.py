@@ -36,6 +36,11 @@ class InputBlocks:
         self._freed: set[Block] = set()  # of those, the ones the core is done with
         self._token = trio.lowlevel.current_trio_token()
 
+    @property
+    def receiving(self) -> bool:
+        """Whether any body lies in the arena now."""
+        return bool(self._starts)
+
     def buffer(self, length: int) -> memoryview | None:
         """A writable buffer of ``length`` bytes for a body, in a new block; None if the
         arena is full (the body then goes into a bytearray, and its tensors are
@@ -53,7 +58,7 @@ class InputBlocks:
     def part(self, data: bytes | bytearray | memoryview) -> Block | None:
         """``data`` as the part of a body's block it is, held until the core frees it;
         None if it lies in no body received here."""
-        found = lies_in(data, self._starts) if self._starts else None
+        found = lies_in(data, self._starts)
         if found is None:
             return None
         block, offset = found
