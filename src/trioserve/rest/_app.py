@@ -69,9 +69,6 @@ class Response(NamedTuple):
     # Byte buffers (bytes, 1-D byte memoryviews of tensors) that follow ``body``, written
     # without being joined to it where the server offers BODY_PARTS.
     parts: tuple[bytes | memoryview, ...] = ()
-    # Called once the response is written, or could not be: lets go of what its parts
-    # view (a front-end worker's answer lies in the core's shared memory until then).
-    after_send: Callable[[], object] | None = None
 
     def joined(self) -> Response:
         """This response with its parts joined into its body: a copy the caller owns."""
@@ -269,11 +266,7 @@ class RestApp:
             response = Response(exc.status, error_body(exc.message), headers=exc.headers)
         if response is None:
             return  # answered by the endpoint itself, or the client went away
-        try:
-            await _send(send, response, headers, extensions)
-        finally:
-            if response.after_send is not None:
-                response.after_send()
+        await _send(send, response, headers, extensions)
 
     async def _read_body(
         self, receive: Callable[[], Awaitable[Message]], headers: dict[bytes, bytes]

@@ -3,11 +3,14 @@ numbers, their answers matched back (``ipc.Replies``), blocks freed both ways.""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import trio
 
 from ..ipc import Block, Pending, Replies, SegmentMap, TrioChannel
@@ -27,6 +30,7 @@ from ._wire import (
     Returned,
     new_arena,
     read,
+    root_in_place,
     unwrap,
 )
 
@@ -53,6 +57,7 @@ class CoreClient:
         self.drain = trio.Event()  # the core asks this worker to drain and exit
         self.forwarded = 0  # calls forwarded: this worker's share of the traffic
         self._nursery = nursery  # for frames sent from synchronous code (cancels, frees)
+        self._token = trio.lowlevel.current_trio_token()
         self._counters = counters
         self._frees: list[Block] = []
         # Single-answer calls, numbered below zero (``Replies`` numbers the others).
@@ -159,14 +164,33 @@ class CoreClient:
         if not isinstance(item, tuple) or not item:
             return
         if item[0] == OUTCOME:
-            payloads: Any = [tensor[3] for tensor in item[6] or ()]
+            self.release_payloads([tensor[3] for tensor in item[6] or ()])
         else:
-            payloads = item
+            self.release_payloads(item)
+
+    def release_payloads(self, payloads: Iterable[object]) -> None:
         for payload in payloads:
             if type(payload) is Block:  # small payloads ride in the frame
                 self.free(payload)
             elif type(payload) is Returned:
                 self.inputs.answer_done(payload.block)
+
+    def owned_by(self, array: np.ndarray[Any, Any], payload: OutputPayload) -> None:
+        """``array`` was read from ``payload``: its block is given back once neither the
+        array nor any view of it is left (a response's parts, in whichever front end's
+        queue, are such views), from whichever thread drops the last one; at once if
+        the array is a copy."""
+        if type(payload) is bytes:
+            return
+        root = root_in_place(array)
+        if root is None:
+            self.release_payloads((payload,))
+        else:
+            weakref.finalize(root, self._let_go_soon, payload).atexit = False
+
+    def _let_go_soon(self, payload: OutputPayload) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self.release_payloads, (payload,))
 
     async def _send_frees(self) -> None:
         blocks, self._frees = self._frees, []

@@ -15,7 +15,6 @@ import logging
 import weakref
 from typing import Any
 
-import numpy as np
 import trio
 
 from .._context import ServerContext
@@ -40,6 +39,7 @@ from ._wire import (
     address_of,
     lies_in,
     read,
+    root_in_place,
 )
 
 logger = logging.getLogger("trioserve.workers")
@@ -243,13 +243,9 @@ class LinkInferences:
             dt = DATATYPES[type_name]  # the worker's name for it
             raw = read(payload, self._peer)
             data = array_from_own_raw(dt, shape, raw)
-            if type(payload) is Block:
-                root = data  # the array every view of the block leads back to
-                while isinstance(root.base, np.ndarray):
-                    root = root.base
-                if isinstance(root.base, memoryview):  # not a copy (BYTES are decoded)
-                    weakref.finalize(root, self._let_go, payload).atexit = False
-                    inference.kept[payload] = address_of(raw)
+            if type(payload) is Block and (root := root_in_place(data)) is not None:
+                weakref.finalize(root, self._let_go, payload).atexit = False
+                inference.kept[payload] = address_of(raw)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors
 

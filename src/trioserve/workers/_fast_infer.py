@@ -15,7 +15,6 @@ body (its meaning depends on the model).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
 from typing import Any, cast
 
 import trio
@@ -25,7 +24,7 @@ from .._limits import OFF_LOOP_BYTES
 from .._model import Model
 from .._tensor import DATATYPES, array_from_own_raw, array_to_raw
 from .._types import InferenceRequest, InferenceResponse, OutputTensor
-from ..grpc import Call, ClientGone, InferPlans, ReplyHeads, WireReply, WireRequest, parse_message
+from ..grpc import Call, ClientGone, InferPlans, ReplyHeads, WireRequest, parse_message
 from ..ipc import Pending
 from ..metrics import FORMAT_HEADER
 from ..rest import (
@@ -93,20 +92,10 @@ class InferForwarder:
             request.cancel_with(None)
         if outcome is None:
             return None  # withdrawn: the client left
-        try:
-            result = self._response(outcome)
-            response = small_infer_response(inference, result, outcome[7])
-            if response is None:
-                response = await infer_response(inference, result, outcome[7])
-        except BaseException:
-            self._client.release(outcome)
-            raise
-        if not response.parts:  # the outputs were copied into the body, if not encoded
-            self._client.release(outcome)
-            return response
-        # Its parts view the outputs in the core's blocks: sent from there, not copied,
-        # and the blocks released once it is written.
-        return response._replace(after_send=partial(self._client.release, outcome))
+        # Binary outputs are sent from the blocks they lie in, given back once written.
+        result = self._response(outcome)
+        response = small_infer_response(inference, result, outcome[7])
+        return response or await infer_response(inference, result, outcome[7])
 
     async def grpc(self, path: str, data: bytes, call: Call) -> Any:
         wire = parse_message(WireRequest, data)
@@ -123,13 +112,9 @@ class InferForwarder:
         outcome = await self._outcome(pending)
         if outcome is None:
             raise ClientGone("the client cancelled the call")
-        try:
-            reply = self._reply_heads.encode(self._response(outcome))
-            # The HTTP/2 core sends the reply after this returns: its parts must not be
-            # views of blocks freed here.
-            reply = WireReply([bytes(part) for part in reply.parts])
-        finally:
-            self._client.release(outcome)
+        # Sent from the blocks its outputs lie in, given back once the HTTP/2 core has
+        # written it (its parts, views of them, are what hold them).
+        reply = self._reply_heads.encode(self._response(outcome))
         for key, value in outcome[7] or ():
             call.add_trailer(key, value)
         return reply
@@ -172,12 +157,20 @@ class InferForwarder:
         return item
 
     def _response(self, outcome: Answer) -> InferenceResponse:
+        """The OUTCOME's response; its outputs' blocks are given back once no array or
+        view of them is left (``CoreClient.owned_by``), wherever the response goes."""
         _, _, model, version, request_id, parameters, tensors, _ = outcome
-        outputs = []
-        for name, type_name, shape, payload, params in tensors:
-            dt = DATATYPES[type_name]  # the core's name for it
-            data = array_from_own_raw(dt, shape, self._client.take(payload))
-            outputs.append(OutputTensor(name, dt, data, params))
+        outputs: list[OutputTensor] = []
+        client = self._client
+        try:
+            for name, type_name, shape, payload, params in tensors:
+                dt = DATATYPES[type_name]  # the core's name for it
+                data = array_from_own_raw(dt, shape, client.take(payload))
+                client.owned_by(data, payload)
+                outputs.append(OutputTensor(name, dt, data, params))
+        except BaseException:  # a frame the core got wrong: the rest are nobody's
+            client.release_payloads([tensor[3] for tensor in tensors[len(outputs) :]])
+            raise
         return InferenceResponse(model, version, outputs, request_id, parameters)
 
 

@@ -86,6 +86,15 @@ def address_of(data: bytes | bytearray | memoryview) -> int:
     return int(np.frombuffer(data, np.uint8).__array_interface__["data"][0])
 
 
+def root_in_place(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """The array every view of ``array`` leads back to, if it reads a buffer in place (a
+    payload's memoryview); None if ``array`` is a copy (BYTES are decoded)."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root if isinstance(root.base, memoryview) else None
+
+
 def lies_in(
     data: bytes | bytearray | memoryview, blocks: Mapping[Block, int]
 ) -> tuple[Block, int] | None:
