@@ -312,9 +312,8 @@ class Exchange:
     async def _read_whole(self) -> bytearray | memoryview:
         """The rest of a Content-Length body in one buffer (``recv_whole``); HttpError 400
         if the client stops before filling it, so nobody reads its unfilled end."""
-        body, filled = await self.conn.recv_whole(
-            self.body_left, self._body_deadline(), self.whole_into
-        )
+        into, deadline = self.whole_into, self._body_deadline()
+        body, filled = await self.conn.recv_whole(self.body_left, deadline, into)
         self.body_left -= filled
         if self.body_left:
             raise self._cut_short()
