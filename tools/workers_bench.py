@@ -15,7 +15,7 @@ also split into the core process's share, which bounds what any number of worker
 serve, and the workers'.
 
 Modes: ``http-json`` and ``http-binary`` (``simple``), ``grpc`` (``simple``, raw
-tensors, h2load), ``big-http-binary`` (one 16 MiB FP32 tensor through
+tensors, h2load), ``big-http-binary`` and ``big-grpc`` (one 16 MiB FP32 tensor through
 ``identity_fp32``, where MiB/s each way is printed too).
 """
 
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import _LUA, grpc_request, http_body, model_of
+from bench import _LUA, BIG_BYTES, grpc_request, http_body, model_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,12 +75,12 @@ def _load(
     mode: str, port: int, args: argparse.Namespace, files: Path, connections: int
 ) -> subprocess.Popen[str]:
     pin = ["taskset", "-c", args.client_cpus]
-    if mode == "grpc":
+    if mode.endswith("grpc"):
         command = [
             *pin, "h2load", "-n", "1000000000", "-D", str(args.duration),
             "-c", str(connections), "-m", "1",
             "-H", "content-type: application/grpc", "-H", "te: trailers",
-            "-d", str(files / "grpc"), f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer",
+            "-d", str(files / mode), f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer",
         ]  # fmt: skip
     else:
         command = [
@@ -91,11 +91,16 @@ def _load(
 
 
 def _answered(mode: str, output: str) -> int:
-    if mode == "grpc":
+    if mode.endswith("grpc"):
         found = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded", output)
         if found is None or found.group(1) != found.group(2):
             raise RuntimeError(f"h2load saw failures:\n{output}")
-        return int(found.group(2))
+        answered = int(found.group(2))
+        # A gRPC error is an HTTP 200 too: a big answer must have brought its tensor.
+        data = re.search(r"\((\d+)\) data", output)
+        if mode.startswith("big-") and (data is None or int(data.group(1)) < answered * BIG_BYTES):
+            raise RuntimeError(f"the answers lack their tensors:\n{output}")
+        return answered
     if "Non-2xx" in output:
         raise RuntimeError(f"a server answered errors:\n{output}")
     found = re.search(r"(\d+) requests in", output)
@@ -110,7 +115,7 @@ def _round(
     """Both servers under load at once, each's µs of CPU per request (all its processes,
     and its main process alone: the core) and requests/s."""
     servers = [
-        _start(args.python, workers, args.server_cpus, mode == "grpc")
+        _start(args.python, workers, args.server_cpus, mode.endswith("grpc"))
         for workers in (0, args.workers)
     ]
     try:
@@ -137,8 +142,9 @@ def _write_files(files: Path) -> None:
         (files / mode).write_bytes(body)
         lines = "\n".join(f'wrk.headers["{k}"] = "{v}"' for k, v in headers.items())
         (files / f"{mode}.lua").write_text(_LUA.format(body=files / mode, headers=lines))
-    message = grpc_request("grpc").SerializeToString()
-    (files / "grpc").write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
+    for mode in ("grpc", "big-grpc"):
+        message = grpc_request(mode).SerializeToString()
+        (files / mode).write_bytes(b"\0" + len(message).to_bytes(4, "big") + message)
 
 
 def main() -> None:

@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from tritonclient.grpc import service_pb2
 
 from trioserve.ipc import Arena
 from trioserve.workers._input_blocks import InputBlocks
@@ -172,12 +176,17 @@ model = Sum(
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repository")
     for name, code in (("views", VIEWS), ("sum", SUM)):
         (root / name).mkdir()
         (root / name / "model.py").write_text(textwrap.dedent(code))
-    server = Served("--model-repository", str(root), workers=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def served(repository: Path) -> Iterator[Served]:
+    server = Served("--model-repository", str(repository), workers=1)
     try:
         yield server
     finally:
@@ -297,3 +306,59 @@ def test_bodies_cut_short_give_their_blocks_back(served: Served) -> None:
         tensor.set_data_from_numpy(data, binary_data=True)
         answer = client.infer("views", [tensor])
     np.testing.assert_array_equal(answer.as_numpy("SAME"), data)
+
+
+def test_a_grpc_client_that_leaves_mid_reply_leaves_the_worker_serving(repository: Path) -> None:
+    """The reply's outputs are read where they lie; a client that resets the call while
+    the reply waits for its window must not give those blocks back a second time (the
+    reply's arrays give them back once the HTTP/2 core lets go of them): a worker that
+    did would end, however soon after, and the server would not stop cleanly."""
+    served = Served("--model-repository", str(repository), workers=1)
+    try:
+        _leave_mid_reply(served)
+    finally:
+        assert served.stop() == 0
+    assert not any("exited with status" in line for line in served.log)
+
+
+def _leave_mid_reply(served: Served) -> None:
+    size = 300_000
+    request = service_pb2.ModelInferRequest(model_name="views")
+    request.inputs.add(name="INPUT", datatype="FP32", shape=[1, size])
+    request.raw_input_contents.append(np.arange(size, dtype=np.float32).tobytes())
+    message = request.SerializeToString()
+    body = b"\0" + len(message).to_bytes(4, "big") + message
+    [worker] = served.worker_pids()
+    # The client's initial window (65,535 bytes), never opened further: the reply stops.
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    with socket.create_connection(("127.0.0.1", served.grpc)) as sock:
+        sock.settimeout(TIMEOUT)
+        conn.send_headers(1, [
+            (":method", "POST"), (":scheme", "http"), (":authority", "test"),
+            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            ("content-type", "application/grpc"), ("te", "trailers"),
+        ])  # fmt: skip
+        sent = 0
+        replied = 0
+        while replied == 0:
+            room = min(conn.local_flow_control_window(1), conn.max_outbound_frame_size)
+            if sent < len(body) and room:
+                piece = body[sent : sent + room]
+                sent += len(piece)
+                conn.send_data(1, piece, end_stream=sent == len(body))
+            sock.sendall(conn.data_to_send())
+            if sent < len(body) and conn.local_flow_control_window(1):
+                continue
+            for event in conn.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.DataReceived):
+                    replied += len(event.data)  # the reply has begun: its outputs are taken
+                assert not isinstance(event, h2.events.StreamReset), "the call failed"
+        conn.reset_stream(1)
+        sock.sendall(conn.data_to_send())
+    for _ in range(3):  # the worker serves on, and the same one does
+        with grpcclient.InferenceServerClient(served.grpc_url) as client:
+            tensor = grpcclient.InferInput("INPUT", [1, size], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, size), np.float32))
+            assert client.infer("views", [tensor]).as_numpy("SAME").sum() == size
+    assert served.worker_pids() == [worker]

@@ -109,7 +109,12 @@ class InferForwarder:
             inference, "ModelInfer RPC", wanted, _trace_context(call.metadata, _GRPC_TRACE)
         )
         call.cancel_with(Withdraw(self._client, pending).withdraw)
-        outcome = await self._outcome(pending)
+        try:
+            outcome = await self._outcome(pending)
+        finally:
+            # Taken: a client that leaves now must not release it too (its blocks go
+            # back with the reply's arrays).
+            call.cancel_with(None)
         if outcome is None:
             raise ClientGone("the client cancelled the call")
         # Sent from the blocks its outputs lie in, given back once the HTTP/2 core has
