@@ -134,11 +134,9 @@ def small_infer_response(
 async def infer_response(
     inference: InferenceRequest, result: InferenceResponse, load_report: Header | None
 ) -> Response:
-    """An inference's HTTP response, encoded in a worker thread if its outputs are large."""
-    if sum(t.data.nbytes for t in result.outputs) >= OFF_LOOP_BYTES:
-        encoded = await trio.to_thread.run_sync(encode_response, result, inference)
-    else:
-        encoded = encode_response(result, inference)
+    """An inference's HTTP response with large outputs (``small_infer_response`` gave
+    none), encoded in a worker thread: no other client waits for it."""
+    encoded = await trio.to_thread.run_sync(encode_response, result, inference)
     return _response(encoded, load_report)
 
 

@@ -3,7 +3,6 @@ numbers, their answers matched back (``ipc.Replies``), blocks freed both ways.""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import weakref
@@ -28,6 +27,7 @@ from ._wire import (
     OutputPayload,
     Payload,
     Returned,
+    call_on_loop,
     new_arena,
     read,
     root_in_place,
@@ -186,11 +186,10 @@ class CoreClient:
         if root is None:
             self.release_payloads((payload,))
         else:
-            weakref.finalize(root, self._let_go_soon, payload).atexit = False
-
-    def _let_go_soon(self, payload: OutputPayload) -> None:
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self.release_payloads, (payload,))
+            finalizer = weakref.finalize(
+                root, call_on_loop, self._token, self.release_payloads, (payload,)
+            )
+            finalizer.atexit = False
 
     async def _send_frees(self) -> None:
         blocks, self._frees = self._frees, []

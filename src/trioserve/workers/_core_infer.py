@@ -10,7 +10,6 @@ closes, what it has in flight is withdrawn.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Any
@@ -37,6 +36,7 @@ from ._wire import (
     Payload,
     Returned,
     address_of,
+    call_on_loop,
     lies_in,
     read,
     root_in_place,
@@ -244,16 +244,15 @@ class LinkInferences:
             raw = read(payload, self._peer)
             data = array_from_own_raw(dt, shape, raw)
             if type(payload) is Block and (root := root_in_place(data)) is not None:
-                weakref.finalize(root, self._let_go, payload).atexit = False
+                # Once no array reads it (whichever thread drops the last one), the
+                # worker may reuse it.
+                finalizer = weakref.finalize(
+                    root, call_on_loop, self._token, self._free_kept, payload
+                )
+                finalizer.atexit = False
                 inference.kept[payload] = address_of(raw)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors
-
-    def _let_go(self, block: Block) -> None:
-        """No array reads an input's ``block`` any more (in whichever thread dropped the
-        last one): the worker may reuse it."""
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self._free_kept, block)
 
     def _free_kept(self, block: Block) -> None:
         if not self._closed:  # else the link is gone, and the block with it

@@ -14,13 +14,12 @@ that input is kept until the answer has been sent, even if the core frees it fir
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import trio
 
 from ..ipc import Arena, ArenaFull, Block
-from ._wire import address_of, lies_in
+from ._wire import address_of, call_on_loop, lies_in
 
 
 class InputBlocks:
@@ -52,7 +51,10 @@ class InputBlocks:
         view = self._arena.view(block)
         self._starts[block] = address_of(view)
         self._holds[block] = 1  # the request's
-        weakref.finalize(view, self._request_done, block).atexit = False
+        # Run where the body's last view is dropped, which may be a worker thread (one
+        # decoding a large request): the event loop's thread lets go of it.
+        finalizer = weakref.finalize(view, call_on_loop, self._token, self._let_go, block)
+        finalizer.atexit = False
         return view
 
     def part(self, data: bytes | bytearray | memoryview) -> Block | None:
@@ -96,12 +98,6 @@ class InputBlocks:
             self._arena.free(block)
         else:
             self._let_go(body)
-
-    def _request_done(self, block: Block) -> None:
-        # Called where the body's last view was dropped, which may be a worker thread
-        # (one decoding a large request): the event loop's thread lets go of it.
-        with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(self._let_go, block)
 
     def _let_go(self, block: Block) -> None:
         holds = self._holds[block] - 1

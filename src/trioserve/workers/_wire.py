@@ -48,11 +48,13 @@ if the core frees it first.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
+import trio
 
 from .._errors import UnavailableError
 from .._limits import GrpcLimits, HttpLimits
@@ -84,6 +86,13 @@ _Placed = TypeVar("_Placed")
 def address_of(data: bytes | bytearray | memoryview) -> int:
     """Where ``data``'s bytes start in this process's memory."""
     return int(np.frombuffer(data, np.uint8).__array_interface__["data"][0])
+
+
+def call_on_loop(token: trio.lowlevel.TrioToken, fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)`` soon on the event loop's thread, from whichever thread a finalizer
+    runs in (the one that dropped an array's last view); nothing once the loop ended."""
+    with contextlib.suppress(trio.RunFinishedError):
+        token.run_sync_soon(fn, *args)
 
 
 def root_in_place(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
@@ -193,7 +202,7 @@ def unwrap(message: tuple[Any, ...], fds: list[int], peer: SegmentMap) -> tuple[
     return inner  # type: ignore[no-any-return]
 
 
-def read(payload: bytes | Block, peer: SegmentMap) -> bytes | memoryview:
+def read(payload: Payload, peer: SegmentMap) -> bytes | memoryview:
     """A payload's bytes: the frame's own, or a view of the peer's block (no copy)."""
     return payload if isinstance(payload, bytes) else peer.view(payload)
 
