@@ -10,8 +10,10 @@ this file's own runs on the remaining cores, one process per core, and keeps
 ``--connections`` connections in all busy, closed loop (each sends its next request as
 its answer arrives): ``simple`` ([1,16] INT32 twice) over HTTP with a JSON body, then
 over gRPC (ModelInfer, raw tensors). W = 0 (one process, no workers) is measured too,
-for reference. The table gives requests/s per point and the ratio to W = 1; it is also
-written to ``$OUT/workers_scaling.txt`` when ``OUT`` is set.
+for reference. The table gives requests/s per point, the ratio to W = 1, and the CPU the
+core process and the workers spent in the measured window (from ``/proc``): a core
+process near 100% of its core is what bounds the point. It is also written to
+``$OUT/workers_scaling.txt`` when ``OUT`` is set.
 
 Needs only Python 3.11+, numpy, protobuf and trioserve's dependencies: the load
 generator speaks HTTP/1.1 and HTTP/2 itself (no wrk, h2load, grpcio or tritonclient).
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,10 +228,53 @@ def _start_server(
     return server, ports
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid`` (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def _server_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds so far of the core process (the server's own) and of its children
+    (the front-end workers) together."""
+    return _cpu_seconds(pid), sum(_cpu_seconds(child) for child in _children(pid))
+
+
+@dataclass
+class Point:
+    """One measured point: requests/s, and the CPU seconds per second that the core
+    process and the workers together spent in the measured window."""
+
+    rate: float
+    core_busy: float
+    workers_busy: float
+
+    def cells(self, base: float | None) -> str:
+        ratio = f"{self.rate / base:.2f}" if base else "-"
+        core_us = 1e6 * self.core_busy / self.rate if self.rate else 0.0
+        return (
+            f"{self.rate:>11.0f} {ratio:>6} {100 * self.core_busy:>6.0f}% {core_us:>7.1f}"
+            f" {self.workers_busy:>7.2f}"
+        )
+
+
 def _measure(
-    protocol: str, port: int, connections: int, load_cores: list[int], args: argparse.Namespace
-) -> float:
-    """Requests/s of the load processes together (one per load core)."""
+    protocol: str,
+    port: int,
+    connections: int,
+    load_cores: list[int],
+    args: argparse.Namespace,
+    server_pid: int,
+) -> Point:
+    """Requests/s of the load processes together (one per load core), and the server's
+    CPU over the same window."""
     processes = []
     for index, core in enumerate(load_cores):
         share = connections // len(load_cores) + (index < connections % len(load_cores))
@@ -246,28 +292,37 @@ def _measure(
                 preexec_fn=lambda core=core: os.sched_setaffinity(0, [core]),  # type: ignore[misc]
             )
         )
+    time.sleep(args.warmup)
+    core_before, workers_before = _server_cpu(server_pid)
+    time.sleep(args.duration)
+    core_after, workers_after = _server_cpu(server_pid)
     total = 0
     for process in processes:
         out, _ = process.communicate(timeout=args.warmup + args.duration + 60)
         if process.returncode != 0:
             raise SystemExit(f"a load process failed ({process.returncode})")
         total += int(out.decode().strip().splitlines()[-1])
-    return total / args.duration
+    return Point(
+        total / args.duration,
+        (core_after - core_before) / args.duration,
+        (workers_after - workers_before) / args.duration,
+    )
 
 
 def conduct(args: argparse.Namespace) -> str:
     cpus = sorted(os.sched_getaffinity(0))
     min_load = max(1, len(cpus) // 8)
     rows = []
-    results: dict[tuple[str, int], float] = {}
+    results: dict[tuple[str, int], Point] = {}
     for workers in args.workers:
         server_count = min(workers + 2, len(cpus) - min_load)
         server_cores, load_cores = cpus[:server_count], cpus[server_count:]
         server, ports = _start_server(workers, server_cores, args.python)
         try:
             for protocol in ("http", "grpc"):
-                rate = _measure(protocol, ports[protocol], args.connections, load_cores, args)
-                results[protocol, workers] = rate
+                results[protocol, workers] = _measure(
+                    protocol, ports[protocol], args.connections, load_cores, args, server.pid
+                )
         finally:
             server.terminate()
             try:
@@ -275,21 +330,22 @@ def conduct(args: argparse.Namespace) -> str:
             except subprocess.TimeoutExpired:
                 server.kill()
         rows.append((workers, len(server_cores), len(load_cores)))
-    base = {p: results.get((p, 1)) for p in ("http", "grpc")}
+    base = {p: results[p, 1].rate if (p, 1) in results else None for p in ("http", "grpc")}
     lines = [
         f"simple [1,16] INT32, {args.connections} connections, {args.duration:g} s per point "
         f"after {args.warmup:g} s warm-up; {len(cpus)} cores; server: {args.python} "
         f"({_version(args.python)})",
+        "core: the core process's CPU (% of one core) and CPU per request (us); "
+        "workers: the workers' CPU together (cores)",
         f"{'workers':>7} {'server cores':>12} {'load cores':>10} "
-        f"{'HTTP req/s':>11} {'x W=1':>6} {'gRPC req/s':>11} {'x W=1':>6}",
+        + " ".join(
+            f"{p + ' req/s':>11} {'x W=1':>6} {'core':>7} {'us/req':>7} {'workers':>7}"
+            for p in ("HTTP", "gRPC")
+        ),
     ]
     for workers, server_cores, load_count in rows:
-        cells = []
-        for protocol in ("http", "grpc"):
-            rate = results[protocol, workers]
-            ratio = f"{rate / base[protocol]:.2f}" if base[protocol] else "-"
-            cells.append(f"{rate:>11.0f} {ratio:>6}")
-        lines.append(f"{workers:>7} {server_cores:>12} {load_count:>10} {' '.join(cells)}")
+        cells = " ".join(results[p, workers].cells(base[p]) for p in ("http", "grpc"))
+        lines.append(f"{workers:>7} {server_cores:>12} {load_count:>10} {cells}")
     return "\n".join(lines)
 
 

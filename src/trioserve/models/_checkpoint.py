@@ -104,6 +104,9 @@ class CheckpointLM(ServedOnDevice, GenerativeModel):
         self.v_cache: Array = None
 
     def load(self) -> None:
+        # ml_dtypes gives numpy the 'bfloat16' type that safetensors' numpy loader names
+        # for bfloat16 tensors: without the import, such a checkpoint fails to load.
+        import ml_dtypes  # noqa: F401
         from safetensors.numpy import load_file
 
         xp = array_module(self.device)
