@@ -3,19 +3,19 @@
     PYTHONPATH=src python tools/gpu_decode_check.py [--skip-1b] [--skip-graphs] [--steps 32]
 
 It imports trioserve's model modules without the package's front ends (see
-``bare_packages``), so numpy and cupy are all the checks need; the engine section also
-needs trio, outcome and sniffio: where the image lacks them, put their wheels on
-PYTHONPATH (``PYTHONPATH=src:wheels/trio-...whl:...``: pure-Python wheels import as
-they are).
+``bare_packages``), so numpy and cupy are all the checks need, but ml_dtypes for the
+bfloat16 ones (without it they print their error); the engine section also needs trio,
+outcome and sniffio: where the image lacks them, put their wheels on PYTHONPATH
+(``PYTHONPATH=src:wheels/trio-...whl:...``: pure-Python wheels import as they are).
 
 Needs cupy and a CUDA device; torch and transformers are used when present (the
 same-dtype reference). Prints one JSON object per line, each with a ``section``:
 
 - ``env``: devices and versions;
-- ``kernel``: each kernel against its numpy arithmetic (max abs error), float32 and
-  float16 storage;
-- ``forward``: a small Llama (float32) and tiny_lm, GPU logits against numpy's over a
-  step of prompt chunks, a mixed step and decodes;
+- ``kernel``: each kernel against its numpy arithmetic (max abs error), float32, float16
+  and bfloat16 storage (bfloat16 rounds through ml_dtypes, the ``checkpoints`` extra);
+- ``forward``: a small Llama (float32 and bfloat16 storage) and tiny_lm, GPU logits
+  against numpy's float32 over a step of prompt chunks, a mixed step and decodes;
 - ``greedy``: greedy tokens of a few prompts for ``--steps`` steps, GPU against numpy
   float32 (and against transformers in float16 for the 1 B model), with the gap
   between the top two logits where they first differ;
@@ -72,6 +72,7 @@ from trioserve.models._gpu_forward import GpuForward, ServedOnDevice
 from trioserve.models._gpu_sampling import reference_draws
 from trioserve.models._llama import LlamaConfig, LlamaForward, _rotate
 from trioserve.models._paged_attention import PagedAttention, StepLayout
+from trioserve.models._storage import BFLOAT16_BITS, to_storage
 from trioserve.models._tiny_lm import TinyLM
 
 
@@ -85,13 +86,26 @@ def check_kernels(cp: Any, dtype: Any) -> None:
     fw = gpu_llama(cp, config, random_tensors(SMALL, 1, np.float32), dtype, num_kv_blocks=64,
                    block_size=BLOCK, max_model_len=256, max_num_seqs=4, graphs=False)  # fmt: skip
     rng = np.random.default_rng(2)
-    name = np.dtype(dtype).name
+    name = "bfloat16" if dtype == BFLOAT16_BITS else np.dtype(dtype).name
+    if dtype == BFLOAT16_BITS:
+        import ml_dtypes
+
+        host = ml_dtypes.bfloat16  # what numpy rounds and reads the storage's bits as
+    else:
+        host = dtype
+
+    def rounded(a: np.ndarray) -> np.ndarray:
+        """``a`` rounded to the storage type, as float64."""
+        return a.astype(host).astype(np.float64)
 
     def stored(a: np.ndarray) -> Any:
-        return cp.asarray(a.astype(dtype))
+        return cp.asarray(to_storage(a, dtype))
 
     def error(gpu: Any, ref: np.ndarray) -> float:
-        return float(np.abs(cp.asnumpy(gpu).astype(np.float64) - ref).max())
+        got = cp.asnumpy(gpu)
+        if got.dtype == BFLOAT16_BITS:
+            got = got.view(host)
+        return float(np.abs(got.astype(np.float64) - ref).max())
 
     def report(kernel: str, value: float, **extra: Any) -> None:
         emit("kernel", kernel=kernel, dtype=name, max_abs_error=value, **extra)
@@ -104,9 +118,9 @@ def check_kernels(cp: Any, dtype: Any) -> None:
         residual, out = stored(x), cp.empty((rows, h), dtype)
         fw.kernels("add_norm", (rows,), 256, residual, stored(delta), np.int32(1),
                    stored(weight), out, np.int32(h), np.float32(1e-5), np.int32(mode))  # fmt: skip
-        r = x.astype(dtype).astype(np.float64) + delta.astype(dtype)
+        r = rounded(x) + rounded(delta)
         if mode == 0:
-            ref = r / np.sqrt((r * r).mean(-1, keepdims=True) + 1e-5) * weight.astype(dtype)
+            ref = r / np.sqrt((r * r).mean(-1, keepdims=True) + 1e-5) * rounded(weight)
         else:
             ref = (r - r.mean(-1, keepdims=True)) / np.sqrt(r.var(-1, keepdims=True) + 1e-5)
         report(label, error(out, ref), residual_error=error(residual, r))
@@ -117,7 +131,7 @@ def check_kernels(cp: Any, dtype: Any) -> None:
     with fw.stream:
         fw.gemm(stored(a), stored(b), out)
     fw.stream.synchronize()
-    report("gemm", error(out, a.astype(dtype).astype(np.float64) @ b.astype(dtype)),
+    report("gemm", error(out, rounded(a) @ rounded(b)),
            direct_cublas=fw.gemm.direct)  # fmt: skip
 
     width = c.intermediate_size
@@ -125,7 +139,7 @@ def check_kernels(cp: Any, dtype: Any) -> None:
     out = cp.empty((rows, width), dtype)
     fw.kernels("activate", (8,), 256, stored(gu), out, np.int64(rows), np.int32(width),
                np.int32(0))  # fmt: skip
-    g, u = np.split(gu.astype(dtype).astype(np.float64), 2, axis=1)
+    g, u = np.split(rounded(gu), 2, axis=1)
     report("activate swiglu", error(out, g / (1 + np.exp(-g)) * u))
 
     heads, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -141,7 +155,7 @@ def check_kernels(cp: Any, dtype: Any) -> None:
                cp.asarray(slots, np.int32), q_out, kc, vc, np.int32(heads), np.int32(kvh),
                np.int32(d))  # fmt: skip
     cos, sin = LlamaForward(np, config, None, BLOCK)._rotation(positions)  # type: ignore[arg-type]
-    qkv64 = qkv.astype(dtype).astype(np.float64)
+    qkv64 = rounded(qkv)
     q_ref = _rotate(np, qkv64[:, : heads * d].reshape(rows, heads, d), cos, sin)
     k_ref = _rotate(np, qkv64[:, heads * d : (heads + kvh) * d].reshape(rows, kvh, d), cos, sin)
     v_ref = qkv64[:, (heads + kvh) * d :].reshape(rows, kvh, d)
@@ -156,11 +170,11 @@ def check_kernels(cp: Any, dtype: Any) -> None:
     del fill
     mixed[1] = StepSequence(mixed[1].token_ids, 0, mixed[1].block_table)  # a first chunk
     count = sum(len(e.token_ids) for e in mixed)
-    q = rng.standard_normal((count, heads, d)).astype(dtype).astype(np.float32)
-    k = rng.standard_normal((count, kvh, d)).astype(dtype).astype(np.float32)
-    v = rng.standard_normal((count, kvh, d)).astype(dtype).astype(np.float32)
-    k_np = rng.standard_normal(kc.shape).astype(dtype).astype(np.float32)
-    v_np = rng.standard_normal(vc.shape).astype(dtype).astype(np.float32)
+    q = rounded(rng.standard_normal((count, heads, d))).astype(np.float32)
+    k = rounded(rng.standard_normal((count, kvh, d))).astype(np.float32)
+    v = rounded(rng.standard_normal((count, kvh, d))).astype(np.float32)
+    k_np = rounded(rng.standard_normal(kc.shape)).astype(np.float32)
+    v_np = rounded(rng.standard_normal(vc.shape)).astype(np.float32)
     layout = StepLayout.of(np, mixed, BLOCK)
     ref = PagedAttention(np, d)(q, k, v, k_np, v_np, mixed, layout)
     packed = pack_step(mixed, BLOCK)
@@ -174,33 +188,38 @@ def check_kernels(cp: Any, dtype: Any) -> None:
                np.int32(d), np.int32(BLOCK), np.float32(d**-0.5))  # fmt: skip
     report("paged_attention", error(out, ref), tokens=count)
 
-    logits = rng.standard_normal((6, c.vocab_size)).astype(dtype)
+    logits = rounded(rng.standard_normal((6, c.vocab_size)))
     bias = rng.standard_normal(c.vocab_size).astype(np.float32)
     widened, tokens = cp.empty((6, c.vocab_size), np.float32), cp.empty(6, np.int32)
-    fw.kernels("widen_logits", (8,), 256, cp.asarray(logits), cp.asarray(bias), np.int32(1),
+    fw.kernels("widen_logits", (8,), 256, stored(logits), cp.asarray(bias), np.int32(1),
                widened, np.int64(logits.size), np.int32(c.vocab_size))  # fmt: skip
-    report("widen_logits", error(widened, logits.astype(np.float64) + bias))
+    report("widen_logits", error(widened, logits + bias))
     fw.kernels("argmax_rows", (6,), 256, widened, tokens, np.int32(c.vocab_size))
     emit("kernel", kernel="argmax_rows", dtype=name,
          equal=bool((cp.asnumpy(tokens) == cp.asnumpy(widened).argmax(1)).all()))  # fmt: skip
 
 
 def check_forwards(cp: Any, graphs: bool = False) -> None:
-    """Whole steps: a small Llama in float32 and tiny_lm, GPU logits against numpy's."""
+    """Whole steps: a small Llama in float32 and in bfloat16, and tiny_lm, GPU logits
+    against numpy's (float32)."""
     config = LlamaConfig.from_hf(SMALL)
     tensors = random_tensors(SMALL, 4, np.float32)
     reference = NumpyLlama(config, tensors, 128)
-    gpu = gpu_llama(cp, config, tensors, np.float32, num_kv_blocks=128, block_size=BLOCK,
-                    max_model_len=512, max_num_seqs=8, graphs=graphs)  # fmt: skip
     fill, mixed = mixed_batch([30, 3], [1, 16, 17, 200], config.vocab_size, 5)
     decode = [StepSequence([7], e.start + 7, e.block_table) for e in mixed[:2]] + [
         StepSequence([9], e.start + 1, e.block_table) for e in mixed[2:]
     ]
-    for label, batch in (("fill", fill), ("mixed", mixed), ("decode", decode)):
-        ref, got = reference(batch), gpu.step(batch)
-        emit("forward", model="llama-small fp32", step=label, graphs_asked=graphs, max_abs_error=float(
-            np.abs(ref - got).max()), argmax_equal=bool((ref.argmax(1) == got.argmax(1)).all()),
-            graphs=gpu.graphed, graph_failures=gpu.graph_failures)  # fmt: skip
+    steps = (("fill", fill), ("mixed", mixed), ("decode", decode))
+    expected = {label: reference(batch) for label, batch in steps}
+    for dtype, model in ((np.float32, "llama-small fp32"), (BFLOAT16_BITS, "llama-small bf16")):
+        with guarded("forward", model=model, graphs_asked=graphs):
+            gpu = gpu_llama(cp, config, tensors, dtype, num_kv_blocks=128, block_size=BLOCK,
+                            max_model_len=512, max_num_seqs=8, graphs=graphs)  # fmt: skip
+            for label, batch in steps:
+                ref, got = expected[label], gpu.step(batch)
+                emit("forward", model=model, step=label, graphs_asked=graphs, max_abs_error=float(
+                    np.abs(ref - got).max()), argmax_equal=bool((ref.argmax(1) == got.argmax(1)).all()),
+                    graphs=gpu.graphed, graph_failures=gpu.graph_failures)  # fmt: skip
     if graphs:
         return
     cpu, device = TinyLM(), TinyLM(device="gpu")
@@ -515,8 +534,9 @@ def main() -> None:
                 emit("env", **{package: __import__(package).__version__})
             except ImportError:
                 emit("env", **{package: None})
-    for dtype in (np.float32, np.float16):
-        with guarded("kernel", dtype=np.dtype(dtype).name):
+    for dtype, name in ((np.float32, "float32"), (np.float16, "float16"),
+                        (BFLOAT16_BITS, "bfloat16")):  # fmt: skip
+        with guarded("kernel", dtype=name):
             check_kernels(cp, dtype)
     with guarded("forward"):
         check_forwards(cp)

@@ -340,13 +340,14 @@ async def test_the_gpu_forward_serves_the_reference_tokens(
     assert fake_device.state.launches > 0  # the GPU forward's kernels ran
 
 
-def test_a_gpu_serves_float32_checkpoints_in_float32_and_others_in_float16() -> None:
-    import ml_dtypes
-
-    floats = {"a": np.zeros(2, np.float32)}
-    assert _checkpoint.gpu_dtype(floats) is np.float32
-    assert _checkpoint.gpu_dtype({**floats, "b": np.zeros(2, np.float16)}) is np.float16
-    assert _checkpoint.gpu_dtype({"b": np.zeros(2, ml_dtypes.bfloat16)}) is np.float16
+def test_a_gpu_stores_a_checkpoint_in_its_own_dtype(tmp_path: Path) -> None:
+    dtype = _checkpoint.gpu_dtype  # of the safetensors dtypes; integer ones do not count
+    assert dtype({"F32"}) == dtype({"F32", "I64"}) == np.float32
+    assert dtype({"F16"}) == dtype({"F16", "F32"}) == dtype({"F16", "BF16"}) == np.float16
+    assert dtype({"BF16"}) == dtype({"BF16", "F32", "I64"}) == np.uint16  # bfloat16's bits
+    assert dtype({"F64"}) == np.float16
+    write_checkpoint(tmp_path, BASE_CONFIG, bf16=True)
+    assert _checkpoint.stored_dtypes([tmp_path / "model.safetensors"]) == {"BF16"}
 
 
 def test_tokenizer_chat_template_and_special_tokens(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The GPU forward's CUDA source compiles with NVRTC, for both storage types.
+"""The GPU forward's CUDA source compiles with NVRTC, for each storage type.
 
 NVRTC needs no driver and no device: with the ``nvidia-cuda-nvrtc-cu12`` wheel (or a
 CUDA toolkit's libnvrtc on the loader's path) this runs on any machine; without it the
@@ -71,16 +71,24 @@ def _compile(options: list[str]) -> tuple[int, str, bytes]:
         NVRTC.nvrtcDestroyProgram(ctypes.byref(program))
 
 
-@pytest.mark.parametrize("storage", ["float", "half"])
+STORAGE_OPTIONS = {"float": [], "half": ["-DTS_HALF"], "bfloat16": ["-DTS_BF16"]}
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGE_OPTIONS))
 def test_kernels_compile_for_hopper(storage):
-    options = ["--gpu-architecture=compute_90"]
-    if storage == "half":
-        options.append("-DTS_HALF")
-    result, log, ptx = _compile(options)
+    result, log, ptx = _compile(["--gpu-architecture=compute_90", *STORAGE_OPTIONS[storage]])
     assert result == 0, log
     assert "warning" not in log.lower(), log
     for name in KERNEL_NAMES:  # every kernel the forward launches is in the module
         assert f".entry {name}(".encode() in ptx
+
+
+def test_bfloat16_storage_needs_no_bfloat16_hardware():
+    """Its conversions are integer arithmetic: Turing (no bfloat16 unit) compiles them."""
+    result, log, ptx = _compile(["--gpu-architecture=compute_75", "-DTS_BF16"])
+    assert result == 0, log
+    assert "warning" not in log.lower(), log
+    assert b".entry paged_attention(" in ptx
 
 
 def test_a_broken_source_fails_to_compile():

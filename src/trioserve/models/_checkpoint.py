@@ -8,11 +8,13 @@ float16 or bfloat16), ``tokenizer.json`` (the ``tokenizers`` package) and option
 ``tokenizer_config.json`` (its ``chat_template`` and special tokens go to the chat
 endpoint) and ``generation_config.json`` (its ``eos_token_id`` wins over config.json's).
 Nothing is downloaded. The configuration and tokenizer are read at once, so that a bad
-folder fails before serving starts; the weights are read by ``load``.
+folder fails before serving starts (for the GPU, the weights' headers too: their dtype
+sizes the default KV cache); the weights are read by ``load``.
 
 With ``device="gpu"`` and cupy with a CUDA device, ``load`` builds the GPU forward
-(``_gpu_forward.py``) instead of the numpy one: weights in float32 for a float32
-checkpoint, float16 otherwise (cupy has no bfloat16), and ``step_greedy`` serves.
+(``_gpu_forward.py``) instead of the numpy one, its weights, activations and KV cache in
+the checkpoint's dtype (``gpu_dtype``: float32, float16 or bfloat16), and
+``step_greedy`` serves.
 
 The ``checkpoints`` extra installs ``safetensors`` and ``tokenizers``.
 """
@@ -20,7 +22,7 @@ The ``checkpoints`` extra installs ``safetensors`` and ``tokenizers``.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,6 +31,7 @@ import numpy as np
 from .._generative import GenerativeModel, StepSequence
 from ._gpu_forward import GpuForward, ServedOnDevice
 from ._llama import CheckpointError, LlamaConfig, LlamaForward, LlamaWeights, gpu_parts
+from ._storage import BFLOAT16_BITS
 from ._tiny_lm import Array, array_module
 
 _DEFAULT_MAX_MODEL_LEN = 4096  # unless asked: a CPU has no use for 128k-token contexts
@@ -74,9 +77,16 @@ class CheckpointLM(ServedOnDevice, GenerativeModel):
                 f"the other sequences of each step): max_model_len {length} is longer"
             )
         blocks_per_sequence = -(-length // block_size)
+        # Read from the weights' headers now: the default cache size depends on it.
+        self.gpu_storage = (
+            gpu_dtype(stored_dtypes(_weight_files(self.path))) if device == "gpu" else None
+        )
         if num_kv_blocks is None:
             c = self.config
-            block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * 4
+            # In the GPU storage's bytes (a device that falls back to numpy keeps the count,
+            # in float32); float32 on the CPU.
+            element = 4 if self.gpu_storage is None else self.gpu_storage.itemsize
+            block_bytes = 2 * c.num_layers * block_size * c.num_kv_heads * c.head_dim * element
             num_kv_blocks = max(blocks_per_sequence, _DEFAULT_KV_CACHE_BYTES // block_bytes)
         super().__init__(
             name,
@@ -110,15 +120,13 @@ class CheckpointLM(ServedOnDevice, GenerativeModel):
         from safetensors.numpy import load_file
 
         xp = array_module(self.device)
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"no *.safetensors in {self.path}")
         tensors: dict[str, Any] = {}
-        for file in files:
+        for file in _weight_files(self.path):
             tensors.update(load_file(file))
         c = self.config
         if xp is not np:
-            weights = LlamaWeights(xp, c, tensors, gpu_dtype(tensors))
+            assert self.gpu_storage is not None, "only device='gpu' loads on cupy"
+            weights = LlamaWeights(xp, c, tensors, self.gpu_storage)
             self.gpu = GpuForward.serving(self, xp, *gpu_parts(xp, c, weights), c.num_layers)
             self.k_cache, self.v_cache = self.gpu.k_cache, self.gpu.v_cache
             return
@@ -154,11 +162,40 @@ def load_checkpoint_model(path: str | Path, name: str, **settings: Any) -> Check
     return CheckpointLM(path, name, **settings)
 
 
-def gpu_dtype(tensors: dict[str, Any]) -> type[np.floating[Any]]:
-    """The GPU forward's storage dtype: float32 for a float32 checkpoint, float16 for
-    the rest (cupy has no bfloat16: a bfloat16 checkpoint is served in float16)."""
-    kinds = {np.asarray(t).dtype for t in tensors.values()}
-    return np.float32 if kinds == {np.dtype(np.float32)} else np.float16
+def gpu_dtype(stored: Iterable[str]) -> np.dtype[Any]:
+    """The GPU forward's storage dtype for a checkpoint whose tensors are ``stored`` as
+    these safetensors dtypes ("F32", "F16", "BF16"...; integer ones do not count):
+    float32 when every floating one is F32; else float16 when one is F16 (a float16
+    tensor would lose 3 bits of its mantissa in bfloat16), bfloat16 (``BFLOAT16_BITS``)
+    when one is BF16 (beside F32 ones, say its norms: their values fit bfloat16's range,
+    not always float16's), float16 otherwise (F64, 8-bit floats)."""
+    floating = {kind for kind in stored if kind.startswith(("F", "BF"))}
+    if floating <= {"F32"}:
+        return np.dtype(np.float32)
+    if "BF16" in floating and "F16" not in floating:
+        return BFLOAT16_BITS
+    return np.dtype(np.float16)
+
+
+def stored_dtypes(files: Sequence[Path]) -> set[str]:
+    """The dtypes the safetensors ``files`` store their tensors as, from their headers
+    alone (8 bytes, little-endian, of the JSON header's length, then the header)."""
+    found: set[str] = set()
+    for file in files:
+        try:
+            with file.open("rb") as stream:
+                header = json.loads(stream.read(int.from_bytes(stream.read(8), "little")))
+            found |= {entry["dtype"] for key, entry in header.items() if key != "__metadata__"}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"cannot read the header of {file}: {exc!r}") from None
+    return found
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {folder}")
+    return files
 
 
 def _json(path: Path, *, required: bool = True) -> dict[str, Any]:

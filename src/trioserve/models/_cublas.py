@@ -1,7 +1,8 @@
 """Matrix products for the GPU forward: one cuBLAS GemmEx call each (float accumulation).
 
-Eagerly, through cupy's binding (``cupy.cuda.cublas.gemmEx``) on cupy's handle and the
-current stream. cupy refuses every cuBLAS call while a stream captures a CUDA graph, so
+Eagerly, through cupy's binding (``cupy.cuda.cublas.gemmEx``, reached through the array
+module: the tests' stand-in for cupy provides it) on cupy's handle and the current
+stream. cupy refuses every cuBLAS call while a stream captures a CUDA graph, so
 for a capture the same call goes, through ctypes, to the libcublas the process has
 loaded, on a handle of our own bound to the capturing stream and to a workspace of our
 own (cuBLAS may allocate none during a capture; the graph keeps using that workspace).
@@ -19,6 +20,8 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 import numpy as np
+
+from ._storage import BFLOAT16_BITS, to_storage
 
 logger = logging.getLogger("trioserve.models")
 
@@ -90,16 +93,23 @@ class CapturingCublas:
 class Gemm:
     """``out = a @ b`` for C-contiguous 2-D arrays of one dtype: no temporary, no copy.
     Checked against ``cupy.matmul`` once, on ``stream`` (the current one); should cuBLAS
-    refuse the direct call, every product goes through ``cupy.matmul`` instead."""
+    refuse the direct call, every float product goes through ``cupy.matmul`` instead.
+    bfloat16 products (``storage`` ``BFLOAT16_BITS``) have no such way round: they are
+    checked once more, in bfloat16, and refused (an error) without the direct call."""
 
-    _CUDA_TYPES: ClassVar = {np.dtype(np.float32): 0, np.dtype(np.float16): 2}  # CUDA_R_32F, _16F
+    _CUDA_TYPES: ClassVar = {
+        np.dtype(np.float32): 0,  # CUDA_R_32F
+        np.dtype(np.float16): 2,  # CUDA_R_16F
+        BFLOAT16_BITS: 14,  # CUDA_R_16BF
+    }
 
-    def __init__(self, cupy: ModuleType, stream: Any) -> None:
+    def __init__(self, cupy: ModuleType, stream: Any, storage: np.dtype[Any]) -> None:
         self.cupy = cupy
         self.stream = stream
         self._one = np.ones(1, np.float32)  # host scalars: cuBLAS's default pointer mode
         self._zero = np.zeros(1, np.float32)
         self.direct = True
+        self.unavailable = ""  # why the direct call is not used
         self._capturing: CapturingCublas | None = None
         self._for_capture: CapturingCublas | None = None
         try:
@@ -113,6 +123,20 @@ class Gemm:
         except Exception as exc:
             logger.warning("direct cuBLAS products unavailable, using cupy.matmul: %r", exc)
             self.direct = False
+            self.unavailable = repr(exc)
+        if storage == BFLOAT16_BITS:
+            self._check_bfloat16()
+
+    def _check_bfloat16(self) -> None:
+        """Raise unless a bfloat16 product of small integers (exact in bfloat16) comes
+        out exact: a model whose products cannot be made fails to load."""
+        a, b = np.arange(6.0).reshape(2, 3), np.arange(12.0).reshape(3, 4)
+        out = self.cupy.empty((2, 4), BFLOAT16_BITS)
+        a_bits, b_bits = (self.cupy.asarray(to_storage(x, BFLOAT16_BITS)) for x in (a, b))
+        self(a_bits, b_bits, out)
+        self.stream.synchronize()
+        if not np.array_equal(out.get(), to_storage(a @ b, BFLOAT16_BITS)):
+            raise RuntimeError("cuBLAS GemmEx's bfloat16 product differs from the host's")
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -131,6 +155,10 @@ class Gemm:
 
     def __call__(self, a: Array, b: Array, out: Array) -> None:
         if not self.direct:
+            if a.dtype == BFLOAT16_BITS:  # cupy.matmul would multiply the bits as integers
+                raise RuntimeError(
+                    f"bfloat16 products need cuBLAS GemmEx, which is unavailable: {self.unavailable}"
+                )
             self.cupy.matmul(a, b, out=out)
             return
         rows, inner = a.shape
@@ -147,6 +175,7 @@ class Gemm:
         if self._capturing is not None:
             self._capturing.gemm_ex(*args)
             return
-        from cupy.cuda import cublas
-
-        cublas.gemmEx(self.cupy.cuda.device.get_cublas_handle(), *args)
+        # cupy.cuda.cublas is cupy_backends.cuda.libs.cublas (what ``from cupy.cuda
+        # import cublas`` gives) and cupy.cuda.get_cublas_handle is cupy.cuda.device's.
+        cuda = self.cupy.cuda
+        cuda.cublas.gemmEx(cuda.get_cublas_handle(), *args)

@@ -2,10 +2,14 @@
 
 One source, compiled once per storage type: ``-DTS_HALF`` stores ``scalar_t`` as IEEE
 half (kept as ``unsigned short`` and converted with PTX ``cvt``, so no CUDA header is
-needed: NVRTC compiles it without an include path), else as float. Arithmetic is float;
+needed: NVRTC compiles it without an include path), ``-DTS_BF16`` as bfloat16 (the bit
+patterns as ``unsigned short``, see ``_storage.py``: widened by a shift, rounded to
+nearest even in integer arithmetic, so neither a header nor a bfloat16 instruction is
+needed and it compiles for any architecture), else as float. Arithmetic is float;
 ``rnd`` rounds a float to the storage type where the Hugging Face model's half-precision
-forward rounds (each product of the rotation, the activation before its product), so
-that greedy tokens follow a same-dtype reference step by step.
+forward rounds (each product of the rotation, the activation before its product; its
+bfloat16 forward rounds at the same points), so that greedy tokens follow a same-dtype
+reference step by step.
 
 Kernels, all ``extern "C"``:
 
@@ -49,13 +53,28 @@ ATTENTION_WARPS = 4
 MAX_HEAD_DIM = 256  # each lane keeps head_dim / 32 accumulators in registers
 
 FORWARD_SOURCE = r"""
-#ifdef TS_HALF
+#if defined(TS_HALF)
 typedef unsigned short scalar_t;
 __device__ __forceinline__ float to_f(scalar_t v) {
     float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f;
 }
 __device__ __forceinline__ scalar_t from_f(float f) {
     scalar_t h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+#elif defined(TS_BF16)
+typedef unsigned short scalar_t;
+__device__ __forceinline__ float to_f(scalar_t v) {
+    return __uint_as_float(((unsigned int)v) << 16);
+}
+// Round to nearest even: add just under half a unit of the kept bits, plus one when the
+// kept part is odd, and truncate (a carry into the exponent rounds up to it, or to
+// infinity). A NaN keeps its sign and upper payload and stays a quiet NaN (the rounding
+// could carry it into infinity).
+__device__ __forceinline__ scalar_t from_f(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (scalar_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (scalar_t)(u >> 16);
 }
 #else
 typedef float scalar_t;

@@ -3,7 +3,8 @@
 The numpy forward (``_llama.py``, ``_tiny_lm.py`` over ``_paged_attention.py``) is the
 reference; this is the same arithmetic arranged for a GPU:
 
-- weights in the storage dtype (float16, or float32), float accumulation in the norms,
+- weights, activations and the KV cache in the storage dtype (float32, float16, or
+  bfloat16 kept as its bit patterns: ``_storage.py``), float accumulation in the norms,
   the softmax and attention, one cuBLAS GemmEx call per matrix product (``Gemm``);
 - all of a step's sequences in one batched forward: each layer is an add+norm kernel, a
   QKV matmul, one kernel for biases, rotary and the KV-cache write, one paged-attention
@@ -48,6 +49,7 @@ from ._cublas import Gemm
 from ._cuda_source import ATTENTION_WARPS, KERNEL_NAMES, MAX_HEAD_DIM, SOURCE
 from ._gpu_inputs import bucket_for, decode_buckets, is_decode, pack_step, packed_size, part
 from ._gpu_sampling import DeviceSampler, check_sampler
+from ._storage import BFLOAT16_BITS, nan_of
 
 logger = logging.getLogger("trioserve.models")
 
@@ -55,6 +57,11 @@ Array = Any  # a cupy ndarray
 _NORM_MODES = {"rms": 0, "layer": 1}
 _MLP_MODES = {"swiglu": 0, "relu": 1}
 _THREADS = 256
+_STORAGE_OPTIONS = {  # how _cuda_source.py's scalar_t is stored
+    np.dtype(np.float32): (),
+    np.dtype(np.float16): ("-DTS_HALF",),
+    BFLOAT16_BITS: ("-DTS_BF16",),
+}
 
 
 @dataclass(frozen=True)
@@ -99,8 +106,7 @@ class _Kernels:
     """The module compiled for one storage dtype."""
 
     def __init__(self, cupy: ModuleType, dtype: np.dtype[Any]) -> None:
-        options = ("-DTS_HALF",) if dtype == np.float16 else ()
-        module = cupy.RawModule(code=SOURCE, options=options)
+        module = cupy.RawModule(code=SOURCE, options=_STORAGE_OPTIONS[np.dtype(dtype)])
         self.functions = {name: module.get_function(name) for name in KERNEL_NAMES}
 
     def __call__(self, name: str, grid: tuple[int, ...], block: int, *args: Any) -> None:
@@ -135,7 +141,7 @@ class _Workspace:
         return part(self.ints, name, self.rows, self.entries, self.width)
 
     def intermediates(self) -> list[Array]:
-        """The float buffers a forward writes before it reads them."""
+        """The activation and logits buffers a forward writes before it reads them."""
         found = [self.residual, self.normed, self.delta, self.qkv, self.q, self.attended,
                  self.mlp_in, self.mlp_out, self.logits, self.logits32]  # fmt: skip
         return found if self.last is None else [*found, self.last]
@@ -214,7 +220,7 @@ class GpuForward:
             cache = (num_layers, num_kv_blocks, block_size, shape.kv_heads, shape.head_dim)
             self.k_cache = cupy.zeros(cache, self.dtype)
             self.v_cache = cupy.zeros(cache, self.dtype)
-            self.gemm = Gemm(cupy, self.stream)
+            self.gemm = Gemm(cupy, self.stream, self.dtype)
             self._nothing = cupy.zeros(1, self.dtype)
             self._nothing_f32 = cupy.zeros(1, np.float32)
             self.cos, self.sin = self._rotation_tables()
@@ -468,7 +474,7 @@ class GpuForward:
         self._launch(ws)
         expected = ws.logits32.copy()
         for buffer in ws.intermediates():
-            buffer.fill(np.nan)
+            buffer.fill(nan_of(buffer.dtype))
         ws.tokens.fill(-1)
         graph.launch(self.stream)
         self.stream.synchronize()

@@ -17,11 +17,13 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._generative import StepSequence
 from ._gpu_forward import GpuLayer, GpuShape, GpuWeights
 from ._paged_attention import Array, PagedAttention, StepLayout
 from ._rope import Rope, RopeError, read_rope
+from ._storage import to_storage
 
 ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
 
@@ -82,19 +84,19 @@ class LlamaConfig:
 
 class LlamaWeights:
     """A checkpoint's tensors on the array module, laid out for the forward pass: float32
-    for the numpy forward, the GPU forward's storage dtype for it."""
+    for the numpy forward, the GPU forward's storage dtype for it (``_storage.py``)."""
 
     def __init__(
         self,
         xp: ModuleType,
         config: LlamaConfig,
         tensors: Mapping[str, Any],
-        dtype: type[np.floating[Any]] = np.float32,
+        dtype: DTypeLike = np.float32,
     ) -> None:
         def take(name: str, *, transpose: bool = False) -> Array:
             if name not in tensors:
                 raise CheckpointError(f"the checkpoint lacks tensor {name!r}")
-            array = np.asarray(tensors[name]).astype(dtype)
+            array = to_storage(tensors[name], dtype)
             return xp.asarray(np.ascontiguousarray(array.T) if transpose else array)
 
         self.embed = take("model.embed_tokens.weight")
