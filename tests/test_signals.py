@@ -4,6 +4,7 @@ drains, a second one during the drain stops the process at once."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import subprocess
@@ -60,3 +61,80 @@ def _post_ignoring_errors(url: str, body: object) -> None:
     """The request in flight: the server goes away under it."""
     with contextlib.suppress(httpx.HTTPError):
         httpx.post(url, json=body, timeout=60)
+
+
+_FIFO_MODEL = """
+import sys
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        print("model is executing", file=sys.stderr, flush=True)
+        with open({fifo!r}) as go:  # blocks until the test opens the other end
+            go.read()
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
+
+_HELD_CONFIG = """
+backend: "python"
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_process_group_drains_through_the_instance_processes(
+    tmp_path: Path, sent: signal.Signals
+) -> None:
+    """Ctrl-C in a terminal, ``timeout`` or a service manager signal every process of the
+    group: the instance processes must outlive the drain, which answers through them."""
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    model = tmp_path / "repository" / "held"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(_HELD_CONFIG)
+    (model / "1" / "model.py").write_text(_FIFO_MODEL.format(fifo=str(fifo)))
+    command = [
+        sys.executable, "-m", "trioserve", "run", "--model-repository", str(model.parent),
+        "--host", "127.0.0.1", "--http-port", "0", "--allow-grpc", "false",
+        "--allow-metrics", "false", "--python-instance-mode", "process",
+    ]  # fmt: skip
+    with subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as process:
+        try:
+            assert process.stderr is not None
+            lines = iter(process.stderr)
+            port = _wait_for(lines, r"HTTP service listening on 127\.0\.0\.1:(\d+)").group(1)
+            answers: list[httpx.Response] = []
+            body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": [2.5]}]}
+            request = threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(
+                        f"http://127.0.0.1:{port}/v2/models/held/infer", json=body, timeout=60
+                    )
+                )
+            )
+            request.start()
+            _wait_for(lines, "model is executing")
+            os.killpg(process.pid, sent)
+            _wait_for(lines, f"received {sent.name}: draining")
+            with open(fifo, "w"):  # the model returns
+                pass
+            request.join(timeout=60)
+            assert process.wait(timeout=60) == 0
+            rest = list(lines)
+        finally:
+            process.kill()
+    [answer] = answers
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"][0]["data"] == [2.5]
+    assert not [line for line in rest if "Traceback" in line or "starting it again" in line]

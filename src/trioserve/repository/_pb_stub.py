@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -330,7 +331,18 @@ def _exit(status: int) -> None:
     os._exit(status)
 
 
+def _left_to_the_server(signum: int, frame: object) -> None:
+    """SIGINT and SIGTERM: nothing (see ``main``)."""
+
+
 def main(argv: list[str]) -> None:
+    # The server ends its instance processes itself, once its drain is over: a Ctrl-C,
+    # `timeout` or a service manager signals the whole process group, and must not end
+    # them first, under requests the drain still answers through them. A server that
+    # dies outright is seen by the watch below. A handler, not SIG_IGN: programs the
+    # model starts get the default dispositions back (SIG_IGN would pass to them).
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _left_to_the_server)
     threading.Thread(
         target=_outlive_no_server, args=(os.getppid(),), name="server watch", daemon=True
     ).start()
