@@ -6,7 +6,8 @@ the process ended, and a new process serves next; one that keeps dying is UNAVAI
 ``load`` and ``unload`` run in the process, and a failing load fails the model; an error
 returned for one request of a batch keeps its status, an exception fails its batch; a
 decoupled model streams its responses from its process; a GPU model's processes see its
-device; a client's system shared-memory input reaches the model; features that cannot
+device; a client's system shared-memory input reaches the model; the model's
+``memory_usage()`` and ``unavailable()`` are read in its processes; features that cannot
 cross into a process fail the load, named; a model that does not opt in still runs in
 the server, whatever the server's ``python_instance_mode``. Over REST and gRPC with
 tritonclient, against a server in the test's process (``os.getpid()`` is the server's)."""
@@ -169,6 +170,38 @@ model = Streamed(
 """
 
 PROCESS = '{"TRIOSERVE_INSTANCE_MODE": "process"}'
+
+# What the model says of itself, from its processes: 1,000 bytes of host memory held by
+# each instance; MODE 9 takes the instance that runs it out of service.
+REPORTING = """
+import os
+import numpy as np
+import trioserve
+
+class Reporting(trioserve.Model):
+    def load(self):
+        self.down = None
+
+    def memory_usage(self):
+        return [trioserve.MemoryUsage("CPU", 0, 1000)]
+
+    def unavailable(self):
+        return self.down
+
+    def execute(self, requests):
+        for request in requests:
+            if int(request.inputs["MODE"].data.reshape(-1)[0]) == 9:
+                self.down = f"taken out of service in {os.getpid()}"
+        return [{"PID": np.array([os.getpid()])} for _ in requests]
+
+model = Reporting(
+    name="reporting",
+    inputs=[trioserve.TensorSpec("MODE", "INT32", [1])],
+    outputs=[trioserve.TensorSpec("PID", "INT64", [1])],
+    instance_count=2,
+    parameters={"TRIOSERVE_INSTANCE_MODE": "process"},
+)
+"""
 
 
 def write(root: Path, name: str, code: str, **values: object) -> Path:
@@ -426,4 +459,25 @@ def test_withdraw_cancels_execution_fails_the_load(tmp_path: Path) -> None:
         client = client_of(running, httpclient)
         (entry,) = client.get_model_repository_index()
         assert "model 'refused': withdraw_cancels_execution cannot be used" in entry["reason"]
+        client.close()
+
+
+def test_the_models_own_memory_and_unavailability_come_from_its_processes(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, "reporting", REPORTING)
+    with server_in_thread(process_config(tmp_path, restart_limit=100)) as running:
+        client = client_of(running, httpclient)
+        [stats] = client.get_inference_statistics("reporting")["model_stats"]
+        # Two processes, each holding its own copy.
+        assert stats["memory_usage"] == [{"type": "CPU", "id": 0, "byte_size": 2000}]
+        assert client.is_model_ready("reporting")
+        answer = client.infer("reporting", mode(httpclient, 9, batched=False))
+        pid = int(answer.as_numpy("PID")[0])
+        assert pid in pids(running, "reporting") and pid != os.getpid()
+        # Said in the process before its answer: the server knows it already.
+        assert not client.is_model_ready("reporting")
+        (entry,) = client.get_model_repository_index()
+        assert entry["state"] == "UNAVAILABLE"
+        assert entry["reason"] == f"taken out of service in {pid}"
         client.close()

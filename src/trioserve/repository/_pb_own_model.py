@@ -107,6 +107,12 @@ class OwnInstance:
             Path(settings["model_file"]), self._name, settings["folder_version"]
         )
         self._call(self.model.load)
+        # What the model says of itself, for the server's readiness and statistics:
+        # its memory once (the server reads it after the load), its unavailability
+        # again whenever a batch changed it.
+        self._unavailable = self._call(self.model.unavailable)
+        usage = [(m.kind, m.id, m.byte_size) for m in self._call(self.model.memory_usage)]
+        stub.send(("state", self._unavailable, usage))
 
     def _call(self, function: Callable[..., Any], *args: Any) -> Any:
         """Call model code as this instance; what it returns, awaited on the trio loop if
@@ -143,8 +149,10 @@ class OwnInstance:
                     f"model returned {len(results)} results for {len(described)} requests"
                 )
         except BaseException as exc:  # the model's, whatever it is
+            self._report_unavailable()
             stub.send(("done", batch, ("failed", self._error(exc))))
             return
+        self._report_unavailable()  # before the answers: a client then sees it
         if decoupled:
             stub.send(("done", batch, ("results", [])))
             return
@@ -156,6 +164,15 @@ class OwnInstance:
 
     def unload(self) -> None:
         self._call(self.model.unload)
+
+    def _report_unavailable(self) -> None:
+        try:
+            reason = self._call(self.model.unavailable)
+        except Exception as exc:  # the model's: it cannot say it serves
+            reason = f"its unavailable() raised {exc!r}"
+        if reason != self._unavailable:
+            self._unavailable = reason
+            self._stub.send(("state", reason, None))
 
     def _request(self, described: tuple[Any, ...], decoupled: bool) -> InferenceRequest:
         """A request of an ``exec`` frame (as ``_pb_process`` describes it); a decoupled

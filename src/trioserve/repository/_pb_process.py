@@ -111,6 +111,10 @@ class InstanceProcess:
         self._stopping = False
         self._deaths: list[float] = []
         self.unavailable: str | None = None  # why the instance stays down
+        # What a trioserve Model in the process reports of itself ("state" frames):
+        # its ``unavailable()`` and, from its load, its ``memory_usage()``.
+        self.model_unavailable: str | None = None
+        self.model_memory: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def pid(self) -> int | None:
@@ -262,6 +266,7 @@ class InstanceProcess:
         for blocks in inputs.values():
             self._free_all(blocks)
         self._given_back.next_process()
+        self.model_unavailable = None  # the next process's load reports afresh
 
     async def stop(self) -> None:
         """Finalize and end the process (killed after ``stop_timeout_s``). A process
@@ -431,6 +436,10 @@ class InstanceProcess:
             logging.getLogger(message[1]).log(message[2], "%s", message[3])
         elif kind == "metric":
             self._metric(*message[1:])
+        elif kind == "state":
+            self.model_unavailable = message[1]
+            if message[2] is not None:
+                self.model_memory = tuple(message[2])
         elif kind in ("ready", "init_failed"):
             self._init_error = message[1] if kind == "init_failed" else None
             self._initialized.set()

@@ -25,6 +25,7 @@ import trio
 
 from .._model import MODEL_INSTANCE, Model, Result
 from .._model_code import raise_failure
+from .._stats import MemoryUsage
 from .._types import InferenceRequest
 from . import _pb_launch
 from ._config import CONFIG_FILE, ConfigError, complete_config, config_document, model_settings
@@ -109,8 +110,24 @@ class InstanceProcesses:
                 nursery.start_soon(process.stop)
 
     def unavailable(self) -> str | None:
-        reasons = [p.unavailable for p in self._processes if p.unavailable is not None]
-        return "; ".join(reasons) if reasons else None
+        """Why the model cannot serve: an instance down for good, or what the model
+        itself says in an instance's process (a trioserve Model's ``unavailable()``)."""
+        reasons = [
+            reason
+            for p in self._processes
+            for reason in (p.unavailable, p.model_unavailable)
+            if reason is not None
+        ]
+        return "; ".join(dict.fromkeys(reasons)) if reasons else None
+
+    def memory_usage(self) -> list[MemoryUsage]:
+        """What the model's instances reported holding once loaded, summed over their
+        processes (each holds its own copy) by memory kind and device."""
+        total: dict[tuple[str, int], int] = {}
+        for process in self._processes:
+            for kind, device, size in process.model_memory:
+                total[kind, device] = total.get((kind, device), 0) + size
+        return [MemoryUsage(kind, device, size) for (kind, device), size in total.items()]
 
     def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
         """A restarting instance is down until its process serves again; one given up
@@ -141,6 +158,9 @@ class ServedByProcesses:
 
     def unavailable(self) -> str | None:
         return self._processes.unavailable()
+
+    def memory_usage(self) -> list[MemoryUsage]:
+        return self._processes.memory_usage()
 
     def instance_down(self, index: int) -> Callable[[], Awaitable[None]] | None:
         return self._processes.instance_down(index)
