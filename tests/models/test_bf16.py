@@ -20,6 +20,7 @@ from trioserve.models._cublas import Gemm
 from trioserve.models._storage import BFLOAT16_BITS, nan_of, to_storage
 
 from . import fake_device
+from .on_device import on_a_device
 from .test_checkpoint import BASE_CONFIG, VARIANTS, write_checkpoint
 from .test_gpu_forward import BLOCK, forwards, steps
 from .test_gpu_forward import VARIANTS as FORWARD_VARIANTS
@@ -185,17 +186,7 @@ def test_a_broken_safetensors_header_is_refused(tmp_path: Path) -> None:
         CheckpointLM(tmp_path, "m", device="gpu")
 
 
-def _cuda_devices() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+@on_a_device
 @pytest.mark.parametrize("variant", sorted(FORWARD_VARIANTS))
 def test_on_a_device_bfloat16_steps_follow_the_numpy_forward(variant: str) -> None:
     """The CUDA kernels and cuBLAS in bfloat16: logits within bfloat16's tolerance of

@@ -23,6 +23,7 @@ from trioserve.models._llama import LlamaConfig, LlamaForward, LlamaWeights, gpu
 from trioserve.models._tiny_lm import TinyLM
 
 from . import fake_device
+from .on_device import on_a_device
 
 BLOCK = 4
 CONFIG = {
@@ -127,17 +128,7 @@ def test_steps_match_the_numpy_forward(variant: str) -> None:
             assert tokens.tolist() == expected.argmax(axis=1).tolist()
 
 
-def _cuda_devices() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+@on_a_device
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_on_a_device_steps_match_the_numpy_forward(variant: str) -> None:
     import cupy

@@ -29,6 +29,7 @@ from trioserve.scheduler._model_steps import device_draw
 from trioserve.scheduler._sampling import Draw, TokenHistory, choose_tokens
 
 from . import fake_device
+from .on_device import on_a_device
 from .test_gpu_forward import BLOCK, forwards, steps
 
 LOGITS = np.array([[1.0, 2.5, 0.3, 2.4, -1.0, 0.9, 1.7, -0.2, 2.0, 0.0]], np.float32)
@@ -328,17 +329,7 @@ def test_a_draw_needs_a_batch_row() -> None:
     assert got.tokens.tolist() == []
 
 
-def _cuda_devices() -> int:
-    try:
-        import cupy
-
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:
-        return 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+@on_a_device
 def test_on_a_device_the_kernel_draws_what_the_reference_draws() -> None:
     """The CUDA kernel itself: its forward's load check passed, its tokens and logprobs
     on a 32,000-token vocabulary are the reference's, its draws follow the softmax."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 import trio
@@ -15,6 +13,8 @@ from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import TinyLM
 from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
+
+from .on_device import cuda_devices, on_a_device
 
 
 def _norm(x):
@@ -109,18 +109,7 @@ async def test_greedy_generation_is_deterministic():
     assert all(first) and len(set(first)) > 1
 
 
-def _cuda_devices() -> int:
-    if importlib.util.find_spec("cupy") is None:
-        return 0
-    import cupy
-
-    try:
-        return int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # a driver without a device
-        return 0
-
-
-@pytest.mark.skipif(_cuda_devices() > 0, reason="a CUDA device is present")
+@pytest.mark.skipif(cuda_devices() > 0, reason="a CUDA device is present")
 def test_gpu_device_falls_back_to_numpy_without_a_gpu():
     lm = TinyLM(num_kv_blocks=16, max_model_len=64, device="gpu")
     lm.load()
@@ -128,8 +117,7 @@ def test_gpu_device_falls_back_to_numpy_without_a_gpu():
     assert lm.step([StepSequence([1, 2, 3], 0, [0])]).shape == (1, 257)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(_cuda_devices() == 0, reason="needs cupy and a CUDA device")
+@on_a_device
 def test_cupy_steps_match_numpy(model):
     import cupy
 
