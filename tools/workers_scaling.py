@@ -4,7 +4,7 @@
     PYTHONPATH=src python3 tools/workers_scaling.py --duration 0.5 --warmup 0.2 \\
         --workers 1,2 --connections 16                           # a quick check
 
-For each W the server (``python -m trioserve run``, built-in models) runs pinned to
+For each W the server (``python -m trioserve run``, the built-in ``simple`` alone) runs pinned to
 cores 0..W+1 (fewer if the machine needs the rest for the load); a load generator of
 this file's own runs on the remaining cores, one process per core, and keeps
 ``--connections`` connections in all busy, closed loop (each sends its next request as
@@ -214,6 +214,8 @@ def _start_server(
     command = [
         python, "-m", "trioserve", "run", "--http-port", "0", "--grpc-port", "0",
         "--workers", str(workers), "--ports-file", str(ports_file), "--log-level", "warning",
+        # Only the model measured: the others' instance processes make each start slower.
+        "--model-control-mode", "explicit", "--load-model", "simple",
     ]  # fmt: skip
     server = subprocess.Popen(command, cwd=ROOT, preexec_fn=lambda: os.sched_setaffinity(0, cores))
     deadline = time.monotonic() + 120
