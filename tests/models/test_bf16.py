@@ -7,6 +7,9 @@ the CUDA ones do, with the same integer arithmetic) and, where there is one, on 
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -177,6 +180,25 @@ def test_a_bfloat16_checkpoint_is_served_in_bfloat16(
         np.testing.assert_allclose(gpu.step(batch), cpu.step(batch), atol=LOGITS_TOLERANCE)
     for tokens, logits in run_greedy(gpu.step_greedy, cpu.step, PROMPTS, 8):
         assert tokens.tolist() == logits.argmax(axis=1).tolist()
+
+
+def test_a_bfloat16_checkpoint_loads_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """The server's process has imported nothing that names numpy's bfloat16 type when
+    it loads a checkpoint (this test module has): the load must not depend on that."""
+    tensors = write_checkpoint(tmp_path, BASE_CONFIG, bf16=True)
+    script = (
+        "import sys\n"
+        "from trioserve.models._checkpoint import load_checkpoint_model\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        f"model = load_checkpoint_model({str(tmp_path)!r}, 'm')\n"
+        "model.load()\n"
+        "assert model.forward is not None\n"
+        "print(repr(model.forward.weights.embed[:2].tolist()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = ast.literal_eval(done.stdout)
+    assert np.array_equal(rows, tensors["model.embed_tokens.weight"][:2])
 
 
 def test_a_broken_safetensors_header_is_refused(tmp_path: Path) -> None:
