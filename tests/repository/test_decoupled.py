@@ -155,21 +155,31 @@ def test_unary_endpoints_refuse_decoupled_models(server: Server) -> None:
 
 
 SENDER_MODEL = """
+import hashlib
 import os
+import socket
 import threading
-import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# Shared by the model's two instances, threads or processes.
+# Shared by the model's two instances, threads or processes: the watcher of the
+# cancelled request makes this file, then tells the waiting request by a datagram to an
+# abstract socket named for it (if that one is already waiting).
 CANCELLED = os.path.join(os.path.dirname(__file__), "cancelled")
+WAITER = "\\0sender-" + hashlib.sha256(CANCELLED.encode()).hexdigest()[:16]
 
 
 def saw_cancelled(timeout):
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(CANCELLED) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return os.path.exists(CANCELLED)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as waiter:
+        waiter.bind(WAITER)
+        if os.path.exists(CANCELLED):  # told before this one listened
+            return True
+        waiter.settimeout(timeout)
+        try:
+            waiter.recv(1)
+        except socket.timeout:
+            return False
+        return True
 
 
 class TritonPythonModel:
@@ -199,9 +209,14 @@ class TritonPythonModel:
         return None
 
     def _watch(self, request, sender):
-        while not request.is_cancelled():
+        while not request.is_cancelled():  # the backend's API is a poll
             threading.Event().wait(0.001)
         open(CANCELLED, "w").close()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as teller:
+            try:
+                teller.sendto(b"!", WAITER)
+            except OSError:  # nobody waits yet: the file tells
+                pass
 """
 
 SENDER_CONFIG = """

@@ -28,16 +28,21 @@ from trioserve.testing import server_in_thread
 TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
 # Both requests of a pair must be in the model at once: BLS calls made one after the
-# other fail to meet (after a timeout). The two instances meet through files, so that
-# they meet whether they are threads of the server or processes of their own: each
-# arrival takes the next ticket and waits for its partner's (0 and 1, 2 and 3...).
+# other fail to meet (after a timeout). The two instances meet whether they are threads
+# of the server or processes of their own: each arrival takes the next ticket (a file
+# made exclusively: 0 and 1 are a pair, 2 and 3...), binds a datagram socket named by
+# it, and waits for a datagram from its partner's, sending its own once the partner's
+# socket is there (the later of the two always finds the earlier one bound).
 PAIRED = """
+import hashlib
 import os
-import time
+import socket
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 TICKETS = os.path.join(os.path.dirname(__file__), "tickets")
+# Abstract socket names (no file, no path length limit), unique to this model folder.
+PREFIX = "\\0paired-" + hashlib.sha256(TICKETS.encode()).hexdigest()[:16] + "-"
 
 def meet():
     os.makedirs(TICKETS, exist_ok=True)
@@ -48,12 +53,21 @@ def meet():
             break
         except FileExistsError:
             number += 1
-    partner = os.path.join(TICKETS, str(number ^ 1))
-    deadline = time.monotonic() + 10
-    while not os.path.exists(partner):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the other request of the pair never came")
-        time.sleep(0.005)
+    partner = PREFIX + str(number ^ 1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as me:
+        me.bind(PREFIX + str(number))
+        me.settimeout(10)
+        try:
+            me.sendto(b"here", partner)
+            sent = True
+        except OSError:  # not bound yet: it finds this one bound and sends first
+            sent = False
+        try:
+            me.recv(1)
+        except socket.timeout:
+            raise TimeoutError("the other request of the pair never came") from None
+        if not sent:
+            me.sendto(b"here", partner)
 
 class TritonPythonModel:
     def execute(self, requests):
