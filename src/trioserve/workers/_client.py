@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,8 +26,8 @@ from ._wire import (
     OutputPayload,
     Payload,
     Returned,
-    call_on_loop,
     new_arena,
+    on_loop_when_gone,
     read,
     root_in_place,
     unwrap,
@@ -186,10 +185,7 @@ class CoreClient:
         if root is None:
             self.release_payloads((payload,))
         else:
-            finalizer = weakref.finalize(
-                root, call_on_loop, self._token, self.release_payloads, (payload,)
-            )
-            finalizer.atexit = False
+            on_loop_when_gone(root, self._token, self.release_payloads, (payload,))
 
     async def _send_frees(self) -> None:
         blocks, self._frees = self._frees, []

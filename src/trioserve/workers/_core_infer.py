@@ -11,7 +11,6 @@ closes, what it has in flight is withdrawn.
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 import trio
@@ -36,8 +35,8 @@ from ._wire import (
     Payload,
     Returned,
     address_of,
-    call_on_loop,
     lies_in,
+    on_loop_when_gone,
     read,
     root_in_place,
 )
@@ -246,10 +245,7 @@ class LinkInferences:
             if type(payload) is Block and (root := root_in_place(data)) is not None:
                 # Once no array reads it (whichever thread drops the last one), the
                 # worker may reuse it.
-                finalizer = weakref.finalize(
-                    root, call_on_loop, self._token, self._free_kept, payload
-                )
-                finalizer.atexit = False
+                on_loop_when_gone(root, self._token, self._free_kept, payload)
                 inference.kept[payload] = address_of(raw)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors

@@ -14,12 +14,10 @@ that input is kept until the answer has been sent, even if the core frees it fir
 
 from __future__ import annotations
 
-import weakref
-
 import trio
 
 from ..ipc import Arena, ArenaFull, Block
-from ._wire import address_of, call_on_loop, lies_in
+from ._wire import address_of, lies_in, on_loop_when_gone
 
 
 class InputBlocks:
@@ -53,8 +51,7 @@ class InputBlocks:
         self._holds[block] = 1  # the request's
         # Run where the body's last view is dropped, which may be a worker thread (one
         # decoding a large request): the event loop's thread lets go of it.
-        finalizer = weakref.finalize(view, call_on_loop, self._token, self._let_go, block)
-        finalizer.atexit = False
+        on_loop_when_gone(view, self._token, self._let_go, block)
         return view
 
     def part(self, data: bytes | bytearray | memoryview) -> Block | None:

@@ -49,6 +49,7 @@ if the core frees it first.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -88,9 +89,16 @@ def address_of(data: bytes | bytearray | memoryview) -> int:
     return int(np.frombuffer(data, np.uint8).__array_interface__["data"][0])
 
 
-def call_on_loop(token: trio.lowlevel.TrioToken, fn: Callable[..., object], *args: Any) -> None:
-    """``fn(*args)`` soon on the event loop's thread, from whichever thread a finalizer
-    runs in (the one that dropped an array's last view); nothing once the loop ended."""
+def on_loop_when_gone(
+    held: object, token: trio.lowlevel.TrioToken, fn: Callable[..., object], *args: Any
+) -> None:
+    """``fn(*args)`` on the event loop's thread once ``held`` is gone, from whichever
+    thread dropped it (the one that let go of an array's last view); nothing once the
+    loop ended, nor at the interpreter's exit."""
+    weakref.finalize(held, _call_on_loop, token, fn, *args).atexit = False
+
+
+def _call_on_loop(token: trio.lowlevel.TrioToken, fn: Callable[..., object], *args: Any) -> None:
     with contextlib.suppress(trio.RunFinishedError):
         token.run_sync_soon(fn, *args)
 
