@@ -1,5 +1,6 @@
 """The cyclic garbage collector tuned for serving: the process's own choice, so made by
-``trioserve run`` and not by ``serve()``, which runs inside its host's process.
+``trioserve run`` (the core process, and each front-end worker once it listens) and not
+by ``serve()``, which runs inside its host's process.
 
 What a request allocates is alive until it is answered, so under many connections a
 young collection finds hundreds of requests' objects alive, promotes them, and the older

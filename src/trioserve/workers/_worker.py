@@ -2,7 +2,8 @@
 and gRPC ports on the listening sockets the core hands it and forwards every call to
 the core over the link on descriptor FD.
 
-It starts by reading its ``WorkerSettings`` (CONFIG), listens, and says READY. A DRAIN
+It starts by reading its ``WorkerSettings`` (CONFIG), listens, says READY and tunes its
+cyclic garbage collector as the core does (``_gc``). A DRAIN
 from the core, or SIGTERM, drains it like a single server: listeners close, calls in
 flight are answered (within ``exit_timeout_s``), then it exits 0. SIGINT is left to the
 core (a terminal's Ctrl-C reaches the whole process group; the core then drains every
@@ -20,6 +21,7 @@ from functools import partial
 
 import trio
 
+from .. import _gc
 from ..grpc import CoreStatistics, UnaryMethod, serve_methods, tls_context, with_reflection
 from ..ipc import LinkClosed, TrioChannel
 from ..rest import HttpStatistics, ReceivesInto, RestApp, serve_http11
@@ -92,6 +94,10 @@ async def serve_worker(channel: TrioChannel) -> None:
                 )  # fmt: skip
                 await front_ends.start(serve)
             await client.out.send((READY,))
+            # As in the core: what startup built is frozen out of every collection, and
+            # requests' short-lived objects meet rare young collections (``_gc``).
+            _gc.tune()
+            nursery.start_soon(_gc.collect_periodically)
             await client.drain.wait()
             stop.set()  # listeners close; calls in flight finish
             front_ends.cancel_scope.deadline = trio.current_time() + settings.exit_timeout_s
