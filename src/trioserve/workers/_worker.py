@@ -128,6 +128,9 @@ def main(argv: list[str]) -> None:
     )
 
     async def run() -> None:
+        # Coalescing: the INFERs a turn of the event loop sends (one per request) go in
+        # one write; sent one by one, a worker spent about a fifth more CPU per request
+        # at 64 connections.
         await serve_worker(TrioChannel(trio.socket.from_stdlib_socket(link), coalesce=True))
 
     try:
