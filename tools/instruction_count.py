@@ -11,6 +11,12 @@ requests one at a time over one kept-alive connection (HTTP JSON, or gRPC ModelI
 requests. Builds alternate within each round. Two runs of one build differ by about 2%
 (event-loop turns, timers, the collector), so read the ratio of each round's pair.
 Needs ``valgrind`` (apt) and ``callgrind_control`` on PATH.
+
+``--workers N`` serves with N front-end workers (every process under callgrind) and counts
+the core process and the workers apart: the core's share bounds what any number of
+workers can serve.
+
+    python tools/instruction_count.py old/src src --workers 1
 """
 
 from __future__ import annotations
@@ -53,14 +59,17 @@ def _client(mode: str, http_port: int, grpc_port: int) -> Callable[[], None]:
     return post
 
 
-def _instructions(src: str, mode: str, requests: int) -> float:
+def _instructions(src: str, mode: str, requests: int, workers: int) -> tuple[float, float]:
+    """Instructions per request: the server's (with workers, its core process's), and its
+    workers' (0 without)."""
     http_port, grpc_port = _free_port(), _free_port()
     with tempfile.TemporaryDirectory() as folder:
         command = [
-            "valgrind", "--tool=callgrind", "--instr-atstart=no",
+            "valgrind", "--tool=callgrind", "--instr-atstart=no", "--trace-children=yes",
             f"--callgrind-out-file={folder}/out.%p",
             sys.executable, "-m", "trioserve", "run", "--http-port", str(http_port),
             "--grpc-port", str(grpc_port), "--allow-metrics", "false",
+            "--workers", str(workers),
         ]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=src)
         server = subprocess.Popen(
@@ -71,21 +80,43 @@ def _instructions(src: str, mode: str, requests: int) -> float:
             send = _client(mode, http_port, grpc_port)
             for _ in range(_WARM_UP):
                 send()
-            _control(server.pid, "-i", "on")
+            processes = [server.pid, *_children(server.pid)]
+            for pid in processes:
+                _control(pid, "-i", "on")
             for _ in range(requests):
                 send()
-            _control(server.pid, "--dump")
-            _control(server.pid, "-i", "off")
+            for pid in processes:
+                _control(pid, "--dump")
+                _control(pid, "-i", "off")
         finally:
             server.terminate()
             server.wait()
-        total = 0
+        core = workers_count = 0
         for path in glob.glob(f"{folder}/out.*.1"):  # the dump, not the file written at exit
             with open(path, errors="replace") as dump:
-                total += next(
-                    (int(line.split()[1]) for line in dump if line.startswith("summary:")), 0
-                )
-    return total / requests
+                heads = dict(line.split(":", 1) for line in dump if line[:4] in ("cmd:", "summ"))
+            count = int(heads.get("summary", "0"))
+            if path.endswith(f".{server.pid}.1"):
+                core += count
+            elif "trioserve.workers" in heads.get("cmd", ""):  # not a model's own process
+                workers_count += count
+    return core / requests, workers_count / requests
+
+
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (its front-end workers, and the built-in models' own
+    processes, whose counts are left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if parent == pid:
+                found.append(int(entry))
+    return found
 
 
 def _control(pid: int, *args: str) -> None:
@@ -99,14 +130,19 @@ def main() -> None:
     parser.add_argument("--mode", choices=("http-json", "grpc"), default="http-json")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=0, help="front-end workers (0: none)")
     args = parser.parse_args()
     ratios = []
     for round_ in range(1, args.rounds + 1):
-        old = _instructions(args.old, args.mode, args.requests)
-        new = _instructions(args.new, args.mode, args.requests)
-        ratios.append(new / old)
-        print(f"round {round_}: old {old:,.0f}, new {new:,.0f} instructions/request, "
-              f"new/old {new / old:.3f}", flush=True)  # fmt: skip
+        old = _instructions(args.old, args.mode, args.requests, args.workers)
+        new = _instructions(args.new, args.mode, args.requests, args.workers)
+        ratios.append(sum(new) / sum(old))
+        split = ""
+        if args.workers:
+            split = (f" (core {old[0]:,.0f} -> {new[0]:,.0f}, new/old {new[0] / old[0]:.3f};"
+                     f" workers {old[1]:,.0f} -> {new[1]:,.0f})")  # fmt: skip
+        print(f"round {round_}: old {sum(old):,.0f}, new {sum(new):,.0f} instructions/request, "
+              f"new/old {ratios[-1]:.3f}{split}", flush=True)  # fmt: skip
     ratios.sort()
     print(f"new/old median {ratios[len(ratios) // 2]:.3f} over {args.rounds} rounds")
 
