@@ -327,11 +327,18 @@ def cpu_seconds(pid: int) -> float:
         try:
             fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(child) for child in (task / "children").read_text().split()]
+            pending += children(current)
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended meanwhile
     return total
+
+
+def children(pid: int) -> list[int]:
+    """The processes ``pid`` started (those of every thread of it), from /proc."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
 
 
 # --- the server under test ------------------------------------------------------------

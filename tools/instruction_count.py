@@ -30,7 +30,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from bench import _free_port, _wait_ready, grpc_request, http_body
+from bench import _free_port, _wait_ready, children, grpc_request, http_body
 
 _WARM_UP = 100
 
@@ -80,7 +80,8 @@ def _instructions(src: str, mode: str, requests: int, workers: int) -> tuple[flo
             send = _client(mode, http_port, grpc_port)
             for _ in range(_WARM_UP):
                 send()
-            processes = [server.pid, *_children(server.pid)]
+            # The workers, and the built-in models' own processes (left out of the counts).
+            processes = [server.pid, *children(server.pid)]
             for pid in processes:
                 _control(pid, "-i", "on")
             for _ in range(requests):
@@ -101,22 +102,6 @@ def _instructions(src: str, mode: str, requests: int, workers: int) -> tuple[flo
             elif "trioserve.workers" in heads.get("cmd", ""):  # not a model's own process
                 workers_count += count
     return core / requests, workers_count / requests
-
-
-def _children(pid: int) -> list[int]:
-    """The processes ``pid`` started (its front-end workers, and the built-in models' own
-    processes, whose counts are left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            if parent == pid:
-                found.append(int(entry))
-    return found
 
 
 def _control(pid: int, *args: str) -> None:

@@ -34,6 +34,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import children
+
 ROOT = Path(__file__).resolve().parent.parent
 _SIMPLE = {
     "inputs": [
@@ -55,7 +57,7 @@ def _http_request(port: int) -> bytes:
     return head.encode() + body
 
 
-def http_load(port: int, connections: int, warmup: float, duration: float) -> int:
+def http_load(port: int, connections: int, begin: float, duration: float) -> int:
     """Answers received in the measured window over ``connections`` keep-alive
     connections, each sending its next request when its answer is complete."""
     request = _http_request(port)
@@ -68,8 +70,7 @@ def http_load(port: int, connections: int, warmup: float, duration: float) -> in
         buffers[sock] = bytearray()
         selector.register(sock, selectors.EVENT_READ)
         sock.send(request)
-    start = time.monotonic()
-    begin, end = start + warmup, start + warmup + duration
+    end = _window(begin, duration)
     counted = 0
     while (now := time.monotonic()) < end:
         for key, _ in selector.select(0.1):
@@ -126,7 +127,7 @@ _DATA, _HEADERS, _SETTINGS, _PING, _WINDOW_UPDATE = 0, 1, 4, 6, 8
 _END_STREAM, _END_HEADERS, _ACK = 0x1, 0x4, 0x1
 
 
-def grpc_load(port: int, connections: int, warmup: float, duration: float) -> int:
+def grpc_load(port: int, connections: int, begin: float, duration: float) -> int:
     """As ``http_load``, over HTTP/2 (h2c, prior knowledge): one ModelInfer call at a time
     per connection. A minimal client of its own: grpcio's Python client would cost the
     load cores more than the server spends per call."""
@@ -158,8 +159,7 @@ def grpc_load(port: int, connections: int, warmup: float, duration: float) -> in
         states[sock] = [bytearray(), 1, False]
         selector.register(sock, selectors.EVENT_READ)
         sock.send(preface + call(1))
-    start = time.monotonic()
-    begin, end = start + warmup, start + warmup + duration
+    end = _window(begin, duration)
     counted = 0
     received = 0
     while (now := time.monotonic()) < end:
@@ -236,17 +236,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
-
-
 def _server_cpu(pid: int) -> tuple[float, float]:
     """CPU seconds so far of the core process (the server's own) and of its children
     (the front-end workers) together."""
-    return _cpu_seconds(pid), sum(_cpu_seconds(child) for child in _children(pid))
+    return _cpu_seconds(pid), sum(_cpu_seconds(child) for child in children(pid))
 
 
 @dataclass
@@ -267,6 +260,20 @@ class Point:
         )
 
 
+_START_S = 1.0
+"""What a load process is given to start (Python, its imports, its connections) before
+its warm-up: the window is the same instant for the server's CPU and every load
+process's count (``time.monotonic`` is one clock for all the machine's processes)."""
+
+
+def _window(begin: float, duration: float) -> float:
+    """The end of a load process's measured window; refuses one that began before the
+    process was ready (its count would be short of the server's CPU window)."""
+    if time.monotonic() > begin:
+        raise SystemExit("the load process was not ready when the measured window began")
+    return begin + duration
+
+
 def _measure(
     protocol: str,
     port: int,
@@ -277,6 +284,7 @@ def _measure(
 ) -> Point:
     """Requests/s of the load processes together (one per load core), and the server's
     CPU over the same window."""
+    begin = time.monotonic() + _START_S + args.warmup
     processes = []
     for index, core in enumerate(load_cores):
         share = connections // len(load_cores) + (index < connections % len(load_cores))
@@ -284,7 +292,7 @@ def _measure(
             continue
         command = [
             args.python, __file__, "--load", protocol, "--port", str(port),
-            "--connections", str(share), "--warmup", str(args.warmup),
+            "--connections", str(share), "--begin", str(begin),
             "--duration", str(args.duration),
         ]  # fmt: skip
         processes.append(
@@ -294,13 +302,13 @@ def _measure(
                 preexec_fn=lambda core=core: os.sched_setaffinity(0, [core]),  # type: ignore[misc]
             )
         )
-    time.sleep(args.warmup)
+    time.sleep(begin - time.monotonic())
     core_before, workers_before = _server_cpu(server_pid)
-    time.sleep(args.duration)
+    time.sleep(begin + args.duration - time.monotonic())
     core_after, workers_after = _server_cpu(server_pid)
     total = 0
     for process in processes:
-        out, _ = process.communicate(timeout=args.warmup + args.duration + 60)
+        out, _ = process.communicate(timeout=args.duration + 60)
         if process.returncode != 0:
             raise SystemExit(f"a load process failed ({process.returncode})")
         total += int(out.decode().strip().splitlines()[-1])
@@ -368,10 +376,11 @@ def main() -> None:
     parser.add_argument("--python", default=sys.executable, help="the interpreter to serve with")
     parser.add_argument("--load", choices=("http", "grpc"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--begin", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load is not None:
         load = http_load if args.load == "http" else grpc_load
-        print(load(args.port, args.connections, args.warmup, args.duration))
+        print(load(args.port, args.connections, args.begin, args.duration))
         return
     args.workers = [int(w) for w in args.workers.split(",")]
     table = conduct(args)
