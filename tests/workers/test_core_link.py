@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,17 @@ from trioserve.testing import (
     open_test_server,
 )
 from trioserve.workers._core_link import WorkerLink
-from trioserve.workers._wire import ANSWER, CANCEL, FREE, INFER, OUTCOME, Outbound, new_arena
+from trioserve.workers._wire import (
+    ANSWER,
+    CANCEL,
+    FREE,
+    HTTP,
+    INFER,
+    OUTCOME,
+    START,
+    Outbound,
+    new_arena,
+)
 
 
 class Worker:
@@ -334,3 +345,29 @@ async def test_a_generative_models_inferences_are_answered_or_withdrawn(
     ((name, datatype, shape, data, _),) = frames[0][-1][6]
     assert (name, datatype, shape) == ("text_output", "BYTES", (1,))
     assert data == (3).to_bytes(4, "little") + b"pqr"
+
+
+async def test_the_core_leaves_compression_to_the_worker(worker: Worker) -> None:
+    """A forwarded HTTP call's response comes back uncompressed whatever its client
+    accepts (the worker compresses it), marked compressible where one process would have
+    compressed it."""
+    headers = [(b"accept-encoding", b"gzip"), (b"content-type", b"application/json")]
+    tensor = {"name": "INPUT0", "datatype": "FP32", "shape": [2], "data": [5, 6]}
+    body = json.dumps({"inputs": [tensor]}).encode()
+    await worker.channel.send((HTTP, 1, "POST", "/v2/models/keeper/infer", b"", headers, body))
+    await worker.channel.send((HTTP, 2, "GET", "/v2/models/keeper", b"", headers, b""))
+    starts = {}
+    while len(starts) < 2:
+        for message, _ in await worker.channel.receive():
+            assert message[0] == ANSWER
+            for call, item, last in message[1]:
+                assert item[0] == START and last
+                starts[call] = item
+    _, status, answer_headers, compressible, data, more = starts[1]
+    assert (status, compressible, more) == (200, True, False)  # an inference's answer
+    assert json.loads(data)["outputs"][0]["data"] == [5.0]
+    assert b"content-encoding" not in dict(answer_headers)
+    assert dict(answer_headers)[b"content-length"] == str(len(data)).encode()
+    _, status, answer_headers, compressible, data, more = starts[2]
+    assert (status, compressible, more) == (200, False, False)  # metadata: never compressed
+    assert json.loads(data)["name"] == "keeper"

@@ -120,6 +120,46 @@ def test_a_region_registered_on_one_connection_serves_another(
         assert http.get_system_shared_memory_status() == []
 
 
+def test_compressed_answers(served: Served, regions: tuple[Any, Any]) -> None:
+    """Responses compressed as the client accepts, whether the worker decoded the
+    request (an inference) or the core answered it (one that names a region, a scrape);
+    the worker compresses them. Others are never compressed, as in one process."""
+    source, _ = regions
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    shm.set_shared_memory_region(source, [a, a])
+    names = ("INPUT0", "INPUT1")
+    decoded = [
+        {"name": n, "datatype": "INT32", "shape": [1, 16], "data": a[0].tolist()} for n in names
+    ]
+    in_region = [
+        {"name": name, "datatype": "INT32", "shape": [1, 16], "parameters": {
+            "shared_memory_region": "w_in", "shared_memory_byte_size": 64,
+            "shared_memory_offset": 64 * index,
+        }}
+        for index, name in enumerate(names)
+    ]  # fmt: skip
+    with httpx.Client(base_url=f"http://{served.url}", timeout=TIMEOUT) as http:
+        region = {"key": "/trioserve_w24_in", "offset": 0, "byte_size": 128}
+        assert http.post("/v2/systemsharedmemory/region/w_in/register", json=region).is_success
+        try:
+            for encoding in ("gzip", "deflate"):
+                accept = {"accept-encoding": encoding}
+                for inputs in (decoded, in_region):
+                    answer = http.post(
+                        "/v2/models/simple/infer", json={"inputs": inputs}, headers=accept
+                    )
+                    assert answer.headers["content-encoding"] == encoding, answer.text
+                    assert answer.json()["outputs"][0]["data"] == (a + a)[0].tolist()
+                scrape = http.get("/metrics", headers=accept)
+                assert scrape.headers["content-encoding"] == encoding
+                assert "nv_inference_count" in scrape.text
+                metadata = http.get("/v2/models/simple", headers=accept)
+                assert "content-encoding" not in metadata.headers
+                assert metadata.json()["name"] == "simple"
+        finally:
+            http.post("/v2/systemsharedmemory/region/w_in/unregister")
+
+
 def test_a_model_loaded_on_one_connection_serves_every_other(served: Served) -> None:
     with httpclient.InferenceServerClient(served.url) as http:
         http.unload_model("simple_int8")

@@ -13,6 +13,10 @@ from ._app import ReceivesInto as ReceivesInto
 from ._app import Request as Request
 from ._app import Response as Response
 from ._app import RestApp
+from ._app import accepted_encoding as accepted_encoding
+from ._app import compressed as compressed
+from ._asgi import COMPRESSED_IN_FRONT as COMPRESSED_IN_FRONT
+from ._asgi import COMPRESSIBLE as COMPRESSIBLE
 from ._endpoints import build_app
 from ._endpoints import header_length as header_length
 from ._endpoints import infer_response as infer_response
@@ -28,6 +32,8 @@ if TYPE_CHECKING:
     from ._hypercorn import serve_hypercorn as serve_hypercorn
 
 __all__ = [
+    "COMPRESSED_IN_FRONT",
+    "COMPRESSIBLE",
     "HTTP_COUNTERS",
     "Endpoint",
     "HttpError",
@@ -37,7 +43,9 @@ __all__ = [
     "Response",
     "RestApp",
     "Router",
+    "accepted_encoding",
     "build_app",
+    "compressed",
     "decode_request",
     "header_length",
     "infer_response",

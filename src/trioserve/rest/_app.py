@@ -5,8 +5,9 @@ It reads the body (bounded, decompressed; whole into one buffer where the server
 ``Response``; every ``InferenceServerError`` becomes ``{"error": ...}`` with the status
 from ``_errors.HTTP_STATUS``, every ``HttpError`` (405, 413) with its own status and
 headers. A response's binary ``parts`` go to a server that offers ``BODY_PARTS`` as they
-are (tensors' memory), joined otherwise. It runs unchanged on our HTTP/1.1 core and on
-Hypercorn.
+are (tensors' memory), joined otherwise. A compressible response is compressed as the
+client accepts, unless a front-end worker in front does that (``COMPRESSED_IN_FRONT``).
+It runs unchanged on our HTTP/1.1 core and on Hypercorn.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from .._errors import InferenceServerError, InvalidArgumentError
 from ._asgi import (
     BODY_PARTS,
     CANCEL_WITH,
+    COMPRESSED_IN_FRONT,
+    COMPRESSIBLE,
     RECEIVE_WHOLE,
     CancelWith,
     Message,
@@ -319,7 +322,9 @@ def _decompress(body: bytes | bytearray | memoryview, encoding: bytes, limit: in
     return data
 
 
-def _compression(headers: dict[bytes, bytes]) -> bytes | None:
+def accepted_encoding(headers: Mapping[bytes, bytes]) -> bytes | None:
+    """The encoding a compressible response to a request with ``headers`` gets (gzip or
+    deflate, by its Accept-Encoding), or None."""
     accepted = headers.get(b"accept-encoding")
     if not accepted:
         return None
@@ -328,6 +333,11 @@ def _compression(headers: dict[bytes, bytes]) -> bytes | None:
         if name in names:
             return name
     return None
+
+
+def compressed(body: bytes | bytearray | memoryview, encoding: bytes) -> bytes:
+    """``body`` in ``accepted_encoding``'s ``encoding``, at the fastest level."""
+    return gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
 
 
 async def _send(
@@ -341,20 +351,24 @@ async def _send(
     body = response.body
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type))
-    encoding = _compression(request_headers) if response.compressible else None
+    # (Its headers are completed below: the list is the message's.)
+    start: Message = {"type": "http.response.start", "status": response.status, "headers": headers}
+    if COMPRESSED_IN_FRONT in extensions:  # by the worker in front, if at all
+        start[COMPRESSIBLE] = response.compressible
+        encoding = None
+    else:
+        encoding = accepted_encoding(request_headers) if response.compressible else None
     if response.parts:
         if encoding is None and BODY_PARTS in extensions:
             parts = [body, *response.parts]
             headers.append((b"content-length", str(sum(map(len, parts))).encode()))
-            await send(
-                {"type": "http.response.start", "status": response.status, "headers": headers}
-            )
+            await send(start)
             await send({"type": BODY_PARTS, "parts": parts})
             return
         body = response.joined().body  # to compress, or for a server that takes bytes only
     if encoding is not None:
-        body = gzip.compress(body, 1) if encoding == b"gzip" else zlib.compress(body, 1)
+        body = compressed(body, encoding)
         headers.append((b"content-encoding", encoding))
     headers.append((b"content-length", str(len(body)).encode()))
-    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send(start)
     await send({"type": "http.response.body", "body": body})

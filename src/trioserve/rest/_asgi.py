@@ -42,6 +42,14 @@ allows: ``{"type": BODY_PARTS, "parts": [buffer, ...]}``, a whole response body 
 byte buffers (bytes, or 1-D byte memoryviews such as a tensor's), written with
 ``sendmsg`` as they are rather than joined first. In place of ``http.response.body``."""
 
+COMPRESSED_IN_FRONT = "trioserve.compressed_in_front"
+"""A scope extension (``{}``) of the calls a front-end worker forwards to the core: the
+worker compresses a response as its client accepts, so the app does not. It sends every
+response uncompressed and marks one it would have compressed with ``COMPRESSIBLE: True``
+in its ``http.response.start`` message (whose body then comes whole, in one message)."""
+
+COMPRESSIBLE = "trioserve.compressible"
+
 
 async def answer_lifespan(receive: Receive, send: Send) -> None:
     """Complete the lifespan protocol: trioserve starts and stops its models itself."""

@@ -33,7 +33,7 @@ from ..grpc import (
     status_of,
 )
 from ..ipc import Block, LinkClosed, PendingCalls, SegmentMap, TrioChannel
-from ..rest import RestApp
+from ..rest import COMPRESSED_IN_FRONT, COMPRESSIBLE, RestApp
 from ._core_infer import ForwardedCall, LinkInferences
 from ._wire import (
     ANSWER,
@@ -61,6 +61,9 @@ from ._wire import (
 logger = logging.getLogger("trioserve.workers")
 
 Snapshot = dict[str, dict[str, int]]  # counter group ("http", "grpc", "worker") -> counts
+
+# The worker compresses what its client accepts (protocol work, as decompressing is).
+_FORWARDED_EXTENSIONS: dict[str, dict[str, Any]] = {COMPRESSED_IN_FRONT: {}}
 
 
 class WorkerLink:
@@ -198,7 +201,7 @@ class WorkerLink:
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
             "method": method, "path": path, "raw_path": path.encode(), "query_string": query,
-            "headers": headers, "scheme": "http",
+            "headers": headers, "scheme": "http", "extensions": _FORWARDED_EXTENSIONS,
         }  # fmt: skip
 
         async def receive() -> dict[str, Any]:
@@ -214,7 +217,9 @@ class WorkerLink:
             # The head waits for the first body chunk: one frame for a whole response.
             nonlocal start
             if message["type"] == "http.response.start":
-                start = (START, message["status"], list(message.get("headers", ())))
+                answer_headers = list(message.get("headers", ()))
+                compressible = message.get(COMPRESSIBLE, False)
+                start = (START, message["status"], answer_headers, compressible)
             elif message["type"] == "http.response.body":
                 more = message.get("more_body", False)
                 chunk = self.out.pack(message.get("body", b""))
@@ -230,7 +235,7 @@ class WorkerLink:
             except Exception:  # a bug of ours: answered 500, the link goes on
                 logger.exception("a forwarded HTTP request failed")
                 if start is not None or not answered:
-                    item = (START, 500, [(b"content-type", b"application/json")])
+                    item = (START, 500, [(b"content-type", b"application/json")], False)
                     await self._answer(call, (*item, b'{"error":"internal error"}', False), True)
             finally:
                 del self._calls[call]

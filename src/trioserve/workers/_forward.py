@@ -26,7 +26,7 @@ from ..grpc import (
     WireReply,
 )
 from ..ipc import Pending
-from ..rest import Endpoint, HttpError, Request, Router
+from ..rest import Endpoint, HttpError, Request, Router, accepted_encoding, compressed
 from ._client import Answer, CoreClient
 from ._wire import BODY, GRPC, GRPC_STREAM, HALF_CLOSE, HTTP, MESSAGE, REPLY, START
 
@@ -85,6 +85,7 @@ class RestForwarder:
         await client.out.send(message, body)
         handle = Withdraw(client, call, answers)
         request.cancel_with(handle.withdraw)
+        encoding = accepted_encoding(request.headers)  # for a compressible response
         done = started = False
         try:
             async for item in answers:
@@ -94,24 +95,39 @@ class RestForwarder:
                         raise UnavailableError(_CORE_GONE)
                     break
                 started = True
-                done = await self._relay(request, item)
+                done = await self._relay(request, item, encoding)
         finally:
             request.cancel_with(None)
             if not done:
                 client.cancel(call, answers)
 
-    async def _relay(self, request: Request, item: Answer) -> bool:
-        """Send one answer item to the client; True once the response is complete."""
+    async def _relay(self, request: Request, item: Answer, encoding: bytes | None) -> bool:
+        """Send one answer item to the client, a compressible body in ``encoding`` if
+        any; True once the response is complete."""
         client = self._client
+        head: dict[str, Any] | None = None
         if item[0] == START:
-            _, status, headers, chunk, more = item
-            start = {"type": "http.response.start", "status": status, "headers": headers}
-            await request.send(start)
+            _, status, headers, compressible, chunk, more = item
+            head = {"type": "http.response.start", "status": status, "headers": headers}
+            if not compressible or more:  # (a compressible body comes whole)
+                encoding = None
         else:
             _, chunk, more = item
             assert item[0] == BODY
         try:
-            body = {"type": "http.response.body", "body": client.take(chunk), "more_body": more}
+            data = client.take(chunk)
+            if head is not None:
+                if encoding is not None:
+                    data = compressed(data, encoding)
+                    kept = [(k, v) for k, v in head["headers"] if k != b"content-length"]
+                    length = str(len(data)).encode()
+                    head["headers"] = [
+                        *kept,
+                        (b"content-encoding", encoding),
+                        (b"content-length", length),
+                    ]
+                await request.send(head)
+            body = {"type": "http.response.body", "body": data, "more_body": more}
             await request.send(body)  # written (or the client gone) when this returns
         finally:
             client.free(chunk)

@@ -30,8 +30,10 @@ An INFER is answered by one ``(OUTCOME, error, model, version, id, parameters, o
 report)``: its tensors as ``(name, datatype, shape, payload, parameters)`` (raw, as the
 binary extension and gRPC carry them), ``error`` as ``(kind, message)`` or None,
 ``report`` the load report asked for (``("http", format)`` or ``("grpc", format)`` in
-the INFER: a header, or trailers). An HTTP call is answered by ``(START, status, headers)`` then ``(BODY, data, more)``
-items; a gRPC call by one ``(END, status, message, trailers, reply)`` (a unary call's
+the INFER: a header, or trailers). An HTTP call is answered by ``(START, status,
+headers, compressible, data, more)`` (the head with the first body chunk; a
+``compressible`` body comes whole, and the worker compresses it as its client accepts),
+then ``(BODY, data, more)`` items while ``more``; a gRPC call by one ``(END, status, message, trailers, reply)`` (a unary call's
 reply rides in it; a stream's ``(REPLY, data)`` items come before, and its END's reply
 is empty).
 
