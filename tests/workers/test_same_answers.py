@@ -160,6 +160,35 @@ def test_compressed_answers(served: Served, regions: tuple[Any, Any]) -> None:
             http.post("/v2/systemsharedmemory/region/w_in/unregister")
 
 
+def test_a_large_answer_is_compressed_too(served: Served) -> None:
+    """An answer of megabytes from the core (an input in a region: JSON outputs of 100,000
+    floats) crosses in shared memory and is compressed in the worker, off its loop."""
+    x = np.random.default_rng(5).standard_normal(100_000).astype(np.float32)
+    handle = shm.create_shared_memory_region("w_big", "/trioserve_w24_big", x.nbytes)
+    try:
+        shm.set_shared_memory_region(handle, [x])
+        with httpx.Client(base_url=f"http://{served.url}", timeout=TIMEOUT) as http:
+            region = {"key": "/trioserve_w24_big", "offset": 0, "byte_size": x.nbytes}
+            registered = http.post("/v2/systemsharedmemory/region/w_big/register", json=region)
+            assert registered.is_success, registered.text
+            tensor = {"name": "INPUT0", "datatype": "FP32", "shape": [x.size], "parameters": {
+                "shared_memory_region": "w_big", "shared_memory_byte_size": x.nbytes,
+            }}  # fmt: skip
+            try:
+                answer = http.post(
+                    "/v2/models/identity_fp32/infer",
+                    json={"inputs": [tensor]},
+                    headers={"accept-encoding": "gzip"},
+                )
+            finally:
+                http.post("/v2/systemsharedmemory/region/w_big/unregister")
+        assert answer.headers["content-encoding"] == "gzip", answer.text
+        assert int(answer.headers["content-length"]) < len(answer.content)  # inflated
+        np.testing.assert_array_equal(np.array(answer.json()["outputs"][0]["data"], np.float32), x)
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
 def test_a_model_loaded_on_one_connection_serves_every_other(served: Served) -> None:
     with httpclient.InferenceServerClient(served.url) as http:
         http.unload_model("simple_int8")

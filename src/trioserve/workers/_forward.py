@@ -118,7 +118,7 @@ class RestForwarder:
             data = client.take(chunk)
             if head is not None:
                 if encoding is not None:
-                    data = compressed(data, encoding)
+                    data = await compressed(data, encoding)
                     kept = [(k, v) for k, v in head["headers"] if k != b"content-length"]
                     length = str(len(data)).encode()
                     head["headers"] = [
