@@ -89,19 +89,12 @@ class LinkInferences:
         """Submit an inference the worker decoded (the pipeline reads its inputs in
         place); ``run`` answers it once its ticket has its outcome. One refused or
         failing here is answered in its next turn too."""
-        inference = _Inference(self, call, model, version, inputs, report)
-
-        def decode(regions: object) -> InferenceRequest:
-            return InferenceRequest(
-                model, version, self._input_tensors(inference),
-                [RequestedOutput(name, params) for name, params in outputs],
-                request_id, parameters,
-            )  # fmt: skip
-
+        asked = (request_id, parameters, outputs)
+        inference = _Inference(self, call, model, version, inputs, asked, report)
         try:
             inference.served = served = self._context.repository.get(model, version)
             inference.submitted = self._context.pipeline.submit(
-                served, decode, endpoint=endpoint, headers=trace_context
+                served, inference.decode, endpoint=endpoint, headers=trace_context
             )
         except Exception as exc:
             self._read_inputs(inference)
@@ -260,7 +253,8 @@ class _Inference:
     """An INFER in flight: what its answer needs once its ticket has its outcome."""
 
     __slots__ = (
-        "call", "inferences", "inputs", "kept", "model", "report", "served", "submitted", "version",
+        "asked", "call", "inferences", "inputs", "kept", "model", "report", "served", "submitted",
+        "version",
     )  # fmt: skip
 
     served: ServedModel
@@ -273,6 +267,7 @@ class _Inference:
         model: str,
         version: str,
         inputs: list[Tensor],
+        asked: tuple[str, dict[str, Any], list[tuple[str, dict[str, Any]]]],
         report: tuple[str, Any] | None,
     ) -> None:
         self.inferences = inferences
@@ -280,9 +275,19 @@ class _Inference:
         self.model = model
         self.version = version
         self.inputs = inputs
+        self.asked = asked  # the request's id, parameters and requested outputs
         # Input blocks freed once the model lets go of them, with where they start here.
         self.kept: dict[Block, int] = {}
         self.report = report
+
+    def decode(self, regions: object) -> InferenceRequest:
+        """The request the pipeline queues (a method rather than a closure, which would
+        make a function and its cells for every request)."""
+        request_id, parameters, outputs = self.asked
+        return InferenceRequest(
+            self.model, self.version, self.inferences._input_tensors(self),
+            [RequestedOutput(name, params) for name, params in outputs], request_id, parameters,
+        )  # fmt: skip
 
     def finished(self) -> None:
         self.inferences._finished_inference(self)
