@@ -304,6 +304,11 @@ class ModelRepository:
             drain = getattr(runner, "drain", None)
             if drain is not None:
                 await drain()
+            # What the model exports about itself goes as it stops serving, not once its
+            # unload (which runs after, in its runner) has finished.
+            stopped = getattr(runner.model, "stopped_serving", None)
+            if stopped is not None:
+                stopped()
             scope = self._scopes.get(id(runner))
             if scope is not None:
                 scope.cancel()

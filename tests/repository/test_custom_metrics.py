@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -74,6 +75,29 @@ class TritonPythonModel:
         return []
 """
 
+# Its finalize waits on a FIFO (``go``), then changes its family and makes another, and
+# says so through a second FIFO (``done``).
+FINALIZING_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        family = pb_utils.MetricFamily("custom_finalized", "Finalized", pb_utils.COUNTER)
+        self.finalized = family.Metric()
+        self.finalized.increment(1)
+
+    def execute(self, requests):
+        return []
+
+    def finalize(self):
+        with open({go!r}, "rb") as go:
+            go.read()
+        self.finalized.increment(1)
+        pb_utils.MetricFamily("custom_made_late", "Made late", pb_utils.GAUGE).Metric().set(1)
+        with open({done!r}, "wb") as done:
+            done.write(b"finalized")
+"""
+
 
 def write(root: Path, name: str, model: str) -> None:
     (root / name / "1").mkdir(parents=True)
@@ -143,3 +167,53 @@ def test_metric_misuse_is_refused() -> None:
         MetricFamily("bad name", "", MetricFamily.COUNTER)
     with pytest.raises(Exception, match="only gauges 'set'"):
         MetricFamily("custom_counter", "", MetricFamily.COUNTER).Metric().set(1.0)
+
+
+def test_a_models_families_go_as_it_stops_serving(tmp_path: Path, instance_mode: str) -> None:
+    go, done = tmp_path / "go", tmp_path / "done"
+    os.mkfifo(go)
+    os.mkfifo(done)
+    write(tmp_path / "models", "finalizing", FINALIZING_MODEL.format(go=str(go), done=str(done)))
+    config = ServerConfig(
+        model_repositories=[tmp_path / "models"],
+        model_control_mode="explicit",
+        load_models=["finalizing"],
+        http_port=0,
+        grpc_port=None,
+        python_instance_mode=instance_mode,
+    )
+    with server_in_thread(config) as server:
+        url = f"http://127.0.0.1:{server.http_port}"
+        assert samples(httpx.get(f"{url}/metrics").text) == {"custom_finalized": 1.0}
+        httpx.post(f"{url}/v2/repository/models/finalizing/unload").raise_for_status()
+        try:  # its finalize has not ended: it waits on ``go``
+            during_finalize = samples(httpx.get(f"{url}/metrics").text)
+        finally:  # let it end whatever happened (each open waits for the other end's)
+            go.write_bytes(b"go")
+            finalized = done.read_bytes()
+        assert during_finalize == {}  # its family is gone already
+        assert finalized == b"finalized"
+        # What its finalize changed and made is not exported either.
+        assert samples(httpx.get(f"{url}/metrics").text) == {}
+
+
+def test_what_a_released_model_makes_is_not_exported() -> None:
+    from trioserve.repository._pb_metrics import COUNTER
+    from trioserve.repository._pb_metrics_export import CustomMetrics
+
+    class Owner:
+        pass
+
+    metrics, stopped, serving = CustomMetrics(), Owner(), Owner()
+    metrics.family("custom_shared", "", COUNTER, stopped).series((), []).increment(1)
+    metrics.family("custom_shared", "", COUNTER, serving)
+    metrics.release(stopped)
+    # A change its instance process forwards late makes no family again...
+    late = metrics.family("custom_late", "", COUNTER, stopped)
+    late.series((), []).increment(2)
+    # ...nor touches the family another model still holds.
+    assert metrics.family("custom_shared", "", COUNTER, stopped) is not metrics.family(
+        "custom_shared", "", COUNTER, serving
+    )
+    assert [family.name for family in metrics.collect()] == ["custom_shared"]
+    assert [sample.value for sample in metrics.collect()[0].samples] == [1.0]

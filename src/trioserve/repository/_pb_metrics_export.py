@@ -5,6 +5,7 @@ model's thread or forwarded from its instance process."""
 from __future__ import annotations
 
 import threading
+import weakref
 
 from prometheus_client.metrics_core import Metric as PrometheusFamily
 from prometheus_client.registry import Collector
@@ -18,9 +19,14 @@ class CustomMetrics(Collector):
     def __init__(self) -> None:
         self._families: dict[str, _FamilyState] = {}
         self._lock = threading.Lock()  # models make families from worker threads
+        # Models that stopped serving: what their finalize still makes or changes counts,
+        # unexported (a family of theirs outliving them on /metrics would be stale).
+        self._released: weakref.WeakSet[object] = weakref.WeakSet()
 
     def family(self, name: str, description: str, kind: int, owner: object) -> _FamilyState:
         with self._lock:
+            if owner in self._released:
+                return _FamilyState(name, description, kind)
             state = self._families.get(name)
             if state is None:
                 state = self._families[name] = _FamilyState(name, description, kind)
@@ -32,8 +38,10 @@ class CustomMetrics(Collector):
             return state
 
     def release(self, owner: object) -> None:
-        """``owner`` unloaded: forget the families no other owner holds."""
+        """``owner`` stopped serving (or failed to load): forget the families no other
+        owner holds, and export nothing it makes or changes from now on."""
         with self._lock:
+            self._released.add(owner)
             for name, state in list(self._families.items()):
                 state.owners.discard(id(owner))
                 if not state.owners:

@@ -223,10 +223,6 @@ class ProcessBackendModel(ServedByProcesses, PythonBackendModel):
         finally:
             self._release_metrics()
 
-    def _release_metrics(self) -> None:
-        if self._metrics is not None:
-            self._metrics.release(self)
-
 
 def read_python(reading: Reading) -> list[Model]:
     """A folder's python-backend models, one per version (``_backends``' row): each

@@ -189,8 +189,16 @@ class PythonBackendModel(Model):
                     finally:
                         instance.loop.stop()
         finally:
-            if self._metrics is not None:
-                self._metrics.release(self)
+            self._release_metrics()
+
+    def stopped_serving(self) -> None:
+        """The repository stopped serving this version (its unload comes after): its
+        custom metrics leave the server's ``/metrics`` now."""
+        self._release_metrics()
+
+    def _release_metrics(self) -> None:
+        if self._metrics is not None:
+            self._metrics.release(self)
 
     def _failed_later(
         self, instance: _Instance, exc: BaseException, served: list[pb_utils.InferenceRequest]
