@@ -12,9 +12,10 @@ import pytest
 import trio
 
 import trioserve
-from trioserve import Model, TensorSpec
+from trioserve import MetricsConfig, Model, TensorSpec
 from trioserve._server import Server
 from trioserve.ipc import Arena, Block, TrioChannel, channel_pair, encode_frames
+from trioserve.metrics import exposition, rendered
 from trioserve.models import reference_zoo
 from trioserve.testing import (
     FailureReason,
@@ -32,6 +33,7 @@ from trioserve.workers._wire import (
     HTTP,
     INFER,
     OUTCOME,
+    SCRAPE,
     START,
     Outbound,
     new_arena,
@@ -371,3 +373,65 @@ async def test_the_core_leaves_compression_to_the_worker(worker: Worker) -> None
     _, status, answer_headers, compressible, data, more = starts[2]
     assert (status, compressible, more) == (200, False, False)  # metadata: never compressed
     assert json.loads(data)["name"] == "keeper"
+
+
+async def test_a_scrape_gets_the_families_for_the_worker_to_render(
+    server: Server, worker: Worker
+) -> None:
+    await worker.send_together((SCRAPE, -2))
+    scraped = None
+    while scraped is None:
+        for message, _ in await worker.channel.receive():
+            assert message[0] == ANSWER
+            for call, item, last in message[1]:
+                if call == -2:
+                    assert item[0] == SCRAPE and last
+                    scraped = item[1]
+    names = {family.name for family in scraped}
+    assert {"nv_inference_count", "nv_inference_request_success"} <= names
+    assert server.context is not None and server.context.registry is not None
+    # Rendered in the worker, the families read as the core's own exposition.
+    families = _family_lines(rendered(scraped))
+    assert families == _family_lines(exposition(server.context.registry))
+    assert "# TYPE nv_inference_count counter" in families
+
+
+def _family_lines(text: bytes) -> list[str]:
+    """The HELP and TYPE lines of an exposition, in order."""
+    return [line for line in text.decode().splitlines() if line.startswith("#")]
+
+
+async def test_a_server_without_metrics_answers_a_scrape_with_none(nursery: trio.Nursery) -> None:
+    async with open_test_server(
+        list(reference_zoo())[:1], metrics=MetricsConfig(enabled=False)
+    ) as server:
+        core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+        assert server.context is not None and server.context.registry is None
+        link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
+        nursery.start_soon(link.serve, [])
+        worker = TrioChannel(worker_end)
+        await worker.send((SCRAPE, -1))
+        ((message, _),) = await worker.receive()
+        assert message == (ANSWER, [(-1, (SCRAPE, None), True)])
+        worker.close()
+
+
+async def test_a_scrape_whose_client_left_is_not_answered(server: Server, worker: Worker) -> None:
+    entered, left = trio.Event(), trio.Event()
+
+    async def held() -> None:  # a source that reports only when asked, taking its time
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            left.set()
+
+    assert server.context is not None
+    server.context.metrics_sources.append(held)
+    await worker.send_together((SCRAPE, -2))
+    await entered.wait()
+    await worker.send_together((CANCEL, -2))
+    await left.wait()  # the scrape was cancelled in the core
+    await worker.channel.send(_infer(-3, 4.0, "on_device"))
+    (frame,) = await worker.outcomes()
+    assert list(frame) == [-3]  # and not answered: the worker dropped it

@@ -69,10 +69,30 @@ def test_connections_land_on_both_workers_and_statistics_sum(served: Served) -> 
     assert _inference_count(served, "simple") == before + CONNECTIONS
     calls = [served.metric(f'trioserve_worker_calls_total{{worker="{n}"}}') for n in (0, 1)]
     assert min(calls) > 0, calls  # both workers served some
-    # The HTTP port's /metrics is the same scrape (forwarded to the core).
-    scrape = httpx.get(f"http://{served.url}/metrics", timeout=TIMEOUT).text
-    assert 'trioserve_worker_calls_total{worker="1"}' in scrape
-    assert "nv_inference_count" in scrape
+    # The HTTP port's /metrics is the same scrape: collected by the core, rendered by a
+    # worker (the metrics port's, by the core), so the same families, written alike.
+    scrape = httpx.get(f"http://{served.url}/metrics", timeout=TIMEOUT)
+    assert scrape.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert 'trioserve_worker_calls_total{worker="1"}' in scrape.text
+    assert "nv_inference_count" in scrape.text
+    core_scrape = httpx.get(f"http://127.0.0.1:{served.metrics}/metrics", timeout=TIMEOUT).text
+    assert _family_lines(scrape.text) == _family_lines(core_scrape)
+    assert "# TYPE nv_inference_count counter" in _family_lines(scrape.text)  # not *_total
+
+
+def _family_lines(scrape: str) -> set[str]:
+    """The HELP and TYPE lines of an exposition: its families as written."""
+    return {line for line in scrape.splitlines() if line.startswith("#")}
+
+
+def test_a_scrape_without_metrics_is_answered_as_by_one_process() -> None:
+    served = Served("--allow-metrics", "false", workers=1)
+    try:
+        scrape = httpx.get(f"http://{served.url}/metrics", timeout=TIMEOUT)
+        assert scrape.status_code == 404
+        assert "error" in scrape.json()
+    finally:
+        assert served.stop() == 0
 
 
 @pytest.fixture

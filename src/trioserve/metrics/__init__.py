@@ -5,7 +5,7 @@ server instance."""
 from ._counters import CountersCollector
 from ._llm_telemetry import LLMMetricFamilies
 from ._orca import FORMAT_HEADER, REPORT_HEADER, Counting, LoadReport, LoadReporter
-from ._registry import CONTENT_TYPE, exposition, server_registry
+from ._registry import CONTENT_TYPE, exposition, rendered, server_registry
 from ._status import StatusReport
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "LoadReporter",
     "StatusReport",
     "exposition",
+    "rendered",
     "server_registry",
 ]

@@ -8,7 +8,7 @@ model version, the latency histograms and host metrics; the server adds its LLM 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -52,7 +52,13 @@ class _SingleFamily(Collector):
 
 
 def exposition(registry: CollectorRegistry) -> bytes:
-    """The registry in the Prometheus text format.
+    """The registry in the Prometheus text format (``rendered``)."""
+    return rendered(registry.collect())
+
+
+def rendered(families: Iterable[Metric]) -> bytes:
+    """Collected families in the Prometheus text format (a front-end worker renders those
+    the core collected).
 
     prometheus_client's writer prints every counter as ``<name>_total``. A counter family
     whose samples carry the family's own name (Triton's, from ``unsuffixed_counter``) is
@@ -60,7 +66,7 @@ def exposition(registry: CollectorRegistry) -> bytes:
     prometheus_client prints it.
     """
     parts = []
-    for family in registry.collect():
+    for family in families:
         if family.type == "counter" and all(s.name == family.name for s in family.samples):
             as_gauge = Metric(family.name, family.documentation, "gauge")
             as_gauge.samples = family.samples

@@ -106,6 +106,15 @@ class CoreClient:
         self._pending[pending.call] = pending
         return pending
 
+    async def answer(self, pending: Pending[Answer]) -> Answer:
+        """A single-answer call's answer (``WITHDRAWN`` if its client left meanwhile); a
+        caller cancelled while it waits withdraws the call."""
+        try:
+            return await pending.wait()
+        except BaseException:
+            self.cancel_pending(pending)
+            raise
+
     def cancel_pending(self, pending: Pending[Answer]) -> None:
         """The client left before its answer was read: the core withdraws the call, and
         its waiter wakes with ``WITHDRAWN``; an answer that came is dropped."""

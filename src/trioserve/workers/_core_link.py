@@ -8,7 +8,8 @@ call runs in a task of its own. A CANCEL from the worker (its client left) withd
 a client's disconnect does in one process: an INFER's ticket is withdrawn from its
 model's queue, any other call's cancel scope is cancelled. When the link dies (the
 worker exited), every call of that worker is withdrawn or cancelled; other workers'
-calls go on.
+calls go on. A SCRAPE gets the server's metric families as collected, which the worker
+renders (the text is most of a scrape's CPU).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ._wire import (
     MESSAGE,
     PULL,
     REPLY,
+    SCRAPE,
     START,
     Outbound,
     Payload,
@@ -141,6 +143,8 @@ class WorkerLink:
             stream = self._streams.pop(message[1], None)
             if stream is not None:
                 stream.close()
+        elif kind == SCRAPE:
+            calls.start_soon(self._scrape, message[1])
         elif kind == CANCEL:
             self._cancel(message[1])
         elif kind == FREE:
@@ -240,6 +244,27 @@ class WorkerLink:
             finally:
                 del self._calls[call]
                 await self._release(body)
+
+    async def _scrape(self, call: int) -> None:
+        """The server's metric families, collected once every worker's counters are in
+        (``metrics_sources``), for the worker to render; None if it exports none."""
+        context = self._context
+        families = None
+        with trio.CancelScope() as cancel:
+            self._calls[call] = cancel
+            try:
+                if context.registry is not None:
+                    for refresh in context.metrics_sources:
+                        await refresh()
+                    families = list(context.registry.collect())
+            except Exception:
+                # Answered None, the worker forwards the request: the core's RestApp
+                # then fails it (and logs it) as one process would.
+                families = None
+            finally:
+                del self._calls[call]
+        if not cancel.cancelled_caught:  # else the worker's client left
+            await self._answer(call, (SCRAPE, families), True)
 
     async def _grpc_unary(
         self, call: int, path: str, metadata: dict[str, str], message: Payload

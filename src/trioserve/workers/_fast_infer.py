@@ -149,11 +149,7 @@ class InferForwarder:
 
     async def _outcome(self, pending: Pending[Answer]) -> Answer | None:
         """The OUTCOME; None if the call was withdrawn meanwhile. Cancelled: withdrawn."""
-        try:
-            item = await pending.wait()
-        except BaseException:
-            self._client.cancel_pending(pending)
-            raise
+        item = await self._client.answer(pending)
         if item is WITHDRAWN:
             return None
         error = item[1]

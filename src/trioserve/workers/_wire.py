@@ -15,6 +15,7 @@ worker -> core:
     (CANCEL, call)                                       the client left: withdraw the call
     (FREE, blocks)                                       the core's blocks, read and sent
     (COUNTERS, pull, snapshot)                           the answer to a pull
+    (SCRAPE, call)                                       GET /metrics: the families
     (READY,)                                             listening, after CONFIG
 core -> worker:
     (CONFIG, settings)                                   first, with the listening sockets
@@ -35,7 +36,10 @@ headers, compressible, data, more)`` (the head with the first body chunk; a
 ``compressible`` body comes whole, and the worker compresses it as its client accepts),
 then ``(BODY, data, more)`` items while ``more``; a gRPC call by one ``(END, status, message, trailers, reply)`` (a unary call's
 reply rides in it; a stream's ``(REPLY, data)`` items come before, and its END's reply
-is empty).
+is empty). A SCRAPE is answered by one ``(SCRAPE, families)``: the server's metric
+families as its registry collects them (prometheus_client's ``Metric``s), which the
+worker renders; None if the server exports none, or collecting them failed (the worker
+then forwards the request, which the core answers as one process does).
 
 Bodies and messages (``Payload``) below ``INLINE_BYTES`` travel inside the frame;
 larger ones are written once into the sender's ``Arena`` and travel as a ``Block``,
@@ -64,7 +68,7 @@ from .._limits import GrpcLimits, HttpLimits
 from ..ipc import Arena, ArenaFull, Block, SegmentMap, TrioChannel
 
 HTTP, GRPC, GRPC_STREAM, MESSAGE, HALF_CLOSE, CANCEL, FREE, COUNTERS, READY = range(9)
-CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER = range(9, 15)
+CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER, SCRAPE = range(9, 16)
 START, BODY, REPLY, END, OUTCOME = range(5)
 
 INLINE_BYTES = 64 * 1024  # below this a copy into the frame costs less than a block

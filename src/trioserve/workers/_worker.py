@@ -28,6 +28,7 @@ from ..rest import HttpStatistics, ReceivesInto, RestApp, serve_http11
 from ._client import CoreClient
 from ._fast_infer import InferForwarder
 from ._forward import ForwardAll, Raw, RestForwarder, forwarding_methods
+from ._scrape import MetricsScraper
 from ._wire import CONFIG, READY
 
 logger = logging.getLogger("trioserve.workers")
@@ -72,6 +73,7 @@ async def serve_worker(channel: TrioChannel) -> None:
         router = ForwardAll(generic)
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             router.add("POST", f"{base}/infer", ReceivesInto(infer.rest, infer.body_buffer))
+        router.add("GET", "/metrics", MetricsScraper(client, generic).rest)
         async with trio.open_nursery() as front_ends:
             if http_listeners:
                 limits = settings.http_limits
