@@ -220,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_WORKERS,
         metavar="N",
-        help="front-end worker processes serving the HTTP and gRPC ports over one core "
+        help="front-end worker processes serving the HTTP, gRPC and metrics ports over one core "
         f"process that holds the models (default {DEFAULT_WORKERS}; 0: one process "
         "serves everything)",
     )
@@ -456,22 +456,24 @@ async def run_until_signalled(
     """Serve until SIGINT or SIGTERM, then shut down gracefully. ``workers``: front-end
     worker processes serving the HTTP and gRPC ports (0: this process serves them)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        # With workers, this process (the core) listens on the metrics port alone.
-        core = replace(config, http_port=None, grpc_port=None) if workers else config
+        # With workers, this process (the core) listens on no port: they serve them all.
+        core = config
+        if workers:
+            unserved = replace(config.metrics, port=None)
+            core = replace(config, http_port=None, grpc_port=None, metrics=unserved)
         async with open_server(core) as server, trio.open_nursery() as pool_nursery:
             http, grpc = server.http_addresses, server.grpc_addresses
+            metrics = server.metrics_addresses
             pool = None
             if workers:
                 pool = _worker_pool(server, config, workers)
                 ports = await pool_nursery.start(pool.run)
-                http, grpc = ports.http, ports.grpc
-            for kind, addresses in (
-                ("HTTP", http), ("gRPC", grpc), ("Metrics", server.metrics_addresses),
-            ):  # fmt: skip
+                http, grpc, metrics = ports.http, ports.grpc, ports.metrics
+            for kind, addresses in (("HTTP", http), ("gRPC", grpc), ("Metrics", metrics)):
                 for host, port in addresses:
                     logger.info("%s service listening on %s:%d", kind, host, port)
             if ports_file is not None:
-                _write_ports(ports_file, http, grpc, server.metrics_addresses)
+                _write_ports(ports_file, http, grpc, metrics)
             logger.info("serving models: %s", ", ".join(server.repository.names()))
             _gc.tune()
             async with trio.open_nursery() as collector:

@@ -69,15 +69,19 @@ def test_connections_land_on_both_workers_and_statistics_sum(served: Served) -> 
     assert _inference_count(served, "simple") == before + CONNECTIONS
     calls = [served.metric(f'trioserve_worker_calls_total{{worker="{n}"}}') for n in (0, 1)]
     assert min(calls) > 0, calls  # both workers served some
-    # The HTTP port's /metrics is the same scrape: collected by the core, rendered by a
-    # worker (the metrics port's, by the core), so the same families, written alike.
+    # The HTTP port's /metrics is the same scrape as the metrics port's: both collected
+    # by the core and written out by a worker.
     scrape = httpx.get(f"http://{served.url}/metrics", timeout=TIMEOUT)
     assert scrape.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert 'trioserve_worker_calls_total{worker="1"}' in scrape.text
     assert "nv_inference_count" in scrape.text
-    core_scrape = httpx.get(f"http://127.0.0.1:{served.metrics}/metrics", timeout=TIMEOUT).text
-    assert _family_lines(scrape.text) == _family_lines(core_scrape)
+    metrics_port = f"http://127.0.0.1:{served.metrics}"
+    port_scrape = httpx.get(f"{metrics_port}/metrics", timeout=TIMEOUT)
+    assert port_scrape.headers["content-type"] == scrape.headers["content-type"]
+    assert _family_lines(scrape.text) == _family_lines(port_scrape.text)
     assert "# TYPE nv_inference_count counter" in _family_lines(scrape.text)  # not *_total
+    # The metrics port answers GET /metrics alone, as one process's does.
+    assert httpx.get(f"{metrics_port}/v2/health/ready", timeout=TIMEOUT).status_code == 404
 
 
 def _family_lines(scrape: str) -> set[str]:

@@ -45,7 +45,7 @@ def test_a_worker_freezes_its_startup_and_collects_young_objects_rarely() -> Non
     try:
         settings = WorkerSettings(
             index=0, host="127.0.0.1", http_limits=HttpLimits(), grpc_limits=GrpcLimits(),
-            grpc_tls=None, grpc_paths={}, http_sockets=0, exit_timeout_s=5.0,
+            grpc_tls=None, grpc_paths={}, http_sockets=0, metrics_sockets=0, exit_timeout_s=5.0,
             arena_max_bytes=1 << 20, log_level=logging.WARNING,
         )  # fmt: skip
         channel.send((CONFIG, settings))

@@ -16,7 +16,7 @@ import socket
 import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 from prometheus_client.core import CounterMetricFamily
@@ -47,10 +47,11 @@ class WorkerStartError(Exception):
 class Ports:
     http: list[Address]
     grpc: list[Address]
+    metrics: list[Address]
 
 
 class WorkerPool:
-    """``count`` workers serving ``config``'s HTTP and gRPC ports for this core."""
+    """``count`` workers serving ``config``'s HTTP, gRPC and metrics ports for this core."""
 
     def __init__(
         self,
@@ -80,18 +81,23 @@ class WorkerPool:
         """Bind, start every worker (each READY), report the ports, and keep them
         running until ``drain`` has stopped them all."""
         config = self._config
-        http_sets = await _bind_sets(config.host, config.http_port, self.count)
-        grpc_sets = await _bind_sets(config.host, config.grpc_port, self.count)
+        metrics_port = config.metrics.port if config.metrics.enabled else None
+        ports = (config.http_port, metrics_port, config.grpc_port)
+        sets: list[list[list[socket.socket]]] = []  # by port, then by worker
         try:
+            for port in ports:
+                sets.append(await _bind_sets(config.host, port, self.count))
+            http_sets, metrics_sets, grpc_sets = sets
             async with trio.open_nursery() as nursery:
                 for index in range(self.count):
-                    await nursery.start(self._keep, index, http_sets[index], grpc_sets[index])
-                task_status.started(
-                    Ports(bound_addresses(http_sets[0]), bound_addresses(grpc_sets[0]))
-                )
+                    listeners = _Listeners(http_sets[index], metrics_sets[index], grpc_sets[index])
+                    await nursery.start(self._keep, index, listeners)
+                http, metrics, grpc = (bound_addresses(port_sets[0]) for port_sets in sets)
+                task_status.started(Ports(http, grpc, metrics))
         finally:
-            for sockets in (*http_sets, *grpc_sets):
-                close_all(sockets)
+            for port_sets in sets:
+                for sockets in port_sets:
+                    close_all(sockets)
             self._done.set()
 
     async def drain(self) -> None:
@@ -109,12 +115,7 @@ class WorkerPool:
                 process.kill()
 
     async def _keep(
-        self,
-        index: int,
-        http: list[socket.socket],
-        grpc: list[socket.socket],
-        *,
-        task_status: trio.TaskStatus[None],
+        self, index: int, listeners: _Listeners, *, task_status: trio.TaskStatus[None]
     ) -> None:
         started = False
         while not self._draining:
@@ -132,11 +133,9 @@ class WorkerPool:
             channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
             link = WorkerLink(channel, self._context, self._rest_app, self._methods)
             try:
-                settings = self._settings(index, len(http))
-                await channel.send((CONFIG, settings), [s.fileno() for s in (*http, *grpc)])
-                frames = await channel.receive()
-                if frames[0][0][0] != READY:
-                    raise LinkClosed(f"worker {index} did not start: {frames[0][0]!r}")
+                settings = self._settings(index, listeners)
+                await channel.send((CONFIG, settings), [s.fileno() for s in listeners.all()])
+                frames = await _until_ready(channel)
             except LinkClosed:
                 channel.close()
                 if not started:  # it cannot start at all: say so rather than wait
@@ -151,7 +150,7 @@ class WorkerPool:
                     started = True
                     task_status.started()
                 logger.info("front-end worker %d (pid %d) serving", index, process.pid)
-                await link.serve(frames[1:])
+                await link.serve(frames)
                 self.links[index] = None
                 self._retire(index)
             status = await process.wait()
@@ -167,7 +166,7 @@ class WorkerPool:
             if trio.current_time() - began < _RESTART_BACKOFF_S:
                 await trio.sleep(_RESTART_BACKOFF_S)
 
-    def _settings(self, index: int, http_sockets: int) -> WorkerSettings:
+    def _settings(self, index: int, listeners: _Listeners) -> WorkerSettings:
         config = self._config
         tls = None
         if config.grpc_tls_certfile is not None and config.grpc_tls_keyfile is not None:
@@ -179,7 +178,8 @@ class WorkerPool:
             grpc_limits=_share(config.grpc_limits, self.count),
             grpc_tls=tls,
             grpc_paths={p: isinstance(m, StreamMethod) for p, m in self._methods.items()},
-            http_sockets=http_sockets,
+            http_sockets=len(listeners.http),
+            metrics_sockets=len(listeners.metrics),
             exit_timeout_s=config.exit_timeout_s,
             arena_max_bytes=config.worker_arena_max_bytes,
             log_level=self._log_level,
@@ -217,6 +217,19 @@ class WorkerPool:
         ]
 
 
+@dataclass(frozen=True)
+class _Listeners:
+    """One worker's listening sockets, by port."""
+
+    http: list[socket.socket]
+    metrics: list[socket.socket]
+    grpc: list[socket.socket]
+
+    def all(self) -> list[socket.socket]:
+        """In the order ``WorkerSettings`` reads them: HTTP, metrics, gRPC."""
+        return [*self.http, *self.metrics, *self.grpc]
+
+
 class _Sum:
     """One counter group summed over the workers, read as attributes."""
 
@@ -248,6 +261,19 @@ class _PerWorker:
         )
         restarts.add_metric([], self._pool.restarts)
         yield restarts
+
+
+async def _until_ready(channel: TrioChannel) -> list[tuple[Any, list[int]]]:
+    """What a starting worker sends up to its READY, without it: it starts its front ends
+    one by one, each accepting at once, so its first calls may come before it says READY
+    (its link serves them once it has). Raises ``LinkClosed`` if it exits first."""
+    early: list[tuple[Any, list[int]]] = []
+    while True:
+        frames = await channel.receive()
+        for position, (message, _) in enumerate(frames):
+            if message[0] == READY:
+                return early + frames[:position] + frames[position + 1 :]
+        early += frames
 
 
 _Limits = TypeVar("_Limits", HttpLimits, GrpcLimits)

@@ -224,7 +224,8 @@ def read(payload: Payload, peer: SegmentMap) -> bytes | memoryview:
 @dataclass(frozen=True)
 class WorkerSettings:
     """What a worker needs to serve (CONFIG), beside its listening sockets, which ride
-    with the frame: ``http_sockets`` of them first, then the gRPC ones."""
+    with the frame: ``http_sockets`` of them first, then ``metrics_sockets`` (the
+    metrics port's), then the gRPC ones."""
 
     index: int
     host: str
@@ -233,6 +234,7 @@ class WorkerSettings:
     grpc_tls: tuple[str, str] | None  # certificate and key files
     grpc_paths: dict[str, bool]  # the core's gRPC methods: path -> streaming?
     http_sockets: int
+    metrics_sockets: int
     exit_timeout_s: float
     arena_max_bytes: int  # its arena's bound (the core's has none)
     log_level: int

@@ -1,6 +1,6 @@
-"""A front-end worker process (``python -m trioserve.workers FD``): it serves the HTTP
-and gRPC ports on the listening sockets the core hands it and forwards every call to
-the core over the link on descriptor FD.
+"""A front-end worker process (``python -m trioserve.workers FD``): it serves the HTTP,
+metrics and gRPC ports on the listening sockets the core hands it and forwards every
+call to the core over the link on descriptor FD.
 
 It starts by reading its ``WorkerSettings`` (CONFIG), listens, says READY and tunes its
 cyclic garbage collector as the core does (``_gc``). A DRAIN
@@ -24,12 +24,12 @@ import trio
 from .. import _gc
 from ..grpc import CoreStatistics, UnaryMethod, serve_methods, tls_context, with_reflection
 from ..ipc import LinkClosed, TrioChannel
-from ..rest import HttpStatistics, ReceivesInto, RestApp, serve_http11
+from ..rest import Endpoint, HttpStatistics, ReceivesInto, RestApp, Router, serve_http11
 from ._client import CoreClient
 from ._fast_infer import InferForwarder
 from ._forward import ForwardAll, Raw, RestForwarder, forwarding_methods
 from ._scrape import MetricsScraper
-from ._wire import CONFIG, READY
+from ._wire import CONFIG, READY, WorkerSettings
 
 logger = logging.getLogger("trioserve.workers")
 
@@ -50,7 +50,9 @@ async def serve_worker(channel: TrioChannel) -> None:
     for listener in listeners:
         listener.setblocking(False)
     http_listeners = listeners[: settings.http_sockets]
-    grpc_listeners = listeners[settings.http_sockets :]
+    grpc_from = settings.http_sockets + settings.metrics_sockets
+    metrics_listeners = listeners[settings.http_sockets : grpc_from]
+    grpc_listeners = listeners[grpc_from:]
     http_statistics = HttpStatistics()
     grpc_statistics = CoreStatistics()
 
@@ -70,19 +72,19 @@ async def serve_worker(channel: TrioChannel) -> None:
         stop = trio.Event()
         generic = RestForwarder(client)
         infer = InferForwarder(client, generic)
+        scrape = MetricsScraper(client, generic).rest
         router = ForwardAll(generic)
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             router.add("POST", f"{base}/infer", ReceivesInto(infer.rest, infer.body_buffer))
-        router.add("GET", "/metrics", MetricsScraper(client, generic).rest)
+        router.add("GET", "/metrics", scrape)
         async with trio.open_nursery() as front_ends:
+            serve_rest = partial(_serve_rest, front_ends, settings, stop)
             if http_listeners:
-                limits = settings.http_limits
-                app = RestApp(router, limits.max_body_bytes)
-                serve = partial(
-                    serve_http11, app, settings.host, 0, limits, shutdown_trigger=stop.wait,
-                    statistics=http_statistics, listeners=http_listeners,
-                )  # fmt: skip
-                await front_ends.start(app.serve_with, serve)
+                await serve_rest(router, http_listeners, http_statistics)
+            if metrics_listeners:  # GET /metrics alone, as one process's metrics port
+                only_metrics: Router[Endpoint] = Router()
+                only_metrics.add("GET", "/metrics", scrape)
+                await serve_rest(only_metrics, metrics_listeners, None)
             if grpc_listeners:
                 tls = None if settings.grpc_tls is None else tls_context(*settings.grpc_tls)
                 methods = forwarding_methods(client, settings.grpc_paths)
@@ -104,6 +106,24 @@ async def serve_worker(channel: TrioChannel) -> None:
             stop.set()  # listeners close; calls in flight finish
             front_ends.cancel_scope.deadline = trio.current_time() + settings.exit_timeout_s
         nursery.cancel_scope.cancel()
+
+
+async def _serve_rest(
+    front_ends: trio.Nursery,
+    settings: WorkerSettings,
+    stop: trio.Event,
+    router: Router[Endpoint],
+    listeners: list[socket.socket],
+    statistics: HttpStatistics | None,
+) -> None:
+    """Serve ``router``'s REST app over HTTP/1.1 on ``listeners`` until ``stop``."""
+    limits = settings.http_limits
+    app = RestApp(router, limits.max_body_bytes)
+    serve = partial(
+        serve_http11, app, settings.host, 0, limits, shutdown_trigger=stop.wait,
+        statistics=statistics, listeners=listeners,
+    )  # fmt: skip
+    await front_ends.start(app.serve_with, serve)
 
 
 async def _watch_core(client: CoreClient, frames: list[tuple[object, list[int]]]) -> None:
