@@ -220,8 +220,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_WORKERS,
         metavar="N",
-        help="front-end worker processes serving the HTTP, gRPC and metrics ports over one core "
-        f"process that holds the models (default {DEFAULT_WORKERS}; 0: one process "
+        help="front-end worker processes serving the HTTP, gRPC and metrics ports over one "
+        f"core process that holds the models (default {DEFAULT_WORKERS}; 0: one process "
         "serves everything)",
     )
     run.add_argument(
@@ -454,7 +454,8 @@ async def run_until_signalled(
     config: ServerConfig, workers: int = 0, ports_file: Path | None = None
 ) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully. ``workers``: front-end
-    worker processes serving the HTTP and gRPC ports (0: this process serves them)."""
+    worker processes serving the HTTP, gRPC and metrics ports (0: this process serves
+    them)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         # With workers, this process (the core) listens on no port: they serve them all.
         core = config
