@@ -9,11 +9,12 @@ shuffles its batches at random), so compare builds over several rounds.
 In one process, the core's end of a worker's link (``WorkerLink``, the built-in
 ``simple`` model behind it) is fed frames of ``--per-frame`` INFERs, as a worker's
 coalesced writes carry them under load (about 6 at 8 connections, 60 at 64), and their
-ANSWERs are read back. Each build runs twice under callgrind, ``--warm-up`` frames and
-then 50 or 50 + ``--frames`` more; the difference of the two counts over the extra
-inferences is the figure, without start-up and warm-up. The worker's end (reading the
-ANSWERs; the INFER frame is pickled once) is counted too, alike for every build. Builds
-alternate within each round. Needs ``valgrind`` (apt).
+ANSWERs are read back; the cyclic collector is tuned as ``trioserve run`` tunes the
+core's (``_gc.tune``: rare young collections). Each build runs twice under callgrind,
+``--warm-up`` frames and then 50 or 50 + ``--frames`` more; the difference of the two
+counts over the extra inferences is the figure, without start-up and warm-up. The
+worker's end (reading the ANSWERs; the INFER frame is pickled once) is counted too,
+alike for every build. Builds alternate within each round. Needs ``valgrind`` (apt).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
     import numpy as np
     import trio
 
+    from trioserve import _gc
     from trioserve.ipc import TrioChannel, channel_pair, encode_frames
     from trioserve.models import reference_zoo
     from trioserve.testing import open_test_server
@@ -51,6 +53,7 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
             assert server.context is not None
             link = WorkerLink(TrioChannel(core), server.context, server.rest_app, {})
             nursery.start_soon(link.serve, [])
+            _gc.tune()  # as ``trioserve run`` tunes the core's collector once it serves
             answers = TrioChannel(worker)
             for _ in range(warm_up + frames):
                 await worker.send(frame)  # one write: the link reads it whole
