@@ -6,7 +6,8 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -37,6 +38,12 @@ logger = logging.getLogger("trioserve.workers")
 
 Answer = tuple[Any, ...]
 WITHDRAWN: Answer = ()  # a single-answer call's answer once its client has left
+
+
+class Cancellable(Protocol):
+    """What a client that leaves calls back (``rest.Request``, ``grpc.Call``)."""
+
+    def cancel_with(self, withdraw: Callable[[], None] | None, /) -> None: ...
 
 
 class CoreClient:
@@ -106,14 +113,19 @@ class CoreClient:
         self._pending[pending.call] = pending
         return pending
 
-    async def answer(self, pending: Pending[Answer]) -> Answer:
-        """A single-answer call's answer (``WITHDRAWN`` if its client left meanwhile); a
-        caller cancelled while it waits withdraws the call."""
+    async def answer(self, pending: Pending[Answer], caller: Cancellable) -> Answer:
+        """A single-answer call's answer (``WITHDRAWN`` if its client left meanwhile): a
+        client that leaves while it waits (``caller``: its REST request or gRPC call) or
+        a cancelled waiter withdraws the call. Once returned, the answer is the caller's:
+        a client that leaves then releases nothing of it."""
+        caller.cancel_with(partial(self.cancel_pending, pending))
         try:
             return await pending.wait()
         except BaseException:
             self.cancel_pending(pending)
             raise
+        finally:
+            caller.cancel_with(None)
 
     def cancel_pending(self, pending: Pending[Answer]) -> None:
         """The client left before its answer was read: the core withdraws the call, and

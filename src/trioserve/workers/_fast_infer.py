@@ -35,8 +35,8 @@ from ..rest import (
     infer_response,
     small_infer_response,
 )
-from ._client import WITHDRAWN, Answer, CoreClient
-from ._forward import RestForwarder, Withdraw, forward_unary
+from ._client import WITHDRAWN, Answer, Cancellable, CoreClient
+from ._forward import RestForwarder, forward_unary
 from ._wire import INFER, INLINE_BYTES
 
 _SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
@@ -84,12 +84,7 @@ class InferForwarder:
         pending = await self._send(
             inference, "HTTP end point", wanted, _trace_context(request.headers, _HTTP_TRACE)
         )
-        handle = Withdraw(self._client, pending)
-        request.cancel_with(handle.withdraw)
-        try:
-            outcome = await self._outcome(pending)
-        finally:
-            request.cancel_with(None)
+        outcome = await self._outcome(pending, request)
         if outcome is None:
             return None  # withdrawn: the client left
         # Binary outputs are sent from the blocks they lie in, given back once written.
@@ -108,13 +103,9 @@ class InferForwarder:
         pending = await self._send(
             inference, "ModelInfer RPC", wanted, _trace_context(call.metadata, _GRPC_TRACE)
         )
-        call.cancel_with(Withdraw(self._client, pending).withdraw)
-        try:
-            outcome = await self._outcome(pending)
-        finally:
-            # Taken: a client that leaves now must not release it too (its blocks go
-            # back with the reply's arrays).
-            call.cancel_with(None)
+        # Once answered, a client that leaves must not release it too (its blocks go back
+        # with the reply's arrays).
+        outcome = await self._outcome(pending, call)
         if outcome is None:
             raise ClientGone("the client cancelled the call")
         # Sent from the blocks its outputs lie in, given back once the HTTP/2 core has
@@ -147,9 +138,9 @@ class InferForwarder:
         await client.out.send(message, *payloads)
         return pending
 
-    async def _outcome(self, pending: Pending[Answer]) -> Answer | None:
+    async def _outcome(self, pending: Pending[Answer], caller: Cancellable) -> Answer | None:
         """The OUTCOME; None if the call was withdrawn meanwhile. Cancelled: withdrawn."""
-        item = await self._client.answer(pending)
+        item = await self._client.answer(pending, caller)
         if item is WITHDRAWN:
             return None
         error = item[1]

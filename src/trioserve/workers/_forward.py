@@ -25,7 +25,6 @@ from ..grpc import (
     UnaryMethod,
     WireReply,
 )
-from ..ipc import Pending
 from ..rest import Endpoint, HttpError, Request, Router, accepted_encoding, compressed
 from ._client import Answer, CoreClient
 from ._wire import BODY, GRPC, GRPC_STREAM, HALF_CLOSE, HTTP, MESSAGE, REPLY, START
@@ -48,26 +47,6 @@ class ForwardAll(Router[Endpoint]):
             return self._fallback, {}
 
 
-class Withdraw:
-    """A forwarded call as a client that leaves withdraws it (``Request.cancel_with``): a single-answer call
-    (``Pending``), or one with several answers (its number and their channel)."""
-
-    __slots__ = ("answers", "call", "client")
-
-    def __init__(
-        self, client: CoreClient, call: Pending[Answer] | int, answers: Any = None
-    ) -> None:
-        self.client = client
-        self.call = call
-        self.answers = answers
-
-    def withdraw(self) -> None:
-        if isinstance(self.call, Pending):
-            self.client.cancel_pending(self.call)
-        else:
-            self.client.cancel(self.call, self.answers)
-
-
 class RestForwarder:
     """The REST endpoint of every path: the request goes to the core, its answer (whole
     or streamed) back to the client; a client that leaves withdraws it there."""
@@ -83,8 +62,7 @@ class RestForwarder:
         headers = [(k, v) for k, v in request.headers.items() if k != b"content-encoding"]
         message = (HTTP, call, request.method, request.path, b"", headers, body)
         await client.out.send(message, body)
-        handle = Withdraw(client, call, answers)
-        request.cancel_with(handle.withdraw)
+        request.cancel_with(partial(client.cancel, call, answers))
         encoding = accepted_encoding(request.headers)  # for a compressible response
         done = started = False
         try:

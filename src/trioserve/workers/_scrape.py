@@ -1,6 +1,7 @@
-"""``GET /metrics`` on a worker's HTTP port, rendered in the worker: the core collects
-the server's families (after every worker's counters, as in any scrape) and sends them
-as they are; writing them out as text, most of a scrape's CPU, is protocol work. A
+"""``GET /metrics`` (on the HTTP port and the metrics port), written out in the worker:
+the core collects the server's families (after every worker's counters, as in any
+scrape) and sends them as they are; writing them out as text, most of a scrape's CPU,
+is protocol work. A
 client that polls ``/metrics`` often (a gateway reading the server's load) then costs the
 core process, which every worker's requests wait on, a fraction of what it did.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 from ..metrics import CONTENT_TYPE, rendered
 from ..rest import Request, Response
 from ._client import WITHDRAWN, CoreClient
-from ._forward import RestForwarder, Withdraw
+from ._forward import RestForwarder
 from ._wire import SCRAPE
 
 
 class MetricsScraper:
-    """The HTTP port's ``GET /metrics``."""
+    """``GET /metrics``, on either port."""
 
     def __init__(self, client: CoreClient, generic: RestForwarder) -> None:
         self._client = client
@@ -25,11 +26,7 @@ class MetricsScraper:
         client = self._client
         pending = client.open_pending()
         await client.out.send((SCRAPE, pending.call))
-        request.cancel_with(Withdraw(client, pending).withdraw)
-        try:
-            answer = await client.answer(pending)
-        finally:
-            request.cancel_with(None)
+        answer = await client.answer(pending, request)
         if answer is WITHDRAWN:
             return None  # the client left
         families = answer[1]
