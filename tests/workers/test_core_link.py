@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -231,6 +232,41 @@ async def test_the_answers_of_one_batch_go_in_one_frame(
             assert message[0] == ANSWER
             frames.append([call for call, _, _ in message[1]])
     assert [set(calls) for calls in frames] == [{-1}, {-2, -3}]
+
+
+async def test_the_input_blocks_of_refused_inferences_go_back_once(
+    autojump_clock: trio.abc.Clock, gate: GatedModel, worker: Worker
+) -> None:
+    """An inference refused before its inputs are read gives its block back at once; one
+    refused after (its array read the block in place) as that array goes: each once."""
+    gate.release.set()
+    out = Outbound(worker.channel, new_arena())
+    worker.arenas.append(out.arena)
+    data = np.zeros(32 * 1024, np.float32).tobytes()  # 128 KiB: a block each
+    unread, read = out.pack(data), out.pack(data)
+    for call, model, block in ((-1, "no_such_model", unread), (-2, "delay", read)):
+        inputs = [("INPUT0", "FP32", (1, 32 * 1024), block, {})]  # delay takes [1] items
+        message = (INFER, call, "HTTP end point", model, "", "", {}, inputs, [], None, None)
+        await out.send(message, block)
+    failures: list[str] = []
+    freed: list[Block] = []
+    while len(failures) < 2:
+        for message, _ in await worker.channel.receive():
+            if message[0] == FREE:
+                freed += message[1]
+            else:
+                failures += [item[1][0] for _, item, _ in message[1]]
+    assert sorted(failures) == ["INVALID_ARG", "NOT_FOUND"]
+    gc.collect()  # whatever still holds the refused request's array
+    await worker.infer(-3, 3.0)
+    answered = False
+    while not answered:  # the FREEs due come before this answer
+        for message, _ in await worker.channel.receive():
+            if message[0] == FREE:
+                freed += message[1]
+            else:
+                answered = True
+    assert sorted(freed) == sorted([unread, read])
 
 
 def _tasks() -> int:

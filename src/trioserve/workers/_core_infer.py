@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 import trio
 
 from .._context import ServerContext
@@ -20,7 +21,13 @@ from .._errors import ErrorKind, InferenceServerError
 from .._pipeline import Submitted
 from .._served import ServedModel
 from .._tensor import DATATYPES, array_from_own_raw, array_to_raw
-from .._types import InferenceRequest, InferenceResponse, InputTensor, RequestedOutput
+from .._types import (
+    InferenceRequest,
+    InferenceResponse,
+    InputTensor,
+    OutputTensor,
+    RequestedOutput,
+)
 from ..grpc import add_load_report
 from ..ipc import Block, LinkClosed, SegmentMap
 from ..metrics import FORMAT_HEADER
@@ -34,7 +41,9 @@ from ._wire import (
     OutputPayload,
     Payload,
     Returned,
+    WireTensor,
     address_of,
+    inline_tensors,
     lies_in,
     on_loop_when_gone,
     read,
@@ -96,18 +105,14 @@ class LinkInferences:
             inference.submitted = self._context.pipeline.submit(
                 served, inference.decode, endpoint=endpoint, headers=trace_context
             )
-        except Exception as exc:
-            self._read_inputs(inference)
+        except Exception as exc:  # before or after its inputs were read
+            kept = inference.kept  # those the request's arrays read are freed as they go
+            self._read += [p for *_, p, _ in inputs if type(p) is Block and p not in kept]
             self._add_failure(inference, exc)
             self._wake_answerer()
             return
         self._inferences[call] = inference
         inference.submitted.ticket.when_finished(inference.finished)
-
-    def _finished_inference(self, inference: _Inference) -> None:
-        """``inference``'s ticket has its outcome (called inside its model's runner)."""
-        self._finished.append(inference)
-        self._wake_answerer()
 
     def _wake_answerer(self) -> None:
         answerer = self._answerer
@@ -162,14 +167,16 @@ class LinkInferences:
             assert self._off_loop is not None
             self._off_loop.start_soon(self._answer_off_loop, inference)
             return
-        self._read_inputs(inference)
+        if inference.blocks:
+            self._read_inputs(inference)
         try:
             self._add_outcome(inference, submitted.finish())
         except Exception as exc:
             self._add_failure(inference, exc)
 
     async def _answer_off_loop(self, inference: _Inference) -> None:
-        self._read_inputs(inference)
+        if inference.blocks:
+            self._read_inputs(inference)
         try:
             self._add_outcome(inference, await inference.submitted.finish_off_loop())
         except Exception as exc:
@@ -177,8 +184,21 @@ class LinkInferences:
         self._wake_answerer()
 
     def _add_outcome(self, inference: _Inference, response: InferenceResponse | None) -> None:
-        if response is not None:
-            self._outcomes.append((inference.call, self._outcome(inference, response), True))
+        """Add an answered inference's OUTCOME to the next ANSWER."""
+        if response is None:
+            return
+        outputs = response.outputs
+        tensors = inline_tensors(outputs)
+        if tensors is None:
+            tensors = self._packed_tensors(inference, outputs)
+        report = inference.report
+        if report is not None:
+            report = _load_report(self._context, inference.served, report)
+        outcome = (
+            OUTCOME, None, response.model_name, response.model_version, response.id,
+            response.parameters, tensors, report,
+        )  # fmt: skip
+        self._outcomes.append((inference.call, outcome, True))
 
     def _add_failure(self, inference: _Inference, exc: Exception) -> None:
         outcome: tuple[Any, ...] = (
@@ -186,34 +206,28 @@ class LinkInferences:
         )  # fmt: skip
         self._outcomes.append((inference.call, outcome, True))
 
-    def _outcome(self, inference: _Inference, response: InferenceResponse) -> tuple[Any, ...]:
-        """An answered inference's OUTCOME; its output blocks go with the next ANSWER.
-        Packed all or none: a failure here (an output that cannot be encoded, a full
-        arena) leaves no block behind that no OUTCOME names."""
-        report = _load_report(self._context, inference.served, inference.report)
-        outputs = response.outputs
+    def _packed_tensors(
+        self, inference: _Inference, outputs: list[OutputTensor]
+    ) -> list[WireTensor[OutputPayload]]:
+        """The outputs as an OUTCOME carries them where some output is large (it goes in
+        a block, with the next ANSWER) or has to be converted. Packed all or none: a
+        failure here (an output that cannot be encoded, a full arena) leaves no block
+        behind that no OUTCOME names."""
         raws = [array_to_raw(t.data, t.datatype) for t in outputs]
         returned = _returned(raws, inference.kept) if inference.kept else None
         payloads = self._out.pack_all(raws, returned)
-        self._outcome_blocks.extend(payloads)
+        self._outcome_blocks += [payload for payload in payloads if type(payload) is Block]
         if returned is not None:
             self._returned += [part.block for part in returned if part is not None]
-        tensors = [
+        return [
             (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
             for tensor, payload in zip(outputs, payloads, strict=True)
         ]
-        return (
-            OUTCOME, None, response.model_name, response.model_version, response.id,
-            response.parameters, tensors, report,
-        )  # fmt: skip
 
     def _read_inputs(self, inference: _Inference) -> None:
         """The worker may reuse the input blocks no model array still reads."""
         kept = inference.kept
-        for given in inference.inputs:
-            payload = given[3]
-            if isinstance(payload, Block) and payload not in kept:
-                self._read.append(payload)
+        self._read += [block for block in inference.blocks if block not in kept]
 
     def abandon(self) -> None:
         """The link is gone: withdraw what it had in flight, and let go of what
@@ -233,13 +247,18 @@ class LinkInferences:
         tensors = {}
         for name, type_name, shape, payload, params in inference.inputs:
             dt = DATATYPES[type_name]  # the worker's name for it
-            raw = read(payload, self._peer)
-            data = array_from_own_raw(dt, shape, raw)
-            if type(payload) is Block and (root := root_in_place(data)) is not None:
-                # Once no array reads it (whichever thread drops the last one), the
-                # worker may reuse it.
-                on_loop_when_gone(root, self._token, self._free_kept, payload)
-                inference.kept[payload] = address_of(raw)
+            if type(payload) is bytes and not dt.is_bytes:  # the usual: small, in the frame
+                data = np.frombuffer(payload, dt.dtype).reshape(shape)  # array_from_own_raw
+            else:
+                raw = read(payload, self._peer)
+                data = array_from_own_raw(dt, shape, raw)
+                if type(payload) is Block:
+                    inference.blocks.append(payload)
+                    if (root := root_in_place(data)) is not None:
+                        # Once no array reads it (whichever thread drops the last one),
+                        # the worker may reuse it.
+                        on_loop_when_gone(root, self._token, self._free_kept, payload)
+                        inference.kept[payload] = address_of(raw)
             tensors[name] = InputTensor(name, dt, shape, data, params)
         return tensors
 
@@ -253,8 +272,8 @@ class _Inference:
     """An INFER in flight: what its answer needs once its ticket has its outcome."""
 
     __slots__ = (
-        "asked", "call", "inferences", "inputs", "kept", "model", "report", "served", "submitted",
-        "version",
+        "asked", "blocks", "call", "inferences", "inputs", "kept", "model", "report", "served",
+        "submitted", "version",
     )  # fmt: skip
 
     served: ServedModel
@@ -278,6 +297,7 @@ class _Inference:
         self.asked = asked  # the request's id, parameters and requested outputs
         # Input blocks freed once the model lets go of them, with where they start here.
         self.kept: dict[Block, int] = {}
+        self.blocks: list[Block] = []  # its inputs' blocks, once read: the worker's to reuse
         self.report = report
 
     def decode(self, regions: object) -> InferenceRequest:
@@ -286,11 +306,17 @@ class _Inference:
         request_id, parameters, outputs = self.asked
         return InferenceRequest(
             self.model, self.version, self.inferences._input_tensors(self),
-            [RequestedOutput(name, params) for name, params in outputs], request_id, parameters,
+            [RequestedOutput(name, params) for name, params in outputs] if outputs else [],
+            request_id, parameters,
         )  # fmt: skip
 
     def finished(self) -> None:
-        self.inferences._finished_inference(self)
+        """Its ticket has its outcome (called inside its model's runner): ``run``'s
+        next turn answers it."""
+        inferences = self.inferences
+        inferences._finished.append(self)
+        if inferences._answerer is not None:
+            inferences._wake_answerer()
 
 
 def _returned(
@@ -315,10 +341,8 @@ def _error(exc: Exception) -> tuple[str, str]:
     return ErrorKind.INTERNAL.name, f"internal error: {exc!r}"
 
 
-def _load_report(context: ServerContext, served: ServedModel, asked: tuple[str, Any] | None) -> Any:
+def _load_report(context: ServerContext, served: ServedModel, asked: tuple[str, Any]) -> Any:
     """The load report an INFER asked for: REST's header, or gRPC's trailers."""
-    if asked is None:
-        return None
     transport, wanted = asked
     if transport == "http":
         return load_report_header(context.load, served, {FORMAT_HEADER: wanted})

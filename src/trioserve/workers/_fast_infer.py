@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
+import numpy as np
 import trio
 
 from .._errors import ErrorKind, InferenceServerError
@@ -37,7 +38,7 @@ from ..rest import (
 )
 from ._client import WITHDRAWN, Answer, Cancellable, CoreClient
 from ._forward import RestForwarder, forward_unary
-from ._wire import INFER, INLINE_BYTES
+from ._wire import INFER, INLINE_BYTES, Payload, inline_tensors
 
 _SHARED_MEMORY = b"shared_memory_region"  # any mention sends the request the generic way
 _NO_MODEL = cast(Model, None)  # decode_request reads the model only for a raw body
@@ -124,11 +125,14 @@ class InferForwarder:
     ) -> Pending[Answer]:
         client = self._client
         tensors = inference.inputs.values()
-        payloads = client.pack_inputs([array_to_raw(t.data, t.datatype) for t in tensors])
-        inputs = [
-            (tensor.name, tensor.datatype.name, tensor.shape, payload, dict(tensor.parameters))
-            for tensor, payload in zip(tensors, payloads, strict=True)
-        ]
+        inputs = inline_tensors(tensors)
+        payloads: list[Payload] = []  # those in blocks are announced with the frame
+        if inputs is None:
+            payloads = client.pack_inputs([array_to_raw(t.data, t.datatype) for t in tensors])
+            inputs = [
+                (tensor.name, tensor.datatype.name, tensor.shape, payload, tensor.parameters)
+                for tensor, payload in zip(tensors, payloads, strict=True)
+            ]
         pending = client.open_pending()
         outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
         message = (
@@ -157,8 +161,11 @@ class InferForwarder:
         try:
             for name, type_name, shape, payload, params in tensors:
                 dt = DATATYPES[type_name]  # the core's name for it
-                data = array_from_own_raw(dt, shape, client.take(payload))
-                client.owned_by(data, payload)
+                if type(payload) is bytes and not dt.is_bytes:  # the usual: in the frame
+                    data = np.frombuffer(payload, dt.dtype).reshape(shape)  # as read below
+                else:
+                    data = array_from_own_raw(dt, shape, client.take(payload))
+                    client.owned_by(data, payload)
                 outputs.append(OutputTensor(name, dt, data, params))
         except BaseException:  # a frame the core got wrong: the rest are nobody's
             client.release_payloads([tensor[3] for tensor in tensors[len(outputs) :]])

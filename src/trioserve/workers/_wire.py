@@ -56,15 +56,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import trio
 
 from .._errors import UnavailableError
 from .._limits import GrpcLimits, HttpLimits
+from .._tensor import Datatype
 from ..ipc import Arena, ArenaFull, Block, SegmentMap, TrioChannel
 
 HTTP, GRPC, GRPC_STREAM, MESSAGE, HALF_CLOSE, CANCEL, FREE, COUNTERS, READY = range(9)
@@ -88,6 +89,34 @@ class Returned(NamedTuple):
 Payload = bytes | Block
 OutputPayload = Payload | Returned  # an OUTCOME's output
 _Placed = TypeVar("_Placed")
+_Payload = TypeVar("_Payload")
+
+
+class Carried(Protocol):
+    """A tensor as either side holds it (``InputTensor``, ``OutputTensor``)."""
+
+    name: str
+    datatype: Datatype
+    data: np.ndarray[Any, Any]
+    parameters: Mapping[str, Any]
+
+
+# A tensor as a frame carries it: name, datatype's name, shape, payload, parameters.
+WireTensor = tuple[str, str, tuple[int, ...], _Payload, Mapping[str, Any]]
+
+
+def inline_tensors(tensors: Iterable[Carried]) -> list[WireTensor[Any]] | None:
+    """``tensors`` as a frame carries them if each is small and of its datatype already
+    (the usual request and answer): their bytes in the frame, as ``array_to_raw`` and
+    ``Outbound.pack`` would give them, without their calls (this runs for every request
+    on both sides); None if one is not (the general way: blocks, conversions)."""
+    carried: list[WireTensor[Any]] = []  # payloads: bytes
+    for tensor in tensors:
+        data, dt = tensor.data, tensor.datatype
+        if dt.is_bytes or data.nbytes >= INLINE_BYTES or data.dtype != dt.dtype:
+            return None
+        carried.append((tensor.name, dt.name, data.shape, data.tobytes(), tensor.parameters))
+    return carried
 
 
 def address_of(data: bytes | bytearray | memoryview) -> int:
