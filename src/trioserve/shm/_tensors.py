@@ -30,7 +30,7 @@ step, and never leave the event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -270,12 +270,12 @@ def shared_memory_input(
 
 
 def shared_memory_outputs(
-    regions: RequestRegions | None, outputs: Iterable[RequestedOutput]
+    regions: RequestRegions | None, outputs: Sequence[RequestedOutput]
 ) -> None:
     """Note the requested outputs placed in shared memory (UNSUPPORTED without regions)."""
     if regions is not None:
         regions.request_outputs(outputs)
-    elif any(_names_shared_memory(o.parameters) for o in outputs):
+    elif outputs and any(_names_shared_memory(o.parameters) for o in outputs):
         raise UnsupportedError("shared memory is not supported here")
 
 

@@ -75,7 +75,8 @@ class CoreClient:
         channel = self.out.channel
         while True:
             for message, fds in frames:
-                self._dispatch(unwrap(message, fds, self.peer))
+                # Only a SEGMENTS frame needs unwrapping, and it has descriptors.
+                self._dispatch(unwrap(message, fds, self.peer) if fds else message)
             frames = await channel.receive()
 
     def _dispatch(self, message: tuple[Any, ...]) -> None:

@@ -98,8 +98,9 @@ class WorkerLink:
                 calls.start_soon(self._inferences.run)
                 try:
                     while True:
-                        for message, fds in frames:
-                            self._dispatch(calls, unwrap(message, fds, self.peer))
+                        for message, fds in frames:  # a SEGMENTS frame has descriptors
+                            message = unwrap(message, fds, self.peer) if fds else message
+                            self._dispatch(calls, message)
                         frames = await self.channel.receive()
                 except LinkClosed:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it

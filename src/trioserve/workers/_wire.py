@@ -226,8 +226,9 @@ class Outbound:
     async def send(self, message: tuple[Any, ...], *payloads: object) -> None:
         """Send ``message``; ``payloads``: those of its items that may be blocks, whose
         segments are announced with it if the peer has not seen them."""
-        blocks = [p for p in payloads if isinstance(p, Block)]
-        fresh = self.arena.unannounced(blocks) if blocks else []
+        # The usual message carries its payloads in the frame: no list to make.
+        blocks = [p for p in payloads if isinstance(p, Block)] if payloads else None
+        fresh = self.arena.unannounced(blocks) if blocks else None
         if not fresh:
             await self.channel.send(message)
             return
