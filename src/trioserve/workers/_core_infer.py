@@ -248,7 +248,9 @@ class LinkInferences:
         for name, type_name, shape, payload, params in inference.inputs:
             dt = DATATYPES[type_name]  # the worker's name for it
             if type(payload) is bytes and not dt.is_bytes:  # the usual: small, in the frame
-                data = np.frombuffer(payload, dt.dtype).reshape(shape)  # array_from_own_raw
+                # One call where frombuffer and reshape are two (bytes only: over a
+                # block's memoryview the array's base would not be the view).
+                data = np.ndarray(shape, dt.dtype, payload)
             else:
                 raw = read(payload, self._peer)
                 data = array_from_own_raw(dt, shape, raw)

@@ -152,7 +152,9 @@ class InferForwarder:
             for name, type_name, shape, payload, params in tensors:
                 dt = DATATYPES[type_name]  # the core's name for it
                 if type(payload) is bytes and not dt.is_bytes:  # the usual: in the frame
-                    data = np.frombuffer(payload, dt.dtype).reshape(shape)  # as read below
+                    # One call where frombuffer and reshape are two (bytes only: over a
+                    # block's memoryview the array's base would not be the view).
+                    data = np.ndarray(shape, dt.dtype, payload)
                 else:
                     data = array_from_own_raw(dt, shape, client.take(payload))
                     client.owned_by(data, payload)
