@@ -317,16 +317,21 @@ def run_h2load(
 # --- the server's CPU time -------------------------------------------------------------
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of the process ``pid`` alone, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of ``pid`` and all its descendants (Triton's backend
-    stubs run as child processes), from /proc."""
+    stubs, trioserve's front-end workers and instance processes), from /proc."""
     total = 0.0
     pending = [pid]
     while pending:
         current = pending.pop()
         try:
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            total += process_cpu_seconds(current)
             pending += children(current)
         except (FileNotFoundError, ProcessLookupError):
             continue  # it ended meanwhile

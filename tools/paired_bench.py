@@ -39,16 +39,20 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench import _LUA, _free_port, _wait_ready, big_regions, grpc_request, http_body, model_of
+from bench import (
+    _LUA,
+    _free_port,
+    _wait_ready,
+    big_regions,
+    grpc_request,
+    http_body,
+    model_of,
+    process_cpu_seconds,
+)
 
 MODES = ("http-json", "big-shm", "grpc", "generate-stream")
 # generate-stream's request: a short generation, so the front end's share stays visible.
 _STREAM_BODY = b'{"text_input": "the quick brown fox", "max_tokens": 8, "temperature": 0}'
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 Side = tuple[str, str, list[str]]  # src folder, interpreter, extra flags
@@ -130,13 +134,13 @@ def _round(sides: list[Side], args: argparse.Namespace, tmp: Path) -> list[float
         if args.mode == "big-shm":
             for _, port, _ in servers:
                 stack.enter_context(big_regions(f"127.0.0.1:{port}"))
-        before = [_cpu_seconds(process.pid) for process, _, _ in servers]
+        before = [process_cpu_seconds(process.pid) for process, _, _ in servers]
         loads = [
             subprocess.Popen(_load(args, tmp, port, grpc_port), stdout=subprocess.PIPE, text=True)
             for _, port, grpc_port in servers
         ]
         outputs = [load.communicate()[0] for load in loads]
-        after = [_cpu_seconds(process.pid) for process, _, _ in servers]
+        after = [process_cpu_seconds(process.pid) for process, _, _ in servers]
     return [
         1e6 * (end - start) / _answered(output)
         for output, start, end in zip(outputs, before, after, strict=True)

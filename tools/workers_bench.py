@@ -31,28 +31,24 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import _LUA, BIG_BYTES, grpc_request, http_body, model_of
+from bench import (
+    _LUA,
+    BIG_BYTES,
+    cpu_seconds,
+    grpc_request,
+    http_body,
+    model_of,
+    process_cpu_seconds,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tree_cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU time (user + system) of ``pid`` (the core process), and of its children (the
-    workers)."""
-    own = children = 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        if int(entry.name) == pid:
-            own += seconds
-        elif int(fields[1]) == pid:
-            children += seconds
-    return own, children
+    """CPU time (user + system) of ``pid`` (the core process), and of its descendants
+    (the workers)."""
+    own = process_cpu_seconds(pid)
+    return own, cpu_seconds(pid) - own
 
 
 def _start(python: str, workers: int, cpus: str, grpc: bool) -> tuple[subprocess.Popen[bytes], int]:
