@@ -65,8 +65,9 @@ def test_own_raw_reads_bytes_tensors_and_refuses_a_wrong_size():
     items = np.array([b"a", b"", "é".encode()], dtype=object)
     back = array_from_own_raw(datatype("BYTES"), (1, 3), serialize_bytes(items))
     assert back.shape == (1, 3) and list(back[0]) == list(items)
-    with pytest.raises(ValueError):  # a peer's bug, not a client's: no protocol error
-        array_from_own_raw(datatype("FP32"), (2, 2), b"\x00" * 12)
+    for size in (12, 20):  # too few bytes for the shape, or too many
+        with pytest.raises(ValueError):  # a peer's bug, not a client's: no protocol error
+            array_from_own_raw(datatype("FP32"), (2, 2), b"\x00" * size)
 
 
 @pytest.mark.parametrize("name", [n for n in FIXED if DATATYPES[n].json_kinds])

@@ -220,6 +220,11 @@ def array_from_own_raw(
     worker's decoded input, a model's output), so not again; no copy either."""
     if dt.is_bytes:
         return deserialize_bytes(buffer, prod(shape), "a forwarded tensor").reshape(shape)
+    if type(buffer) is bytes and len(buffer) == prod(shape) * dt.dtype.itemsize:
+        return np.ndarray(shape, dt.dtype, buffer)  # one numpy call, not two as below
+    # A wrong size raises ValueError here (``np.ndarray`` would read a longer buffer's
+    # start). Over a memoryview, an array from ``np.ndarray`` would have the view's
+    # exporter for its base, not the view that ``root_in_place`` looks for.
     return np.frombuffer(buffer, dt.dtype).reshape(shape)
 
 

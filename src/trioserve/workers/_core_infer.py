@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import trio
 
 from .._context import ServerContext
@@ -247,10 +246,8 @@ class LinkInferences:
         tensors = {}
         for name, type_name, shape, payload, params in inference.inputs:
             dt = DATATYPES[type_name]  # the worker's name for it
-            if type(payload) is bytes and not dt.is_bytes:  # the usual: small, in the frame
-                # One call where frombuffer and reshape are two (bytes only: over a
-                # block's memoryview the array's base would not be the view).
-                data = np.ndarray(shape, dt.dtype, payload)
+            if type(payload) is bytes:  # the usual: small, in the frame, nobody's to free
+                data = array_from_own_raw(dt, shape, payload)
             else:
                 raw = read(payload, self._peer)
                 data = array_from_own_raw(dt, shape, raw)

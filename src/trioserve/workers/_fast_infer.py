@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-import numpy as np
 import trio
 
 from .._errors import ErrorKind, InferenceServerError
@@ -151,10 +150,8 @@ class InferForwarder:
         try:
             for name, type_name, shape, payload, params in tensors:
                 dt = DATATYPES[type_name]  # the core's name for it
-                if type(payload) is bytes and not dt.is_bytes:  # the usual: in the frame
-                    # One call where frombuffer and reshape are two (bytes only: over a
-                    # block's memoryview the array's base would not be the view).
-                    data = np.ndarray(shape, dt.dtype, payload)
+                if type(payload) is bytes:  # the usual: in the frame, nobody's to give back
+                    data = array_from_own_raw(dt, shape, payload)
                 else:
                     data = array_from_own_raw(dt, shape, client.take(payload))
                     client.owned_by(data, payload)
