@@ -81,9 +81,9 @@ class InferForwarder:
             inference = decode_request(body, length, _NO_MODEL, name, version)
         report = request.headers.get(FORMAT_HEADER)
         wanted = None if report is None else ("http", report)
-        pending = await self._send(
-            inference, "HTTP end point", wanted, _trace_context(request.headers, _HTTP_TRACE)
-        )
+        headers = request.headers
+        traced = _trace_context(headers, _HTTP_TRACE) if _HTTP_TRACE[0] in headers else None
+        pending = await self._send(inference, "HTTP end point", wanted, traced)
         outcome = _checked(await self._client.answer(pending, request))
         if outcome is None:
             return None  # withdrawn: the client left
@@ -100,9 +100,9 @@ class InferForwarder:
         inference = plan.decode(wire.raw, None)  # type: ignore[arg-type]
         report = call.metadata.get(_GRPC_FORMAT)
         wanted = None if report is None else ("grpc", report)
-        pending = await self._send(
-            inference, "ModelInfer RPC", wanted, _trace_context(call.metadata, _GRPC_TRACE)
-        )
+        metadata = call.metadata
+        traced = _trace_context(metadata, _GRPC_TRACE) if _GRPC_TRACE[0] in metadata else None
+        pending = await self._send(inference, "ModelInfer RPC", wanted, traced)
         # Once answered, a client that leaves must not release it too (its blocks go back
         # with the reply's arrays).
         outcome = _checked(await self._client.answer(pending, call))
@@ -133,7 +133,8 @@ class InferForwarder:
                 for tensor, payload in zip(tensors, payloads, strict=True)
             ]
         pending = client.open_pending()
-        outputs = [(output.name, dict(output.parameters)) for output in inference.outputs]
+        asked = inference.outputs  # most requests name none: no comprehension's call
+        outputs = [(output.name, dict(output.parameters)) for output in asked] if asked else []
         message = (
             INFER, pending.call, endpoint, inference.model_name, inference.model_version, inference.id,
             dict(inference.parameters), inputs, outputs, report, trace_context,
@@ -162,15 +163,12 @@ class InferForwarder:
         return InferenceResponse(model, version, outputs, request_id, parameters)
 
 
-def _trace_context(headers: Mapping[Any, Any], names: tuple[Any, ...]) -> dict[Any, Any] | None:
+def _trace_context(headers: Mapping[Any, Any], names: tuple[Any, ...]) -> dict[Any, Any]:
     """A client's W3C trace context among its headers (``names``: HTTP's or gRPC's), for
-    the core's tracing; None (nearly always) when there is none."""
-    carried = {}
-    for name in names:
-        value = headers.get(name)
-        if value is not None:
-            carried[name] = value
-    return carried or None
+    the core's tracing. Asked only of a request with a ``traceparent`` (the first name):
+    a ``tracestate`` alone is ignored, as the core's tracing would ignore it, and the
+    usual request makes no call for it."""
+    return {name: headers[name] for name in names if name in headers}
 
 
 def _checked(item: Answer) -> Answer | None:
