@@ -3,6 +3,7 @@
     python tools/workers_bench.py                                   # every mode, 8 and 64
     python tools/workers_bench.py --modes http-json --connections 8 --duration 10 --rounds 3
     python tools/workers_bench.py --python /tmp/vdeb/bin/python     # another interpreter
+    python tools/workers_bench.py --modes http-json,grpc --link-only  # the link alone
 
 Two servers of this checkout run at once, pinned to the same core (``--server-cpus``),
 one with ``--workers 0`` (one process) and one with ``--workers N`` (a core process and
@@ -17,6 +18,11 @@ serve, and the workers'.
 Modes: ``http-json`` and ``http-binary`` (``simple``), ``grpc`` (``simple``, raw
 tensors, h2load), ``big-http-binary`` and ``big-grpc`` (one 16 MiB FP32 tensor through
 ``identity_fp32``, where MiB/s each way is printed too).
+
+``--link-only`` runs the forwarded side with a core that answers each inference at once
+without its pipeline (``link_only_core.py``: no model, batcher or statistics), so that
+the ratio is the link's own cost against one process's whole one; the difference from a
+run without it is what the pipeline costs in the core process.
 """
 
 from __future__ import annotations
@@ -51,9 +57,12 @@ def _tree_cpu_seconds(pid: int) -> tuple[float, float]:
     return own, cpu_seconds(pid) - own
 
 
-def _start(python: str, workers: int, cpus: str, grpc: bool) -> tuple[subprocess.Popen[bytes], int]:
+def _start(
+    python: str, workers: int, cpus: str, grpc: bool, link_only: bool = False
+) -> tuple[subprocess.Popen[bytes], int]:
     ports_file = Path(tempfile.mkdtemp()) / "ports.json"
-    command = ["taskset", "-c", cpus, python, "-m", "trioserve", "run", "--host", "127.0.0.1"]
+    server = [str(ROOT / "tools" / "link_only_core.py")] if link_only else ["-m", "trioserve"]
+    command = ["taskset", "-c", cpus, python, *server, "run", "--host", "127.0.0.1"]
     command += ["--http-port", "0", "--grpc-port", "0", "--workers", str(workers)]
     command += ["--ports-file", str(ports_file), "--log-level", "warning"]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
@@ -110,9 +119,10 @@ def _round(
 ) -> list[tuple[float, float, float]]:
     """Both servers under load at once, each's µs of CPU per request (all its processes,
     and its main process alone: the core) and requests/s."""
+    grpc = mode.endswith("grpc")
     servers = [
-        _start(args.python, workers, args.server_cpus, mode.endswith("grpc"))
-        for workers in (0, args.workers)
+        _start(args.python, 0, args.server_cpus, grpc),
+        _start(args.python, args.workers, args.server_cpus, grpc, args.link_only),
     ]
     try:
         time.sleep(1)
@@ -153,8 +163,17 @@ def main() -> None:
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--client-cpus", default="1")
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument(
+        "--link-only",
+        action="store_true",
+        help="the forwarded side's core answers at once, without its pipeline "
+        "(tools/link_only_core.py): the link's own cost; small modes only",
+    )
     args = parser.parse_args()
-    print(f"python: {args.python}; forwarded side: --workers {args.workers}")
+    if args.link_only and "big-" in args.modes:
+        parser.error("--link-only runs the small modes only")
+    side = " (link only: the core answers without its pipeline)" if args.link_only else ""
+    print(f"python: {args.python}; forwarded side: --workers {args.workers}{side}")
     with tempfile.TemporaryDirectory() as tmp:
         files = Path(tmp)
         _write_files(files)

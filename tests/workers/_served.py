@@ -20,11 +20,14 @@ TIMEOUT = 60.0
 class Served:
     """A server started with ``--workers`` on free ports; its log read as it comes."""
 
-    def __init__(self, *flags: str, workers: int = 2) -> None:
+    def __init__(
+        self, *flags: str, workers: int = 2, server: tuple[str, ...] = ("-m", "trioserve")
+    ) -> None:
+        """``server``: what Python runs (``trioserve run``'s arguments follow)."""
         self._folder = tempfile.TemporaryDirectory()
         ports_file = Path(self._folder.name) / "ports.json"
         command = [
-            sys.executable, "-m", "trioserve", "run", "--host", "127.0.0.1",
+            sys.executable, *server, "run", "--host", "127.0.0.1",
             "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
             "--workers", str(workers), "--ports-file", str(ports_file), *flags,
         ]  # fmt: skip
