@@ -15,7 +15,7 @@ from typing import Any
 
 from trioserve._cli import main
 from trioserve._errors import UnsupportedError
-from trioserve.workers._core_infer import LinkInferences
+from trioserve.workers._core_infer import LinkInferences, _error
 from trioserve.workers._wire import OUTCOME
 
 _OUTPUTS = ("OUTPUT0", "OUTPUT1")  # simple's, for its inputs in order
@@ -29,9 +29,8 @@ def _answer_at_once(self: LinkInferences, call: int, *message: Any) -> None:
     blocks = [payload for *_, payload, _ in inputs if type(payload) is not bytes]
     if blocks:  # refused, and the worker may reuse them at once
         self._read += blocks
-        error = UnsupportedError("the link-only core answers small tensors only")
-        outcome: tuple[Any, ...] = (OUTCOME, (error.kind.name, error.message), model, version)
-        outcome += ("", {}, [], None)
+        refusal = _error(UnsupportedError("the link-only core answers small tensors only"))
+        outcome: tuple[Any, ...] = (OUTCOME, refusal, model, version, "", {}, [], None)
     else:
         tensors: list[tuple[str, str, tuple[int, ...], Any, dict[str, Any]]] = [
             (name, datatype, shape, payload, {})
