@@ -21,10 +21,17 @@ from trioserve.workers._wire import OUTCOME
 _OUTPUTS = ("OUTPUT0", "OUTPUT1")  # simple's, for its inputs in order
 
 
+def _answer_all(self: LinkInferences, messages: list[tuple[Any, ...]]) -> None:
+    """``LinkInferences.submit_all``: each INFER of the frame answered at once, none
+    coalesced."""
+    for message in messages:
+        _answer_at_once(self, *message[1:])
+
+
 def _answer_at_once(self: LinkInferences, call: int, *message: Any) -> None:
-    """``LinkInferences.submit`` (``message``: the INFER's items after its call), answered
-    in the same turn: the ANSWER goes with the others of the frame (the answering task
-    is woken, as a finished inference wakes it)."""
+    """An INFER (``message``: its items after its call) answered in the same turn: the
+    ANSWER goes with the others of the frame (the answering task is woken, as a
+    finished inference wakes it)."""
     _, model, version, request_id, _, inputs = message[:6]
     blocks = [payload for *_, payload, _ in inputs if type(payload) is not bytes]
     if blocks:  # refused, and the worker may reuse them at once
@@ -42,5 +49,5 @@ def _answer_at_once(self: LinkInferences, call: int, *message: Any) -> None:
 
 
 if __name__ == "__main__":
-    LinkInferences.submit = _answer_at_once  # type: ignore[method-assign, assignment]
+    LinkInferences.submit_all = _answer_all  # type: ignore[method-assign]
     main()

@@ -68,6 +68,7 @@ from .scheduler import (
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
+    ModelRunner,
     RequestIds,
     RequestParameters,
     generation_request,
@@ -262,6 +263,29 @@ class InferencePipeline:
             _release(regions, trace)
             raise
         return Submitted(ticket, regions, trace, counting)
+
+    def coalescing(self, served: ServedModel) -> ModelRunner | None:
+        """``served``'s runner if like requests to it may now be submitted as one
+        (``submit_coalesced``): it ``coalesces``, and no request is traced (each traced
+        request has a trace of its own), else None."""
+        if isinstance(served, ModelRunner) and served.coalesces and not self._tracing.active:
+            return served
+        return None
+
+    def submit_coalesced(
+        self, runner: ModelRunner, request: InferenceRequest, requests: int
+    ) -> Submitted:
+        """Queue ``request``, which stacks the rows of ``requests`` alike requests whose
+        inputs came in the message (no region to lease), as ``submit`` queues one; each of
+        them counts in the load and statistics."""
+        counting = self._load.counting(runner, requests)
+        try:
+            ticket = runner.submit_coalesced(request, requests)
+        except Exception:
+            with counting:  # a refusal counts as a failure, as in ``infer``
+                raise
+        regions = RequestRegions(self._shared_memory, runner.model.device, False)
+        return Submitted(ticket, regions, None, counting)
 
     async def infer_decoupled(
         self,

@@ -168,9 +168,9 @@ class _Duration:
         self.count = 0
         self.ns = 0
 
-    def add(self, ns: int) -> None:
-        self.count += 1
-        self.ns += ns
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns * count
 
     def frozen(self) -> DurationStat:
         return DurationStat(self.count, self.ns)
@@ -275,9 +275,12 @@ class ModelStats:
         """A successful response computed after a missed lookup, now in the cache."""
         self._cache_miss.add(lookup_and_insert_ns)
 
-    def failed(self, arrival_ns: int, end_ns: int, reason: FailureReason) -> None:
-        self._fail.add(end_ns - arrival_ns)
-        self._failures[reason] += 1
+    def failed(
+        self, arrival_ns: int, end_ns: int, reason: FailureReason, requests: int = 1
+    ) -> None:
+        """``requests`` requests that arrived at ``arrival_ns`` failed at ``end_ns``."""
+        self._fail.add(end_ns - arrival_ns, requests)
+        self._failures[reason] += requests
 
     # --- what readers get -------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from trioserve.metrics._host_usage import (
     memory_utilization_from_meminfo,
     process_cpu_seconds,
 )
-from trioserve.metrics._orca import LoadReporter, _json_number
+from trioserve.metrics._orca import Counting, LoadReporter, _json_number
 from trioserve.metrics._recent import RecentActivity, Totals
 from trioserve.rest._load_report import load_report_header
 from trioserve.scheduler._generation import KVCacheState
@@ -80,6 +80,20 @@ def test_recent_activity_rates_over_the_window() -> None:
     activity.add(110.5, arrived=110.0, failed=False)
     assert activity.totals(110.5) == Totals(2, 1, 1.5, 9.5)
     assert activity.totals(121.0) == Totals(0, 0, 0.0, 9.0)
+
+
+def test_a_coalesced_request_counts_as_each_of_its_requests() -> None:
+    alone, coalesced = RecentActivity(window_s=10), RecentActivity(window_s=10)
+    for _ in range(3):
+        alone.add(100.0, arrived=99.5, failed=False)
+    coalesced.add(100.0, arrived=99.5, failed=False, requests=3)
+    assert coalesced.totals(101.0) == alone.totals(101.0) == Totals(3, 0, 1.5, 1.5)
+    times = iter([101.0, 101.25, 102.0, 102.5])
+    with Counting(coalesced, lambda: next(times), 4):
+        pass  # arrived at 101.0, answered at 101.25
+    with pytest.raises(ValueError), Counting(coalesced, lambda: next(times), 2):
+        raise ValueError("failed")  # arrived at 102.0, failed at 102.5
+    assert coalesced.totals(102.5) == Totals(9, 2, 3.5, 3.0)
 
 
 def test_recent_activity_first_second_is_not_a_burst() -> None:

@@ -128,3 +128,16 @@ def test_the_oldest_request_of_the_batch_sets_the_delay_across_levels() -> None:
     )
     assert decide(queue, 1 * MS, 1, policy) == Wait(2 * MS)
     assert decide(queue, 2 * MS, 1, policy) == Dispatch(2)
+
+
+def test_the_queue_counts_the_requests_a_coalesced_item_stands_for() -> None:
+    queue = RequestQueue(levels=2)
+    coalesced, lone, other = _item(size=3), _item(level=2), _item(size=4)
+    coalesced.requests, other.requests = 3, 4
+    for item in (coalesced, lone, other):
+        queue.push(item)
+    assert (len(queue), queue.requests) == (3, 8)
+    assert queue.remove(other) and (len(queue), queue.requests) == (2, 4)
+    assert queue.pop_front(1) == [coalesced]
+    assert (len(queue), queue.requests) == (1, 1)
+    assert queue.pop_front(1) == [lone] and queue.requests == 0

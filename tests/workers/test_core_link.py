@@ -15,7 +15,7 @@ import trio
 import trioserve
 from trioserve import MetricsConfig, Model, TensorSpec
 from trioserve._server import Server
-from trioserve.ipc import Arena, Block, TrioChannel, channel_pair, encode_frames
+from trioserve.ipc import Block, TrioChannel, channel_pair
 from trioserve.metrics import exposition, rendered
 from trioserve.models import reference_zoo
 from trioserve.testing import (
@@ -40,47 +40,8 @@ from trioserve.workers._wire import (
     new_arena,
 )
 
-
-class Worker:
-    """The worker's end of a link served by a ``WorkerLink``."""
-
-    def __init__(self, socket: trio.socket.SocketType) -> None:
-        self.socket = socket
-        self.channel = TrioChannel(socket)
-        self.arenas: list[Arena] = []  # closed with the link
-
-    async def send_together(self, *messages: tuple[Any, ...]) -> None:
-        """``messages`` in one write: the core reads them all at once."""
-        data, _ = encode_frames([(message, []) for message in messages])
-        assert await self.socket.send(data) == len(data)
-
-    async def infer(self, call: int, value: float) -> None:
-        await self.channel.send(_infer(call, value))
-
-    async def outcomes(self) -> list[dict[int, tuple[Any, ...]]]:
-        """The next ANSWER frames to come, each as its OUTCOMEs by call."""
-        frames = []
-        for message, _ in await self.channel.receive():
-            assert message[0] == ANSWER
-            frames.append({call: item for call, item, last in message[1] if last})
-        return frames
-
-    async def answers(self) -> list[tuple[int, float]]:
-        """The next answers to come: (call, OUTPUT0) each."""
-        answers = []
-        for message, _ in await self.channel.receive():
-            assert message[0] == ANSWER
-            for call, item, last in message[1]:
-                assert item[0] == OUTCOME and item[1] is None and last
-                (_, _, _, data, _), *_ = item[6]
-                answers.append((call, float(np.frombuffer(data, np.float32)[0])))
-        return answers
-
-
-def _infer(call: int, value: float, model: str = "delay", width: int = 1) -> tuple[Any, ...]:
-    data = np.full((1, width), value, np.float32).tobytes()
-    inputs = [("INPUT0", "FP32", (1, width), data, {})]
-    return (INFER, call, "HTTP end point", model, "", "", {}, inputs, [], None, None)
+from ._link_worker import Worker
+from ._link_worker import delay_infer as _infer
 
 
 def _value(outcome: tuple[Any, ...]) -> float:
@@ -142,21 +103,6 @@ def on_device() -> Model:
 async def server(gate: GatedModel, keeper: Keeper, on_device: Model) -> AsyncIterator[Server]:
     async with open_test_server([gate, keeper.model(), on_device, TimedLM()]) as server:
         yield server
-
-
-@pytest.fixture
-async def worker(server: Server, nursery: trio.Nursery) -> AsyncIterator[Worker]:
-    core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
-    assert server.context is not None
-    link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
-    nursery.start_soon(link.serve, [])
-    worker = Worker(worker_end)
-    try:
-        yield worker
-    finally:
-        worker.channel.close()
-        for arena in worker.arenas:
-            arena.close()
 
 
 async def _queued(server: Server, count: int) -> None:

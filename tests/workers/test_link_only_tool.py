@@ -4,7 +4,9 @@ refuses a large tensor without keeping the worker's memory."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +56,27 @@ def test_the_core_answers_with_the_inputs_and_refuses_large_ones(
         assert _infer(client, module, 2).as_numpy("OUTPUT0").shape == (2, 16)
     finally:
         client.close()
+
+
+def test_inferences_sent_together_are_answered_with_their_inputs_too(served: Served) -> None:
+    """Many in flight at once reach the core in shared frames, where the real core would
+    coalesce alike ones: this core answers each at once all the same."""
+    count = 64
+    answers: dict[int, Any] = {}
+    answered = threading.Condition()
+
+    def note(number: int, result: Any, error: Any) -> None:
+        with answered:
+            answers[number] = error if error is not None else result.as_numpy("OUTPUT0")
+            answered.notify()
+
+    with grpcclient.InferenceServerClient(served.grpc_url) as client:
+        for number in range(count):
+            inputs = [grpcclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in (0, 1)]
+            for tensor in inputs:
+                tensor.set_data_from_numpy(np.full((1, 16), number, np.int32))
+            client.async_infer("simple", inputs, partial(note, number))
+        with answered:
+            assert answered.wait_for(lambda: len(answers) == count, timeout=60)
+    for number, output in answers.items():
+        np.testing.assert_array_equal(output, np.full((1, 16), number))  # not the sum

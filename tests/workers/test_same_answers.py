@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -82,6 +83,50 @@ def test_connections_land_on_both_workers_and_statistics_sum(served: Served) -> 
     assert "# TYPE nv_inference_count counter" in _family_lines(scrape.text)  # not *_total
     # The metrics port answers GET /metrics alone, as one process's does.
     assert httpx.get(f"{metrics_port}/v2/health/ready", timeout=TIMEOUT).status_code == 404
+
+
+def test_requests_forwarded_together_each_get_their_own_answer(served: Served) -> None:
+    """Many requests in flight at once reach the core in shared frames (alike ones are
+    coalesced there into one request): each still gets its own rows and id, over gRPC
+    (one connection, one worker) and HTTP (many), and counts as one in the statistics."""
+    count = 48
+    before = _inference_count(served, "simple")
+    answers: dict[tuple[str, int], Any] = {}
+    answered = threading.Condition()
+
+    def note(key: tuple[str, int], result: Any, error: Any = None) -> None:
+        with answered:
+            answers[key] = error if error is not None else result
+            answered.notify()
+
+    def inputs(module: Any, number: int) -> list[Any]:
+        tensors = [module.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+        tensors[0].set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16) + number)
+        tensors[1].set_data_from_numpy(np.ones((1, 16), np.int32))
+        return tensors
+
+    with grpcclient.InferenceServerClient(served.grpc_url) as client:
+        for number in range(count):
+            client.async_infer(
+                "simple", inputs(grpcclient, number), partial(note, ("grpc", number)),
+                request_id=f"grpc-{number}",
+            )  # fmt: skip
+        with httpclient.InferenceServerClient(served.url, concurrency=16) as http:
+            sent = [
+                http.async_infer("simple", inputs(httpclient, number), request_id=f"http-{number}")
+                for number in range(count)
+            ]
+            for number, request in enumerate(sent):
+                note(("http", number), request.get_result())
+            with answered:
+                assert answered.wait_for(lambda: len(answers) == 2 * count, timeout=TIMEOUT)
+    for (protocol, number), result in answers.items():
+        assert not isinstance(result, Exception), result
+        expected = np.arange(16, dtype=np.int32).reshape(1, 16) + number + 1
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected)
+        response = result.get_response()
+        assert (response["id"] if protocol == "http" else response.id) == f"{protocol}-{number}"
+    assert _inference_count(served, "simple") == before + 2 * count
 
 
 def _family_lines(scrape: str) -> set[str]:

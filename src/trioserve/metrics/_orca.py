@@ -146,10 +146,10 @@ class LoadReporter:
         # than through ``trio.current_time`` (two Python calls more, twice a request).
         self._by_served: dict[ServedModel, tuple[RecentActivity, Callable[[], float]]] = {}
 
-    def counting(self, served: ServedModel) -> Counting:
+    def counting(self, served: ServedModel, requests: int = 1) -> Counting:
         """A request to ``served`` arrives now: ``with`` the result (a ``Counting``)
         around the step that gives its outcome, and the request is counted when that
-        step ends.
+        step ends (as ``requests`` of them: one coalesced from several).
 
         Leaving with an exception counts it as an error, and so does ``failed()`` (an
         error already answered); ``uncounted()`` (a request withdrawn for a client that
@@ -162,7 +162,7 @@ class LoadReporter:
             if clock is trio.current_time:
                 clock = trio.lowlevel.current_clock().current_time
             counted = self._by_served[served] = (self._model(served).activity, clock)
-        return Counting(*counted)
+        return Counting(*counted, requests)
 
     def report(self, served: ServedModel) -> LoadReport | None:
         """The report for a response of ``served``, or None (logged) if there is none."""
@@ -216,13 +216,16 @@ class Counting:
     """One request's count (``LoadReporter.counting``): a class, not a generator, as it
     runs on every request."""
 
-    __slots__ = ("_activity", "_arrived", "_clock", "_failed", "_uncounted")
+    __slots__ = ("_activity", "_arrived", "_clock", "_failed", "_requests", "_uncounted")
 
-    def __init__(self, activity: RecentActivity, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, activity: RecentActivity, clock: Callable[[], float], requests: int = 1
+    ) -> None:
         # One store a line: a tuple packed and unpacked costs more, on every request.
         self._activity = activity
         self._arrived = clock()
         self._clock = clock
+        self._requests = requests
         self._failed = False
         self._uncounted = False
 
@@ -243,9 +246,12 @@ class Counting:
         if self._uncounted:
             return
         if kind is None:  # the usual request: one test less
-            self._activity.add(self._clock(), arrived=self._arrived, failed=self._failed)
+            failed = self._failed
         elif issubclass(kind, Exception):
-            self._activity.add(self._clock(), arrived=self._arrived, failed=True)
+            failed = True
+        else:
+            return
+        self._activity.add(self._clock(), self._arrived, failed, self._requests)
 
 
 def _never_failing(served: ServedModel, build: Callable[[ServedModel], _T]) -> _T | None:

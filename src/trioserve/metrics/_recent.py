@@ -54,9 +54,9 @@ class RecentActivity:
         self._window_s = window_s  # len(self._buckets), without the call on every request
         self._first: float | None = None  # when the first request counted arrived
 
-    def add(self, now: float, *, arrived: float, failed: bool) -> None:
-        """One request that arrived at ``arrived`` finished at ``now``, ``failed`` if in
-        error."""
+    def add(self, now: float, arrived: float, failed: bool, requests: int = 1) -> None:
+        """``requests`` requests (one, or those coalesced into one) that arrived at
+        ``arrived`` finished at ``now``, ``failed`` if in error."""
         first = self._first
         if first is None or arrived < first:
             self._first = arrived
@@ -64,9 +64,9 @@ class RecentActivity:
         bucket = self._buckets[second % self._window_s]
         if bucket.second != second:
             bucket.second, bucket.requests, bucket.errors, bucket.busy_s = second, 0, 0, 0.0
-        bucket.requests += 1
-        bucket.errors += failed
-        bucket.busy_s += now - arrived
+        bucket.requests += requests
+        bucket.errors += failed * requests
+        bucket.busy_s += (now - arrived) * requests
 
     def totals(self, now: float) -> Totals:
         return combined_totals([self], now)

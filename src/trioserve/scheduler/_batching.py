@@ -55,6 +55,7 @@ class QueuedItem:
     level: int
     deadline_ns: int | None
     payload: object = field(default=None, repr=False)
+    requests: int = 1  # the clients' requests it stands for (several, coalesced)
 
 
 class RequestQueue:
@@ -63,12 +64,19 @@ class RequestQueue:
     def __init__(self, levels: int) -> None:
         self._levels: list[deque[QueuedItem]] = [deque() for _ in range(levels)]
         self._count = 0
+        self._coalesced = 0  # the requests items stand for beyond one each
         # Items with a deadline: while there are none (the usual case), the deadline
         # questions asked on every decision need not look at the queue.
         self._timed = 0
 
     def __len__(self) -> int:
         return self._count
+
+    @property
+    def requests(self) -> int:
+        """The clients' requests waiting (an item coalesced from several counts them
+        all), where ``len`` counts items."""
+        return self._count + self._coalesced
 
     def __iter__(self) -> Iterator[QueuedItem]:
         """Queue order: highest priority level first, oldest first within a level."""
@@ -78,6 +86,8 @@ class RequestQueue:
     def push(self, item: QueuedItem) -> None:
         self._levels[item.level - 1].append(item)
         self._count += 1
+        if item.requests != 1:
+            self._coalesced += item.requests - 1
         if item.deadline_ns is not None:
             self._timed += 1
 
@@ -87,6 +97,8 @@ class RequestQueue:
         except ValueError:
             return False
         self._count -= 1
+        if item.requests != 1:
+            self._coalesced -= item.requests - 1
         if item.deadline_ns is not None:
             self._timed -= 1
         return True
@@ -99,6 +111,8 @@ class RequestQueue:
             if wanted:  # popped by ``map`` in C: no bytecode per request
                 taken += map(deque.popleft, repeat(level, wanted))
         self._count -= len(taken)
+        if self._coalesced:
+            self._coalesced -= sum(i.requests - 1 for i in taken)
         if self._timed:
             self._timed -= sum(1 for i in taken if i.deadline_ns is not None)
         return taken

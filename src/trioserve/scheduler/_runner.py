@@ -31,18 +31,13 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import filterfalse
-from typing import ClassVar, NamedTuple, cast
+from typing import ClassVar, cast
 
 import trio
 
-from .._errors import (
-    CancelledError,
-    InferenceServerError,
-    InternalError,
-    UnavailableError,
-)
+from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._load_facts import LoadFacts, QueueState
-from .._model import MODEL_INSTANCE, Model, Result
+from .._model import MODEL_INSTANCE, FunctionModel, Model, Result
 from .._model_code import model_failure, raise_failure
 from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
 from .._types import InferenceRequest, InferenceResponse
@@ -50,6 +45,7 @@ from .._validation import validate_request
 from ._batching import Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
+from ._executed import Executed, check_count, thread_clock
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook, unload
@@ -92,6 +88,15 @@ class ModelRunner:
         self.stats = ModelStats(model.name, version, histogram_bounds_ns=histogram_bounds_ns)
         self._cache = cache  # None: this version does not use the response cache
         self.policy = policy_for(model)
+        # Whether like requests may be submitted as one, rows stacked (``submit_coalesced``):
+        # where the model stacks a batch's rows itself (``FunctionModel.execute``, not a
+        # subclass's), and a request is no more than its rows (no queue limit counts it,
+        # no cache entry, sequence or stream).
+        self.coalesces = (
+            type(self) is ModelRunner and type(model).execute is FunctionModel.execute
+            and self.policy.batching and not self.policy.max_queue_size
+            and cache is None and model.device == "cpu"
+        )  # fmt: skip
         self.ready = False
         self._inbox = Inbox[Ticket | Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
@@ -122,11 +127,11 @@ class ModelRunner:
 
     def statistics(self) -> QueueState:
         busy = self.model.instance_count - self._idle - self._down
-        return QueueState(queued=self._waiting(), executing=busy)
+        return QueueState(queued=self._pending(), executing=busy)
 
     def inference_statistics(self) -> ModelStatistics:
         return self.stats.statistics(
-            pending=self._waiting(), response_cache=self._cache is not None
+            pending=self._pending(), response_cache=self._cache is not None
         )
 
     def load_facts(self) -> LoadFacts:
@@ -152,6 +157,13 @@ class ModelRunner:
             self.stats.failed(now, now, FailureReason.REJECTED)
             self._notify()
             raise queue_full()
+
+    def submit_coalesced(self, request: InferenceRequest, requests: int) -> Ticket:
+        """``submit`` a request that stacks the rows of ``requests`` alike ones (only where
+        ``coalesces``): one queue place and execution, its statistics those of each."""
+        ticket = self.submit(request)
+        ticket.item.requests = requests  # before the batcher queues it, a turn later
+        return ticket
 
     def submit(self, request: InferenceRequest) -> Ticket:
         """Validate and queue ``request``; its outcome arrives on the returned ticket."""
@@ -228,8 +240,15 @@ class ModelRunner:
                 await unload(self.model, self.version)
 
     def _waiting(self) -> int:
-        """Requests waiting to execute."""
+        """Requests waiting to execute (a coalesced one counts once: see ``_pending``)."""
         return len(self._queue) + sum(map(len, self._prefetched))
+
+    def _pending(self) -> int:
+        """Requests waiting to execute, as reported: each coalesced one as many."""
+        if not self.coalesces:
+            return self._waiting()
+        prefetched = sum(t.item.requests for batch in self._prefetched for t in batch)
+        return self._queue.requests + prefetched
 
     def _take_waiting(self) -> list[Ticket]:
         """Every waiting request, out of the queue (the server stops)."""
@@ -377,7 +396,7 @@ class ModelRunner:
             ):
                 self._threads_running += 1
                 try:
-                    now = _thread_clock()
+                    now = thread_clock()
                     executed = await trio.to_thread.run_sync(
                         self._execute_chain, batch, dequeued_ns, now,
                         trio.lowlevel.current_trio_token(),
@@ -391,7 +410,7 @@ class ModelRunner:
                     results = await self._call_model(list(map(REQUEST, batch)))
                     executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now_ns)
                 except Exception as exc:
-                    executed = _Executed(batch, error=model_error(self.name, exc))
+                    executed = Executed(batch, error=model_error(self.name, exc))
             self._complete(executed)
         finally:
             for ticket in batch:
@@ -409,7 +428,7 @@ class ModelRunner:
         dequeued_ns: int,
         now: Callable[[], int],
         token: trio.lowlevel.TrioToken,
-    ) -> _Executed:
+    ) -> Executed:
         """In a worker thread: execute ``batch``, then each batch prefetched meanwhile,
         back to back; every outcome but the last is completed by the event loop as soon
         as it can, the last by the instance's task (the return value).
@@ -422,11 +441,11 @@ class ModelRunner:
             input_ready_ns = now()
             try:
                 results = cast(Sequence[Result], self.model.execute(list(map(REQUEST, batch))))
-                _check_count(results, batch)
+                check_count(results, batch)
                 executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now)
             except BaseException as exc:  # in a worker thread: always the model's
                 failure = model_failure(exc, self.name, "in execute")
-                executed = _Executed(batch, error=model_error(self.name, failure))
+                executed = Executed(batch, error=model_error(self.name, failure))
             try:
                 batch = self._prefetched.popleft()
             except IndexError:
@@ -441,16 +460,16 @@ class ModelRunner:
         input_ready_ns: int,
         results: Sequence[Result],
         now: Callable[[], int],
-    ) -> _Executed:
+    ) -> Executed:
         """The batch's responses (or each one's error) and its execution times."""
         executed_ns = now()
         responses = [
             self._response_or_error(p.request, out) for p, out in zip(batch, results, strict=True)
         ]
         times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, now())
-        return _Executed(batch, times, responses)
+        return Executed(batch, times, responses)
 
-    def _complete_soon(self, executed: _Executed) -> None:
+    def _complete_soon(self, executed: Executed) -> None:
         # Called by trio between tasks, where an exception would end the whole run.
         try:
             self._complete(executed)
@@ -459,7 +478,7 @@ class ModelRunner:
         except Exception:
             logger.exception("model %r: completing a batch failed", self.name)
 
-    def _complete(self, executed: _Executed) -> None:
+    def _complete(self, executed: Executed) -> None:
         """Record an executed batch and hand each request its outcome."""
         batch, times, responses, error = executed
         if times is None or responses is None:
@@ -483,8 +502,12 @@ class ModelRunner:
                 self._store_in_cache(ticket.cache_key, ticket.cache_ns, response)
                 self._finish(ticket, response=response)  # sent after the insertion
             elif self._resolve(ticket, response, None):
-                answered.append(ticket.item.arrival_ns)
-                inferences += ticket.item.batch_size
+                item = ticket.item
+                if item.requests == 1:
+                    answered.append(item.arrival_ns)
+                else:  # coalesced: it counts as each of the requests it stands for
+                    answered += [item.arrival_ns] * item.requests
+                inferences += item.batch_size
         self.stats.executed(executed_size, times)
         if answered:
             self.stats.batch_succeeded(answered, times.output_ready_ns, inferences, times)
@@ -492,7 +515,7 @@ class ModelRunner:
 
     async def _call_model(self, requests: list[InferenceRequest]) -> Sequence[Result]:
         results = cast(Sequence[Result], await self._execute_model(requests))
-        _check_count(results, requests)
+        check_count(results, requests)
         return results
 
     @trio.lowlevel.enable_ki_protection  # see _model_code: a Ctrl-C is not the model's
@@ -545,7 +568,7 @@ class ModelRunner:
         sent_ns = now_ns()
         arrival_ns = ticket.item.arrival_ns
         if error is not None:
-            self.stats.failed(arrival_ns, sent_ns, reason)
+            self.stats.failed(arrival_ns, sent_ns, reason, ticket.item.requests)
         elif ticket.execution is not None:
             self.stats.succeeded(arrival_ns, sent_ns, ticket.item.batch_size, ticket.execution)
         else:
@@ -575,23 +598,3 @@ class ModelRunner:
 # the event loop puts the next one there while the thread runs that one, a turn of the
 # loop later; a second covers turns longer than an execution.
 _PREFETCH_DEPTH = 2
-
-
-class _Executed(NamedTuple):
-    """An executed batch: its times and responses, or the error that failed it whole."""
-
-    batch: list[Ticket]
-    times: ExecutionTimes | None = None
-    responses: list[InferenceResponse | InferenceServerError] | None = None
-    error: InferenceServerError | None = None
-
-
-def _check_count(results: Sequence[Result], requests: Sequence[object]) -> None:
-    if len(results) != len(requests):
-        raise InternalError(f"model returned {len(results)} results for {len(requests)} requests")
-
-
-def _thread_clock() -> Callable[[], int]:
-    """``now_ns`` for a worker thread, which cannot ask trio: the run's clock itself."""
-    clock = trio.lowlevel.current_clock()
-    return lambda: round(clock.current_time() * 1e9)

@@ -1,11 +1,13 @@
 """The INFERs of one front-end worker's link, in the core: an inference the worker
 decoded costs no task. It is submitted as its frame is read
-(``InferencePipeline.submit``), its ticket notes it as finished
-(``Ticket.when_finished``), and one task (``LinkInferences.run``) answers every
-inference finished since its last turn in one ANSWER frame, and gives the input blocks
-read meanwhile back in one FREE. A CANCEL withdraws an inference's ticket from its
-model's queue: it finishes, and is not answered (the worker dropped it). When the link
-closes, what it has in flight is withdrawn.
+(``InferencePipeline.submit``; alike ones together as one request where their model
+allows, ``_coalesce.py``), its ticket notes it as finished (``Ticket.when_finished``),
+and one task (``LinkInferences.run``) answers every inference finished since its last
+turn in one ANSWER frame, and gives the input blocks read meanwhile back in one FREE. A
+CANCEL withdraws an inference's ticket from its model's queue: it finishes, and is not
+answered (the worker dropped it); one of a coalesced request is only not answered, and
+the request is withdrawn once all of its are. When the link closes, what it has in
+flight is withdrawn.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from ..grpc import add_load_report
 from ..ipc import Block, LinkClosed, SegmentMap
 from ..metrics import FORMAT_HEADER
 from ..rest import load_report_header
+from ..scheduler import ModelRunner
+from ._coalesce import Infer, alike, inline_outputs, responses, rows_of, stacked
 from ._wire import (
     ANSWER,
     FREE,
@@ -61,8 +65,8 @@ class LinkInferences:
         self._context = context
         self._out = out
         self._peer = peer
-        self._inferences: dict[int, _Inference] = {}  # each INFER in flight
-        self._finished: list[_Inference] = []  # for ``run``'s next turn
+        self._inferences: dict[int, _Inference | _Coalesced] = {}  # each INFER in flight
+        self._finished: list[_Inference | _Coalesced] = []  # for ``run``'s next turn
         self._outcomes: list[tuple[int, tuple[Any, ...], bool]] = []  # its next ANSWER's
         self._outcome_blocks: list[OutputPayload] = []
         self._returned: list[Block] = []  # the inputs its outcomes' outputs lie in
@@ -78,8 +82,51 @@ class LinkInferences:
         inference = self._inferences.get(call)
         if inference is None:
             return False
-        inference.submitted.ticket.withdraw()  # finished: not answered, inputs freed
+        if type(inference) is _Coalesced:
+            del self._inferences[call]
+            inference.withdraw(call)
+        else:  # finished: not answered, inputs freed
+            inference.submitted.ticket.withdraw()
         return True
+
+    def submit_all(self, messages: list[Infer]) -> None:
+        """Submit a frame's INFERs (``submit``), alike ones as one request where their
+        model allows it (``_coalesce.py``), in the order of their groups' firsts."""
+        for group in alike(messages):
+            runner = self._coalescing(group[0]) if len(group) > 1 else None
+            count = _together(runner, group[0]) if runner else 1
+            for start in range(0, len(group), max(count, 1)):
+                members = group[start : start + count]
+                if runner is not None and len(members) > 1:
+                    self._submit_coalesced(runner, members)
+                else:
+                    for message in members:
+                        self.submit(*message[1:])
+
+    def _coalescing(self, message: Infer) -> ModelRunner | None:
+        """The runner that may take alike INFERs as ``message`` as one request, if any."""
+        try:
+            served = self._context.repository.get(message[3], message[4])
+        except Exception:  # each is refused on its own
+            return None
+        return self._context.pipeline.coalescing(served)
+
+    def _submit_coalesced(self, runner: ModelRunner, members: list[Infer]) -> None:
+        coalesced = _Coalesced(self, runner, members)
+        try:
+            request = stacked(members)
+            coalesced.submitted = self._context.pipeline.submit_coalesced(
+                runner, request, len(members)
+            )
+        except Exception as exc:
+            error = _error(exc)
+            for member in members:
+                self._add_failure(member[1], member[3], member[4], error)
+            self._wake_answerer()
+            return
+        for member in members:
+            self._inferences[member[1]] = coalesced
+        coalesced.submitted.ticket.when_finished(coalesced.finished)
 
     def submit(
         self,
@@ -107,7 +154,7 @@ class LinkInferences:
         except Exception as exc:  # before or after its inputs were read
             kept = inference.kept  # those the request's arrays read are freed as they go
             self._read += [p for *_, p, _ in inputs if type(p) is Block and p not in kept]
-            self._add_failure(inference, exc)
+            self._add_failure(call, model, version, _error(exc))
             self._wake_answerer()
             return
         self._inferences[call] = inference
@@ -155,7 +202,39 @@ class LinkInferences:
         # waiting task (a model may keep an input: its block is freed once let go).
         finished, self._finished = self._finished, []
         for inference in finished:
-            self._answer_inference(inference)
+            if isinstance(inference, _Coalesced):
+                self._answer_coalesced(inference)
+            else:
+                self._answer_inference(inference)
+
+    def _answer_coalesced(self, coalesced: _Coalesced) -> None:
+        """Add the answer of each INFER of a coalesced request that is not withdrawn:
+        its rows of the outputs, or the request's error."""
+        answered = coalesced.answered()
+        for member in answered:
+            del self._inferences[member[1]]
+        try:
+            response = coalesced.submitted.finish()
+        except Exception as exc:
+            error = _error(exc)
+            for member in answered:
+                self._add_failure(member[1], member[3], member[4], error)
+            return
+        if response is None:  # withdrawn: none is answered
+            return
+        runner, members, withdrawn = coalesced.runner, coalesced.members, coalesced.withdrawn
+        cut = inline_outputs(response, members)
+        if cut is not None:  # the usual: small outputs, in the frame
+            for member, tensors in zip(members, cut, strict=True):
+                if member[1] not in withdrawn:
+                    self._add_tensors(member[1], response, member[5], tensors, runner, member[9])
+            return
+        for member, own in responses(response, members):
+            if member[1] not in withdrawn:
+                try:  # packed in blocks: the arena may be full
+                    self._add_outcome(member[1], own, runner, member[9], None)
+                except Exception as exc:
+                    self._add_failure(member[1], member[3], member[4], _error(exc))
 
     def _answer_inference(self, inference: _Inference) -> None:
         """Add a finished inference's answer to the next ANSWER (none if withdrawn: the
@@ -169,51 +248,72 @@ class LinkInferences:
         if inference.blocks:
             self._read_inputs(inference)
         try:
-            self._add_outcome(inference, submitted.finish())
+            if (response := submitted.finish()) is not None:
+                self._add_answer(inference, response)
         except Exception as exc:
-            self._add_failure(inference, exc)
+            self._add_failure(inference.call, inference.model, inference.version, _error(exc))
 
     async def _answer_off_loop(self, inference: _Inference) -> None:
         if inference.blocks:
             self._read_inputs(inference)
         try:
-            self._add_outcome(inference, await inference.submitted.finish_off_loop())
+            if (response := await inference.submitted.finish_off_loop()) is not None:
+                self._add_answer(inference, response)
         except Exception as exc:
-            self._add_failure(inference, exc)
+            self._add_failure(inference.call, inference.model, inference.version, _error(exc))
         self._wake_answerer()
 
-    def _add_outcome(self, inference: _Inference, response: InferenceResponse | None) -> None:
-        """Add an answered inference's OUTCOME to the next ANSWER."""
-        if response is None:
-            return
+    def _add_answer(self, inference: _Inference, response: InferenceResponse) -> None:
+        call, served, report = inference.call, inference.served, inference.report
+        self._add_outcome(call, response, served, report, inference.kept)
+
+    def _add_outcome(
+        self,
+        call: int,
+        response: InferenceResponse,
+        served: ServedModel,
+        report: tuple[str, Any] | None,
+        kept: dict[Block, int] | None,
+    ) -> None:
+        """Add an answered inference's OUTCOME to the next ANSWER (``kept``: its input
+        blocks that a model array still reads, where it has any)."""
         outputs = response.outputs
         tensors = inline_tensors(outputs)
         if tensors is None:
-            tensors = self._packed_tensors(inference, outputs)
-        report = inference.report
-        if report is not None:
-            report = _load_report(self._context, inference.served, report)
-        outcome = (
-            OUTCOME, None, response.model_name, response.model_version, response.id,
-            response.parameters, tensors, report,
-        )  # fmt: skip
-        self._outcomes.append((inference.call, outcome, True))
+            tensors = self._packed_tensors(kept, outputs)
+        self._add_tensors(call, response, response.id, tensors, served, report)
 
-    def _add_failure(self, inference: _Inference, exc: Exception) -> None:
-        outcome: tuple[Any, ...] = (
-            OUTCOME, _error(exc), inference.model, inference.version, "", {}, [], None
+    def _add_tensors(
+        self,
+        call: int,
+        response: InferenceResponse,
+        request_id: str,
+        tensors: list[WireTensor[Any]],
+        served: ServedModel,
+        report: tuple[str, Any] | None,
+    ) -> None:
+        """Add the OUTCOME of ``response`` (its model, version and parameters) with
+        ``tensors`` under ``request_id``, and the load report asked for, if any."""
+        outcome = (
+            OUTCOME, None, response.model_name, response.model_version, request_id,
+            response.parameters, tensors,
+            None if report is None else _load_report(self._context, served, report),
         )  # fmt: skip
-        self._outcomes.append((inference.call, outcome, True))
+        self._outcomes.append((call, outcome, True))
+
+    def _add_failure(self, call: int, model: str, version: str, error: tuple[str, str]) -> None:
+        outcome: tuple[Any, ...] = (OUTCOME, error, model, version, "", {}, [], None)
+        self._outcomes.append((call, outcome, True))
 
     def _packed_tensors(
-        self, inference: _Inference, outputs: list[OutputTensor]
+        self, kept: dict[Block, int] | None, outputs: list[OutputTensor]
     ) -> list[WireTensor[OutputPayload]]:
         """The outputs as an OUTCOME carries them where some output is large (it goes in
         a block, with the next ANSWER) or has to be converted. Packed all or none: a
         failure here (an output that cannot be encoded, a full arena) leaves no block
         behind that no OUTCOME names."""
         raws = [array_to_raw(t.data, t.datatype) for t in outputs]
-        returned = _returned(raws, inference.kept) if inference.kept else None
+        returned = _returned(raws, kept) if kept else None
         payloads = self._out.pack_all(raws, returned)
         self._outcome_blocks += [payload for payload in payloads if type(payload) is Block]
         if returned is not None:
@@ -232,7 +332,7 @@ class LinkInferences:
         """The link is gone: withdraw what it had in flight, and let go of what
         finished unanswered."""
         self._closed = True
-        for inference in list(self._inferences.values()):
+        for inference in dict.fromkeys(self._inferences.values()):  # a coalesced one once
             inference.submitted.ticket.withdraw()
         for inference in self._finished:
             inference.submitted.abandon()
@@ -267,16 +367,31 @@ class LinkInferences:
             self._wake_answerer()
 
 
-class _Inference:
+class _InFlight:
+    """A request in flight on the link, answered once its ticket has its outcome."""
+
+    __slots__ = ("inferences", "submitted")
+
+    inferences: LinkInferences
+    submitted: Submitted
+
+    def finished(self) -> None:
+        """Its ticket has its outcome (called inside its model's runner): ``run``'s
+        next turn answers it."""
+        inferences = self.inferences
+        inferences._finished.append(self)  # type: ignore[arg-type]  # a subclass
+        if inferences._answerer is not None:
+            inferences._wake_answerer()
+
+
+class _Inference(_InFlight):
     """An INFER in flight: what its answer needs once its ticket has its outcome."""
 
     __slots__ = (
-        "asked", "blocks", "call", "inferences", "inputs", "kept", "model", "report", "served",
-        "submitted", "version",
+        "asked", "blocks", "call", "inputs", "kept", "model", "report", "served", "version"
     )  # fmt: skip
 
     served: ServedModel
-    submitted: Submitted
 
     def __init__(
         self,
@@ -309,13 +424,36 @@ class _Inference:
             request_id, parameters,
         )  # fmt: skip
 
-    def finished(self) -> None:
-        """Its ticket has its outcome (called inside its model's runner): ``run``'s
-        next turn answers it."""
-        inferences = self.inferences
-        inferences._finished.append(self)
-        if inferences._answerer is not None:
-            inferences._wake_answerer()
+
+class _Coalesced(_InFlight):
+    """Alike INFERs in flight as one request (``_coalesce.py``)."""
+
+    __slots__ = ("members", "runner", "withdrawn")
+
+    def __init__(self, inferences: LinkInferences, runner: ModelRunner, members: list[Infer]):
+        self.inferences = inferences
+        self.runner = runner
+        self.members = members
+        self.withdrawn: set[int] = set()  # the calls not to answer (their clients left)
+
+    def withdraw(self, call: int) -> None:
+        """INFER ``call`` is not answered; the request is withdrawn once none is."""
+        self.withdrawn.add(call)
+        if len(self.withdrawn) == len(self.members):
+            self.submitted.ticket.withdraw()
+
+    def answered(self) -> list[Infer]:
+        """Its INFERs still to answer."""
+        withdrawn = self.withdrawn
+        return [m for m in self.members if m[1] not in withdrawn] if withdrawn else self.members
+
+
+def _together(runner: ModelRunner, message: Infer) -> int:
+    """How many INFERs alike ``message`` go in one request: as many rows as the model's
+    largest preferred batch size holds, or its max batch size (0 or 1: each goes alone,
+    and one too large is refused as it would be alone)."""
+    policy = runner.policy
+    return max(policy.preferred_batch_sizes, default=policy.max_batch_size) // rows_of(message)
 
 
 def _returned(

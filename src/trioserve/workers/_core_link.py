@@ -98,9 +98,18 @@ class WorkerLink:
                 calls.start_soon(self._inferences.run)
                 try:
                     while True:
+                        infers: list[tuple[Any, ...]] = []  # submitted together
                         for message, fds in frames:  # a SEGMENTS frame has descriptors
                             message = unwrap(message, fds, self.peer) if fds else message
+                            if message[0] == INFER:
+                                infers.append(message)
+                                continue
+                            if infers:  # before what follows them (a CANCEL of one)
+                                self._inferences.submit_all(infers)
+                                infers = []
                             self._dispatch(calls, message)
+                        if infers:
+                            self._inferences.submit_all(infers)
                         frames = await self.channel.receive()
                 except LinkClosed:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it
@@ -125,9 +134,7 @@ class WorkerLink:
 
     def _dispatch(self, calls: trio.Nursery, message: tuple[Any, ...]) -> None:
         kind = message[0]
-        if kind == INFER:
-            self._inferences.submit(*message[1:])
-        elif kind == HTTP:
+        if kind == HTTP:
             calls.start_soon(self._http, *message[1:])
         elif kind == GRPC:
             calls.start_soon(self._grpc_unary, *message[1:])
