@@ -277,13 +277,10 @@ class InferencePipeline:
     ) -> Submitted:
         """Queue ``request``, which stacks the rows of ``requests`` alike requests whose
         inputs came in the message (no region to lease), as ``submit`` queues one; each of
-        them counts in the load and statistics."""
+        them counts in the load and statistics. A refusal raises uncounted: the caller
+        submits them one by one, and each is refused (and counted) with its own shapes."""
+        ticket = runner.submit_coalesced(request, requests)
         counting = self._load.counting(runner, requests)
-        try:
-            ticket = runner.submit_coalesced(request, requests)
-        except Exception:
-            with counting:  # a refusal counts as a failure, as in ``infer``
-                raise
         regions = RequestRegions(self._shared_memory, runner.model.device, False)
         return Submitted(ticket, regions, None, counting)
 

@@ -65,15 +65,17 @@ class Pair:
         return kind(function, name=name, inputs=spec, outputs=outputs, max_batch_size=8, **settings)
 
 
-def _infer(call: int, rows: int = 1, model: str = "pair", **fields: Any) -> tuple[Any, ...]:
+def _infer(
+    call: int, rows: int = 1, model: str = "pair", width: int = 4, **fields: Any
+) -> tuple[Any, ...]:
     """An INFER of ``rows`` rows whose INPUT0 starts at ``call``'s value (its own)."""
-    first = np.arange(rows * 4, dtype=np.int32).reshape(rows, 4) + 100 * abs(call)
+    first = np.arange(rows * width, dtype=np.int32).reshape(rows, width) + 100 * abs(call)
     if fields.get("negative"):
         first = -first
-    second = np.full((rows, 4), 7, np.int32)
+    second = np.full((rows, width), 7, np.int32)
     inputs = [
-        ("INPUT0", "INT32", (rows, 4), first.tobytes(), {}),
-        ("INPUT1", "INT32", (rows, 4), second.tobytes(), {}),
+        ("INPUT0", "INT32", (rows, width), first.tobytes(), {}),
+        ("INPUT1", "INT32", (rows, width), second.tobytes(), {}),
     ]
     parameters, trace = fields.get("parameters", {}), fields.get("trace")
     return (
@@ -277,3 +279,27 @@ async def test_the_groups_of_a_worker_that_leaves_are_withdrawn(
     statistics = model_statistics(server, "pair")
     assert statistics.failures[FailureReason.CANCELED] == 4  # the one executing too
     assert pair.executions == [[1]]  # the group never ran
+
+
+async def test_alike_inferences_the_model_refuses_are_refused_each_as_it_came(
+    autojump_clock: trio.abc.Clock, server: Server, pair: Pair, worker: Worker
+) -> None:
+    no_inputs = (*_infer(-5)[:7], [], *_infer(-5)[8:])
+    await worker.send_together(
+        _infer(-1, width=5), _infer(-2, width=5),  # alike, and of a shape the model refuses
+        _infer(-3, rows=0), _infer(-4, rows=0),  # no rows
+        no_inputs, (*no_inputs[:1], -6, *no_inputs[2:]),
+        _infer(-7), _infer(-8),
+    )  # fmt: skip
+    outcomes = await _outcomes(worker, 8)
+    for call in (-1, -2):  # each error names the shape its request had
+        kind, message = outcomes[call][1]
+        assert kind == "INVALID_ARG" and "[1,5]" in message.replace(" ", ""), message
+    for call in (-5, -6):
+        assert outcomes[call][1] is not None
+    _check_answer(-7, outcomes[-7])
+    _check_answer(-8, outcomes[-8])
+    assert [8] not in pair.executions  # nothing was stacked with the refused ones
+    assert model_statistics(server, "pair").success.count == 2 + sum(
+        outcome[1] is None for call, outcome in outcomes.items() if call in (-3, -4)
+    )

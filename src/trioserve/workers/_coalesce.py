@@ -52,19 +52,21 @@ def alike(messages: list[Infer]) -> Iterator[list[Infer]]:
 
 
 def _key(message: Infer) -> Hashable | None:
-    """What alike INFERs share; None for one that goes alone: one with a trace context,
-    or an input that is not in the frame or is of BYTES (whose rows differ in size)."""
+    """What alike INFERs share; None for one that goes alone: one with a trace context or
+    no input, an input that is not in the frame or is of BYTES (whose rows differ in
+    size), or inputs whose rows are not one same number (the model refuses it alone)."""
     _, _, _, model, version, _, parameters, inputs, outputs, _, trace_context = message
-    if trace_context is not None:
+    if trace_context is not None or not inputs:
         return None
     key: list[Hashable] = [model, version, tuple(parameters.items()) if parameters else ()]
+    rows = inputs[0][2][0] if inputs[0][2] else 0
     for name, type_name, shape, payload, tensor_parameters in inputs:
-        if type(payload) is not bytes or type_name == "BYTES" or not shape:
+        if type(payload) is not bytes or type_name == "BYTES" or not shape or shape[0] != rows:
             return None
         key.append((name, type_name, shape, tuple(tensor_parameters.items())))
     if outputs:
         key.append(tuple((name, tuple(params.items())) for name, params in outputs))
-    return tuple(key)
+    return tuple(key) if rows > 0 else None
 
 
 def rows_of(message: Infer) -> int:

@@ -118,11 +118,9 @@ class LinkInferences:
             coalesced.submitted = self._context.pipeline.submit_coalesced(
                 runner, request, len(members)
             )
-        except Exception as exc:
-            error = _error(exc)
-            for member in members:
-                self._add_failure(member[1], member[3], member[4], error)
-            self._wake_answerer()
+        except Exception:  # refused (their shapes, the model unloading): each on its own
+            for message in members:
+                self.submit(*message[1:])
             return
         for member in members:
             self._inferences[member[1]] = coalesced
