@@ -92,6 +92,9 @@ class LinkInferences:
     def submit_all(self, messages: list[Infer]) -> None:
         """Submit a frame's INFERs (``submit``), alike ones as one request where their
         model allows it (``_coalesce.py``), in the order of their groups' firsts."""
+        if len(messages) == 1:  # a frame of one (light load): nothing to group, no key
+            self.submit(*messages[0][1:])
+            return
         for group in alike(messages):
             runner = self._coalescing(group[0]) if len(group) > 1 else None
             count = _together(runner, group[0]) if runner else 1
