@@ -562,10 +562,15 @@ def main(argv: list[str] | None = None) -> None:
     # would run on its own: a model.py that parses its arguments at import (argparse)
     # must not read, and exit on, the server's flags.
     del sys.argv[1:]
+    failure = None
     try:
         trio.run(run_until_signalled, config, args.workers, args.ports_file)
     except* WorkerStartError as group:
-        sys.exit(f"error: creating server: {group.exceptions[0]}")
+        failure = f"error: creating server: {group.exceptions[0]}"
     except* StartupError as group:
         # Triton's words, after the log has named each model that failed and why.
-        sys.exit(f"error: creating server: Internal - {group.exceptions[0]}")
+        failure = f"error: creating server: Internal - {group.exceptions[0]}"
+    if failure is not None:
+        # Outside the except* blocks: CPython before 3.11.4 (Debian 12's 3.11.2) wraps
+        # what such a block raises in a group, and SystemExit would print as a traceback.
+        sys.exit(failure)

@@ -110,6 +110,7 @@ def test_the_core_dying_stops_every_worker_with_a_message() -> None:
         served.wait_log_closed()  # every process that held the log has exited
         gone = [line for line in served.log if "the core process is gone" in line]
         assert len(gone) == 2
+        assert not [line for line in served.log if "Traceback" in line]  # a message only
     finally:
         served.stop()
 

@@ -155,8 +155,11 @@ def main(argv: list[str]) -> None:
         # at 64 connections.
         await serve_worker(TrioChannel(trio.socket.from_stdlib_socket(link), coalesce=True))
 
+    core_gone = False
     try:
         trio.run(run)
     except* CoreGone:
+        core_gone = True
+    if core_gone:  # exits outside except*, for CPython before 3.11.4 (see _cli.main)
         logger.error("the core process is gone: this worker stops")
         sys.exit(1)
