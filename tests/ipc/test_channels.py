@@ -244,3 +244,26 @@ async def test_coalescing_sends_the_frames_of_one_turn_in_one_write(coalesce: bo
     finally:
         channel.close()
         peer.close()
+
+
+async def test_a_coalescing_send_under_a_cancelled_scope_still_writes_its_frame() -> None:
+    """The schedule point a coalescing send takes before writing is no cancel point: a
+    caller whose scope is already cancelled still gets its frame written, whole, and the
+    frames after it arrive intact."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = TrioChannel(trio.socket.from_stdlib_socket(ours), coalesce=True)
+    peer = TrioChannel(trio.socket.from_stdlib_socket(theirs))
+    try:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await channel.send(("first",))
+            sent_while_cancelled = channel.writes
+        await channel.send(("second",))
+        assert sent_while_cancelled == 1
+        received: list[object] = []
+        while len(received) < 2:
+            received += [message for message, _ in await peer.receive()]
+        assert received == [("first",), ("second",)]
+    finally:
+        channel.close()
+        peer.close()
