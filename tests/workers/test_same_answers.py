@@ -40,6 +40,10 @@ def served() -> Iterator[Served]:
         yield server
     finally:
         assert server.stop() == 0
+    # What the tests sent, clients that left included, is answered or refused, never a
+    # failure of the server's: no process logged an error.
+    errors = [line for line in server.log if " ERROR " in line]
+    assert not errors, "".join(errors)
 
 
 def _simple(client: Any, module: Any) -> np.ndarray:

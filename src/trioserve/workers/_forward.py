@@ -17,6 +17,7 @@ import trio
 from .._errors import NotFoundError, UnavailableError
 from ..grpc import (
     Call,
+    ClientGone,
     GrpcError,
     GrpcStatus,
     MessageStream,
@@ -178,10 +179,14 @@ async def _forward_stream(
     ended = False
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_pump, client, number, messages)
+            nursery.start_soon(_pump, client, number, messages, nursery.cancel_scope)
             async for item in answers:
                 if isinstance(item, tuple) and item[0] == REPLY:
-                    await messages.send(_reply(client, item[1]))
+                    try:
+                        await messages.send(_reply(client, item[1]))
+                    except ClientGone:  # the client reset the stream (see _pump)
+                        nursery.cancel_scope.cancel()
+                        break
                     continue
                 ended = True
                 nursery.cancel_scope.cancel()
@@ -192,9 +197,18 @@ async def _forward_stream(
             client.cancel(number, answers)
 
 
-async def _pump(client: CoreClient, number: int, messages: MessageStream) -> None:
+async def _pump(
+    client: CoreClient, number: int, messages: MessageStream, forward: trio.CancelScope
+) -> None:
     """The client's messages to the core, then its half-close."""
-    while (message := await messages.recv()) is not None:
-        payload = client.out.pack(message)
-        await client.out.send((MESSAGE, number, payload), payload)
+    try:
+        while (message := await messages.recv()) is not None:
+            payload = client.out.pack(message)
+            await client.out.send((MESSAGE, number, payload), payload)
+    except ClientGone:
+        # The client reset the stream: the forward ends (the core's call withdrawn), and
+        # quietly, as the call's front end expects. Raised from this task, ClientGone
+        # would leave the nursery inside an exception group, taken for a failure.
+        forward.cancel()
+        return
     await client.out.send((HALF_CLOSE, number))
