@@ -10,13 +10,16 @@ with its own clients: REST JSON and binary, gRPC unary and streaming (decoupled 
 generative), system shared memory (register, infer, unregister), ``generate_stream``,
 raw connections closed mid-request and mid-stream, gRPC calls cancelled and timed out
 (``soak_traffic.py`` has one function per kind). Every ``--interval`` seconds it prints
-the server's RSS, open file descriptors and threads (from /proc), its trio tasks (the
-``trioserve_tasks`` gauge of /metrics), and the requests done so far per kind.
+the RSS, open file descriptors and threads (from /proc) of the server and its child
+processes together (``--workers``' front ends, model processes), the trio tasks of the
+server's process (the ``trioserve_tasks`` gauge of /metrics), and the requests done so
+far per kind.
 
 At the end it compares the sample taken when the warm-up ended (the first fifth of the
 run, at least one interval) with the last one, and the idle server before and after the traffic, and exits 1
-if RSS, descriptors or tasks grew past the thresholds, if any request failed in a way
-it should not have, or if the server it started logged an error.
+if RSS, descriptors or tasks grew past the thresholds, if a child process exited (one
+restarted after a crash has a new process id), if any request failed in a way it should
+not have, or if the server it started logged an error.
 """
 
 from __future__ import annotations
@@ -50,17 +53,18 @@ ERROR_EXAMPLES = 3  # per kind, printed at the end
 class Sample:
     phase: str  # "idle before", "load" or "idle after"
     elapsed_s: float
-    rss_mib: float
+    rss_mib: float  # these three: summed over the server and its child processes
     fds: int
     threads: int
     tasks: int | None  # None: the server exports no trioserve_tasks
+    processes: list[int] = field(default_factory=list)  # the server's, then its children's
     done: dict[str, dict[str, int]] = field(default_factory=dict)  # outcome -> kind -> count
 
     def line(self) -> str:
         tasks = "-" if self.tasks is None else str(self.tasks)
         parts = [
             f"{self.elapsed_s:7.0f}s rss={self.rss_mib:.1f}MiB fds={self.fds} "
-            f"threads={self.threads} tasks={tasks}"
+            f"threads={self.threads} tasks={tasks} processes={len(self.processes)}"
         ]
         for outcome in OUTCOMES:
             counts = self.done.get(outcome, {})
@@ -146,6 +150,39 @@ def process_figures(pid: int) -> tuple[float, int, int]:
     return rss_mib, len(os.listdir(f"/proc/{pid}/fd")), status_field("Threads")
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (``trioserve run --workers``' workers, model processes),
+    from the parent of each process in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            parent = int(stat.rpartition(")")[2].split()[1])  # the name may hold spaces
+            children.setdefault(parent, []).append(int(entry))
+    tree, index = [pid], 0
+    while index < len(tree):
+        tree += sorted(children.get(tree[index], []))
+        index += 1
+    return tree
+
+
+def tree_figures(pid: int) -> tuple[float, int, int, list[int]]:
+    """``process_figures`` summed over the process tree of ``pid``, and its processes
+    (raises ``OSError`` if ``pid`` is gone)."""
+    figures, alive = [process_figures(pid)], [pid]
+    for child in process_tree(pid)[1:]:
+        try:
+            figures.append(process_figures(child))
+        except OSError:  # exited since (a zombie until its parent reaps it): not counted
+            continue
+        alive.append(child)
+    rss, fds, threads = (sum(column) for column in zip(*figures, strict=True))
+    return rss, int(fds), int(threads), alive
+
+
 def task_count(http_url: str) -> int | None:
     with urllib.request.urlopen(f"http://{http_url}/metrics", timeout=30) as reply:
         found = re.search(rb"^trioserve_tasks (\S+)$", reply.read(), re.M)
@@ -154,12 +191,12 @@ def task_count(http_url: str) -> int | None:
 
 def sample(phase: str, pid: int, http_url: str, started: float, tally: Tally) -> Sample:
     try:
-        rss, fds, threads = process_figures(pid)  # before the scrape opens a connection
+        rss, fds, threads, tree = tree_figures(pid)  # before the scrape opens a connection
         tasks = task_count(http_url)
     except OSError as error:
         raise SystemExit(f"soak: FAIL: the server is gone ({error})") from None
     elapsed = time.monotonic() - started
-    return Sample(phase, elapsed, rss, fds, threads, tasks, tally.snapshot())
+    return Sample(phase, elapsed, rss, fds, threads, tasks, tree, tally.snapshot())
 
 
 def free_port() -> int:
@@ -269,6 +306,9 @@ def soak(
     # Idle, descriptors and tasks come back to where they were; memory warms up meanwhile.
     idle_limits = {name: limits[name] for name in ("fds", "tasks")}
     failures += growth("idle before -> idle after the traffic", before, after, idle_limits)
+    # A child process that crashed is restarted: the count holds, its process id does not.
+    if exited := [str(p) for p in before.processes if p not in after.processes]:
+        failures.append(f"the server's processes {', '.join(exited)} exited during the soak")
     done = after.done
     for kind in args.kinds:
         if not done.get("ok", {}).get(kind) and not done.get("cancelled", {}).get(kind):
