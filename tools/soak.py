@@ -6,14 +6,15 @@
 
 Starts ``trioserve run`` (the built-in models) on free ports of 127.0.0.1, or drives a
 running server, and sends ``--rate`` requests per second from ``--workers`` threads, each
-with its own clients: REST JSON and binary, gRPC unary and streaming (decoupled and
-generative), system shared memory (register, infer, unregister), ``generate_stream``,
-raw connections closed mid-request and mid-stream, gRPC calls cancelled and timed out
-(``soak_traffic.py`` has one function per kind). Every ``--interval`` seconds it prints
-the RSS, open file descriptors and threads (from /proc) of the server and its child
-processes together (``--workers``' front ends, model processes), the trio tasks of the
-server's process (the ``trioserve_tasks`` gauge of /metrics), and the requests done so
-far per kind.
+with its own clients: REST JSON and binary, 1 MiB tensors over REST and gRPC, gRPC unary
+and streaming (decoupled and generative), system shared memory (register, infer,
+unregister), ``generate_stream`` and OpenAI's streamed chat completions, ``/metrics``,
+raw connections closed mid-request (a 1 MiB body among them) and mid-stream, gRPC calls
+cancelled and timed out (``soak_traffic.py`` has one function per kind). Every
+``--interval`` seconds it prints the RSS, open file descriptors and threads (from /proc)
+of the server and its child processes together (``trioserve run --workers``' front ends,
+model processes), the trio tasks of the server's process (the ``trioserve_tasks`` gauge
+of /metrics), and the requests done so far per kind.
 
 At the end it compares the sample taken when the warm-up ended (the first fifth of the
 run, at least one interval) with the last one, and the idle server before and after the traffic, and exits 1

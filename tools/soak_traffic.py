@@ -29,6 +29,9 @@ from tritonclient.utils import InferenceServerException
 SIMPLE_A = np.arange(16, dtype=np.int32).reshape(1, 16)
 SIMPLE_B = np.full((1, 16), 3, dtype=np.int32)
 BINARY_TENSOR = np.linspace(0, 1, 4096, dtype=np.float32)  # 16 KiB each way
+# 1 MiB each way: past what a --workers front end carries in its frames to the core
+# (``workers/_wire.INLINE_BYTES``), so it travels in the shared-memory arena's blocks.
+LARGE_TENSOR = np.linspace(0, 1, 1 << 18, dtype=np.float32)
 SLOW_MS = 300.0  # what ``delay`` sleeps for the calls that are cancelled before it answers
 REPLY_TIMEOUT_S = 30.0  # a reply later than this is an error, not a slow moment
 
@@ -88,6 +91,21 @@ def rest_binary(clients: Clients) -> str:
     result = clients.http.infer("identity_fp32", [tensor], outputs=[output])
     if not np.array_equal(result.as_numpy("OUTPUT0"), BINARY_TENSOR):
         raise AssertionError("identity_fp32 changed its tensor")
+    return "ok"
+
+
+def large_tensor(clients: Clients) -> str:
+    """``identity_fp32`` on 1 MiB: over REST binary on odd turns, over gRPC on even ones."""
+    clients.serial += 1
+    client: Any = clients.http if clients.serial % 2 else clients.grpc
+    module: Any = httpclient if client is clients.http else grpcclient
+    options = {"binary_data": True} if module is httpclient else {}
+    tensor = module.InferInput("INPUT0", list(LARGE_TENSOR.shape), "FP32")
+    tensor.set_data_from_numpy(LARGE_TENSOR, **options)
+    output = module.InferRequestedOutput("OUTPUT0", **options)
+    result = client.infer("identity_fp32", [tensor], outputs=[output])
+    if not np.array_equal(result.as_numpy("OUTPUT0"), LARGE_TENSOR):
+        raise AssertionError("identity_fp32 changed its 1 MiB tensor")
     return "ok"
 
 
@@ -265,6 +283,24 @@ def disconnect_request(clients: Clients) -> str:
     return "ok"
 
 
+def disconnect_large(clients: Clients) -> str:
+    """A raw connection closed halfway through a 1 MiB binary tensor (the binary data
+    extension): what the server received of it must be let go."""
+    size = LARGE_TENSOR.nbytes
+    tensor = {"name": "INPUT0", "shape": [LARGE_TENSOR.size], "datatype": "FP32",
+              "parameters": {"binary_data_size": size}}  # fmt: skip
+    header = json.dumps({"inputs": [tensor]}).encode()
+    head = (
+        f"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: soak\r\n"
+        f"Content-Type: application/octet-stream\r\n"
+        f"Inference-Header-Content-Length: {len(header)}\r\n"
+        f"Content-Length: {len(header) + size}\r\n\r\n"
+    )
+    with clients.connect() as sock:
+        sock.sendall(head.encode() + header + LARGE_TENSOR.tobytes()[: size // 2])
+    return "ok"
+
+
 def disconnect_stream(clients: Clients) -> str:
     """A raw connection that reads ``generate_stream``'s first event of a long answer,
     then closes: the server must abort the generation."""
@@ -278,6 +314,54 @@ def disconnect_stream(clients: Clients) -> str:
             received += chunk
         if not received.startswith(b"HTTP/1.1 200"):
             raise AssertionError(f"generate_stream answered {received[:40]!r}")
+    return "ok"
+
+
+def openai_chat_stream(clients: Clients) -> str:
+    """``tiny_lm`` through OpenAI's chat completions, streamed: its chunks, the last with
+    a ``finish_reason``, then ``[DONE]``."""
+    body = {"model": "tiny_lm", "messages": [{"role": "user", "content": "The soak test"}],
+            "max_tokens": 8, "stream": True}  # fmt: skip
+    connection = http.client.HTTPConnection(
+        clients.host, clients.http_port, timeout=REPLY_TIMEOUT_S
+    )
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps(body).encode())
+        response = connection.getresponse()
+        if response.status != 200:
+            raise AssertionError(f"chat completions answered {response.status}")
+        finished = False
+        for line in response:
+            if line.startswith(b"data: [DONE]"):
+                break
+            if line.startswith(b"data: "):
+                chunk = json.loads(line[6:])
+                finished = chunk["choices"][0]["finish_reason"] is not None
+        else:
+            raise AssertionError("chat completions ended without [DONE]")
+        if not finished:
+            raise AssertionError("chat completions' last chunk carried no finish_reason")
+    finally:
+        connection.close()
+    return "ok"
+
+
+def metrics_scrape(clients: Clients) -> str:
+    """``/metrics`` on the HTTP port (with ``--workers``, every worker's counters pulled
+    into one scrape): Triton's request counters for ``simple`` among them."""
+    connection = http.client.HTTPConnection(
+        clients.host, clients.http_port, timeout=REPLY_TIMEOUT_S
+    )
+    try:
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        text = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise AssertionError(f"/metrics answered {response.status}")
+    if b'nv_inference_request_success{model="simple",version="1"}' not in text:
+        raise AssertionError("/metrics has no request counter for simple")
     return "ok"
 
 
@@ -320,12 +404,16 @@ def grpc_timeout(clients: Clients) -> str:
 KINDS: dict[str, tuple[int, Callable[[Clients], str]]] = {
     "rest_json": (3, rest_json),
     "rest_binary": (2, rest_binary),
+    "large_tensor": (1, large_tensor),
     "grpc_unary": (3, grpc_unary),
     "grpc_stream": (2, grpc_stream),
     "grpc_stream_llm": (1, grpc_stream_llm),
     "shared_memory": (2, shared_memory),
     "generate_stream": (1, generate_stream),
+    "openai_chat_stream": (1, openai_chat_stream),
+    "metrics_scrape": (1, metrics_scrape),
     "disconnect_request": (2, disconnect_request),
+    "disconnect_large": (1, disconnect_large),
     "disconnect_stream": (1, disconnect_stream),
     "grpc_cancel": (1, grpc_cancel),
     "grpc_timeout": (1, grpc_timeout),
