@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from trioserve.ipc import (
     Arena,
+    BlockingChannel,
     FrameError,
     FrameReader,
     LinkClosed,
@@ -172,6 +173,30 @@ async def test_a_killed_child_closes_the_link() -> None:
                 await channel.send(("x", [], None))
     finally:
         channel.close()
+
+
+async def test_a_peer_that_exits_with_frames_unread_closes_the_link() -> None:
+    """A peer that dies with frames of ours still unread (a worker killed under load)
+    resets the socket: the next receive raises ECONNRESET, which ends the link like any
+    other close, not the receiver with it. So on both ends: trio's and a thread's."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = TrioChannel(trio.socket.from_stdlib_socket(ours))
+    try:
+        await channel.send(("never read",))
+        theirs.close()  # with the frame in its receive buffer
+        with pytest.raises(LinkClosed):
+            await channel.receive()
+    finally:
+        channel.close()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    blocking = BlockingChannel(ours)
+    try:
+        blocking.send(("never read",))
+        theirs.close()
+        with pytest.raises(LinkClosed):
+            blocking.receive()
+    finally:
+        blocking.close()
 
 
 async def test_replies_reach_their_callers_and_a_dead_link_fails_the_rest() -> None:

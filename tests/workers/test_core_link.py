@@ -417,3 +417,22 @@ async def test_a_scrape_whose_client_left_is_not_answered(server: Server, worker
     await worker.channel.send(_infer(-3, 4.0, "on_device"))
     (frame,) = await worker.outcomes()
     assert list(frame) == [-3]  # and not answered: the worker dropped it
+
+
+async def test_a_worker_gone_with_answers_unread_ends_its_link_quietly(
+    server: Server, gate: GatedModel
+) -> None:
+    """A worker killed under load leaves frames of the core's unread, so the core finds
+    its socket reset rather than closed: its link ends as when any worker leaves, not
+    with an error that would end the core."""
+    core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+    assert server.context is not None
+    link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
+    worker = Worker(worker_end)
+    gate.release.set()
+    async with trio.open_nursery() as nursery:  # an error of serve() fails the test here
+        nursery.start_soon(link.serve, [])
+        await worker.infer(-1, 1.0)
+        await trio.lowlevel.wait_readable(worker_end)  # its answer, never to be read
+        worker.channel.close()
+    assert model_statistics(server, "delay").inference_count == 1

@@ -64,7 +64,10 @@ class BlockingChannel:
     def receive(self) -> tuple[Any, list[int]]:
         """The next frame; one reading thread at a time."""
         while not self._ready:
-            data, ancdata, _flags, _address = self._socket.recvmsg(READ_BYTES, ANCILLARY_BYTES)
+            try:
+                data, ancdata, _flags, _address = self._socket.recvmsg(READ_BYTES, ANCILLARY_BYTES)
+            except ConnectionResetError as exc:  # it died with frames of ours unread
+                raise LinkClosed(f"the peer is gone: {exc}") from None
             fds = received_fds(ancdata)
             if not data:
                 for fd in fds:

@@ -112,9 +112,12 @@ class TrioChannel:
     async def receive(self) -> list[tuple[Any, list[int]]]:
         """The next frames to arrive (at least one), each with its descriptors."""
         while True:
-            data, ancdata, _flags, _address = await self._socket.recvmsg(
-                READ_BYTES, ANCILLARY_BYTES
-            )
+            try:
+                data, ancdata, _flags, _address = await self._socket.recvmsg(
+                    READ_BYTES, ANCILLARY_BYTES
+                )
+            except ConnectionResetError as exc:  # it died with frames of ours unread
+                raise LinkClosed(f"the peer is gone: {exc}") from None
             fds = received_fds(ancdata)
             if not data:
                 for fd in fds:
