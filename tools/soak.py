@@ -227,13 +227,15 @@ def start_server(
             time.sleep(0.2)  # a tool polling a server it started
 
 
-def stop_server(server: subprocess.Popen[bytes]) -> None:
-    server.send_signal(signal.SIGTERM)
+def stop_server(server: subprocess.Popen[bytes]) -> int:
+    """SIGTERM, then SIGKILL if it has not exited in 60 s; its exit status."""
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
     try:
-        server.wait(timeout=60)
+        return server.wait(timeout=60)
     except subprocess.TimeoutExpired:
         server.kill()
-        server.wait()
+        return server.wait()
 
 
 def idle_sample(phase: str, pid: int, http_url: str, started: float, tally: Tally) -> Sample:

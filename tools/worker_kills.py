@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,9 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from soak import process_figures, process_tree, task_count
+from soak import process_figures, process_tree, start_server, stop_server, task_count
 from soak_traffic import Clients, large_tensor, rest_json
 
+WORKERS = 2
 REPLACED_WITHIN_S = 60.0
 KINDS = (large_tensor, large_tensor, rest_json)
 
@@ -96,11 +96,12 @@ def workers_of(core: int) -> list[int]:
     return found
 
 
-def replaced(core: int, victim: int, count: int) -> bool:
+def serving(core: int, count: int, gone: int | None = None) -> bool:
+    """Whether the core runs ``count`` workers, ``gone`` not among them, within 60 s."""
     deadline = time.monotonic() + REPLACED_WITHIN_S
     while time.monotonic() < deadline:
         workers = workers_of(core)
-        if len(workers) == count and victim not in workers:
+        if len(workers) == count and gone not in workers:
             return True
         time.sleep(0.05)  # a tool polling the processes of a server it started
     return False
@@ -111,25 +112,11 @@ def core_figures(core: int, http: int) -> dict[str, Any]:
     return {"rss_mib": round(rss_mib, 1), "fds": fds, "tasks": task_count(f"127.0.0.1:{http}")}
 
 
-def start_server(python: str, folder: Path, log: Any) -> tuple[subprocess.Popen[bytes], int, int]:
-    ports_file = folder / "ports.json"
-    command = [python, "-m", "trioserve", "run", "--host", "127.0.0.1", "--http-port", "0",
-               "--grpc-port", "0", "--workers", "2", "--ports-file", str(ports_file),
-               "--log-level", "warning"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while not ports_file.exists():  # written once every worker serves
-        if time.monotonic() > deadline or server.poll() is not None:
-            server.kill()
-            raise SystemExit("worker_kills: the server did not start")
-        time.sleep(0.1)
-    ports = json.loads(ports_file.read_text())
-    return server, ports["http"], ports["grpc"]
-
-
 def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> dict[str, Any]:
     """Warm up, sample the idle core, kill workers under traffic, sample it idle again."""
     failures = []
+    if not serving(core, WORKERS):  # the ports answer once one worker serves
+        return {"failures": ["the workers did not start"]}
     with Traffic(http, grpc, args.threads):
         time.sleep(args.every)  # the arenas and connections grown as the traffic needs
     time.sleep(1)  # the connections the clients closed, ended on the server's side too
@@ -138,10 +125,9 @@ def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> d
     with Traffic(http, grpc, args.threads) as traffic:
         for kill in range(args.kills):
             time.sleep(args.every)
-            workers = workers_of(core)
-            victim = workers[kill % len(workers)]
+            victim = workers_of(core)[kill % WORKERS]
             os.kill(victim, signal.SIGKILL)
-            if not replaced(core, victim, len(workers)):
+            if not serving(core, WORKERS, gone=victim):
                 failures.append(f"worker {victim} was not replaced")
                 break
             answered_before_last = traffic.answered
@@ -168,20 +154,17 @@ def main() -> int:
     parser.add_argument("--server-python", default=sys.executable)
     parser.add_argument("--json", type=Path, help="write the figures and the verdict here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile() as log:
-        server, http, grpc = start_server(args.server_python, Path(folder), log)
+    with tempfile.TemporaryFile() as log:
+        server, http_url, grpc_url = start_server(
+            args.server_python, ["--workers", str(WORKERS)], log
+        )
+        http, grpc = (int(url.rsplit(":", 1)[1]) for url in (http_url, grpc_url))
         try:
             report = kill_workers(args, server.pid, http, grpc)
         except OSError as gone:  # the core's /proc entry, or its HTTP port
             report = {"failures": [f"the core process is gone ({gone})"]}
         finally:
-            if server.poll() is None:
-                server.send_signal(signal.SIGTERM)
-            try:
-                status = server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                status = server.wait()
+            status = stop_server(server)
         log.seek(0)
         logged = log.read().decode(errors="replace")
     if status != 0:
