@@ -94,11 +94,15 @@ def rest_binary(clients: Clients) -> str:
     return "ok"
 
 
-def large_tensor(clients: Clients) -> str:
-    """``identity_fp32`` on 1 MiB: over REST binary on odd turns, over gRPC on even ones."""
+def _next_turn(clients: Clients) -> tuple[Any, Any]:
+    """The next turn's client and its module: gRPC on odd turns, REST on even ones."""
     clients.serial += 1
-    client: Any = clients.http if clients.serial % 2 else clients.grpc
-    module: Any = httpclient if client is clients.http else grpcclient
+    return (clients.grpc, grpcclient) if clients.serial % 2 else (clients.http, httpclient)
+
+
+def large_tensor(clients: Clients) -> str:
+    """``identity_fp32`` on 1 MiB: over REST binary on even turns, over gRPC on odd ones."""
+    client, module = _next_turn(clients)
     options = {"binary_data": True} if module is httpclient else {}
     tensor = module.InferInput("INPUT0", list(LARGE_TENSOR.shape), "FP32")
     tensor.set_data_from_numpy(LARGE_TENSOR, **options)
@@ -206,9 +210,7 @@ def grpc_stream_cancel(clients: Clients) -> str:
 def shared_memory(clients: Clients) -> str:
     """Register a region, infer ``simple`` from and into it, unregister it: over REST on
     even turns, over gRPC on odd ones."""
-    clients.serial += 1
-    client: Any = clients.grpc if clients.serial % 2 else clients.http
-    module: Any = grpcclient if client is clients.grpc else httpclient
+    client, module = _next_turn(clients)
     name = f"soak_{clients.worker}_{clients.serial}"
     region = shm.create_shared_memory_region(name, f"/{name}", 256)
     try:
@@ -262,10 +264,15 @@ def generate_stream(clients: Clients) -> str:
     return "ok"
 
 
-def _raw_request(path: str, body: bytes, sent: int | None = None) -> bytes:
+def _raw_request(
+    path: str, body: bytes, sent: int | None = None, json_bytes: int | None = None
+) -> bytes:
+    """A request of ``body`` (its first ``sent`` bytes); ``json_bytes``: the length of
+    its JSON header where binary tensors follow it (the binary data extension)."""
+    binary = "" if json_bytes is None else f"Inference-Header-Content-Length: {json_bytes}\r\n"
     head = (
         f"POST {path} HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
+        f"{binary}Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body[:sent]
 
@@ -290,14 +297,11 @@ def disconnect_large(clients: Clients) -> str:
     tensor = {"name": "INPUT0", "shape": [LARGE_TENSOR.size], "datatype": "FP32",
               "parameters": {"binary_data_size": size}}  # fmt: skip
     header = json.dumps({"inputs": [tensor]}).encode()
-    head = (
-        f"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nHost: soak\r\n"
-        f"Content-Type: application/octet-stream\r\n"
-        f"Inference-Header-Content-Length: {len(header)}\r\n"
-        f"Content-Length: {len(header) + size}\r\n\r\n"
-    )
+    body = header + LARGE_TENSOR.tobytes()
+    request = _raw_request("/v2/models/identity_fp32/infer", body, len(header) + size // 2,
+                           json_bytes=len(header))  # fmt: skip
     with clients.connect() as sock:
-        sock.sendall(head.encode() + header + LARGE_TENSOR.tobytes()[: size // 2])
+        sock.sendall(request)
     return "ok"
 
 
