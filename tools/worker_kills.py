@@ -14,8 +14,14 @@ tool counts them and judges nothing of them but that an answer is never wrong.
 It exits 1 if the core process did not live through the kills, a worker was not
 replaced, an answer was wrong, no request was answered after the last kill, the core's
 descriptors or trio tasks after the traffic exceed those before it (idle both times,
-after a warm-up of the same traffic), the core logged a traceback, or the server did not
-exit 0 on SIGTERM.
+after a warm-up of the same traffic), the core holds more shared-memory segments than it
+has workers, the core logged a traceback, or the server did not exit 0 on SIGTERM.
+
+The segments are counted apart from the other descriptors: the core gives each worker's
+link an arena whose first segment (64 MiB) is made when an answer first needs a block, so
+whether a worker has one yet depends on which worker the kernel handed the connections
+to. This traffic never needs a second segment, so one per live worker is the bound; the
+arenas of killed workers must be closed with their links.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from soak_traffic import Clients, large_tensor, rest_json
 WORKERS = 2
 REPLACED_WITHIN_S = 60.0
 KINDS = (large_tensor, large_tensor, rest_json)
+SEGMENT_LINK = "/memfd:trioserve-ipc"  # how /proc names an arena segment's descriptor
 
 
 class Traffic:
@@ -107,9 +114,24 @@ def serving(core: int, count: int, gone: int | None = None) -> bool:
     return False
 
 
+def arena_segments(pid: int) -> int:
+    """How many of the process's descriptors are shared-memory arena segments."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SEGMENT_LINK)
+        except OSError:  # closed meanwhile
+            continue
+    return count
+
+
 def core_figures(core: int, http: int) -> dict[str, Any]:
     rss_mib, fds, _ = process_figures(core)
-    return {"rss_mib": round(rss_mib, 1), "fds": fds, "tasks": task_count(f"127.0.0.1:{http}")}
+    segments = arena_segments(core)
+    return {
+        "rss_mib": round(rss_mib, 1), "fds": fds - segments, "segments": segments,
+        "tasks": task_count(f"127.0.0.1:{http}"),
+    }  # fmt: skip
 
 
 def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> dict[str, Any]:
@@ -140,6 +162,8 @@ def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> d
     for name in ("fds", "tasks"):
         if after[name] > before[name]:
             failures.append(f"the core's {name} grew from {before[name]} to {after[name]}")
+    if after["segments"] > WORKERS:
+        failures.append(f"the core holds {after['segments']} segments for {WORKERS} workers")
     return {
         "kills": args.kills, "answered": traffic.answered, "failed": traffic.failed,
         "wrong": len(traffic.wrong), "before": before, "after": after, "failures": failures,

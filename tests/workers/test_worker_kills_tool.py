@@ -1,5 +1,6 @@
 """``tools/worker_kills.py``: workers killed under load are replaced, the core lives on
-with the descriptors and tasks it had, and the tool says so."""
+with the descriptors and tasks it had (and no arena segments of the workers it lost),
+and the tool says so."""
 
 from __future__ import annotations
 
@@ -26,4 +27,5 @@ def test_two_workers_killed_under_load_are_replaced_and_the_core_serves_on(
     assert figures["failures"] == [] and figures["kills"] == 2
     assert figures["answered"] > 0 and figures["wrong"] == 0
     assert figures["after"]["fds"] <= figures["before"]["fds"]
+    assert 1 <= figures["after"]["segments"] <= 2  # the killed workers' arenas are closed
     assert figures["after"]["tasks"] <= figures["before"]["tasks"]
