@@ -3,7 +3,9 @@
 Each kind takes a worker's ``Clients`` and returns ``"ok"`` when the exchange went as it
 should, or ``"cancelled"`` when the client gave up on purpose (a cancelled call, a
 timeout) and the server said so; anything else raises, and the soak counts it as an
-unexpected error. Every kind checks what it got back, so a wrong answer is an error too.
+unexpected error. Every kind checks what it got back, so a wrong answer is an error too:
+an ``AssertionError``, where a connection lost (a stream cut short among them) raises
+something else (``tools/worker_kills.py`` tells the two apart).
 
 The models are the built-in ones of ``trioserve run``: ``simple``, ``identity_fp32``,
 ``delay`` (sleeps INPUT0 ms), ``repeat_int32`` (decoupled: one response per element) and
@@ -241,26 +243,28 @@ def _generate_body(max_tokens: int) -> bytes:
     return json.dumps({"text_input": "The soak test says", "parameters": parameters}).encode()
 
 
-def generate_stream(clients: Clients) -> str:
-    """``tiny_lm``'s server-sent events, read to the one that carries ``finish_reason``."""
+def _event_stream(clients: Clients, path: str, body: bytes) -> list[bytes]:
+    """The data of each server-sent event of a whole answer; the body's end unsent
+    (the connection lost) raises ``http.client.IncompleteRead``."""
     connection = http.client.HTTPConnection(
         clients.host, clients.http_port, timeout=REPLY_TIMEOUT_S
     )
     try:
-        connection.request("POST", "/v2/models/tiny_lm/generate_stream", _generate_body(8))
+        connection.request("POST", path, body)
         response = connection.getresponse()
         if response.status != 200:
-            raise AssertionError(f"generate_stream answered {response.status}")
-        events = 0
-        for line in response:
-            if line.startswith(b"data: "):
-                events += 1
-                if "finish_reason" in json.loads(line[6:]):
-                    break
-        else:
-            raise AssertionError(f"generate_stream ended after {events} events, unfinished")
+            raise AssertionError(f"{path} answered {response.status}")
+        text = response.read()  # not line by line: that takes a cut-off body for its end
     finally:
         connection.close()
+    return [line[6:] for line in text.split(b"\n") if line.startswith(b"data: ")]
+
+
+def generate_stream(clients: Clients) -> str:
+    """``tiny_lm``'s server-sent events, the last one carrying ``finish_reason``."""
+    events = _event_stream(clients, "/v2/models/tiny_lm/generate_stream", _generate_body(8))
+    if not events or "finish_reason" not in json.loads(events[-1]):
+        raise AssertionError(f"generate_stream ended after {len(events)} events, unfinished")
     return "ok"
 
 
@@ -314,7 +318,7 @@ def disconnect_stream(clients: Clients) -> str:
         while b"data: " not in received:
             chunk = sock.recv(4096)
             if not chunk:
-                raise AssertionError("generate_stream closed before its first event")
+                raise ConnectionError("generate_stream closed before its first event")
             received += chunk
         if not received.startswith(b"HTTP/1.1 200"):
             raise AssertionError(f"generate_stream answered {received[:40]!r}")
@@ -326,27 +330,11 @@ def openai_chat_stream(clients: Clients) -> str:
     a ``finish_reason``, then ``[DONE]``."""
     body = {"model": "tiny_lm", "messages": [{"role": "user", "content": "The soak test"}],
             "max_tokens": 8, "stream": True}  # fmt: skip
-    connection = http.client.HTTPConnection(
-        clients.host, clients.http_port, timeout=REPLY_TIMEOUT_S
-    )
-    try:
-        connection.request("POST", "/v1/chat/completions", json.dumps(body).encode())
-        response = connection.getresponse()
-        if response.status != 200:
-            raise AssertionError(f"chat completions answered {response.status}")
-        finished = False
-        for line in response:
-            if line.startswith(b"data: [DONE]"):
-                break
-            if line.startswith(b"data: "):
-                chunk = json.loads(line[6:])
-                finished = chunk["choices"][0]["finish_reason"] is not None
-        else:
-            raise AssertionError("chat completions ended without [DONE]")
-        if not finished:
-            raise AssertionError("chat completions' last chunk carried no finish_reason")
-    finally:
-        connection.close()
+    events = _event_stream(clients, "/v1/chat/completions", json.dumps(body).encode())
+    if events[-1:] != [b"[DONE]"]:
+        raise AssertionError("chat completions ended without [DONE]")
+    if len(events) < 2 or json.loads(events[-2])["choices"][0]["finish_reason"] is None:
+        raise AssertionError("chat completions' last chunk carried no finish_reason")
     return "ok"
 
 

@@ -4,24 +4,33 @@
     python tools/worker_kills.py --kills 4 --json kills.json --server-python /usr/bin/python3
 
 Starts ``trioserve run --workers 2`` (the built-in models) on free ports of 127.0.0.1 and
-sends it ``--threads`` streams of requests, one at a time each: ``identity_fp32`` on
-1 MiB over REST and gRPC (its tensors travel in the shared-memory arenas' blocks) and
-``simple`` over REST (``soak_traffic.py``'s ``large_tensor`` and ``rest_json``). Every
-``--every`` seconds it kills one of the workers, the two in turn, with SIGKILL, and waits
-for the core to start its successor. Requests in flight on a killed worker fail; the
-tool counts them and judges nothing of them but that an answer is never wrong.
+sends it ``--threads`` streams of requests, one at a time each, in turn of
+``soak_traffic.py``'s kinds: ``identity_fp32`` on 1 MiB over REST and gRPC (its tensors
+travel in the shared-memory arenas' blocks), ``simple`` over REST and through a
+registered shared-memory region, the decoupled ``repeat_int32`` over a gRPC stream, and
+``tiny_lm``'s streams (``generate_stream``, OpenAI's chat completions, ModelStreamInfer).
+Every ``--every`` seconds it kills one of the workers, the two in turn, with SIGKILL, and
+waits for the core to start its successor.
+
+A request in flight on a killed worker fails, and its thread starts new connections. So
+a failure is excused only as its thread's first since a kill: one before the first kill
+(in the warm-up among them), or a second one of a thread between two kills, is counted
+as an unexcused failure. A stream cut short is a failure; a stream that ends as if
+complete but is not, or any other wrong answer, is wrong.
 
 It exits 1 if the core process did not live through the kills, a worker was not
-replaced, an answer was wrong, no request was answered after the last kill, the core's
-descriptors or trio tasks after the traffic exceed those before it (idle both times,
-after a warm-up of the same traffic), the core holds more shared-memory segments than it
-has workers, the core logged a traceback, or the server did not exit 0 on SIGTERM.
+replaced, an answer was wrong, a failure was unexcused, no request was answered after
+the last kill, the core's descriptors or trio tasks after the traffic exceed those
+before it (idle both times, after a warm-up of the same traffic and once the regions a
+killed client left registered are unregistered), the core holds more of its worker
+links' shared-memory segments than it has workers, the core logged a traceback, or the
+server did not exit 0 on SIGTERM.
 
-The segments are counted apart from the other descriptors: the core gives each worker's
-link an arena whose first segment (64 MiB) is made when an answer first needs a block, so
-whether a worker has one yet depends on which worker the kernel handed the connections
-to. This traffic never needs a second segment, so one per live worker is the bound; the
-arenas of killed workers must be closed with their links.
+The worker links' segments are counted apart from the other descriptors: the core gives
+each link an arena whose first segment (64 MiB) is made when an answer first needs a
+block, so whether a worker has one yet depends on which worker the kernel handed the
+connections to. This traffic never needs a second segment, so one per live worker is the
+bound; the arenas of killed workers must be closed with their links.
 """
 
 from __future__ import annotations
@@ -29,21 +38,37 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import tritonclient.http as httpclient
+
 from soak import process_figures, process_tree, start_server, stop_server, task_count
-from soak_traffic import Clients, large_tensor, rest_json
+from soak_traffic import (
+    Clients,
+    generate_stream,
+    grpc_stream,
+    grpc_stream_llm,
+    large_tensor,
+    openai_chat_stream,
+    rest_json,
+    shared_memory,
+)
+from trioserve.workers._wire import ARENA_LABEL
 
 WORKERS = 2
 REPLACED_WITHIN_S = 60.0
-KINDS = (large_tensor, large_tensor, rest_json)
-SEGMENT_LINK = "/memfd:trioserve-ipc"  # how /proc names an arena segment's descriptor
+GRACE_S = 0.5  # how soon after a kill its worker's clients fail (measured: within 0.1 s)
+KINDS = (large_tensor, rest_json, grpc_stream, large_tensor, generate_stream, shared_memory,
+         openai_chat_stream, grpc_stream_llm)  # fmt: skip
+SEGMENT = f"/memfd:{ARENA_LABEL} (deleted)"  # how /proc names a link segment's descriptor
 
 
 class Traffic:
@@ -53,8 +78,9 @@ class Traffic:
         self._ports = (http, grpc)
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.answered = self.failed = 0
+        self.answered = 0
         self.wrong: list[str] = []
+        self.failures: list[tuple[float, int, str]] = []  # (when, which thread, what)
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
 
     def __enter__(self) -> Traffic:
@@ -69,25 +95,48 @@ class Traffic:
 
     def _run(self, index: int) -> None:
         clients = Clients("127.0.0.1", *self._ports, index)
-        turn = 0
+        turn = index  # the threads at different kinds
         try:
             while not self._stop.is_set():
                 turn += 1
+                kind = KINDS[turn % len(KINDS)]
                 try:
-                    KINDS[turn % len(KINDS)](clients)
+                    kind(clients)
                 except AssertionError as wrong:  # an answer, and not the right one
                     with self._lock:
-                        self.wrong.append(str(wrong))
-                except Exception:  # its worker was killed: a fresh connection next
+                        self.wrong.append(f"{kind.__name__}: {wrong}")
+                except Exception as error:  # its worker was killed: fresh connections next
                     with self._lock:
-                        self.failed += 1
+                        what = f"{kind.__name__}: {type(error).__name__}: {error}"
+                        self.failures.append((time.monotonic(), index, what))
+                    fresh = Clients("127.0.0.1", *self._ports, index)
+                    fresh.serial = clients.serial  # its regions' names stay unique
                     clients.close()
-                    clients = Clients("127.0.0.1", *self._ports, index)
+                    clients = fresh
                 else:
                     with self._lock:
                         self.answered += 1
         finally:
             clients.close()
+
+
+def unexcused(failures: list[tuple[float, int, str]], kills: list[float]) -> list[str]:
+    """The failures that no kill explains: before the first kill, or later than
+    ``GRACE_S`` after the last one before them."""
+    found = []
+    for when, thread, what in failures:
+        after = since_kill(when, kills)
+        if after is None:
+            found.append(f"{what} (thread {thread}, before any kill)")
+        elif after > GRACE_S:
+            found.append(f"{what} (thread {thread}, {after:.2f} s after a kill)")
+    return found
+
+
+def since_kill(when: float, kills: list[float]) -> float | None:
+    """Seconds from the last kill before ``when`` to it; None if none was before it."""
+    last = max((kill for kill in kills if kill <= when), default=None)
+    return None if last is None else when - last
 
 
 def workers_of(core: int) -> list[int]:
@@ -114,24 +163,49 @@ def serving(core: int, count: int, gone: int | None = None) -> bool:
     return False
 
 
-def arena_segments(pid: int) -> int:
-    """How many of the process's descriptors are shared-memory arena segments."""
-    count = 0
+def descriptor_kinds(pid: int) -> Counter[str]:
+    """The process's descriptors by what /proc says they are (``socket``,
+    ``anon_inode:[pidfd]``, a memory file's label...), without their inode numbers."""
+    kinds: Counter[str] = Counter()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith(SEGMENT_LINK)
+            kinds[re.sub(r":\[\d+\]$", "", os.readlink(f"/proc/{pid}/fd/{fd}"))] += 1
         except OSError:  # closed meanwhile
             continue
-    return count
+    return kinds
 
 
 def core_figures(core: int, http: int) -> dict[str, Any]:
-    rss_mib, fds, _ = process_figures(core)
-    segments = arena_segments(core)
+    rss_mib, _, _ = process_figures(core)
+    kinds = descriptor_kinds(core)
+    segments = kinds[SEGMENT]
     return {
-        "rss_mib": round(rss_mib, 1), "fds": fds - segments, "segments": segments,
-        "tasks": task_count(f"127.0.0.1:{http}"),
+        "rss_mib": round(rss_mib, 1), "fds": kinds.total() - segments, "segments": segments,
+        "tasks": task_count(f"127.0.0.1:{http}"), "descriptors": dict(kinds),
     }  # fmt: skip
+
+
+def unregister_regions(http: int) -> None:
+    """Unregister the regions the clients of killed workers left registered."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{http}")
+    try:
+        client.unregister_system_shared_memory()
+    finally:
+        client.close()
+
+
+def grown(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What the idle core holds after the kills that it did not before."""
+    found = []
+    if after["fds"] > before["fds"]:
+        kinds = {kind: count for kind, count in after["descriptors"].items()
+                 if kind != SEGMENT and count > before["descriptors"].get(kind, 0)}  # fmt: skip
+        found.append(f"the core's fds grew from {before['fds']} to {after['fds']} ({kinds})")
+    if after["tasks"] > before["tasks"]:
+        found.append(f"the core's tasks grew from {before['tasks']} to {after['tasks']}")
+    if after["segments"] > WORKERS:
+        found.append(f"the core holds {after['segments']} segments for {WORKERS} workers")
+    return found
 
 
 def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> dict[str, Any]:
@@ -139,15 +213,17 @@ def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> d
     failures = []
     if not serving(core, WORKERS):  # the ports answer once one worker serves
         return {"failures": ["the workers did not start"]}
-    with Traffic(http, grpc, args.threads):
+    with Traffic(http, grpc, args.threads) as warm_up:
         time.sleep(args.every)  # the arenas and connections grown as the traffic needs
     time.sleep(1)  # the connections the clients closed, ended on the server's side too
     before = core_figures(core, http)
     answered_before_last = 0
+    kills: list[float] = []
     with Traffic(http, grpc, args.threads) as traffic:
         for kill in range(args.kills):
             time.sleep(args.every)
             victim = workers_of(core)[kill % WORKERS]
+            kills.append(time.monotonic())
             os.kill(victim, signal.SIGKILL)
             if not serving(core, WORKERS, gone=victim):
                 failures.append(f"worker {victim} was not replaced")
@@ -156,17 +232,20 @@ def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> d
         time.sleep(args.every)
     if traffic.answered == answered_before_last:
         failures.append("no request was answered after the last kill")
-    failures += [f"a wrong answer: {wrong}" for wrong in traffic.wrong[:3]]
+    wrong = warm_up.wrong + traffic.wrong
+    failures += [f"a wrong answer: {answer}" for answer in wrong[:3]]
+    lost = unexcused(warm_up.failures, []) + unexcused(traffic.failures, kills)
+    failures += [f"an unexcused failure: {failure}" for failure in lost[:3]]
+    unregister_regions(http)
     time.sleep(1)
     after = core_figures(core, http)
-    for name in ("fds", "tasks"):
-        if after[name] > before[name]:
-            failures.append(f"the core's {name} grew from {before[name]} to {after[name]}")
-    if after["segments"] > WORKERS:
-        failures.append(f"the core holds {after['segments']} segments for {WORKERS} workers")
+    failures += grown(before, after)
+    delays = [since_kill(when, kills) or 0.0 for when, _, _ in traffic.failures]
     return {
-        "kills": args.kills, "answered": traffic.answered, "failed": traffic.failed,
-        "wrong": len(traffic.wrong), "before": before, "after": after, "failures": failures,
+        "kills": args.kills, "answered": traffic.answered, "failed": len(traffic.failures),
+        "latest_failure_s": round(max(delays, default=0.0), 3),
+        "unexcused": len(lost), "wrong": len(wrong), "before": before, "after": after,
+        "failures": failures,
     }  # fmt: skip
 
 

@@ -135,3 +135,14 @@ def test_segments_have_no_name_to_leak() -> None:
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert after - before == set()
     arena.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="labels show on memory files")
+def test_a_segment_shows_its_arenas_label_in_proc() -> None:
+    """What tells a worker link's segments from a model process's in a process's
+    descriptors (``tools/worker_kills.py`` counts the former)."""
+    arena = Arena(default_bytes=1 << 16, growth_bytes=1 << 16, label="trioserve-test-label")
+    block = arena.write(b"x" * 100)
+    ((_, fd, _),) = arena.unannounced([block])
+    assert os.readlink(f"/proc/self/fd/{fd}") == "/memfd:trioserve-test-label (deleted)"
+    arena.close()

@@ -4,10 +4,14 @@ and the tool says so."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
+
+import pytest
 
 from ._served import TIMEOUT
 
@@ -25,7 +29,44 @@ def test_two_workers_killed_under_load_are_replaced_and_the_core_serves_on(
     assert done.stdout.rstrip().endswith("worker_kills: PASS")
     figures = json.loads(report.read_text())
     assert figures["failures"] == [] and figures["kills"] == 2
-    assert figures["answered"] > 0 and figures["wrong"] == 0
+    assert figures["answered"] > 0 and figures["wrong"] == figures["unexcused"] == 0
     assert figures["after"]["fds"] <= figures["before"]["fds"]
     assert 1 <= figures["after"]["segments"] <= 2  # the killed workers' arenas are closed
     assert figures["after"]["tasks"] <= figures["before"]["tasks"]
+
+
+@pytest.fixture
+def kills_tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(TOOL.parent))  # for soak and soak_traffic
+    spec = importlib.util.spec_from_file_location("worker_kills", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_only_failures_soon_after_a_kill_are_excused(kills_tool: ModuleType) -> None:
+    kills = [10.0, 20.0]
+    failures = [
+        (5.0, 0, "warm"),  # before any kill
+        (10.01, 0, "cut"), (10.02, 1, "cut too"),  # its clients, as it died
+        (10.01 + kills_tool.GRACE_S, 1, "late"),  # on a worker that lives
+        (20.3, 0, "cut again"),
+    ]  # fmt: skip
+    assert kills_tool.unexcused(failures, kills) == [
+        "warm (thread 0, before any kill)",
+        f"late (thread 1, {0.01 + kills_tool.GRACE_S:.2f} s after a kill)",
+    ]
+
+
+def test_growth_names_the_kind_of_descriptor(kills_tool: ModuleType) -> None:
+    def figures(sockets: int, segments: int, tasks: int) -> dict[str, object]:
+        descriptors = {"socket": sockets, kills_tool.SEGMENT: segments}
+        return {"fds": sockets, "segments": segments, "tasks": tasks, "descriptors": descriptors}
+
+    assert kills_tool.grown(figures(18, 1, 61), figures(18, 2, 61)) == []  # a link's first
+    assert kills_tool.grown(figures(18, 2, 61), figures(19, 3, 62)) == [
+        "the core's fds grew from 18 to 19 ({'socket': 19})",
+        "the core's tasks grew from 61 to 62",
+        "the core holds 3 segments for 2 workers",
+    ]

@@ -40,12 +40,13 @@ class Block(NamedTuple):
     size: int
 
 
-def anonymous_memory(size: int) -> int:
-    """A new descriptor of ``size`` bytes of memory that has no name."""
+def anonymous_memory(size: int, label: str = "trioserve-ipc") -> int:
+    """A new descriptor of ``size`` bytes of memory that has no name in any file system;
+    ``label`` is what /proc shows for it (``/memfd:LABEL``), to tell whose it is."""
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("trioserve-ipc", os.MFD_CLOEXEC)
+        fd = os.memfd_create(label, os.MFD_CLOEXEC)
     else:  # macOS: an unlinked file; the page cache backs it all the same
-        fd, path = tempfile.mkstemp(prefix="trioserve-ipc-")
+        fd, path = tempfile.mkstemp(prefix=f"{label}-")
         os.unlink(path)
     try:
         os.ftruncate(fd, size)
@@ -103,11 +104,19 @@ class _Segment:
 
 
 class Arena:
-    """The writer's segments. Thread-safe: model threads and the event loop share one."""
+    """The writer's segments. Thread-safe: model threads and the event loop share one.
+    ``label``: its segments' (``anonymous_memory``), to tell whose they are in /proc."""
 
-    def __init__(self, default_bytes: int, growth_bytes: int, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        default_bytes: int,
+        growth_bytes: int,
+        max_bytes: int | None = None,
+        label: str = "trioserve-ipc",
+    ) -> None:
         if default_bytes <= 0 or growth_bytes <= 0:
             raise ValueError("an arena's default and growth sizes must be positive")
+        self._label = label
         self._default = default_bytes
         self._growth = growth_bytes
         self._max = max_bytes
@@ -138,7 +147,7 @@ class Arena:
             number = self._next_id
             self._next_id += 1
             self._segments[number] = segment = _Segment(
-                anonymous_memory(segment_size), segment_size
+                anonymous_memory(segment_size, self._label), segment_size
             )
             offset = segment.take(rounded)
             assert offset == 0

@@ -54,6 +54,7 @@ from ._pb_metrics import MetricError
 from ._pb_metrics_export import CustomMetrics
 from ._pb_regions import HandedRegions
 from ._pb_wire import (
+    ARENA_LABEL,
     FrameTensor,
     WireTensor,
     blocks_to_wire,
@@ -90,7 +91,8 @@ class InstanceProcess:
         self._owner = owner
         self._policy = policy
         self._token = trio.lowlevel.current_trio_token()
-        self._arena = Arena(spec.default_bytes, spec.growth_bytes)  # the inputs' memory
+        # The inputs' memory.
+        self._arena = Arena(spec.default_bytes, spec.growth_bytes, label=ARENA_LABEL)
         self._theirs = SegmentMap()  # the process's arena: outputs, BLS inputs
         # Clients' regions the process reads inputs from and writes outputs into.
         self._windows = HandedRegions(spec.settings["args"]["model_config"])

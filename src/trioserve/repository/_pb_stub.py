@@ -59,6 +59,7 @@ from ._pb_serving import Serving, serving
 from ._pb_turns import Turns, Work
 from ._pb_windows import ClientWindows
 from ._pb_wire import (
+    ARENA_LABEL,
     Array,
     FrameTensor,
     blocks_from_wire,
@@ -159,7 +160,7 @@ class Stub:
     def _initialize(self, settings: dict[str, Any]) -> None:
         self._settings = settings
         self._model_dir = Path(settings["model_dir"])
-        self.arena = Arena(settings["default_bytes"], settings["growth_bytes"])
+        self.arena = Arena(settings["default_bytes"], settings["growth_bytes"], label=ARENA_LABEL)
         self._loop = InstanceLoop(settings["args"]["model_instance_name"])
         try:
             if settings.get("api") == "trioserve":

@@ -42,6 +42,7 @@ RawTensor = tuple[str, str, tuple[int, ...], int, int, int]  # a WireTensor, fla
 # A RawTensor, or (name, datatype, shape, bytes) for one that rides in the frame.
 FrameTensor = tuple[Any, ...]
 RawBlock = tuple[int, int, int]
+ARENA_LABEL = "trioserve-python-backend"  # /proc's name for the arenas' segments
 # Measured, one FP32 tensor through pickle against through a block (placed, read,
 # freed): 4 us against 8 at 1-16 KiB, even near 64 KiB; a block wins beyond, and the
 # frame's bytes also cross the socket twice, hence the margin.

@@ -75,6 +75,7 @@ START, BODY, REPLY, END, OUTCOME = range(5)
 INLINE_BYTES = 64 * 1024  # below this a copy into the frame costs less than a block
 _ARENA_BYTES = 64 * 1024 * 1024  # the first segment of each side's arena
 _ARENA_GROWTH = 64 * 1024 * 1024
+ARENA_LABEL = "trioserve-worker-link"  # /proc's name for its segments: /memfd:LABEL
 
 
 class Returned(NamedTuple):
@@ -163,8 +164,10 @@ def lies_in(
 def new_arena(max_bytes: int | None = None) -> Arena:
     """An arena of at most ``max_bytes`` (None: no bound); a small bound is one segment."""
     if max_bytes is None:
-        return Arena(_ARENA_BYTES, _ARENA_GROWTH)
-    return Arena(min(_ARENA_BYTES, max_bytes), min(_ARENA_GROWTH, max_bytes), max_bytes)
+        return Arena(_ARENA_BYTES, _ARENA_GROWTH, label=ARENA_LABEL)
+    return Arena(
+        min(_ARENA_BYTES, max_bytes), min(_ARENA_GROWTH, max_bytes), max_bytes, ARENA_LABEL
+    )
 
 
 class Outbound:
