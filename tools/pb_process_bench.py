@@ -12,6 +12,8 @@
                                                # per request, process mode against thread mode
     python tools/pb_process_bench.py own       # trioserve's own Model API: the GIL-bound model,
                                                # and CPU per request of an echo, thread vs process
+    python tools/pb_process_bench.py decoupled # a decoupled model's responses, streamed:
+                                               # responses/s and CPU per response
 
 ``cpu``: ``busy`` (a Triton python-backend model written to a temporary repository)
 spends ``--work-ms`` of pure-Python, GIL-holding work per request; wrk keeps 8 requests in
@@ -38,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -50,6 +54,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench import (
@@ -110,6 +117,22 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pid)]) for _ in requests]
 """
 
+# A decoupled model: X responses of Y = [i], then the final flag alone.
+BURST = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for i in range(int(pb_utils.get_input_tensor_by_name(request, "X").as_numpy()[0])):
+                y = pb_utils.Tensor("Y", np.array([i], np.int64))
+                sender.send(pb_utils.InferenceResponse([y]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
 CONFIG = """
 backend: "python"
 input [ {{ name: "X" data_type: TYPE_INT64 dims: [ 1 ] }} ]
@@ -145,17 +168,21 @@ def model(X):
 )
 
 
-def write_model(root: Path, name: str, code: str, count: int) -> None:
+def write_model(root: Path, name: str, code: str, count: int, decoupled: bool = False) -> None:
     (root / name / "1").mkdir(parents=True, exist_ok=True)
-    (root / name / "config.pbtxt").write_text(CONFIG.format(count=count))
+    policy = "model_transaction_policy { decoupled: true }\n" if decoupled else ""
+    (root / name / "config.pbtxt").write_text(CONFIG.format(count=count) + policy)
     (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
 
 
 @contextmanager
-def trioserve(repository: Path, mode: str) -> Iterator[tuple[str, int]]:
+def trioserve(
+    repository: Path, mode: str, grpc_port: int | None = None
+) -> Iterator[tuple[str, int]]:
     http = _free_port()
+    grpc = ["--allow-grpc", "false"] if grpc_port is None else ["--grpc-port", str(grpc_port)]
     command = [sys.executable, "-m", "trioserve", "run", "--model-repository", str(repository),
-               "--host", "127.0.0.1", "--http-port", str(http), "--allow-grpc", "false",
+               "--host", "127.0.0.1", "--http-port", str(http), *grpc,
                "--allow-metrics", "false", "--log-level", "warning",
                "--python-instance-mode", mode]  # fmt: skip
     process = subprocess.Popen(command)
@@ -297,6 +324,51 @@ def big_scenario(args: argparse.Namespace) -> None:
                 print(f"  round {round_ + 1} {name:<17} " + "   ".join(figures))
 
 
+def decoupled_scenario(args: argparse.Namespace) -> None:
+    """``burst`` (decoupled) answering each request with ``--responses`` responses,
+    streamed to one client over gRPC (ModelStreamInfer): responses a second, and the CPU
+    of the server with its instance process per response."""
+    import tritonclient.grpc as grpcclient  # only this scenario needs it
+
+    print(f"burst (decoupled), {args.responses} responses a request, 1 client, "
+          f"{args.duration} s; CPU: server + instance process")  # fmt: skip
+    grpc_port = _free_port()
+    arrived: queue.Queue[Any] = queue.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        write_model(Path(tmp), "burst", BURST, 1, decoupled=True)
+        with trioserve(Path(tmp), "process", grpc_port) as (_url, pid):
+            client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+            client.start_stream(lambda result, error: arrived.put(error or result))
+            count = grpcclient.InferInput("X", [1], "INT64")
+            count.set_data_from_numpy(np.array([args.responses], np.int64))
+
+            def stream() -> int:
+                client.async_stream_infer("burst", [count], enable_empty_final_response=True)
+                for answered in itertools.count():
+                    result = arrived.get(timeout=30)
+                    if isinstance(result, Exception):
+                        raise result
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        if answered != args.responses:
+                            raise RuntimeError(f"burst answered {answered}, not {args.responses}")
+                        return answered
+                raise AssertionError("unreachable")
+
+            try:
+                for round_ in range(args.rounds):
+                    for _ in range(20):
+                        stream()  # warm up
+                    before, started, answered = cpu_seconds(pid), time.monotonic(), 0
+                    while time.monotonic() - started < args.duration:
+                        answered += stream()
+                    elapsed, cpu = time.monotonic() - started, cpu_seconds(pid) - before
+                    print(f"  round {round_ + 1} {answered / elapsed:9.1f} responses/s   "
+                          f"{cpu / answered * 1e6:6.1f} us CPU/response")  # fmt: skip
+            finally:
+                client.stop_stream()
+                client.close()
+
+
 def own_cpu_seconds(pid: int) -> float:
     """CPU time (user + system) of ``pid`` itself, without its children."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -344,15 +416,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("scenario", choices=("cpu", "triton", "boundary", "big", "sigkill", "own"))
+    parser.add_argument(
+        "scenario", choices=("cpu", "triton", "boundary", "big", "sigkill", "own", "decoupled")
+    )
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--work-ms", type=float, default=15.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--responses", type=int, default=200, help="decoupled: a request's")
     parser.add_argument("--reference", type=Path, default=REFERENCE, help="triton-reference/")
     args = parser.parse_args()
     print(_describe(sys.executable))
     scenarios = {"cpu": cpu_scenario, "triton": triton_scenario, "boundary": boundary_scenario,
-                 "big": big_scenario, "sigkill": sigkill_scenario, "own": own_scenario}  # fmt: skip
+                 "big": big_scenario, "sigkill": sigkill_scenario, "own": own_scenario,
+                 "decoupled": decoupled_scenario}  # fmt: skip
     scenarios[args.scenario](args)
 
 

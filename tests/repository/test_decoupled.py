@@ -4,6 +4,8 @@ both gRPC front ends; unary endpoints refuse them with Triton's message."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import textwrap
 from collections.abc import Iterator
@@ -286,3 +288,64 @@ async def test_in_process_inference_refuses_decoupled_models(nursery: trio.Nurse
     assert raised.value.message == (
         "Server.infer doesn't support models with decoupled transaction policy"
     )
+
+
+SIZES_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "COUNT").as_numpy()[0])
+            out = pb_utils.Tensor("OUT", np.arange(count, dtype=np.float32))
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse([out]),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+            )
+        return None
+"""
+
+SIZES_CONFIG = """
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+"""
+
+
+def _mapped_instance_segments() -> int:
+    """This process's descriptors of Python-backend arenas' segments (the server maps
+    an instance process's segments as their first blocks reach it)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(
+                "/memfd:trioserve-python-backend"
+            )
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_decoupled_response_sends_small_outputs_in_its_frame(tmp_path: Path) -> None:
+    folder = tmp_path / "sizes"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.pbtxt").write_text(SIZES_CONFIG)
+    (folder / "1" / "model.py").write_text(SIZES_MODEL)
+    config = ServerConfig(
+        model_repositories=[tmp_path], http_port=None, grpc_port=0, python_instance_mode="process"
+    )
+    with server_in_thread(config) as running:
+        stream = Stream(f"127.0.0.1:{running.grpc_port}")
+        mapped = _mapped_instance_segments()
+        for count in (1, 1000, 64 * 1024):  # 4 bytes, 4 KiB inline; 256 KiB in a block
+            tensor = grpcclient.InferInput("COUNT", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([count], np.int32))
+            stream.client.async_stream_infer(model_name="sizes", inputs=[tensor])
+            reply = stream.next()
+            assert np.array_equal(reply.as_numpy("OUT"), np.arange(count, dtype=np.float32))
+            if count == 1000:  # no segment of the instance's arena mapped for either yet
+                assert _mapped_instance_segments() == mapped
+        assert _mapped_instance_segments() == mapped + 1
+        stream.close()

@@ -65,7 +65,6 @@ from ._pb_wire import (
     put_tensor,
     read_inline,
     read_tensor,
-    tensors_from_wire,
 )
 
 logger = logging.getLogger("trioserve.python_backend")
@@ -366,11 +365,16 @@ class InstanceProcess:
         return ResponseOutputs(outputs, parsed) if parsed else outputs
 
     def _received(self, tensor: FrameTensor, request: CoreRequest) -> np.ndarray[Any, Any]:
+        if len(tensor) != 4:  # not inline: maybe written into a client's region
+            written = self._windows.written(tensor, request.outputs)
+            if written is not None:
+                return written
+        return self._from_frame(tensor)
+
+    def _from_frame(self, tensor: FrameTensor) -> np.ndarray[Any, Any]:
+        """An output as ``_pb_wire.frame_tensor`` placed it: inline, or in a block."""
         if len(tensor) == 4:  # inline: what small outputs are
             return read_inline(tensor)
-        written = self._windows.written(tensor, request.outputs)
-        if written is not None:
-            return written
         in_block = frame_block(tensor)
         assert in_block is not None  # neither inline nor in a client's region: in a block
         return self._leased(in_block)
@@ -470,7 +474,7 @@ class InstanceProcess:
             outputs = (
                 error_from_wire(value)
                 if kind == "error"
-                else {t.name: self._leased(t) for t in tensors_from_wire(value)}
+                else {t[0]: self._from_frame(t) for t in value}
             )
         with contextlib.suppress(InferenceServerError):
             sender.send(outputs, final=final)

@@ -36,9 +36,9 @@ from ._pb_wire import (
     WireTensor,
     error_from_wire,
     error_to_wire,
+    frame_tensor,
     put_tensor,
     read_tensor,
-    tensors_to_wire,
 )
 
 Deliver = Callable[[Any], None]
@@ -187,13 +187,14 @@ class RemoteSender:
         if isinstance(outputs, Exception):
             payload = ("error", error_to_wire(outputs))
         elif outputs is not None:
+            # Small outputs ride in the frame, as ``execute``'s answers do: no block to
+            # place, read and give back for each of a stream's many small responses.
             arena = self._stub.arena
             tensors = []
             for name, data in outputs.items():
                 array = np.asarray(data)
-                tensors.append(put_tensor(arena, name, datatype_of(array).name, array))
-            payload = ("outputs", tensors_to_wire(tensors))
-            blocks = [t.block for t in tensors]
+                tensors.append(frame_tensor(arena, name, datatype_of(array).name, array, blocks))
+            payload = ("outputs", tensors)
         try:
             self._stub.send(("send", self._key, payload, final), blocks)
         except LinkClosed:

@@ -4,11 +4,12 @@ and errors as (class name, message). Both sides import it: the standard library,
 numpy and the trio-free parts of trioserve only.
 
 On the busy paths (a batch, its answer, a decoupled response, blocks given back) tensors
-and blocks cross as plain tuples (``tensors_to_wire``, ``blocks_to_wire``): pickle takes
-a tuple of ints and strings several times faster than a class instance, named tuples
-included, and both frames of every batch carry them. A batch's inputs and its outputs
-(``frame_tensor``) ride in the frame itself when smaller than ``INLINE_BELOW`` bytes: for
-them a copy through pickle costs less than placing, reading and freeing a block.
+and blocks cross as plain tuples (``frame_tensor``, ``blocks_to_wire``): pickle takes a
+tuple of ints and strings several times faster than a class instance, named tuples
+included, and both frames of every batch carry them. A batch's inputs, its outputs and
+a decoupled model's responses (``frame_tensor``) ride in the frame itself when smaller
+than ``INLINE_BELOW`` bytes: for them a copy through pickle costs less than placing,
+reading and freeing a block.
 
 A fixed-size tensor is read in place: a read-only numpy view of the writer's block. A
 BYTES tensor travels as Triton's length-prefixed elements and is read into an object
@@ -38,8 +39,8 @@ class WireTensor(NamedTuple):
     block: Block
 
 
-RawTensor = tuple[str, str, tuple[int, ...], int, int, int]  # a WireTensor, flat
-# A RawTensor, or (name, datatype, shape, bytes) for one that rides in the frame.
+# A WireTensor flat, (name, datatype, shape, segment, offset, size), or (name,
+# datatype, shape, bytes) for one that rides in the frame.
 FrameTensor = tuple[Any, ...]
 RawBlock = tuple[int, int, int]
 ARENA_LABEL = "trioserve-python-backend"  # /proc's name for the arenas' segments
@@ -55,14 +56,6 @@ def put_tensor(arena: Arena, name: str, datatype_name: str, array: Array) -> Wir
     """Write ``array`` into a new block of ``arena``."""
     block = arena.write(array_to_raw(array, datatype(datatype_name)))
     return WireTensor(name, datatype_name, tuple(array.shape), block)
-
-
-def tensors_to_wire(tensors: Iterable[WireTensor]) -> list[RawTensor]:
-    return [(t.name, t.datatype, t.shape, *t.block) for t in tensors]
-
-
-def tensors_from_wire(raw: Iterable[RawTensor]) -> list[WireTensor]:
-    return [WireTensor(n, d, s, Block(g, o, z)) for n, d, s, g, o, z in raw]
 
 
 def blocks_to_wire(blocks: Iterable[Block]) -> list[RawBlock]:
