@@ -167,11 +167,15 @@ async def test_bad_requests_answer_400(
 
 @pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
 async def test_models_that_do_not_generate(http: httpx.AsyncClient, endpoint: str) -> None:
+    """A model that is not generative takes its own inputs (``test_generate_tensors``):
+    ``text_input`` is none of ``simple``'s, so it is a parameter and the inputs lack."""
     with trio.fail_after(TIMEOUT):
         simple = await http.post(f"/v2/models/simple/{endpoint}", json={"text_input": "x"})
         unknown = await http.post(f"/v2/models/nope/{endpoint}", json={"text_input": "x"})
-    assert simple.status_code == 501
-    assert simple.json() == {"error": "model 'simple' is not a generative model"}
+    assert simple.status_code == 400
+    assert simple.json() == {
+        "error": "expected 2 inputs but got 0 inputs for model 'simple'; missing: INPUT0, INPUT1"
+    }
     assert unknown.status_code == 404
     assert unknown.json() == {"error": "Request for unknown model: 'nope' is not found"}
 
@@ -442,8 +446,8 @@ async def test_tiny_lm_errors(tiny_http: httpx.AsyncClient) -> None:
     assert too_long.status_code == 400
     assert too_long.headers["content-type"] == "application/json"
     assert "takes at most 1024 tokens" in too_long.json()["error"]
-    assert not_generative.status_code == 501
-    assert not_generative.json() == {"error": "model 'simple' is not a generative model"}
+    assert not_generative.status_code == 400
+    assert "missing: INPUT0, INPUT1" in not_generative.json()["error"]
 
 
 async def test_http2_streams_and_aborts_on_reset(nursery: trio.Nursery, scripted_lm: Any) -> None:

@@ -337,6 +337,17 @@ def test_generate_stream_and_openai_streams(served: Served) -> None:
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
 
 
+def test_generate_stream_of_a_decoupled_python_model(served: Served) -> None:
+    """A model's own tensors through generate (``rest/_generate_tensors.py``): the
+    decoupled ``repeat_int32``'s responses, each an event, from the core to the worker."""
+    body = {"IN": [4, 5, 6], "DELAY": [0, 0, 0], "WAIT": [0]}
+    url = f"http://{served.url}/v2/models/repeat_int32/generate_stream"
+    with httpx.stream("POST", url, json=body, timeout=TIMEOUT) as events:
+        assert events.status_code == 200
+        data = [json.loads(line[6:]) for line in events.iter_lines() if line.startswith("data: ")]
+    assert [(event["OUT"], event["IDX"]) for event in data] == [(4, 0), (5, 1), (6, 2)]
+
+
 def test_large_json_bodies_on_other_endpoints(served: Served) -> None:
     """A body over a frame's inline size reaches the core in the worker's shared memory:
     every endpoint reads it there (JSON padded with blanks past 64 KiB)."""

@@ -1,4 +1,6 @@
-"""Triton's generate extension: ``generate`` (one JSON answer) and ``generate_stream`` (SSE).
+"""Triton's generate extension: ``generate`` (one JSON answer) and ``generate_stream`` (SSE),
+on a generative model (the engine's); any other model takes its own tensors
+(``_generate_tensors``).
 
 Request (both endpoints)::
 
@@ -32,37 +34,31 @@ watcher where it has none), and the ``generate()`` block then exits early.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import trio
+from typing import Any
 
 from .._context import ServerContext
 from .._errors import InferenceServerError, InvalidArgumentError
 from .._pipeline import InferencePipeline
+from .._served import ServedModel
 from ..scheduler import (
     TEXT_INPUT,
     GenerationChunk,
     GenerationRequest,
     GenerativeServed,
     TokenLogprob,
-    generative,
     read_parameters,
 )
 from ._app import Request, Response
-from ._asgi import CancelWith
-from ._json_body import COMPACT, json_object
-from ._load_report import load_report_header
+from ._generate_events import json_answer, send_event, stream_start, unless_client_leaves
+from ._generate_tensors import TensorGenerate
+from ._json_body import json_object
 
 logger = logging.getLogger("trioserve.rest")
 
-_EVENT_STREAM = b"text/event-stream; charset=utf-8"
-SSE_HEADERS = [(b"content-type", _EVENT_STREAM), (b"cache-control", b"no-cache")]
 # The request's own keys; every other top-level key is a parameter.
 _REQUEST_KEYS = frozenset({"id", TEXT_INPUT, "parameters"})
-
-T = TypeVar("T")
 
 
 class GenerateEndpoints:
@@ -70,9 +66,13 @@ class GenerateEndpoints:
         self.repository = context.repository
         self.pipeline = context.pipeline  # builds the engine's requests and runs them
         self.load = context.load  # the answers' load reports
+        self._tensors = TensorGenerate(context)  # for the models that are not generative
 
     async def generate(self, request: Request) -> Response | None:
-        served, generation, head = self._prepare(request)
+        served = self._served(request)
+        if not isinstance(served, GenerativeServed):
+            return await self._tensors.generate(request, served)
+        generation, head = self._prepare(request, served)
 
         async def collect() -> dict[str, Any]:
             samples = await collect_samples(self.pipeline, served, generation)
@@ -85,18 +85,13 @@ class GenerateEndpoints:
             return {**head, "text_output": samples.texts, "finish_reason": samples.finish_reasons}
 
         answered, document = await unless_client_leaves(request.cancel_with, collect)
-        if not answered:
-            return None
-        report = load_report_header(self.load, served, request.headers)
-        return Response(
-            200,
-            COMPACT.encode(document).encode(),
-            headers=() if report is None else (report,),
-            compressible=True,
-        )
+        return json_answer(self.load, served, request, document) if answered else None
 
     async def generate_stream(self, request: Request) -> Response | None:
-        served, generation, head = self._prepare(request)
+        served = self._served(request)
+        if not isinstance(served, GenerativeServed):
+            return await self._tensors.generate_stream(request, served)
+        generation, head = self._prepare(request, served)
         with_index = generation.sampling.n > 1
         send = request.send
 
@@ -106,11 +101,7 @@ class GenerateEndpoints:
                 # Wait for the first piece before answering, so that a request the engine
                 # refuses gets an ordinary error response with its status.
                 piece = await next_piece(pieces)
-                report = load_report_header(
-                    self.load, served, request.headers
-                )  # on the first response
-                headers = SSE_HEADERS if report is None else [*SSE_HEADERS, report]
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                await send(stream_start(self.load, served, request))
                 try:
                     while piece is not None:
                         await send_event(send, _event(head, piece, with_index))
@@ -126,13 +117,13 @@ class GenerateEndpoints:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         return None
 
+    def _served(self, request: Request) -> ServedModel:
+        return self.repository.get(request.params["model"], request.params.get("version", ""))
+
     def _prepare(
-        self, request: Request
-    ) -> tuple[GenerativeServed, GenerationRequest, dict[str, Any]]:
-        """The model, the engine's request, and the keys every answer starts with."""
-        served = generative(
-            self.repository.get(request.params["model"], request.params.get("version", ""))
-        )
+        self, request: Request, served: GenerativeServed
+    ) -> tuple[GenerationRequest, dict[str, Any]]:
+        """The engine's request, and the keys every answer starts with."""
         document = _parse(request.body)
         parameters = read_parameters(
             _parameters(document), "vllm", max_num_seqs=served.max_num_seqs
@@ -147,7 +138,7 @@ class GenerateEndpoints:
             head["id"] = document["id"]
         head["model_name"] = served.model.name
         head["model_version"] = served.version
-        return served, generation, head
+        return generation, head
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,23 +207,3 @@ def _event(head: dict[str, Any], chunk: GenerationChunk, with_index: bool) -> di
     if chunk.finish_reason is not None:
         event["finish_reason"] = chunk.finish_reason
     return event
-
-
-async def send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> None:
-    # Compact JSON escapes every newline, so one line is one event's data.
-    frame = b"data: " + COMPACT.encode(document).encode() + b"\n\n"
-    await send({"type": "http.response.body", "body": frame, "more_body": True})
-
-
-async def unless_client_leaves(
-    cancel_with: CancelWith, work: Callable[[], Awaitable[T]]
-) -> tuple[bool, T | None]:
-    """Run ``work``, cancelled if the client leaves first (``cancel_with``, the
-    request's): (finished, its result)."""
-    with trio.CancelScope() as scope:
-        cancel_with(scope.cancel)
-        try:
-            return True, await work()
-        finally:
-            cancel_with(None)
-    return False, None

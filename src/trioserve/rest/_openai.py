@@ -51,9 +51,9 @@ from ..scheduler import (
 from ._app import Request, Response
 from ._chat_template import render_chat
 from ._errors import error_status
-from ._generate import SSE_HEADERS, collect_samples, send_event, unless_client_leaves
+from ._generate import collect_samples
+from ._generate_events import json_answer, send_event, stream_start, unless_client_leaves
 from ._json_body import COMPACT, json_object
-from ._load_report import load_report_header
 from ._openai_logprobs import ChoiceLogprobs, requested_logprobs
 from ._openai_request import (
     OpenAIRequest,
@@ -247,22 +247,14 @@ class OpenAIEndpoints:
             "choices": choices,
             "usage": _usage(call.prompt_tokens, samples.generated_tokens),
         }
-        report = load_report_header(self.load, call.served, request.headers)
-        return Response(
-            200,
-            COMPACT.encode(document).encode(),
-            headers=() if report is None else (report,),
-            compressible=True,
-        )
+        return json_answer(self.load, call.served, request, document)
 
     async def _stream(self, request: Request, call: _Call) -> None:
         events = _StreamEvents(call)
         send = request.send
 
         async def start() -> None:
-            report = load_report_header(self.load, call.served, request.headers)  # first response
-            headers = SSE_HEADERS if report is None else [*SSE_HEADERS, report]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send(stream_start(self.load, call.served, request))
 
         async def stream() -> None:
             started = False

@@ -1,0 +1,172 @@
+"""generate and generate_stream on models that are not generative, as Triton serves them:
+the request's keys name the model's inputs (the others are parameters), and the answers
+carry its outputs by name. Python-backend models as a Triton user writes them (one
+answering once, one decoupled), and the built-in ``simple``, over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from trioserve import ServerConfig
+from trioserve.models import reference_zoo
+from trioserve.testing import server_in_thread
+
+TIMEOUT = 20  # seconds; fails a hung test
+
+ECHO = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+            suffix = json.loads(request.parameters()).get("suffix", "")
+            answer = np.array([text.decode() + suffix], dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", answer)]))
+        return responses
+"""
+
+# Decoupled: one response per word of text_input; none to say is an error.
+WORDS = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+            sender = request.get_response_sender()
+            words = text.decode().split()
+            if not words:
+                error = pb_utils.TritonError("nothing to say", pb_utils.TritonError.INVALID_ARG)
+                sender.send(pb_utils.InferenceResponse(error=error),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            for word in words:
+                out = pb_utils.Tensor("text_output", np.array([word], dtype=object))
+                sender.send(pb_utils.InferenceResponse([out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+TEXT_CONFIG = """
+backend: "python"
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    root = tmp_path_factory.mktemp("models")
+    for name, code, extra in (
+        ("echo", ECHO, ""),
+        ("words", WORDS, "model_transaction_policy { decoupled: true }\n"),
+    ):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(TEXT_CONFIG + extra)
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
+    simple = next(model for model in reference_zoo() if model.name == "simple")
+    config = ServerConfig(
+        models=[simple], model_repositories=[Path(root)], http_port=0, grpc_port=None
+    )
+    with (
+        server_in_thread(config) as server,
+        httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=TIMEOUT) as client,
+    ):
+        yield client
+
+
+def events(response: httpx.Response) -> list[Any]:
+    assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    return [json.loads(line[6:]) for line in response.text.split("\n") if line]
+
+
+def test_keys_that_name_inputs_are_inputs_and_the_others_parameters(http: httpx.Client) -> None:
+    top_level = http.post("/v2/models/echo/generate", json={"text_input": "hi", "suffix": "!"})
+    nested = http.post(
+        "/v2/models/echo/generate",
+        json={"id": "7", "text_input": "hi", "parameters": {"suffix": "?"}},
+    )
+    assert top_level.status_code == 200
+    assert top_level.json() == {"model_name": "echo", "model_version": "1", "text_output": "hi!"}
+    assert nested.json() == {
+        "id": "7", "model_name": "echo", "model_version": "1", "text_output": "hi?"
+    }  # fmt: skip
+
+
+def test_a_model_that_answers_once_streams_one_event(http: httpx.Client) -> None:
+    response = http.post("/v2/models/echo/generate_stream", json={"text_input": "hi"})
+    assert response.status_code == 200
+    assert events(response) == [{"model_name": "echo", "model_version": "1", "text_output": "hi"}]
+
+
+def test_a_decoupled_model_streams_each_response(http: httpx.Client) -> None:
+    response = http.post("/v2/models/words/generate_stream", json={"text_input": "a b c"})
+    assert response.status_code == 200
+    assert [event["text_output"] for event in events(response)] == ["a", "b", "c"]
+
+
+def test_generate_answers_a_decoupled_models_one_response_and_refuses_more(
+    http: httpx.Client,
+) -> None:
+    one = http.post("/v2/models/words/generate", json={"text_input": "one"})
+    two = http.post("/v2/models/words/generate", json={"text_input": "one two"})
+    assert one.json() == {"model_name": "words", "model_version": "1", "text_output": "one"}
+    assert two.status_code == 501
+    assert two.json() == {
+        "error": "model 'words' sent 2 responses; generate answers with one "
+        "(generate_stream streams them)"
+    }
+
+
+def test_an_error_before_the_first_event_is_an_ordinary_error(http: httpx.Client) -> None:
+    for endpoint in ("generate", "generate_stream"):
+        response = http.post(f"/v2/models/words/{endpoint}", json={"text_input": " "})
+        assert response.status_code == 400
+        assert response.headers["content-type"] == "application/json"
+        assert response.json() == {"error": "nothing to say"}
+
+
+def test_numbers_in_and_out_with_a_batch_dimension(http: httpx.Client) -> None:
+    """``simple`` batches (max_batch_size 8): a list of 16 is a tensor of [1, 16]."""
+    a, b = list(range(16)), [2] * 16
+    response = http.post("/v2/models/simple/generate", json={"INPUT0": a, "INPUT1": b})
+    assert response.status_code == 200
+    document = response.json()
+    assert document["OUTPUT0"] == (np.array(a) + 2).tolist()
+    assert document["OUTPUT1"] == (np.array(a) - 2).tolist()
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"INPUT0": ["x"] * 16, "INPUT1": [1] * 16}, "input 'INPUT0': data must be"),
+        ({"INPUT0": [[1, 2], [3]], "INPUT1": [1] * 16}, "not a rectangular array"),
+        ({"INPUT0": [1] * 16, "INPUT1": [1] * 16, "tags": [1]}, "parameter 'tags' must be"),
+        ({"INPUT0": [1] * 16, "INPUT1": [1] * 16, "k": 1, "parameters": {"k": 2}}, "['k']"),
+        ({"INPUT0": [1] * 16, "INPUT1": [1] * 16, "parameters": [1]}, "must be a JSON object"),
+        ({"INPUT0": [1] * 16, "INPUT1": [1] * 16, "id": 5}, "'id' must be a string"),
+        ({"INPUT0": [1] * 16}, "INPUT1"),  # an input missing: the model's check
+    ],
+)
+def test_bad_requests_are_refused_in_the_protocols_format(
+    http: httpx.Client, body: dict[str, Any], message: str
+) -> None:
+    for endpoint in ("generate", "generate_stream"):
+        response = http.post(f"/v2/models/simple/{endpoint}", json=body)
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]
