@@ -32,8 +32,12 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
+            upper = pb_utils.get_input_tensor_by_name(request, "upper")  # optional
             suffix = json.loads(request.parameters()).get("suffix", "")
-            answer = np.array([text.decode() + suffix], dtype=object)
+            answer = text.decode() + suffix
+            if upper is not None and upper.as_numpy()[0]:
+                answer = answer.upper()
+            answer = np.array([answer], dtype=object)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", answer)]))
         return responses
 """
@@ -64,7 +68,10 @@ class TritonPythonModel:
 
 TEXT_CONFIG = """
 backend: "python"
-input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "upper" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
 output [ { name: "text_output" data_type: TYPE_STRING dims: [ 1 ] } ]
 """
 
@@ -106,6 +113,15 @@ def test_keys_that_name_inputs_are_inputs_and_the_others_parameters(http: httpx.
     assert nested.json() == {
         "id": "7", "model_name": "echo", "model_version": "1", "text_output": "hi?"
     }  # fmt: skip
+
+
+def test_an_entry_of_parameters_that_names_an_input_is_that_input(http: httpx.Client) -> None:
+    """As Triton's vLLM backend reads ``{"parameters": {"stream": false}}``: an input."""
+    response = http.post(
+        "/v2/models/echo/generate",
+        json={"text_input": "hi", "parameters": {"upper": True, "suffix": "!"}},
+    )
+    assert response.json()["text_output"] == "HI!"
 
 
 def test_a_model_that_answers_once_streams_one_event(http: httpx.Client) -> None:

@@ -5,13 +5,14 @@ Request (both endpoints)::
 
     {"id"?: str, "parameters"?: {...}, <input name>: value, <other key>: value, ...}
 
-As in Triton, a top-level key that names one of the model's inputs is that input: a
-JSON scalar is a tensor of one element (shape ``[1]``), a (nested) list a tensor of its
-shape, with a batch dimension of 1 in front when the model batches, and the datatype the
-model declares. Every other top-level key is a request parameter, as are the entries of
-``parameters`` (a key given in both places is an error). So a Triton user's LLM model
-(``text_input`` in, ``text_output`` out, sampling settings read from the request's
-parameters) answers ``{"text_input": "...", "parameters": {"temperature": 0}}``.
+As in Triton, a key (at the top level or in ``parameters``; one given in both places is
+an error) that names one of the model's inputs is that input: a JSON scalar is a tensor
+of one element (shape ``[1]``), a (nested) list a tensor of its shape, with a batch
+dimension of 1 in front when the model batches, and the datatype the model declares.
+Every other key is a request parameter. So a Triton user's LLM model (``text_input``
+in, ``text_output`` out, an optional ``stream`` input, sampling settings read from the
+request's parameters) answers ``{"text_input": "...", "parameters": {"stream": false,
+"temperature": 0}}``.
 
 Each answer is ``{"id"?, "model_name", "model_version", <output name>: value, ...}``: an
 output of one element as a JSON scalar (BYTES as text), a larger one as the flat list of
@@ -157,24 +158,20 @@ def _decoder(request: Request, served: ServedModel) -> tuple[Decode, dict[str, A
     parameters = document.get("parameters", {})
     if not isinstance(parameters, dict):
         raise InvalidArgumentError("request 'parameters' must be a JSON object")
-    inputs: dict[str, InputTensor] = {}
-    top_level: dict[str, Any] = {}
-    for key, value in document.items():
-        if key in ("id", "parameters"):
-            continue
-        spec = specs.get(key)
-        if spec is None:
-            top_level[key] = value
-            continue
-        what = f"input '{key}'"
-        shape = (*batch, *(_json_shape(value) or (1,)))
-        data = array_from_json(spec.wire_datatype, shape, value, what)
-        inputs[key] = InputTensor(key, spec.wire_datatype, shape, data)
+    top_level = {key: value for key, value in document.items() if key not in ("id", "parameters")}
     if both := sorted(top_level.keys() & parameters.keys()):
         raise InvalidArgumentError(f"{both} given both at the top level and in 'parameters'")
-    given = {**parameters, **top_level}
-    for key, value in given.items():
-        if not isinstance(value, _PARAMETER_TYPES):
+    inputs: dict[str, InputTensor] = {}
+    given: dict[str, Any] = {}
+    for key, value in {**parameters, **top_level}.items():
+        spec = specs.get(key)
+        if spec is not None:
+            shape = (*batch, *(_json_shape(value) or (1,)))
+            data = array_from_json(spec.wire_datatype, shape, value, f"input '{key}'")
+            inputs[key] = InputTensor(key, spec.wire_datatype, shape, data)
+        elif isinstance(value, _PARAMETER_TYPES):
+            given[key] = value
+        else:
             raise InvalidArgumentError(f"parameter '{key}' must be a string, a number or a boolean")
     request_id = document.get("id", "")
     if not isinstance(request_id, str):
