@@ -42,7 +42,8 @@ class TritonPythonModel:
         return responses
 """
 
-# Decoupled: one response per word of text_input; none to say is an error.
+# Decoupled: one response per word of text_input ("!" an error response), the final
+# flag alone after them; "" no response at all; blanks alone an error, final.
 WORDS = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -54,12 +55,16 @@ class TritonPythonModel:
             text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
             sender = request.get_response_sender()
             words = text.decode().split()
-            if not words:
+            if text and not words:
                 error = pb_utils.TritonError("nothing to say", pb_utils.TritonError.INVALID_ARG)
                 sender.send(pb_utils.InferenceResponse(error=error),
                             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
             for word in words:
+                if word == "!":
+                    error = pb_utils.TritonError("a bad word")
+                    sender.send(pb_utils.InferenceResponse(error=error))
+                    continue
                 out = pb_utils.Tensor("text_output", np.array([word], dtype=object))
                 sender.send(pb_utils.InferenceResponse([out]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -136,17 +141,30 @@ def test_a_decoupled_model_streams_each_response(http: httpx.Client) -> None:
     assert [event["text_output"] for event in events(response)] == ["a", "b", "c"]
 
 
+def test_a_later_error_is_an_event_and_no_response_an_empty_stream(http: httpx.Client) -> None:
+    later = http.post("/v2/models/words/generate_stream", json={"text_input": "a ! b"})
+    none = http.post("/v2/models/words/generate_stream", json={"text_input": ""})
+    assert later.status_code == 200
+    assert [event.get("text_output", event.get("error")) for event in events(later)] == [
+        "a", "a bad word", "b"
+    ]  # fmt: skip
+    assert none.status_code == 200
+    assert events(none) == []
+
+
 def test_generate_answers_a_decoupled_models_one_response_and_refuses_more(
     http: httpx.Client,
 ) -> None:
     one = http.post("/v2/models/words/generate", json={"text_input": "one"})
     two = http.post("/v2/models/words/generate", json={"text_input": "one two"})
+    none = http.post("/v2/models/words/generate", json={"text_input": ""})
     assert one.json() == {"model_name": "words", "model_version": "1", "text_output": "one"}
-    assert two.status_code == 501
+    assert two.status_code == none.status_code == 501
     assert two.json() == {
         "error": "model 'words' sent 2 responses; generate answers with one "
         "(generate_stream streams them)"
     }
+    assert none.json()["error"].startswith("model 'words' sent 0 responses")
 
 
 def test_an_error_before_the_first_event_is_an_ordinary_error(http: httpx.Client) -> None:
