@@ -42,8 +42,9 @@ class TritonPythonModel:
         return responses
 """
 
-# Decoupled: one response per word of text_input ("!" an error response), the final
-# flag alone after them; "" no response at all; blanks alone an error, final.
+# Decoupled: one response per word of text_input ("!" an error response, "~" bytes that
+# are not UTF-8), the final flag alone after them; "" no response at all; blanks alone
+# an error, final.
 WORDS = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -65,7 +66,8 @@ class TritonPythonModel:
                     error = pb_utils.TritonError("a bad word")
                     sender.send(pb_utils.InferenceResponse(error=error))
                     continue
-                out = pb_utils.Tensor("text_output", np.array([word], dtype=object))
+                data = b"\\xff" if word == "~" else word
+                out = pb_utils.Tensor("text_output", np.array([data], dtype=object))
                 sender.send(pb_utils.InferenceResponse([out]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
@@ -142,11 +144,13 @@ def test_a_decoupled_model_streams_each_response(http: httpx.Client) -> None:
 
 
 def test_a_later_error_is_an_event_and_no_response_an_empty_stream(http: httpx.Client) -> None:
-    later = http.post("/v2/models/words/generate_stream", json={"text_input": "a ! b"})
+    later = http.post("/v2/models/words/generate_stream", json={"text_input": "a ! ~ b"})
     none = http.post("/v2/models/words/generate_stream", json={"text_input": ""})
     assert later.status_code == 200
     assert [event.get("text_output", event.get("error")) for event in events(later)] == [
-        "a", "a bad word", "b"
+        "a", "a bad word",
+        "output 'text_output': BYTES output is not UTF-8 text; request it as binary_data",
+        "b",
     ]  # fmt: skip
     assert none.status_code == 200
     assert events(none) == []

@@ -133,10 +133,13 @@ class _Events:
                 self.early_error = answer
                 return
             await self._start()
-        if isinstance(answer, InferenceServerError):
-            await send_event(self._request.send, {"error": answer.message})
-        else:
-            await send_event(self._request.send, _answer(self._head, answer))
+        try:
+            if isinstance(answer, InferenceServerError):
+                raise answer
+            document = _answer(self._head, answer)
+        except InferenceServerError as exc:  # the model's, or an output JSON cannot carry
+            document = {"error": exc.message}
+        await send_event(self._request.send, document)
 
     async def _start(self) -> None:
         self._started = True
