@@ -6,6 +6,7 @@ answering once, one decoupled), and the built-in ``simple``, over real HTTP."""
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,6 +74,41 @@ class TritonPythonModel:
         return None
 """
 
+# Decoupled: "go" answers "tick", then a thread waits for the client to leave (the
+# backend's API is a poll); "ask" answers whether it saw that within 10 s.
+TICKER = """
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+SEEN = threading.Event()
+
+
+def answer(sender, text, flags=0):
+    out = pb_utils.Tensor("text_output", np.array([text], dtype=object))
+    sender.send(pb_utils.InferenceResponse([out]), flags=flags)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            if pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0] == b"ask":
+                seen = SEEN.wait(10)
+                answer(sender, "left" if seen else "stayed",
+                       pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            answer(sender, "tick")
+            threading.Thread(target=self.watch, args=(request, sender)).start()
+        return None
+
+    def watch(self, request, sender):
+        while not request.is_cancelled():
+            threading.Event().wait(0.001)
+        SEEN.set()
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
 TEXT_CONFIG = """
 backend: "python"
 input [
@@ -89,6 +125,7 @@ def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
     for name, code, extra in (
         ("echo", ECHO, ""),
         ("words", WORDS, "model_transaction_policy { decoupled: true }\n"),
+        ("ticker", TICKER, "model_transaction_policy { decoupled: true }\n"),
     ):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(TEXT_CONFIG + extra)
@@ -154,6 +191,23 @@ def test_a_later_error_is_an_event_and_no_response_an_empty_stream(http: httpx.C
     ]  # fmt: skip
     assert none.status_code == 200
     assert events(none) == []
+
+
+def test_a_client_that_leaves_cancels_its_request_in_the_model(http: httpx.Client) -> None:
+    body = json.dumps({"text_input": "go"}).encode()
+    head = "POST /v2/models/ticker/generate_stream HTTP/1.1\r\nHost: t\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
+    port = http.base_url.port
+    assert port is not None
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as client:
+        client.sendall(head.encode() + body)
+        received = b""
+        while b"tick" not in received:
+            chunk = client.recv(4096)
+            assert chunk, "the stream ended before its first event"
+            received += chunk
+    asked = http.post("/v2/models/ticker/generate", json={"text_input": "ask"})
+    assert asked.json()["text_output"] == "left"
 
 
 def test_generate_answers_a_decoupled_models_one_response_and_refuses_more(
