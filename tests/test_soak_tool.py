@@ -12,7 +12,8 @@ from pathlib import Path
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 KINDS = {
     "rest_json", "rest_binary", "large_tensor", "grpc_unary", "grpc_stream",
-    "grpc_stream_llm", "shared_memory", "generate_stream", "openai_chat_stream",
+    "grpc_stream_llm", "shared_memory", "generate_stream", "generate_decoupled",
+    "openai_chat_stream",
     "metrics_scrape", "disconnect_request", "disconnect_large", "disconnect_stream",
     "grpc_cancel", "grpc_timeout", "grpc_stream_cancel",
 }  # fmt: skip

@@ -8,7 +8,8 @@ Starts ``trioserve run`` (the built-in models) on free ports of 127.0.0.1, or dr
 running server, and sends ``--rate`` requests per second from ``--workers`` threads, each
 with its own clients: REST JSON and binary, 1 MiB tensors over REST and gRPC, gRPC unary
 and streaming (decoupled and generative), system shared memory (register, infer,
-unregister), ``generate_stream`` and OpenAI's streamed chat completions, ``/metrics``,
+unregister), ``generate_stream`` (the LLM's, and a decoupled Python model's on its own
+tensors) and OpenAI's streamed chat completions, ``/metrics``,
 raw connections closed mid-request (a 1 MiB body among them) and mid-stream, gRPC calls
 cancelled and timed out (``soak_traffic.py`` has one function per kind). Every
 ``--interval`` seconds it prints the RSS, open file descriptors and threads (from /proc)

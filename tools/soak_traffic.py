@@ -268,6 +268,17 @@ def generate_stream(clients: Clients) -> str:
     return "ok"
 
 
+def generate_decoupled(clients: Clients) -> str:
+    """The decoupled ``repeat_int32`` through ``generate_stream`` on its own tensors: one
+    event per element, in order."""
+    body = json.dumps({"IN": [7, 8, 9], "DELAY": [0, 0, 0], "WAIT": [0]}).encode()
+    events = _event_stream(clients, "/v2/models/repeat_int32/generate_stream", body)
+    got = [json.loads(event)["OUT"] for event in events]
+    if got != [7, 8, 9]:
+        raise AssertionError(f"repeat_int32's generate_stream answered {got}")
+    return "ok"
+
+
 def _raw_request(
     path: str, body: bytes, sent: int | None = None, json_bytes: int | None = None
 ) -> bytes:
@@ -392,7 +403,7 @@ def grpc_timeout(clients: Clients) -> str:
     return "ok"
 
 
-# Each kind, and how many of every 20 requests are of that kind.
+# Each kind, and its weight: how many times it comes in each round of the schedule.
 KINDS: dict[str, tuple[int, Callable[[Clients], str]]] = {
     "rest_json": (3, rest_json),
     "rest_binary": (2, rest_binary),
@@ -402,6 +413,7 @@ KINDS: dict[str, tuple[int, Callable[[Clients], str]]] = {
     "grpc_stream_llm": (1, grpc_stream_llm),
     "shared_memory": (2, shared_memory),
     "generate_stream": (1, generate_stream),
+    "generate_decoupled": (1, generate_decoupled),
     "openai_chat_stream": (1, openai_chat_stream),
     "metrics_scrape": (1, metrics_scrape),
     "disconnect_request": (2, disconnect_request),
