@@ -13,10 +13,12 @@ Every ``--every`` seconds it kills one of the workers, the two in turn, with SIG
 waits for the core to start its successor.
 
 A request in flight on a killed worker fails, and its thread starts new connections. So
-a failure is excused only as its thread's first since a kill: one before the first kill
-(in the warm-up among them), or a second one of a thread between two kills, is counted
-as an unexcused failure. A stream cut short is a failure; a stream that ends as if
-complete but is not, or any other wrong answer, is wrong.
+a failure is excused only within ``GRACE_S`` of a kill: one before the first kill (in
+the warm-up among them), or later than that after the last one, is counted as an
+unexcused failure. (A thread may fail twice on one kill: grpcio shares a connection
+among channels to one target, so a fresh client can still meet the dying one.) A stream
+cut short is a failure; a stream that ends as if complete but is not, or any other
+wrong answer, is wrong.
 
 It exits 1 if the core process did not live through the kills, a worker was not
 replaced, an answer was wrong, a failure was unexcused, no request was answered after
