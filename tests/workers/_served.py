@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import queue
 import re
@@ -11,10 +12,25 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from types import ModuleType
 
 import httpx
+import pytest
 
 TIMEOUT = 60.0
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+
+
+def load_tool(monkeypatch: pytest.MonkeyPatch, name: str) -> ModuleType:
+    """``tools/NAME.py`` as a module: its neighbours importable (``soak_traffic``...),
+    itself in ``sys.modules`` under its name (for its dataclasses), both for the test."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 class Served:

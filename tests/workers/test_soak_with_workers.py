@@ -4,7 +4,6 @@ restarted) fails it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,9 +14,9 @@ from types import ModuleType
 
 import pytest
 
-from ._served import TIMEOUT, Served
+from ._served import TIMEOUT, TOOLS, Served, load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
+TOOL = TOOLS / "soak.py"
 
 
 def _soak_command(served: Served, report: Path, minutes: str, interval: str) -> list[str]:
@@ -30,13 +29,7 @@ def _soak_command(served: Served, report: Path, minutes: str, interval: str) -> 
 
 @pytest.fixture
 def soak_tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(TOOL.parent))  # for its soak_traffic
-    spec = importlib.util.spec_from_file_location("soak", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "soak", module)  # for its dataclasses
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(monkeypatch, "soak")
 
 
 def test_a_process_is_sampled_with_its_descendants(soak_tool: ModuleType) -> None:

@@ -4,7 +4,6 @@ and the tool says so."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,9 +12,9 @@ from types import ModuleType
 
 import pytest
 
-from ._served import TIMEOUT
+from ._served import TIMEOUT, TOOLS, load_tool
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "worker_kills.py"
+TOOL = TOOLS / "worker_kills.py"
 
 
 def test_two_workers_killed_under_load_are_replaced_and_the_core_serves_on(
@@ -37,12 +36,7 @@ def test_two_workers_killed_under_load_are_replaced_and_the_core_serves_on(
 
 @pytest.fixture
 def kills_tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(TOOL.parent))  # for soak and soak_traffic
-    spec = importlib.util.spec_from_file_location("worker_kills", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool(monkeypatch, "worker_kills")
 
 
 def test_only_failures_soon_after_a_kill_are_excused(kills_tool: ModuleType) -> None:
