@@ -51,7 +51,13 @@ from ..scheduler import (
     read_parameters,
 )
 from ._app import Request, Response
-from ._generate_events import json_answer, send_event, stream_start, unless_client_leaves
+from ._generate_events import (
+    json_answer,
+    send_event,
+    stream_end,
+    stream_start,
+    unless_client_leaves,
+)
 from ._generate_tensors import TensorGenerate
 from ._json_body import json_object
 
@@ -114,7 +120,7 @@ class GenerateEndpoints:
 
         answered, _ = await unless_client_leaves(request.cancel_with, stream)
         if answered:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(stream_end())
         return None
 
     def _served(self, request: Request) -> ServedModel:

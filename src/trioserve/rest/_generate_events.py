@@ -41,6 +41,11 @@ def stream_start(load: LoadReporter, served: ServedModel, request: Request) -> d
     return {"type": "http.response.start", "status": 200, "headers": headers}
 
 
+def stream_end() -> dict[str, Any]:
+    """The message that ends a stream of events."""
+    return {"type": "http.response.body", "body": b"", "more_body": False}
+
+
 async def send_event(send: Callable[[Any], Awaitable[None]], document: Any) -> None:
     # Compact JSON escapes every newline, so one line is one event's data.
     frame = b"data: " + COMPACT.encode(document).encode() + b"\n\n"

@@ -38,7 +38,13 @@ from .._types import InferenceRequest, InferenceResponse, InputTensor
 from ..metrics import LoadReporter
 from ..shm import RequestRegions
 from ._app import Request, Response
-from ._generate_events import json_answer, send_event, stream_start, unless_client_leaves
+from ._generate_events import (
+    json_answer,
+    send_event,
+    stream_end,
+    stream_start,
+    unless_client_leaves,
+)
 from ._json_body import json_object
 
 _PARAMETER_TYPES = (str, int, float, bool)
@@ -148,7 +154,7 @@ class _Events:
     async def end(self) -> None:
         if not self._started:  # no response at all: an empty stream
             await self._start()
-        await self._request.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await self._request.send(stream_end())
 
 
 def _decoder(request: Request, served: ServedModel) -> tuple[Decode, dict[str, Any]]:

@@ -52,7 +52,13 @@ from ._app import Request, Response
 from ._chat_template import render_chat
 from ._errors import error_status
 from ._generate import collect_samples
-from ._generate_events import json_answer, send_event, stream_start, unless_client_leaves
+from ._generate_events import (
+    json_answer,
+    send_event,
+    stream_end,
+    stream_start,
+    unless_client_leaves,
+)
 from ._json_body import COMPACT, json_object
 from ._openai_logprobs import ChoiceLogprobs, requested_logprobs
 from ._openai_request import (
@@ -285,7 +291,7 @@ class OpenAIEndpoints:
 
         answered, _ = await unless_client_leaves(request.cancel_with, stream)
         if answered:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send(stream_end())
 
 
 class _StreamEvents:
