@@ -13,10 +13,11 @@ Every ``--every`` seconds it kills one of the workers, the two in turn, with SIG
 waits for the core to start its successor.
 
 A request in flight on a killed worker fails, and its thread starts new connections. So
-a failure is excused only within ``GRACE_S`` of a kill: one before the first kill (in
-the warm-up among them), or later than that after the last one, is counted as an
-unexcused failure. (A thread may fail twice on one kill: grpcio shares a connection
-among channels to one target, so a fresh client can still meet the dying one.) A stream
+each kill excuses one failure per thread, whenever it comes (a connection to the killed
+worker that lay idle in a client's pool fails only when the thread next uses it), and
+any more only within ``GRACE_S`` of the kill (grpcio shares a connection among channels
+to one target, so a thread's fresh client can still meet the dying one). A failure
+before the first kill (the warm-up's among them) or past those is unexcused. A stream
 cut short is a failure; a stream that ends as if complete but is not, or any other
 wrong answer, is wrong.
 
@@ -67,7 +68,7 @@ from trioserve.workers._wire import ARENA_LABEL
 
 WORKERS = 2
 REPLACED_WITHIN_S = 60.0
-GRACE_S = 0.5  # how soon after a kill its worker's clients fail (measured: within 0.1 s)
+GRACE_S = 0.5  # how soon after a kill its in-flight clients fail (measured: within 0.1 s)
 KINDS = (large_tensor, rest_json, grpc_stream, large_tensor, generate_stream, shared_memory,
          openai_chat_stream, grpc_stream_llm)  # fmt: skip
 SEGMENT = f"/memfd:{ARENA_LABEL} (deleted)"  # how /proc names a link segment's descriptor
@@ -123,22 +124,24 @@ class Traffic:
 
 
 def unexcused(failures: list[tuple[float, int, str]], kills: list[float]) -> list[str]:
-    """The failures that no kill explains: before the first kill, or later than
-    ``GRACE_S`` after the last one before them."""
+    """The failures that no kill explains: before the first kill, or a thread's second
+    (or later) after the last kill before it and more than ``GRACE_S`` after that kill."""
     found = []
-    for when, thread, what in failures:
-        after = since_kill(when, kills)
-        if after is None:
+    excused: set[tuple[int, float]] = set()  # (thread, kill): the kill's free failure taken
+    for when, thread, what in sorted(failures):
+        kill = last_kill(when, kills)
+        if kill is None:
             found.append(f"{what} (thread {thread}, before any kill)")
-        elif after > GRACE_S:
-            found.append(f"{what} (thread {thread}, {after:.2f} s after a kill)")
+        elif (thread, kill) not in excused:
+            excused.add((thread, kill))
+        elif when - kill > GRACE_S:
+            found.append(f"{what} (thread {thread}, again {when - kill:.2f} s after a kill)")
     return found
 
 
-def since_kill(when: float, kills: list[float]) -> float | None:
-    """Seconds from the last kill before ``when`` to it; None if none was before it."""
-    last = max((kill for kill in kills if kill <= when), default=None)
-    return None if last is None else when - last
+def last_kill(when: float, kills: list[float]) -> float | None:
+    """The last kill at or before ``when``; None if none was."""
+    return max((kill for kill in kills if kill <= when), default=None)
 
 
 def workers_of(core: int) -> list[int]:
@@ -242,7 +245,11 @@ def kill_workers(args: argparse.Namespace, core: int, http: int, grpc: int) -> d
     time.sleep(1)
     after = core_figures(core, http)
     failures += grown(before, after)
-    delays = [since_kill(when, kills) or 0.0 for when, _, _ in traffic.failures]
+    delays = [
+        when - kill
+        for when, _, _ in traffic.failures
+        if (kill := last_kill(when, kills)) is not None
+    ]
     return {
         "kills": args.kills, "answered": traffic.answered, "failed": len(traffic.failures),
         "latest_failure_s": round(max(delays, default=0.0), 3),

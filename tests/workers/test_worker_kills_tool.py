@@ -39,17 +39,23 @@ def kills_tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return load_tool(monkeypatch, "worker_kills")
 
 
-def test_only_failures_soon_after_a_kill_are_excused(kills_tool: ModuleType) -> None:
+def test_a_kill_excuses_one_failure_per_thread_and_more_only_soon_after_it(
+    kills_tool: ModuleType,
+) -> None:
     kills = [10.0, 20.0]
+    late = 0.01 + kills_tool.GRACE_S
     failures = [
         (5.0, 0, "warm"),  # before any kill
         (10.01, 0, "cut"), (10.02, 1, "cut too"),  # its clients, as it died
-        (10.01 + kills_tool.GRACE_S, 1, "late"),  # on a worker that lives
-        (20.3, 0, "cut again"),
+        (10.03, 1, "shared connection"),  # a fresh grpcio client on the dying connection
+        (10.0 + late, 1, "late"),  # a third, on a worker that lives
+        (20.0 + late, 0, "idle connection"),  # one the thread found dead on its next use
+        (20.0 + late + 0.1, 0, "later"),
     ]  # fmt: skip
     assert kills_tool.unexcused(failures, kills) == [
         "warm (thread 0, before any kill)",
-        f"late (thread 1, {0.01 + kills_tool.GRACE_S:.2f} s after a kill)",
+        f"late (thread 1, again {late:.2f} s after a kill)",
+        f"later (thread 0, again {late + 0.1:.2f} s after a kill)",
     ]
 
 
