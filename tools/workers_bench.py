@@ -4,6 +4,7 @@
     python tools/workers_bench.py --modes http-json --connections 8 --duration 10 --rounds 3
     python tools/workers_bench.py --python /tmp/vdeb/bin/python     # another interpreter
     python tools/workers_bench.py --modes http-json,grpc --link-only  # the link alone
+    python tools/workers_bench.py --modes http-json --connections 8 --apart
 
 Two servers of this checkout run at once, pinned to the same core (``--server-cpus``),
 one with ``--workers 0`` (one process) and one with ``--workers N`` (a core process and
@@ -13,7 +14,10 @@ h2load for gRPC): they share the core's slow and fast moments alike, as in
 ``/proc``); divided by the requests it answered, it is its cost per request. The figure
 to read is the ratio of the two costs (forwarded / one process); the forwarded cost is
 also split into the core process's share, which bounds what any number of workers can
-serve, and the workers'.
+serve, and the workers'. With ``--apart`` the two servers take the core in turn, each
+alone under its load, as a deployment that gives the core process and a worker one CPU
+runs them (nothing else's turns to share the CPU with); wrk's latency percentiles are
+printed too.
 
 Modes: ``http-json`` and ``http-binary`` (``simple``), ``grpc`` (``simple``, raw
 tensors, h2load), ``big-http-binary`` and ``big-grpc`` (one 16 MiB FP32 tensor through
@@ -89,7 +93,7 @@ def _load(
         ]  # fmt: skip
     else:
         command = [
-            *pin, "wrk", "-t1", f"-c{connections}", f"-d{args.duration}s",
+            *pin, "wrk", "-t1", f"-c{connections}", f"-d{args.duration}s", "--latency",
             "-s", str(files / f"{mode}.lua"), f"http://127.0.0.1:{port}/v2/models/{model_of(mode)}/infer",
         ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -116,13 +120,27 @@ def _answered(mode: str, output: str) -> int:
 
 def _round(
     mode: str, connections: int, args: argparse.Namespace, files: Path
-) -> list[tuple[float, float, float]]:
-    """Both servers under load at once, each's µs of CPU per request (all its processes,
-    and its main process alone: the core) and requests/s."""
+) -> list[tuple[float, float, float, str]]:
+    """Both servers under load at once (or one after the other, ``--apart``), each's µs
+    of CPU per request (all its processes, and its main process alone: the core),
+    requests/s and latency percentiles (wrk's, HTTP only)."""
+    sides = [(0, False), (args.workers, args.link_only)]
+    if args.apart:
+        return [_measured(mode, connections, args, files, [side])[0] for side in sides]
+    return _measured(mode, connections, args, files, sides)
+
+
+def _measured(
+    mode: str,
+    connections: int,
+    args: argparse.Namespace,
+    files: Path,
+    sides: list[tuple[int, bool]],
+) -> list[tuple[float, float, float, str]]:
     grpc = mode.endswith("grpc")
     servers = [
-        _start(args.python, 0, args.server_cpus, grpc),
-        _start(args.python, args.workers, args.server_cpus, grpc, args.link_only),
+        _start(args.python, workers, args.server_cpus, grpc, link_only)
+        for workers, link_only in sides
     ]
     try:
         time.sleep(1)
@@ -138,7 +156,11 @@ def _round(
     for output, start, end in zip(outputs, before, after, strict=True):
         answered = _answered(mode, output)
         core, total = end[0] - start[0], sum(end) - sum(start)
-        results.append((1e6 * total / answered, 1e6 * core / answered, answered / args.duration))
+        found = re.findall(r"^ +(50|99)% +(\S+)", output, re.MULTILINE)  # wrk --latency
+        latency = " ".join(f"p{quantile} {took}" for quantile, took in found)
+        results.append(
+            (1e6 * total / answered, 1e6 * core / answered, answered / args.duration, latency)
+        )
     return results
 
 
@@ -164,6 +186,11 @@ def main() -> None:
     parser.add_argument("--client-cpus", default="1")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument(
+        "--apart",
+        action="store_true",
+        help="each server alone on --server-cpus in turn, not both at once",
+    )
+    parser.add_argument(
         "--link-only",
         action="store_true",
         help="the forwarded side's core answers at once, without its pipeline "
@@ -183,9 +210,9 @@ def main() -> None:
             )
             for connections in counts:
                 for number in range(args.rounds):
-                    (one_cost, _, one_rate), (fwd_cost, fwd_core, fwd_rate) = _round(
-                        mode, connections, args, files
-                    )
+                    one, forwarded = _round(mode, connections, args, files)
+                    (one_cost, _, one_rate, one_latency) = one
+                    (fwd_cost, fwd_core, fwd_rate, fwd_latency) = forwarded
                     line = (
                         f"{mode:16} c={connections:<3} round {number + 1}: one process "
                         f"{one_cost:7.1f} µs/req {one_rate:7.0f} req/s; forwarded "
@@ -193,6 +220,8 @@ def main() -> None:
                         f"{fwd_cost - fwd_core:5.1f}) {fwd_rate:7.0f} req/s; CPU ratio "
                         f"{fwd_cost / one_cost:.3f}"
                     )
+                    if one_latency:
+                        line += f"; latency {one_latency} vs {fwd_latency}"
                     if mode.startswith("big-"):
                         mib = 16
                         line += f"; MiB/s each way {one_rate * mib:.0f} vs {fwd_rate * mib:.0f}"

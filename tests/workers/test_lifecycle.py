@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -62,6 +64,30 @@ def test_sigterm_drains_every_worker() -> None:
             httpx.get(f"http://{served.url}/v2/health/live", timeout=TIMEOUT)
     finally:
         served.stop()
+
+
+def test_the_core_runs_as_batch_and_the_workers_it_starts_as_usual() -> None:
+    served = Served()
+    try:
+        core = os.sched_getscheduler(served.process.pid)
+        assert core == os.SCHED_BATCH | os.SCHED_RESET_ON_FORK
+        workers = served.worker_pids()
+        assert len(workers) == 2
+        assert [os.sched_getscheduler(pid) for pid in workers] == [os.SCHED_OTHER] * 2
+    finally:
+        served.stop()
+
+
+def test_a_core_an_operator_scheduled_otherwise_keeps_its_policy() -> None:
+    keeps = (
+        "import os; from trioserve.workers._pool import _as_batch; "
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); _as_batch(); "
+        "print(os.sched_getscheduler(0))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", keeps], capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert done.stdout.strip() == str(os.SCHED_IDLE), done.stderr
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_on() -> None:
