@@ -19,6 +19,8 @@ from trioserve._alternatives import FrontEndUnavailable, grpclib_server
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
+from ._model_repository import write_model
+
 HTTP_SERVERS = ["builtin", "hypercorn"]
 GRPC_SERVERS = ["builtin", "grpclib"]
 
@@ -269,7 +271,5 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 def blocking_repository(tmp_path: Path) -> Path:
     """A model repository holding ``blocking`` (see ``_BLOCKING_MODEL``), for tests of
     ``trioserve run`` in a subprocess with a request in flight."""
-    (tmp_path / "blocking" / "1").mkdir(parents=True)
-    (tmp_path / "blocking" / "config.pbtxt").write_text(_BLOCKING_CONFIG)
-    (tmp_path / "blocking" / "1" / "model.py").write_text(_BLOCKING_MODEL)
+    write_model(tmp_path, "blocking", _BLOCKING_CONFIG, _BLOCKING_MODEL)
     return tmp_path

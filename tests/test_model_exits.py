@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
+
+from ._model_repository import write_model
 
 CONFIG = """
 name: "{name}"
@@ -153,12 +154,6 @@ model = Exits(
 """
 
 
-def write_model(root: Path, name: str, code: str, extra: str = "") -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, extra=extra))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
-
-
 def write_own_model(root: Path, name: str, decoupled: bool = False) -> None:
     (root / name).mkdir(parents=True)
     (root / name / "model.py").write_text(OWN_MODEL.format(name=name, decoupled=decoupled))
@@ -167,13 +162,15 @@ def write_own_model(root: Path, name: str, decoupled: bool = False) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("exits")
-    write_model(root, "echo", ECHO)
-    write_model(root, "exits_sync", EXITS.format(prefix=""))
-    write_model(root, "exits_async", EXITS.format(prefix="async "))
-    for name, (code, _) in AT_LOAD.items():
-        write_model(root, name, code)
-    write_model(root, "exit_in_finalize", FINALIZE_EXITS)
-    write_model(root, "decoupled_exits", DECOUPLED, "model_transaction_policy { decoupled: true }")
+    for name, code, extra in (
+        ("echo", ECHO, ""),
+        ("exits_sync", EXITS.format(prefix=""), ""),
+        ("exits_async", EXITS.format(prefix="async "), ""),
+        *((name, code, "") for name, (code, _) in AT_LOAD.items()),
+        ("exit_in_finalize", FINALIZE_EXITS, ""),
+        ("decoupled_exits", DECOUPLED, "model_transaction_policy { decoupled: true }"),
+    ):
+        write_model(root, name, CONFIG.format(name=name, extra=extra), code)
     write_own_model(root, "own_exits")
     write_own_model(root, "own_exits_on_load")
     write_own_model(root, "own_decoupled", decoupled=True)
@@ -331,9 +328,12 @@ def test_trioserve_run_survives_an_exit_at_startup(tmp_path: Path) -> None:
     """``trioserve run --exit-on-error false`` over a repository holding a model.py that
     exits at import: the server starts and serves the others. A model.py that parses its arguments at import
     reads no server flags (it sees the argv of a script started without arguments)."""
-    write_model(tmp_path, "echo", ECHO)
-    write_model(tmp_path, "exit_at_import", AT_LOAD["exit_at_import"][0])
-    write_model(tmp_path, "parses_its_arguments", ARGPARSE_MODEL)
+    for name, code in (
+        ("echo", ECHO),
+        ("exit_at_import", AT_LOAD["exit_at_import"][0]),
+        ("parses_its_arguments", ARGPARSE_MODEL),
+    ):
+        write_model(tmp_path, name, CONFIG.format(name=name, extra=""), code)
     command = [
         sys.executable, "-m", "trioserve", "run", "--model-repository", str(tmp_path),
         "--host", "127.0.0.1", "--http-port", "0", "--allow-grpc", "false",

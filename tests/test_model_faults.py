@@ -14,7 +14,6 @@ model's next good request are served as before.
 from __future__ import annotations
 
 import sys
-import textwrap
 import threading
 import types
 from collections.abc import Iterator
@@ -30,6 +29,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
+
+from ._model_repository import write_model
 
 CONFIG = """
 name: "{name}"
@@ -88,13 +89,6 @@ class TritonPythonModel:
 BATCHING = "dynamic_batching { preferred_batch_size: [ 2 ] max_queue_delay_microseconds: 30000000 }"
 
 
-def write_model(root: Path, name: str, model: str, batch: int = 0, batching: str = "") -> None:
-    (root / name / "1").mkdir(parents=True)
-    config = CONFIG.format(name=name, batch=batch, batching=batching)
-    (root / name / "config.pbtxt").write_text(config)
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 @pytest.fixture
 def release() -> Iterator[threading.Event]:
     released = threading.Event()
@@ -109,9 +103,12 @@ def release() -> Iterator[threading.Event]:
 @pytest.fixture
 def server(tmp_path: Path, release: threading.Event) -> Iterator[Server]:
     root = tmp_path / "models"
-    write_model(root, "faulty", FAULTY)
-    write_model(root, "faulty_batched", FAULTY, batch=4, batching=BATCHING)
-    write_model(root, "hangs", HANGS)
+    for name, code, batch, batching in (
+        ("faulty", FAULTY, 0, ""),
+        ("faulty_batched", FAULTY, 4, BATCHING),
+        ("hangs", HANGS, 0, ""),
+    ):
+        write_model(root, name, CONFIG.format(name=name, batch=batch, batching=batching), code)
     config = ServerConfig(
         models=[m for m in reference_zoo() if m.name == "simple"],
         model_repositories=[root],

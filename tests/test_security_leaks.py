@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import InvalidArgumentError, Server, ServerConfig
 from trioserve.shm import SharedMemoryRegistry
 from trioserve.testing import server_in_thread
+
+from ._model_repository import write_model
 
 CONFIG = """
 name: "{name}"
@@ -75,20 +76,17 @@ class TritonPythonModel:
 """
 
 
-def write_model(root: Path, name: str, model: str, config: str | None = None) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(config or CONFIG.format(name=name))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
     root = tmp_path / "models"
-    write_model(root, "echo", ECHO)
-    write_model(root, "raises", RAISES)
-    write_model(root, "syntax_error", SYNTAX_ERROR)
-    write_model(root, "fails_to_start", FAILS_TO_START)
-    write_model(root, "bad_config", ECHO, 'name: "bad_config"\nmax_batch_size: "eight"\n')
+    for name, code in (
+        ("echo", ECHO),
+        ("raises", RAISES),
+        ("syntax_error", SYNTAX_ERROR),
+        ("fails_to_start", FAILS_TO_START),
+    ):
+        write_model(root, name, CONFIG.format(name=name), code)
+    write_model(root, "bad_config", 'name: "bad_config"\nmax_batch_size: "eight"\n', ECHO)
     return root
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ._model_repository import write_model
+
 
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
 def test_a_second_signal_stops_the_drain(blocking_repository: Path, second: signal.Signals) -> None:
@@ -98,12 +100,10 @@ def test_a_signal_to_the_process_group_drains_through_the_instance_processes(
     group: the instance processes must outlive the drain, which answers through them."""
     fifo = tmp_path / "go"
     os.mkfifo(fifo)
-    model = tmp_path / "repository" / "held"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(_HELD_CONFIG)
-    (model / "1" / "model.py").write_text(_FIFO_MODEL.format(fifo=str(fifo)))
+    repository = tmp_path / "repository"
+    write_model(repository, "held", _HELD_CONFIG, _FIFO_MODEL.format(fifo=str(fifo)))
     command = [
-        sys.executable, "-m", "trioserve", "run", "--model-repository", str(model.parent),
+        sys.executable, "-m", "trioserve", "run", "--model-repository", str(repository),
         "--host", "127.0.0.1", "--http-port", "0", "--allow-grpc", "false",
         "--allow-metrics", "false", "--python-instance-mode", "process",
     ]  # fmt: skip

@@ -25,6 +25,8 @@ from trioserve.testing import (
     timed,
 )
 
+from ._model_repository import write_model
+
 
 def zoo(name: str) -> trioserve.Model:
     return next(m for m in reference_zoo() if m.name == name)
@@ -174,14 +176,12 @@ async def test_repository_loads_under_the_jumping_clock(
 ) -> None:
     """A load takes real time in its worker thread while the mock clock jumps: a load
     time limit on that clock would run out at once, so the test server sets none."""
-    folder = tmp_path / "slow" / "1"
-    folder.mkdir(parents=True)
-    (folder / "model.py").write_text(_SLOW_INITIALIZE)
-    (tmp_path / "slow" / "config.pbtxt").write_text(
+    config = (
         'backend: "python"\n'
         'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
     )
+    write_model(tmp_path, "slow", config, _SLOW_INITIALIZE)
     async with open_test_server([], model_repositories=[tmp_path]) as server:
         assert server.config.model_load_timeout_s == 0
         assert server.repository.model_ready("slow", "")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import textwrap
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,8 @@ from tritonclient.utils import InferenceServerException
 
 from trioserve import ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 CONFIG = """
 name: "{name}"
@@ -99,12 +100,6 @@ class TritonPythonModel:
 """
 
 
-def write(root: Path, name: str, model: str) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 def samples(text: str) -> dict[str, float]:
     """``name{labels}`` -> value of the custom_ series of an exposition."""
     return {
@@ -114,8 +109,8 @@ def samples(text: str) -> dict[str, float]:
 
 
 def test_custom_metrics_on_the_servers_metrics(tmp_path: Path, instance_mode: str) -> None:
-    write(tmp_path, "counting", COUNTING_MODEL)
-    write(tmp_path, "clashing", CLASHING_MODEL)
+    write_model(tmp_path, "counting", CONFIG.format(name="counting"), COUNTING_MODEL)
+    write_model(tmp_path, "clashing", CONFIG.format(name="clashing"), CLASHING_MODEL)
     config = ServerConfig(
         model_repositories=[tmp_path],
         model_control_mode="explicit",
@@ -173,7 +168,12 @@ def test_a_models_families_go_as_it_stops_serving(tmp_path: Path, instance_mode:
     go, done = tmp_path / "go", tmp_path / "done"
     os.mkfifo(go)
     os.mkfifo(done)
-    write(tmp_path / "models", "finalizing", FINALIZING_MODEL.format(go=str(go), done=str(done)))
+    write_model(
+        tmp_path / "models",
+        "finalizing",
+        CONFIG.format(name="finalizing"),
+        FINALIZING_MODEL.format(go=str(go), done=str(done)),
+    )
     config = ServerConfig(
         model_repositories=[tmp_path / "models"],
         model_control_mode="explicit",

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig, UnsupportedError, serve
 from trioserve.models import TRITON_EXAMPLES
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
@@ -232,10 +233,7 @@ instance_group [ { count: 2 kind: KIND_CPU } ]
 
 @pytest.fixture
 def sender_server(tmp_path: Path, grpc_server: str, instance_mode: str) -> Iterator[Server]:
-    folder = tmp_path / "sender"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(SENDER_CONFIG)
-    (folder / "1" / "model.py").write_text(textwrap.dedent(SENDER_MODEL))
+    write_model(tmp_path, "sender", SENDER_CONFIG, SENDER_MODEL)
     config = ServerConfig(
         model_repositories=[tmp_path],
         http_port=0,
@@ -329,10 +327,7 @@ def _mapped_instance_segments() -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_a_decoupled_response_sends_small_outputs_in_its_frame(tmp_path: Path) -> None:
-    folder = tmp_path / "sizes"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(SIZES_CONFIG)
-    (folder / "1" / "model.py").write_text(SIZES_MODEL)
+    write_model(tmp_path, "sizes", SIZES_CONFIG, SIZES_MODEL)
     config = ServerConfig(
         model_repositories=[tmp_path], http_port=None, grpc_port=0, python_instance_mode="process"
     )

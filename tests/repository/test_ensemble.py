@@ -3,7 +3,6 @@ over HTTP and gRPC, with a step's failure named and statistics for every model."
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,8 @@ from trioserve.repository._ensemble import EnsembleModel, ensemble_steps
 from trioserve.repository._generated.model_config_pb2 import ModelConfig
 from trioserve.scheduler._runner import ModelRunner
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 STEP_MODEL = """
 import numpy as np
@@ -84,24 +85,17 @@ ensemble_scheduling {
 """
 
 
-def write_model(root: Path, name: str, config: str, model: str | None) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    if model is not None:
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("ensembles")
     write_model(root, "double", STEP_CONFIG.format(), STEP_MODEL.format(op="* 2"))
     write_model(root, "add_one", STEP_CONFIG.format(), STEP_MODEL.format(op="+ 1"))
-    write_model(root, "pipeline", ENSEMBLE_CONFIG, None)
+    write_model(root, "pipeline", ENSEMBLE_CONFIG)
     broken = ENSEMBLE_CONFIG.replace(
         'value: "IN" }\n      output_map { key: "Y" value: "twice"',
         'value: "nowhere" }\n      output_map { key: "Y" value: "twice"',
     )
-    write_model(root, "broken", broken, None)
+    write_model(root, "broken", broken)
     config = ServerConfig(
         model_repositories=[root], http_port=0, grpc_port=0, python_instance_mode=instance_mode
     )
@@ -277,8 +271,8 @@ ensemble_scheduling {
 def test_unloading_an_ensemble_with_its_dependents(tmp_path: Path, instance_mode: str) -> None:
     write_model(tmp_path, "double", STEP_CONFIG.format(), STEP_MODEL.format(op="* 2"))
     write_model(tmp_path, "add_one", STEP_CONFIG.format(), STEP_MODEL.format(op="+ 1"))
-    write_model(tmp_path, "pipeline", ENSEMBLE_CONFIG, None)
-    write_model(tmp_path, "doubler", DOUBLER_CONFIG, None)
+    write_model(tmp_path, "pipeline", ENSEMBLE_CONFIG)
+    write_model(tmp_path, "doubler", DOUBLER_CONFIG)
     config = ServerConfig(
         model_repositories=[tmp_path],
         http_port=0,

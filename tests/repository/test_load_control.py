@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import sys
 import tempfile
-import textwrap
 import threading
 import types
 from collections.abc import Iterator
@@ -41,12 +40,14 @@ from trioserve._types import InferenceRequest, InputTensor, RequestedOutput
 from trioserve.repository import RepositoryManager
 from trioserve.testing import server_in_thread
 
+from .._model_repository import write_model
+
 CONFIG = """
 name: "{name}"
 backend: "python"
 max_batch_size: 0
-input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+input [ {{ name: "X" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 """
 # Answers X times its scale.
 SCALED = """
@@ -110,12 +111,6 @@ def gate() -> Iterator[Gate]:
     del sys.modules[GATE]
 
 
-def write_model(root: Path, name: str, code: str) -> None:
-    (root / name / "1").mkdir(parents=True, exist_ok=True)
-    (root / name / "config.pbtxt").write_text(CONFIG.replace("{name}", name))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
-
-
 async def start(nursery: trio.Nursery, root: Path, **settings: Any) -> Server:
     config = ServerConfig(
         model_repositories=[root],
@@ -172,8 +167,9 @@ async def test_a_hung_load_times_out_and_holds_up_no_other_load(
     gate: Gate,
     where: str,
 ) -> None:
-    write_model(tmp_path, "hangs", HANGS_AT_IMPORT if where == "import" else HANGS_IN_INITIALIZE)
-    write_model(tmp_path, "other", SCALED.format(scale=2))
+    hangs = HANGS_AT_IMPORT if where == "import" else HANGS_IN_INITIALIZE
+    write_model(tmp_path, "hangs", CONFIG.format(name="hangs"), hangs)
+    write_model(tmp_path, "other", CONFIG.format(name="other"), SCALED.format(scale=2))
     server = await start(nursery, tmp_path)
     hung = Load(nursery, server, "hangs")
     await trio.to_thread.run_sync(gate.entered.wait)  # the model's code is running
@@ -207,8 +203,8 @@ async def test_a_hung_load_times_out_and_holds_up_no_other_load(
 async def test_loads_beyond_the_thread_count_wait_their_turn(
     mock_clock: trio.testing.MockClock, nursery: trio.Nursery, tmp_path: Path, gate: Gate
 ) -> None:
-    write_model(tmp_path, "hangs", HANGS_AT_IMPORT)
-    write_model(tmp_path, "other", SCALED.format(scale=2))
+    write_model(tmp_path, "hangs", CONFIG.format(name="hangs"), HANGS_AT_IMPORT)
+    write_model(tmp_path, "other", CONFIG.format(name="other"), SCALED.format(scale=2))
     server = await start(nursery, tmp_path, model_load_thread_count=1)
     hung = Load(nursery, server, "hangs")
     await trio.to_thread.run_sync(gate.entered.wait)
@@ -233,11 +229,11 @@ async def test_loads_beyond_the_thread_count_wait_their_turn(
 async def test_a_failed_reload_keeps_the_old_version_serving(
     nursery: trio.Nursery, tmp_path: Path, config: str | None, code: str | None, reason: str
 ) -> None:
-    write_model(tmp_path, "kept", SCALED.format(scale=3))
+    write_model(tmp_path, "kept", CONFIG.format(name="kept"), SCALED.format(scale=3))
     server = await start(nursery, tmp_path)
     await manager(server).load("kept", None, {})
     if code is not None:
-        write_model(tmp_path, "kept", code)
+        write_model(tmp_path, "kept", CONFIG.format(name="kept"), code)
     with pytest.raises(InvalidArgumentError, match="failed to load 'kept'") as failed:
         await manager(server).load("kept", config, {})
     assert reason in str(failed.value)

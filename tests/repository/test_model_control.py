@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,8 @@ from trioserve._errors import NotFoundError
 from trioserve._tensor import datatype
 from trioserve._types import InferenceRequest, InputTensor, RequestedOutput
 from trioserve.repository import RepositoryManager
+
+from .._model_repository import write_model
 
 THREAD_GRACE_S = 0.5
 
@@ -72,10 +73,9 @@ class TritonPythonModel:
 
 
 def add_model(root: Path, name: str, versions: list[int], extra: str = "") -> None:
+    config = CONFIG.format(name=name, extra=extra)
     for version in versions:
-        (root / name / str(version)).mkdir(parents=True, exist_ok=True)
-        (root / name / str(version) / "model.py").write_text(textwrap.dedent(SLEEPING_MODEL))
-    (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, extra=extra))
+        write_model(root, name, config, SLEEPING_MODEL, version=str(version))
 
 
 async def infer(server: Server, name: str, delay: float = 0.0, version: str = "") -> int:

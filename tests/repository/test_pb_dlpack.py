@@ -6,9 +6,7 @@ output through DLPack. Over REST and gRPC with tritonclient."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +16,8 @@ import tritonclient.http as httpclient
 
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 # SAME: X through DLPack; QUAD: 4 X, twice doubled (here, then by "twice" through BLS)
 # with DLPack each way; SHARED: whether X's DLPack views shared its memory.
@@ -79,17 +79,11 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
 CLIENTS = {"rest": httpclient, "grpc": grpcclient}
 
 
-def write(root: Path, name: str, config: str, model: str) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("dlpack")
-    write(root, "through_dlpack", CONFIG, MODEL)
-    write(root, "twice", TWICE_CONFIG, TWICE)
+    write_model(root, "through_dlpack", CONFIG, MODEL)
+    write_model(root, "twice", TWICE_CONFIG, TWICE)
     config = ServerConfig(
         model_repositories=[root], http_port=0, grpc_port=0, python_instance_mode=instance_mode
     )

@@ -8,7 +8,6 @@ the supervisor's own log line, between the death and the start."""
 from __future__ import annotations
 
 import logging
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,8 @@ import trio
 
 import trioserve
 from trioserve import InferenceServerError, Server, ServerConfig
+
+from .._model_repository import write_model
 
 MODEL = """
 import os
@@ -70,9 +71,7 @@ async def infer(server: Server, value: float) -> tuple[np.ndarray[Any, Any], int
 async def test_an_output_let_go_of_between_two_processes_is_given_to_neither(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
-    (tmp_path / "big" / "1").mkdir(parents=True)
-    (tmp_path / "big" / "config.pbtxt").write_text(CONFIG)
-    (tmp_path / "big" / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+    write_model(tmp_path, "big", CONFIG, MODEL)
     config = ServerConfig(model_repositories=[tmp_path], http_port=None, grpc_port=None)
     server: Server = await nursery.start(trioserve.serve, config)
     y, first_pid = await infer(server, 1.0)

@@ -7,7 +7,6 @@ API, both instance modes where the behaviour is shared."""
 from __future__ import annotations
 
 import os
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,8 @@ from tritonclient.utils import InferenceServerException
 
 from trioserve import ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 # Refuses to be imported by the server; its auto_complete_config says where it ran.
 COMPLETED = """
@@ -78,12 +79,6 @@ FAILURES = {
 DECLARED_X = 'backend: "python"\ninput [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ]\n'
 
 
-def write(root: Path, name: str, code: str, config: str = BARE_CONFIG) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(config)
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
-
-
 @pytest.fixture(params=["thread", "process"])
 def mode(request: pytest.FixtureRequest) -> str:
     mode: str = request.param
@@ -93,11 +88,11 @@ def mode(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def http(tmp_path: Path, mode: str) -> Iterator[httpclient.InferenceServerClient]:
     root = tmp_path / "models"
-    write(root, "completed", COMPLETED.format(
+    write_model(root, "completed", BARE_CONFIG, COMPLETED.format(
         server_pid=os.getpid(), refuse_server=mode == "process", where=str(tmp_path / "hook")
     ))  # fmt: skip
     for name, (code, _words) in FAILURES.items():
-        write(root, name, code, DECLARED_X if name == "bad_hook" else BARE_CONFIG)
+        write_model(root, name, DECLARED_X if name == "bad_hook" else BARE_CONFIG, code)
     config = ServerConfig(
         model_repositories=[root],
         model_control_mode="explicit",
@@ -145,7 +140,7 @@ def test_a_model_file_that_cannot_serve_fails_its_load_alike_in_both_modes(
 
 
 def test_a_process_that_dies_while_importing_fails_the_load(tmp_path: Path) -> None:
-    write(tmp_path, "dies", "import os\nos._exit(4)\n")
+    write_model(tmp_path, "dies", BARE_CONFIG, "import os\nos._exit(4)\n")
     config = ServerConfig(
         model_repositories=[tmp_path], model_control_mode="explicit",
         python_instance_mode="process", http_port=0, grpc_port=None,

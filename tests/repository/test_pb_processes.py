@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -32,6 +31,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig
 from trioserve.repository import _pb_launch
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 # MODE 0 answers the instance's pid; 1 segfaults; 2 calls os._exit(3); 3 tells the test
 # its pid through the FIFO named by the input and waits to be killed.
@@ -151,18 +152,12 @@ CLIENTS = [httpclient, grpcclient]
 IDS = ["rest", "grpc"]
 
 
-def write(root: Path, name: str, config: str, model: str) -> None:
-    (root / name / "1").mkdir(parents=True, exist_ok=True)
-    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("processes")
-    write(root, "crashy", CRASHY_CONFIG, CRASHY)
-    write(root, "counted", COUNTED_CONFIG, COUNTED)
-    write(root, "big", BIG_CONFIG, BIG)
+    write_model(root, "crashy", CRASHY_CONFIG, CRASHY)
+    write_model(root, "counted", COUNTED_CONFIG, COUNTED)
+    write_model(root, "big", BIG_CONFIG, BIG)
     # The tests here kill crashy's instances more often than the default allows.
     with server_in_thread(process_config(root, restart_limit=100)) as running:
         yield running
@@ -274,7 +269,7 @@ def test_sigkill_mid_request(server: Server, module: Any, tmp_path: Path) -> Non
 def test_the_models_log_reaches_the_servers_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    write(tmp_path, "crashy", FRAGILE_CONFIG, CRASHY)
+    write_model(tmp_path, "crashy", FRAGILE_CONFIG, CRASHY)
     config = ServerConfig(
         model_repositories=[tmp_path],
         http_port=None,
@@ -294,7 +289,7 @@ def test_the_models_log_reaches_the_servers_log(
 
 
 def test_one_that_keeps_dying_is_unavailable(tmp_path: Path) -> None:
-    write(tmp_path, "fragile", FRAGILE_CONFIG, CRASHY)
+    write_model(tmp_path, "fragile", FRAGILE_CONFIG, CRASHY)
     config = ServerConfig(
         model_repositories=[tmp_path],
         http_port=0,
@@ -390,7 +385,7 @@ def _serve_and_crash(config: ServerConfig) -> set[int]:
 
 
 def test_nothing_is_left_behind(tmp_path: Path) -> None:
-    write(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
+    write_model(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
     config = ServerConfig(
         model_repositories=[tmp_path], http_port=0, grpc_port=None, python_instance_mode="process"
     )
@@ -432,7 +427,7 @@ def old_numpy_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_execution_env_path_runs_the_models_own_environment(
     tmp_path: Path, old_numpy_env: Path, module: Any
 ) -> None:
-    write(tmp_path, "versions", VERSIONS_CONFIG, VERSIONS)
+    write_model(tmp_path, "versions", VERSIONS_CONFIG, VERSIONS)
     (tmp_path / "versions" / "env").symlink_to(old_numpy_env)
     config = ServerConfig(
         model_repositories=[tmp_path], http_port=0, grpc_port=0, python_instance_mode="process"
@@ -471,7 +466,7 @@ instance_group [ { count: 1 kind: KIND_GPU gpus: [ 3 ] } ]
 
 
 def test_a_gpu_instance_sees_its_device(tmp_path: Path) -> None:
-    write(tmp_path, "device", DEVICE_CONFIG, DEVICE)
+    write_model(tmp_path, "device", DEVICE_CONFIG, DEVICE)
     config = ServerConfig(
         model_repositories=[tmp_path], http_port=0, grpc_port=None, python_instance_mode="process"
     )
@@ -492,7 +487,7 @@ def test_settings_are_checked() -> None:
 
 
 def test_a_bad_instance_mode_fails_that_model(tmp_path: Path) -> None:
-    write(tmp_path, "odd", CRASHY_CONFIG.replace('"process"', '"fork"'), CRASHY)
+    write_model(tmp_path, "odd", CRASHY_CONFIG.replace('"process"', '"fork"'), CRASHY)
     config = ServerConfig(model_repositories=[tmp_path], http_port=0, grpc_port=None)
     with server_in_thread(config) as running:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{running.http_port}")
@@ -503,7 +498,7 @@ def test_a_bad_instance_mode_fails_that_model(tmp_path: Path) -> None:
 
 
 def test_an_instance_down_for_good_gets_no_more_batches(tmp_path: Path) -> None:
-    write(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
+    write_model(tmp_path, "crashy", CRASHY_CONFIG, CRASHY)
     # One death leaves an instance down for good.
     with server_in_thread(process_config(tmp_path, restart_limit=1)) as running:
         rest = client_of(running, httpclient)

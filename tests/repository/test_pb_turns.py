@@ -6,7 +6,6 @@ and in the BLS requests it makes. Over REST with tritonclient."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +15,8 @@ import tritonclient.http as httpclient
 
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 # Each request's X goes to doubler twice, from two threads of a pool started by execute,
 # which waits for both (the threads run with a copy of its context, as BLS from a thread
@@ -75,9 +76,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("turns")
     for name, model in (("fanout", FANOUT), ("doubler", DOUBLER)):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(CONFIG)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
+        write_model(root, name, CONFIG, model)
     config = ServerConfig(
         model_repositories=[Path(root)], http_port=0, grpc_port=None,
         python_instance_mode="process",

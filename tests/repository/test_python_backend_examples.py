@@ -25,6 +25,8 @@ from trioserve import Server, ServerConfig
 from trioserve.repository import _pb_utils
 from trioserve.testing import server_in_thread
 
+from .._model_repository import write_model
+
 TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
 # Both requests of a pair must be in the model at once: BLS calls made one after the
@@ -444,9 +446,8 @@ def test_exit_on_error_stops_trioserve_run(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_strict_readiness_with_a_broken_model(tmp_path: Path, strict: bool) -> None:
-    root = write(tmp_path, {**BROKEN, "doubler/config.pbtxt": PAIRED_CONFIG})
-    (root / "doubler" / "1").mkdir()
-    (root / "doubler" / "1" / "model.py").write_text(textwrap.dedent(DOUBLER))
+    root = write(tmp_path, BROKEN)
+    write_model(root, "doubler", PAIRED_CONFIG, DOUBLER)
     config = ServerConfig(
         model_repositories=[root],
         http_port=0,

@@ -7,9 +7,7 @@ configurations Triton does not accept fail with its words."""
 from __future__ import annotations
 
 import queue
-import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,8 @@ from tritonclient.utils import InferenceServerException
 
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
@@ -129,20 +129,14 @@ STREAM_NOT_ITERATIVE = COUNTDOWN_CONFIG.replace(
 )
 
 
-def write(root: Path, name: str, config: str, model: str) -> None:
-    (root / name / "1").mkdir(parents=True, exist_ok=True)
-    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("rescheduling")
-    write(root, "countdown", COUNTDOWN_CONFIG, COUNTDOWN)
-    write(root, "countdown_plain", STREAM_NOT_ITERATIVE, COUNTDOWN)
-    write(root, "addsub", ADDSUB_CONFIG, ADDSUB)
-    write(root, "addsub_plain", NOT_ITERATIVE, ADDSUB)
-    write(root, "stubborn", ADDSUB_CONFIG, STUBBORN)
+    write_model(root, "countdown", COUNTDOWN_CONFIG, COUNTDOWN)
+    write_model(root, "countdown_plain", STREAM_NOT_ITERATIVE, COUNTDOWN)
+    write_model(root, "addsub", ADDSUB_CONFIG, ADDSUB)
+    write_model(root, "addsub_plain", NOT_ITERATIVE, ADDSUB)
+    write_model(root, "stubborn", ADDSUB_CONFIG, STUBBORN)
     config = ServerConfig(
         model_repositories=[root], http_port=0, grpc_port=0, python_instance_mode=instance_mode
     )

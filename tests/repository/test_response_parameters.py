@@ -3,7 +3,6 @@ reach the client over REST and gRPC, from the model and from the response cache.
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +14,8 @@ from tritonclient.utils import InferenceServerException
 
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 CONFIG = """
 name: "{name}"
@@ -50,9 +51,7 @@ class TritonPythonModel:
 def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("repository")
     for name, extra in (("tagged", ""), ("cached", "response_cache { enable: true }")):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(CONFIG.replace("{name}", name) + extra)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+        write_model(root, name, CONFIG.replace("{name}", name) + extra, MODEL)
     config = ServerConfig(
         model_repositories=[root],
         http_port=0,

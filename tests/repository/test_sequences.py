@@ -21,6 +21,8 @@ from trioserve import Server, ServerConfig
 from trioserve.models import TRITON_EXAMPLES
 from trioserve.testing import server_in_thread
 
+from .._model_repository import write_model
+
 VALUES = [11, 7, 5, 3, 2, 0, 1]
 TIMEOUT = 20  # seconds a test waits for one stream reply
 
@@ -238,10 +240,12 @@ instance_group [ {{ count: 3 kind: KIND_CPU }} ]
     ["direct { }", "oldest { max_candidate_sequences: 8 max_queue_delay_microseconds: 500 }"],
 )
 def test_a_sequence_stays_on_its_model_instance(tmp_path: Path, strategy: str) -> None:
-    folder = tmp_path / "instance_sum"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(INSTANCE_STATE_CONFIG.format(strategy=strategy))
-    (folder / "1" / "model.py").write_text(INSTANCE_STATE_MODEL)
+    write_model(
+        tmp_path,
+        "instance_sum",
+        INSTANCE_STATE_CONFIG.format(strategy=strategy),
+        INSTANCE_STATE_MODEL,
+    )
     config = ServerConfig(model_repositories=[tmp_path], http_port=None, grpc_port=0)
     with server_in_thread(config) as running:
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{running.grpc_port}")
@@ -303,10 +307,7 @@ output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 
 
 def test_bls_requests_carry_their_sequence(tmp_path: Path) -> None:
-    folder = tmp_path / "relay"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.pbtxt").write_text(BLS_SEQUENCE_CONFIG)
-    (folder / "1" / "model.py").write_text(BLS_SEQUENCE_MODEL)
+    write_model(tmp_path, "relay", BLS_SEQUENCE_CONFIG, BLS_SEQUENCE_MODEL)
     config = ServerConfig(
         model_repositories=[tmp_path, TRITON_EXAMPLES], http_port=0, grpc_port=None
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ import pytest
 from trioserve import ServerConfig
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 TIMEOUT = 20  # seconds; fails a hung test
 
@@ -127,9 +128,7 @@ def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         ("words", WORDS, "model_transaction_policy { decoupled: true }\n"),
         ("ticker", TICKER, "model_transaction_policy { decoupled: true }\n"),
     ):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(TEXT_CONFIG + extra)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(code))
+        write_model(root, name, TEXT_CONFIG + extra, code)
     simple = next(model for model in reference_zoo() if model.name == "simple")
     config = ServerConfig(
         models=[simple], model_repositories=[Path(root)], http_port=0, grpc_port=None

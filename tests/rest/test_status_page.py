@@ -7,7 +7,6 @@ Skipped where no ``chromium`` is installed (``.ci/run`` installs Debian's).
 from __future__ import annotations
 
 import shutil
-import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ import trio
 from trioserve import Server, ServerConfig, serve
 from trioserve._cli import _parser, config_from_args
 from trioserve.models import TinyLM, reference_zoo
+
+from .._model_repository import write_model
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (Debian package)")
@@ -127,10 +128,8 @@ class TritonPythonModel:
 def write_repository(root: Path) -> None:
     """Models ``good`` and ``late`` answer; ``broken``'s config.pbtxt does not parse."""
     for name in ("good", "broken", "late"):
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(IDENTITY_MODEL))
-        config = IDENTITY_CONFIG.format(name=name)
-        (root / name / "config.pbtxt").write_text(config if name != "broken" else "input [ {")
+        config = IDENTITY_CONFIG.format(name=name) if name != "broken" else "input [ {"
+        write_model(root, name, config, IDENTITY_MODEL)
 
 
 def served_models() -> list[Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,8 @@ from tritonclient.utils import InferenceServerException
 
 from trioserve import Server, ServerConfig
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_model
 
 # X + 1, and the /dev/shm objects the process holds open (and maps, if any). With a FIFO path in WAIT it
 # first writes its pid into WAIT + ".started", then waits for a line on WAIT; with DIE,
@@ -90,9 +91,7 @@ DATA = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: a large window
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("windows")
-    (root / "plus_one" / "1").mkdir(parents=True)
-    (root / "plus_one" / "config.pbtxt").write_text(CONFIG)
-    (root / "plus_one" / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+    write_model(root, "plus_one", CONFIG, MODEL)
     config = ServerConfig(model_repositories=[root], http_port=0, grpc_port=0)
     with server_in_thread(config) as running:
         yield running

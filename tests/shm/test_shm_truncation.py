@@ -30,6 +30,8 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from .._model_repository import write_model
+
 MODEL_CONFIG = """
 name: "{name}"
 backend: "python"
@@ -108,9 +110,7 @@ def server(
     (which reads its inputs from the region itself)."""
     repository = tmp_path_factory.mktemp("repository")
     for name, holds in MODELS.items():
-        (repository / name / "1").mkdir(parents=True)
-        (repository / name / "config.pbtxt").write_text(MODEL_CONFIG.format(name=name))
-        (repository / name / "1" / "model.py").write_text(MODEL.format(holds=holds))
+        write_model(repository, name, MODEL_CONFIG.format(name=name), MODEL.format(holds=holds))
     command = [
         sys.executable, "-m", "trioserve", "run", "--model-repository", str(repository),
         "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",

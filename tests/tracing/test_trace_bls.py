@@ -4,7 +4,6 @@ made them (Triton's parent_id); those made without it are not, as in Triton."""
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,8 @@ import tritonclient.http as httpclient
 from trioserve import ServerConfig
 from trioserve.testing import server_in_thread
 from trioserve.tracing import TraceConfig
+
+from .._model_repository import write_model
 
 CONFIG = """
 name: "{name}"
@@ -57,16 +58,10 @@ class TritonPythonModel:
 """
 
 
-def write_model(folder: Path, name: str, code: str) -> None:
-    (folder / name / "1").mkdir(parents=True)
-    (folder / name / "config.pbtxt").write_text(CONFIG.format(name=name))
-    (folder / name / "1" / "model.py").write_text(textwrap.dedent(code))
-
-
 def test_a_bls_request_given_the_trace_is_its_child(tmp_path: Path) -> None:
     repository = tmp_path / "models"
-    write_model(repository, "add_one", ADD_ONE)
-    write_model(repository, "twice_through", TWICE_THROUGH)
+    write_model(repository, "add_one", CONFIG.format(name="add_one"), ADD_ONE)
+    write_model(repository, "twice_through", CONFIG.format(name="twice_through"), TWICE_THROUGH)
     path = tmp_path / "trace.json"
     config = ServerConfig(
         model_repositories=[repository],
