@@ -19,7 +19,7 @@ from typing import Literal
 
 import trio
 
-from . import _gc
+from . import _gc, _scheduling
 from ._alternatives import check_alternatives
 from ._backend_config import parse_backend_setting
 from ._config import PYTHON_INSTANCE_MODES, ServerConfig
@@ -460,6 +460,7 @@ async def run_until_signalled(
         # With workers, this process (the core) listens on no port: they serve them all.
         core = config
         if workers:
+            _scheduling.run_as_batch()  # before the models load: their processes inherit it
             unserved = replace(config.metrics, port=None)
             core = replace(config, http_port=None, grpc_port=None, metrics=unserved)
         async with open_server(core) as server, trio.open_nursery() as pool_nursery:

@@ -84,19 +84,29 @@ class Served:
         self._reader.join(timeout=TIMEOUT)
         assert not self._reader.is_alive()
 
-    def worker_pids(self) -> list[int]:
+    def child_pids(self) -> list[int]:
+        """The core's child processes: its workers and its models' processes."""
         pids = []
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():
                 try:
                     stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-                    command = (entry / "cmdline").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                # The core's children that are front-end workers (not model processes).
-                if int(stat[1]) == self.process.pid and b"trioserve.workers" in command:
+                if int(stat[1]) == self.process.pid:
                     pids.append(int(entry.name))
         return sorted(pids)
+
+    def worker_pids(self) -> list[int]:
+        pids = []
+        for pid in self.child_pids():
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"trioserve.workers" in command:  # not a model's process
+                pids.append(pid)
+        return pids
 
     def metric(self, name: str) -> float:
         """The value of one sample of the metrics port's scrape, e.g.

@@ -6,19 +6,12 @@ Listening: on Linux each worker gets sockets of its own bound to the same port w
 ``SO_REUSEPORT``, so the kernel spreads connections evenly; the core keeps every socket
 open, so a worker that restarts finds the connections that arrived meanwhile waiting in
 its backlog. Elsewhere every worker accepts from the same inherited sockets.
-
-Scheduling: on Linux the core process runs as ``SCHED_BATCH`` (``_as_batch``), so that a
-frame from a worker sharing its CPU does not preempt that worker: the worker goes on
-taking its other connections' requests, and the core reads them all in one frame when
-the worker waits. A CPU of its own runs the core as soon as its link wakes it, as
-before. The workers, and any process the core starts later, run as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import sys
 from collections.abc import Iterator, Mapping
@@ -87,7 +80,6 @@ class WorkerPool:
     async def run(self, *, task_status: trio.TaskStatus[Ports] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind, start every worker (each READY), report the ports, and keep them
         running until ``drain`` has stopped them all."""
-        _as_batch()
         config = self._config
         metrics_port = config.metrics.port if config.metrics.enabled else None
         ports = (config.http_port, metrics_port, config.grpc_port)
@@ -285,17 +277,6 @@ async def _until_ready(channel: TrioChannel) -> list[tuple[Any, list[int]]]:
 
 
 _Limits = TypeVar("_Limits", HttpLimits, GrpcLimits)
-
-
-def _as_batch() -> None:
-    """Run the calling thread (the core's event loop) as ``SCHED_BATCH``, where Linux has
-    it and the thread has the usual policy (an operator's real-time or idle choice is
-    kept); the processes and threads it starts from then on run with the usual one.
-    Measured in the README's "Front-end workers" (Scheduling)."""
-    batch = getattr(os, "SCHED_BATCH", None)
-    if batch is None or os.sched_getscheduler(0) != os.SCHED_OTHER:
-        return
-    os.sched_setscheduler(0, batch | os.SCHED_RESET_ON_FORK, os.sched_param(0))
 
 
 def _share(limits: _Limits, count: int) -> _Limits:
