@@ -49,14 +49,14 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
     async def main() -> None:
         models = [model for model in reference_zoo() if model.name == "simple"]
         async with open_test_server(models) as server, trio.open_nursery() as nursery:
-            core, worker = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+            core, worker = channel_pair()
             assert server.context is not None
             link = WorkerLink(TrioChannel(core), server.context, server.rest_app, {})
             nursery.start_soon(link.serve, [])
             _gc.tune()  # as ``trioserve run`` tunes the core's collector once it serves
             answers = TrioChannel(worker)
             for _ in range(warm_up + frames):
-                await worker.send(frame)  # one write: the link reads it whole
+                worker.send(frame)  # one write (the socket is empty): read whole
                 answered = 0
                 while answered < per_frame:
                     for message, _ in await answers.receive():

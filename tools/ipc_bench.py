@@ -56,7 +56,7 @@ async def _measure(size: int, in_flight: int, seconds: float) -> dict[str, float
         [sys.executable, "-c", _CHILD, str(child.fileno())], pass_fds=[child.fileno()]
     )
     child.close()
-    channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
+    channel = TrioChannel(parent)
     arena, answers, replies = Arena(1 << 20, 1 << 20), SegmentMap(), Replies[object]()
     payload = np.random.default_rng(0).bytes(size)
     done: list[int] = []

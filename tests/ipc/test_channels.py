@@ -118,7 +118,7 @@ async def _start_doubler() -> tuple[trio.Process, TrioChannel]:
         [sys.executable, "-c", _DOUBLER, str(child.fileno())], pass_fds=[child.fileno()]
     )
     child.close()
-    return process, TrioChannel(trio.socket.from_stdlib_socket(parent))
+    return process, TrioChannel(parent)
 
 
 async def test_tensors_cross_through_shared_memory_with_frames_batched() -> None:
@@ -180,7 +180,7 @@ async def test_a_peer_that_exits_with_frames_unread_closes_the_link() -> None:
     resets the socket: the next receive raises ECONNRESET, which ends the link like any
     other close, not the receiver with it. So on both ends: trio's and a thread's."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    channel = TrioChannel(trio.socket.from_stdlib_socket(ours))
+    channel = TrioChannel(ours)
     try:
         await channel.send(("never read",))
         theirs.close()  # with the frame in its receive buffer
@@ -254,8 +254,8 @@ async def test_coalescing_sends_the_frames_of_one_turn_in_one_write(coalesce: bo
     waits); with it, every frame sent in the same turn of the event loop goes out in one
     write."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    channel = TrioChannel(trio.socket.from_stdlib_socket(ours), coalesce=coalesce)
-    peer = TrioChannel(trio.socket.from_stdlib_socket(theirs))
+    channel = TrioChannel(ours, coalesce=coalesce)
+    peer = TrioChannel(theirs)
     try:
         async with trio.open_nursery() as nursery:
             for call in range(10):
@@ -276,8 +276,8 @@ async def test_a_coalescing_send_under_a_cancelled_scope_still_writes_its_frame(
     caller whose scope is already cancelled still gets its frame written, whole, and the
     frames after it arrive intact."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    channel = TrioChannel(trio.socket.from_stdlib_socket(ours), coalesce=True)
-    peer = TrioChannel(trio.socket.from_stdlib_socket(theirs))
+    channel = TrioChannel(ours, coalesce=True)
+    peer = TrioChannel(theirs)
     try:
         with trio.CancelScope() as scope:
             scope.cancel()

@@ -3,6 +3,7 @@ by a test: real socket pair, real frames."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import numpy as np
@@ -15,15 +16,16 @@ from trioserve.workers._wire import ANSWER, INFER, OUTCOME
 class Worker:
     """The worker's end of a link served by a ``WorkerLink``."""
 
-    def __init__(self, socket: trio.socket.SocketType) -> None:
-        self.socket = socket
-        self.channel = TrioChannel(socket)
+    def __init__(self, sock: socket.socket) -> None:
+        self.socket = sock
+        self.channel = TrioChannel(sock)
         self.arenas: list[Arena] = []  # closed with the link
 
     async def send_together(self, *messages: tuple[Any, ...]) -> None:
         """``messages`` in one write: the core reads them all at once."""
         data, _ = encode_frames([(message, []) for message in messages])
-        assert await self.socket.send(data) == len(data)
+        await trio.lowlevel.checkpoint()
+        assert self.socket.send(data) == len(data)  # small: the empty socket takes it
 
     async def infer(self, call: int, value: float) -> None:
         await self.channel.send(delay_infer(call, value))

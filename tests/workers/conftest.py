@@ -17,7 +17,7 @@ from ._link_worker import Worker
 
 @pytest.fixture
 async def worker(server: Server, nursery: trio.Nursery) -> AsyncIterator[Worker]:
-    core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+    core_end, worker_end = channel_pair()
     assert server.context is not None
     link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
     nursery.start_soon(link.serve, [])

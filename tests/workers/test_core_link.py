@@ -387,7 +387,7 @@ async def test_a_server_without_metrics_answers_a_scrape_with_none(nursery: trio
     async with open_test_server(
         list(reference_zoo())[:1], metrics=MetricsConfig(enabled=False)
     ) as server:
-        core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+        core_end, worker_end = channel_pair()
         assert server.context is not None and server.context.registry is None
         link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
         nursery.start_soon(link.serve, [])
@@ -425,7 +425,7 @@ async def test_a_worker_gone_with_answers_unread_ends_its_link_quietly(
     """A worker killed under load leaves frames of the core's unread, so the core finds
     its socket reset rather than closed: its link ends as when any worker leaves, not
     with an error that would end the core."""
-    core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+    core_end, worker_end = channel_pair()
     assert server.context is not None
     link = WorkerLink(TrioChannel(core_end), server.context, server.rest_app, {})
     worker = Worker(worker_end)

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import trio
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -195,12 +194,12 @@ def test_a_full_worker_arena_refuses_the_request_and_recovers(module: Any) -> No
 async def test_calls_a_starting_worker_sends_before_its_ready_are_served() -> None:
     """A restarted worker accepts the connections waiting in its backlog as each front
     end starts, before it says READY: the core keeps those calls for its link."""
-    core_end, worker_end = (trio.socket.from_stdlib_socket(end) for end in channel_pair())
+    core_end, worker_end = channel_pair()
     core, worker = TrioChannel(core_end), TrioChannel(worker_end)
     early = (HTTP, 1, "GET", "/v2/health/ready", b"", [], b"")
     data, _ = encode_frames([(early, []), ((READY,), [])])
-    await worker_end.send(data[:10])  # the first frame cut short: two reads at least
-    await worker_end.send(data[10:])
+    worker_end.send(data[:10])  # the first frame cut short
+    worker_end.send(data[10:])
     assert await _until_ready(core) == [(early, [])]
     core.close()
     worker.close()

@@ -6,6 +6,7 @@ into one ``sendmsg``.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,15 +31,23 @@ class TrioChannel:
     go out together with the next write. ``coalesce``: a send that finds no write under way
     first lets the other ready tasks run, so that every frame of one turn of the event
     loop goes in one system call (for links that carry many small frames under load; it
-    costs a scheduling round per write)."""
+    costs a scheduling round per write).
 
-    def __init__(self, sock: trio.socket.SocketType, *, coalesce: bool = False) -> None:
+    It does its own non-blocking I/O on ``sock`` (a stdlib socket, made non-blocking),
+    not through trio's socket wrapper: a link's peer answers every frame, so a read
+    that drained the socket is followed by a wait, and the next read finds the frames
+    (the wrapper tries the read first: a failed system call, an exception and a
+    context manager, on both ends of the link, for every frame)."""
+
+    def __init__(self, sock: socket.socket, *, coalesce: bool = False) -> None:
+        sock.setblocking(False)
         self._socket = sock
         self.coalesce = coalesce
         self._reader = FrameReader()
         self._pending: list[Outgoing] = []
         self._writing = False
         self._closed = False
+        self._drained = True  # the last read took all the socket held: wait first
         self._owned: set[int] = set()  # descriptors to close once sent
         self.frames_sent = 0
         self.writes = 0
@@ -104,20 +113,34 @@ class TrioChannel:
 
     async def _write(self, data: bytes, fds: list[int]) -> None:
         view = memoryview(data)
-        sent = await self._socket.sendmsg([view], ancillary(fds))
-        while sent < len(view):
-            view = view[sent:]
-            sent = await self._socket.send(view)
+        ancdata = ancillary(fds)  # with the first bytes that go
+        while view:
+            try:
+                sent = self._socket.sendmsg([view], ancdata)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self._socket)
+                continue
+            view, ancdata = view[sent:], []
+        # A turn for the other tasks: the frames they send meanwhile go in one write.
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def receive(self) -> list[tuple[Any, list[int]]]:
         """The next frames to arrive (at least one), each with its descriptors."""
         while True:
+            if self._drained:
+                await trio.lowlevel.wait_readable(self._socket)
+            else:  # a read filled its buffer: more may be there, read after a turn
+                await trio.lowlevel.checkpoint()
             try:
-                data, ancdata, _flags, _address = await self._socket.recvmsg(
-                    READ_BYTES, ANCILLARY_BYTES
-                )
+                data, ancdata, _flags, _address = self._socket.recvmsg(READ_BYTES, ANCILLARY_BYTES)
+            except BlockingIOError:  # nothing yet (after a full read, or a stale wake-up)
+                self._drained = True
+                continue
             except ConnectionResetError as exc:  # it died with frames of ours unread
                 raise LinkClosed(f"the peer is gone: {exc}") from None
+            # A short read took what there was (or stopped at a frame's descriptors:
+            # then the wait returns at once).
+            self._drained = len(data) < READ_BYTES
             fds = received_fds(ancdata)
             if not data:
                 for fd in fds:
@@ -130,7 +153,9 @@ class TrioChannel:
     def close(self) -> None:
         self._closed = True
         self._reader.close()
-        self._socket.close()
+        if self._socket.fileno() != -1:  # not closed before
+            trio.lowlevel.notify_closing(self._socket)  # a task waiting on it is woken
+            self._socket.close()
         owned, self._owned = self._owned, set()  # frames never sent
         _close(owned)
 

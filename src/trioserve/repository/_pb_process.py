@@ -205,7 +205,7 @@ class InstanceProcess:
         self._arena.forget_peer()
         self._theirs.close()
         self._theirs = SegmentMap()
-        self._channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
+        self._channel = TrioChannel(parent)
         self._windows.reset(self._channel)
         self._initialized = trio.Event()
         self._init_error = None

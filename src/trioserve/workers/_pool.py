@@ -130,7 +130,7 @@ class WorkerPool:
             # Not coalescing: the core's answers of a turn already leave as one frame
             # (``LinkInferences``), and the scheduling round a coalescing send waits cost
             # the core some 6% of its CPU per request at 8 connections.
-            channel = TrioChannel(trio.socket.from_stdlib_socket(parent))
+            channel = TrioChannel(parent)
             link = WorkerLink(channel, self._context, self._rest_app, self._methods)
             try:
                 settings = self._settings(index, listeners)

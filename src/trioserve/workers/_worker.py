@@ -153,7 +153,7 @@ def main(argv: list[str]) -> None:
         # Coalescing: the INFERs a turn of the event loop sends (one per request) go in
         # one write; sent one by one, a worker spent about a fifth more CPU per request
         # at 64 connections.
-        await serve_worker(TrioChannel(trio.socket.from_stdlib_socket(link), coalesce=True))
+        await serve_worker(TrioChannel(link, coalesce=True))
 
     core_gone = False
     try:
