@@ -30,3 +30,12 @@ def write_model(
     if code is not None:
         (folder / version / "model.py").write_text(textwrap.dedent(code))
     return folder
+
+
+def write_files(root: Path, files: dict[str, str]) -> Path:
+    """Write each of ``files`` (a path under ``root``: its text, dedented) into ``root``,
+    for layouts ``write_model`` does not make; ``root``."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(textwrap.dedent(text))
+    return root

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from trioserve._alternatives import FrontEndUnavailable, grpclib_server
 from trioserve.models import reference_zoo
 from trioserve.testing import server_in_thread
 
+from ._fuzzing import ErrorRecords
 from ._model_repository import write_model
 
 HTTP_SERVERS = ["builtin", "hypercorn"]
@@ -273,3 +275,15 @@ def blocking_repository(tmp_path: Path) -> Path:
     ``trioserve run`` in a subprocess with a request in flight."""
     write_model(tmp_path, "blocking", _BLOCKING_CONFIG, _BLOCKING_MODEL)
     return tmp_path
+
+
+@pytest.fixture(scope="module")
+def error_records() -> Iterator[ErrorRecords]:
+    """Every ERROR record logged while a module's tests run (its servers run in threads
+    of this process); a fuzz test takes them after each example."""
+    handler = ErrorRecords()
+    logging.getLogger().addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logging.getLogger().removeHandler(handler)

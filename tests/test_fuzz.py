@@ -1,7 +1,6 @@
 """Fuzzing as tests: whatever a client sends, the server answers with a well-formed client
 error (or success), never a server error it caused, never a hang, never a logged failure.
-Request parameters are fuzzed on every front end of a generative model (OIP over REST and
-gRPC, generate, OpenAI) and on tensor and sequence models, the server alive after each.
+The request parameters of every front end are fuzzed in ``test_fuzz_parameters.py``.
 
 The properties run against the parsers and decoders alone (many examples, cheap) and against
 live servers over real sockets: the built-in HTTP/1.1 server, and both gRPC front ends
@@ -13,55 +12,36 @@ through grpcio raw unary calls. The normal test run uses a short, deterministic 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
-import grpc
 import httpx
 import pytest
 import trio
 import tritonclient.utils.shared_memory as shm
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
-import trioserve
 from trioserve import InferenceServerError, Server, ServerConfig
 from trioserve._limits import HttpLimits
 from trioserve.grpc._errors import GrpcError, GrpcStatus
 from trioserve.grpc._infer_wire import InferPlans, WireRequest
-from trioserve.models import TinyLM, reference_zoo
+from trioserve.models import reference_zoo
 from trioserve.rest._http11_parser import ChunkedDecoder, HttpError, parse_head
 from trioserve.rest._infer_codec import decode_request
-from trioserve.scheduler import PARAMETERS
 from trioserve.shm import RequestRegions, SharedMemoryRegistry
 from trioserve.testing import server_in_thread
 
-_LONG_RUN = "TRIOSERVE_FUZZ_EXAMPLES" in os.environ
-
-
-def fuzz_settings(examples: int) -> settings:
-    """``examples`` in the normal run (derandomized, so CI is deterministic); the long run's
-    count, with fresh randomness, under ``tools/fuzz.py``."""
-    if _LONG_RUN:
-        return settings(
-            max_examples=int(os.environ["TRIOSERVE_FUZZ_EXAMPLES"]),
-            deadline=None,
-            database=None,
-            suppress_health_check=list(HealthCheck),
-        )
-    return settings(
-        max_examples=examples,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-
+from ._fuzzing import (
+    ErrorRecords,
+    check_grpc,
+    fuzz_settings,
+    json_values,
+    refusal,
+)
 
 # --- strategies ----------------------------------------------------------------------
 
@@ -97,20 +77,6 @@ def mutated(valid: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
 shapes = st.lists(
     st.one_of(st.integers(-2, 20), st.sampled_from([2**31, 2**62, 2**63 - 1, -(2**63)])),
     max_size=4,
-)
-json_scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False),
-    st.text(max_size=8),
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=12,
 )
 # Parameters the server acts on (binary data, shared memory, scheduling), with values of
 # every kind, the registered region's name among them.
@@ -347,32 +313,6 @@ grpc_payloads = st.one_of(st.binary(max_size=120), grpc_messages, mutated(grpc_m
 # --- the servers ---------------------------------------------------------------------
 
 
-class ErrorRecords(logging.Handler):
-    """Every ERROR record any logger emits while installed (the servers run in threads of
-    this process, so their records arrive here)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def take(self) -> list[str]:
-        taken, self.records = self.records, []
-        return [f"{r.name}: {r.getMessage()}" for r in taken]
-
-
-@pytest.fixture(scope="module")
-def error_records() -> Iterator[ErrorRecords]:
-    handler = ErrorRecords()
-    logging.getLogger().addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logging.getLogger().removeHandler(handler)
-
-
 @pytest.fixture(scope="module")
 def servers(error_records: ErrorRecords) -> Iterator[dict[str, Server]]:
     """The zoo on the built-in HTTP server, once per gRPC front end, each with ``REGION``
@@ -399,16 +339,6 @@ def servers(error_records: ErrorRecords) -> Iterator[dict[str, Server]]:
 # --- properties: parsers and decoders alone -------------------------------------------
 
 LIMITS = HttpLimits()
-_E = TypeVar("_E", bound=BaseException)
-
-
-def refusal(expected: type[_E], call: Callable[[], object]) -> _E | None:
-    """The ``expected`` error ``call`` raised, if any (any other error propagates)."""
-    try:
-        call()
-    except expected as exc:
-        return exc
-    return None
 
 
 @fuzz_settings(300)
@@ -551,23 +481,6 @@ def test_live_http_shared_memory_registration(
     prop()
 
 
-_SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-
-
-def check_grpc(
-    server: Server, payload: bytes, error_records: ErrorRecords, method: str = "ModelInfer"
-) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        call: Callable[..., bytes] = channel.unary_unary(
-            f"/inference.GRPCInferenceService/{method}"
-        )
-        error: Any = refusal(grpc.RpcError, lambda: call(payload, timeout=10))
-    if error is not None:
-        assert error.code() not in _SERVER_FAULTS, (error.code(), error.details())
-        assert error.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "the server did not answer"
-    assert error_records.take() == []
-
-
 @pytest.mark.parametrize("front_end", ["trio", "grpclib"])
 def test_live_grpc_infer(
     servers: dict[str, Server], error_records: ErrorRecords, front_end: str
@@ -642,193 +555,3 @@ def test_live_http2_frames(servers: dict[str, Server], error_records: ErrorRecor
         assert error_records.take() == []
 
     prop()
-
-
-# --- request parameters of a generative model and of sequence models, every front end ---
-
-# Values at and beyond every range of the parameter table, of every JSON type.
-parameter_edges = st.sampled_from([
-    -1, 0, 1, 2, 4, 5, 20, 21, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 10**400, -(2**63) - 1,
-    -2.5, -2.0, -0.0, 1e-6, 0.5, 1.0, 1.5, 2.0, 1e300, float("nan"), float("inf"),
-    float("-inf"), "", "x", "\n", "\ud800", [], [""], ["a", "\ud800"], {}, {"a": 1},
-])  # fmt: skip
-LLM_PARAMETERS = sorted(
-    {name for row in PARAMETERS for dialect in ("vllm", "completions", "chat")
-     for name in row.wire_names(dialect)}
-    | {"stream", "echo", "logprobs", "top_logprobs", "best_of", "stream_options", "user",
-       "sequence_id", "timeout"}
-)  # fmt: skip
-llm_parameters = st.dictionaries(
-    st.sampled_from(LLM_PARAMETERS) | st.text(max_size=6),
-    parameter_edges | json_values,
-    max_size=6,
-)
-# Generation stays short whatever max_tokens and n say: 24 tokens at most, 4 samples.
-FUZZ_LM = {"max_model_len": 24, "max_num_seqs": 4}
-
-
-@pytest.fixture(scope="module")
-def llm_server(error_records: ErrorRecords) -> Iterator[Server]:
-    """tiny_lm (kept short) beside the zoo and the Triton example repository (its
-    sequence models), on the built-in servers."""
-    config = ServerConfig(
-        models=[*reference_zoo(), TinyLM(**FUZZ_LM)],
-        model_repositories=[Path(trioserve.__file__).parent / "models" / "triton"],
-        http_port=0,
-        grpc_port=0,
-    )
-    with server_in_thread(config) as server:
-        yield server
-
-
-def check_answer(response: httpx.Response, client: httpx.Client, *, timed: bool = False) -> None:
-    """An answer or a client error in the protocol's JSON shape (503 too for a request
-    with a queue ``timeout``, which may expire); the server goes on."""
-    allowed = (200, 400, 503) if timed else (200, 400)
-    assert response.status_code in allowed, (response.status_code, response.text[:300])
-    if response.status_code != 200:
-        error = response.json()["error"]
-        if response.request.url.path.startswith("/v1/"):
-            assert error.keys() == {"message", "type", "param", "code"}, error
-        else:
-            assert isinstance(error, str)
-    assert client.get("/v2/health/ready").status_code == 200
-
-
-def test_live_generate_parameters(llm_server: Server, error_records: ErrorRecords) -> None:
-    with httpx.Client(base_url=f"http://127.0.0.1:{llm_server.http_port}", timeout=30) as client:
-
-        @fuzz_settings(60)
-        @given(st.sampled_from(["generate", "generate_stream"]), llm_parameters, llm_parameters)
-        def prop(endpoint: str, parameters: dict[str, Any], top: dict[str, Any]) -> None:
-            document = {"text_input": "hi", "parameters": parameters, **top}
-            content = json.dumps(document)
-            check_answer(client.post(f"/v2/models/tiny_lm/{endpoint}", content=content), client)
-            assert error_records.take() == []
-
-        prop()
-
-
-def test_live_openai_parameters(llm_server: Server, error_records: ErrorRecords) -> None:
-    with httpx.Client(base_url=f"http://127.0.0.1:{llm_server.http_port}", timeout=30) as client:
-
-        @fuzz_settings(60)
-        @given(st.booleans(), llm_parameters)
-        def prop(chat: bool, parameters: dict[str, Any]) -> None:
-            asked: dict[str, Any] = {"model": "tiny_lm"}
-            if chat:
-                asked["messages"] = [{"role": "user", "content": "hi"}]
-            else:
-                asked["prompt"] = "hi"
-            content = json.dumps({**parameters, **asked})
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            check_answer(client.post(path, content=content), client)
-            assert error_records.take() == []
-
-        prop()
-
-
-def test_live_oip_llm_parameters(llm_server: Server, error_records: ErrorRecords) -> None:
-    """OIP inference on tiny_lm: parameters in the request and in a ``sampling_parameters``
-    input, of every type; then the same over gRPC, typed as the wire types them."""
-    with httpx.Client(base_url=f"http://127.0.0.1:{llm_server.http_port}", timeout=30) as client:
-
-        @fuzz_settings(60)
-        @given(llm_parameters, st.none() | llm_parameters)
-        def prop(parameters: dict[str, Any], in_input: dict[str, Any] | None) -> None:
-            inputs = [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]
-            if in_input is not None:
-                data = [json.dumps(in_input)]
-                inputs.append({"name": "sampling_parameters", "datatype": "BYTES", "shape": [1], "data": data})  # fmt: skip
-            content = json.dumps({"inputs": inputs, "parameters": parameters})
-            check_answer(client.post("/v2/models/tiny_lm/infer", content=content), client)
-            assert error_records.take() == []
-
-        prop()
-
-    @fuzz_settings(60)
-    @given(st.data())
-    def grpc_prop(data: st.DataObject) -> None:
-        message = pb.ModelInferRequest(model_name="tiny_lm")
-        prompt = message.inputs.add(name="text_input", datatype="BYTES", shape=[1])
-        prompt.contents.bytes_contents.append(b"hi")
-        typed_parameters(data.draw, message.parameters, llm_parameters)
-        if data.draw(st.booleans(), label="streamed"):
-            check_grpc_stream(llm_server, message.SerializeToString(), error_records)
-        else:
-            check_grpc(llm_server, message.SerializeToString(), error_records)
-
-    grpc_prop()
-
-
-def check_grpc_stream(server: Server, payload: bytes, error_records: ErrorRecords) -> None:
-    """One ModelStreamInfer message: its replies end, none is a server fault."""
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        call: Callable[..., Any] = channel.stream_stream(
-            "/inference.GRPCInferenceService/ModelStreamInfer"
-        )
-        replies = [pb.ModelStreamInferResponse.FromString(r) for r in call(iter([payload]), timeout=10)]  # fmt: skip
-    assert replies, "no answer"
-    for reply in replies:
-        assert "unexpectedly" not in reply.error_message, reply.error_message
-    assert error_records.take() == []
-
-
-def typed_parameters(draw: Any, target: Any, drawn: st.SearchStrategy[dict[str, Any]]) -> None:
-    """``drawn``'s parameters as gRPC carries them: each value as the type it reads as
-    (numbers to 64 bits; anything else as its JSON text)."""
-    for key, value in draw(drawn).items():
-        if type(value) is bool:
-            target[key].bool_param = value
-        elif type(value) is int and -(2**63) <= value < 2**63:
-            target[key].int64_param = value
-        elif type(value) is int and 0 <= value < 2**64:
-            target[key].uint64_param = value
-        elif type(value) is float:
-            target[key].double_param = value
-        elif isinstance(value, str) and value.isascii():
-            target[key].string_param = value
-        else:  # protobuf strings are UTF-8: a lone surrogate travels escaped
-            target[key].string_param = json.dumps(value)
-
-
-SEQUENCE_MODELS = ["simple_dyna_sequence", "simple_string_dyna_sequence", "simple_sequence"]
-tensor_parameters = st.dictionaries(
-    st.sampled_from(["priority", "timeout", "sequence_id", "sequence_start", "sequence_end",
-                     "binary_data_output"]) | st.text(max_size=6),
-    parameter_edges | json_values,
-    max_size=4,
-)  # fmt: skip
-
-
-def test_live_tensor_parameters(llm_server: Server, error_records: ErrorRecords) -> None:
-    """Scheduling parameters of every type, to a dynamic batcher and to sequence batchers
-    (string and integer correlation ids), over REST and gRPC."""
-    with httpx.Client(base_url=f"http://127.0.0.1:{llm_server.http_port}", timeout=30) as client:
-
-        @fuzz_settings(60)
-        @given(st.sampled_from(["simple", *SEQUENCE_MODELS]), tensor_parameters)
-        def prop(model: str, parameters: dict[str, Any]) -> None:
-            if model == "simple":
-                data = list(range(16))
-                inputs = [{"name": n, "datatype": "INT32", "shape": [1, 16], "data": data}
-                          for n in ("INPUT0", "INPUT1")]  # fmt: skip
-            else:
-                inputs = [{"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}]
-            content = json.dumps({"inputs": inputs, "parameters": parameters})
-            response = client.post(f"/v2/models/{model}/infer", content=content)
-            check_answer(response, client, timed="timeout" in parameters)
-            assert error_records.take() == []
-
-        prop()
-
-    @fuzz_settings(60)
-    @given(st.sampled_from(SEQUENCE_MODELS), st.data())
-    def grpc_prop(model: str, data: st.DataObject) -> None:
-        message = pb.ModelInferRequest(model_name=model)
-        message.inputs.add(name="INPUT", datatype="INT32", shape=[1, 1])
-        message.raw_input_contents.append((1).to_bytes(4, "little"))
-        typed_parameters(data.draw, message.parameters, tensor_parameters)
-        check_grpc(llm_server, message.SerializeToString(), error_records)
-
-    grpc_prop()

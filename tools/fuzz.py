@@ -1,9 +1,9 @@
-"""The long fuzzing run: the properties of ``tests/test_fuzz.py`` with many random examples.
+"""The long fuzzing run: the properties of ``tests/test_fuzz*.py`` with many random examples.
 
     python tools/fuzz.py --minutes 5
     python tools/fuzz.py --minutes 60 --examples 2000
 
-Runs the fuzz test module in rounds until the time is up, each round with a fresh random
+Runs the fuzz test modules in rounds until the time is up, each round with a fresh random
 seed and ``--examples`` examples per property (the test suite runs the same properties
 with a few derandomized examples). Stops after the first round that fails and prints its
 report: hypothesis shrinks each failing input and prints it; ``--seed`` replays that round.
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests" / "test_fuzz.py"
+TESTS = [ROOT / "tests" / "test_fuzz.py", ROOT / "tests" / "test_fuzz_parameters.py"]
 
 
 def run_round(examples: int, seed: int) -> tuple[bool, str]:
     env = {**os.environ, "TRIOSERVE_FUZZ_EXAMPLES": str(examples)}
     command = [
-        sys.executable, "-m", "pytest", str(TESTS), "-q", "-p", "no:cacheprovider",
+        sys.executable, "-m", "pytest", *map(str, TESTS), "-q", "-p", "no:cacheprovider",
         f"--hypothesis-seed={seed}", "--hypothesis-show-statistics",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -11,7 +11,6 @@ import logging
 import queue
 import subprocess
 import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from trioserve import Server, ServerConfig
 from trioserve.repository import _pb_utils
 from trioserve.testing import server_in_thread
 
-from .._model_repository import write_model
+from .._model_repository import write_files, write_model
 
 TIMEOUT = 20  # seconds a test waits for one stream reply; fails a hung test
 
@@ -261,16 +260,9 @@ class TritonPythonModel:
 """
 
 
-def write(root: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text))
-    return root
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, instance_mode: str) -> Iterator[Server]:
-    root = write(
+    root = write_files(
         tmp_path_factory.mktemp("examples"),
         {
             "paired/config.pbtxt": PAIRED_CONFIG,
@@ -432,7 +424,7 @@ BROKEN = {"broken/config.pbtxt": FAILING_CONFIG, "broken/1/model.py": "import no
 
 
 def test_exit_on_error_stops_trioserve_run(tmp_path: Path) -> None:
-    root = write(tmp_path, BROKEN)
+    root = write_files(tmp_path, BROKEN)
     command = [sys.executable, "-m", "trioserve", "run", "--model-repository", str(root)]
     command += ["--http-port", "0", "--grpc-port", "0", "--allow-metrics", "false"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -446,7 +438,7 @@ def test_exit_on_error_stops_trioserve_run(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_strict_readiness_with_a_broken_model(tmp_path: Path, strict: bool) -> None:
-    root = write(tmp_path, BROKEN)
+    root = write_files(tmp_path, BROKEN)
     write_model(root, "doubler", PAIRED_CONFIG, DOUBLER)
     config = ServerConfig(
         model_repositories=[root],

@@ -4,7 +4,6 @@ per-model errors, the repository API (REST and gRPC) and the model control modes
 from __future__ import annotations
 
 import json
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,8 @@ from tritonclient.utils import InferenceServerException
 from trioserve import Server, ServerConfig
 from trioserve.models import TRITON_EXAMPLES
 from trioserve.testing import server_in_thread
+
+from .._model_repository import write_files
 
 SHARED_ZOO = Path(__file__).parents[3] / "shared" / "triton-reference" / "models"
 
@@ -103,16 +104,9 @@ class TritonPythonModel:
 """
 
 
-def write(root: Path, files: dict[str, str]) -> Path:
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(textwrap.dedent(text))
-    return root
-
-
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
-    return write(
+    return write_files(
         tmp_path,
         {
             "add_sub/config.pbtxt": ADD_SUB_CONFIG,

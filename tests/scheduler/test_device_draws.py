@@ -15,7 +15,7 @@ from trioserve import DeviceDraw, InternalError, SampledTokens, StepSequence
 from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
 
-from .test_llm_engine import CountingLM, _failures, _generate
+from ._counting_lm import CountingLM, failures, generated
 
 
 class DeviceDrawLM(CountingLM):
@@ -53,16 +53,16 @@ async def test_random_draws_and_penalties_go_to_the_device(nursery, autojump_clo
     model = DeviceDrawLM()
     runner = GenerativeRunner(model, "1")
     await nursery.start(runner.run)
-    assert await _generate(runner, "a", max_tokens=3, temperature=0.7, top_p=0.9) == "bcd"
+    assert await generated(runner, "a", max_tokens=3, temperature=0.7, top_p=0.9) == "bcd"
     assert model.kinds == ["draws"] * 3
     (first,), (second,), _ = model.draws
     assert (first.temperature, first.top_p, first.top_k, first.min_p) == (0.7, 0.9, 0, 0.0)
     assert (first.position, second.position) == (1, 2)  # the drawn token's place
     assert first.logprobs == -1 and first.seed == second.seed and first.stream == 0
     model.kinds.clear()
-    assert await _generate(runner, "a", max_tokens=2, top_k=1, temperature=2.0) == "bc"
+    assert await generated(runner, "a", max_tokens=2, top_k=1, temperature=2.0) == "bc"
     assert model.draws[-1][0].temperature == 0.0  # greedy, told as temperature 0
-    assert await _generate(runner, "kk", max_tokens=2, temperature=0, frequency_penalty=0.5) == "lm"
+    assert await generated(runner, "kk", max_tokens=2, temperature=0, frequency_penalty=0.5) == "lm"
     assert model.kinds == ["draws"] * 4
     (penalised,) = model.draws[-1]
     assert penalised.frequency_penalty == 0.5 and penalised.temperature == 0.0
@@ -75,15 +75,15 @@ async def test_a_seeded_request_keys_its_samples_streams(nursery, autojump_clock
     model = DeviceDrawLM()
     runner = GenerativeRunner(model, "1")
     await nursery.start(runner.run)
-    await _generate(runner, "ab", max_tokens=2, n=3, seed=2**64 - 1)
+    await generated(runner, "ab", max_tokens=2, n=3, seed=2**64 - 1)
     forked, after = model.draws[0], model.draws[1]
     assert [(d.seed, d.stream, d.position) for d in forked] == [(2**64 - 1, i, 2) for i in range(3)]
     assert [d.row for d in forked] == [0, 0, 0]  # the forks draw from their parent's row
     assert sorted((d.stream, d.position) for d in after) == [(i, 3) for i in range(3)]
     model.draws.clear()
     async with trio.open_nursery() as both:  # unseeded: a seed of their own each
-        both.start_soon(partial(_generate, runner, "a", max_tokens=1))
-        both.start_soon(partial(_generate, runner, "b", max_tokens=1))
+        both.start_soon(partial(generated, runner, "a", max_tokens=1))
+        both.start_soon(partial(generated, runner, "b", max_tokens=1))
     (step,) = model.draws
     assert len({d.seed for d in step}) == 2 and {d.stream for d in step} == {0}
 
@@ -118,6 +118,6 @@ async def test_draws_of_the_wrong_shape_fail_the_step(nursery, autojump_clock):
     runner = GenerativeRunner(ShortDrawsLM(), "1")
     await nursery.start(runner.run)
     with pytest.raises(InternalError, match=r"arrays of shapes \[\(2,\)\] for 1 draws"):
-        await _generate(runner, "!", max_tokens=2, temperature=1.0)
-    assert _failures(runner)[0] == {"BACKEND": 1}
-    assert await _generate(runner, "k", max_tokens=2, temperature=0) == "lm"
+        await generated(runner, "!", max_tokens=2, temperature=1.0)
+    assert failures(runner)[0] == {"BACKEND": 1}
+    assert await generated(runner, "k", max_tokens=2, temperature=0) == "lm"

@@ -7,63 +7,27 @@ followed by end-of-sequence, so every output and every time below is known exact
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from functools import partial
 
-import numpy as np
 import pytest
 import trio
 import trio.testing
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
 
 from trioserve import (
     CancelledError,
-    GenerativeModel,
-    InferenceRequest,
-    InputTensor,
     InternalError,
     InvalidArgumentError,
-    MetricsConfig,
-    ServerConfig,
-    StepSequence,
-    UnavailableError,
     UnsupportedError,
 )
-from trioserve._server import open_server
 from trioserve._stats import FailureReason
-from trioserve._tensor import datatype
 from trioserve.metrics._llm_telemetry import LLMMetricFamilies
 from trioserve.models import reference_zoo
 from trioserve.scheduler import GenerationRequest, SamplingParams, generative
 from trioserve.scheduler._generative_runner import GenerativeRunner
 from trioserve.scheduler._runner import ModelRunner
 
-STEP = 0.012  # seconds per model step, whatever the batch (off every bucket boundary)
-EOS = 256
-
-
-class CountingLM(GenerativeModel):
-    def __init__(self, **settings):
-        settings.setdefault("max_model_len", 64)
-        settings.setdefault("num_kv_blocks", 64)
-        super().__init__("counting", eos_token_id=EOS, **settings)
-        self.steps: list[list[tuple[int, int]]] = []  # (start, tokens) per entry, per step
-
-    async def encode(self, text):  # in trio: exact times under the mock clock
-        return list(text.encode())
-
-    def decode(self, token_ids):
-        return bytes(t for t in token_ids if t < EOS).decode(errors="replace")
-
-    async def step(self, batch: Sequence[StepSequence]):
-        self.steps.append([(b.start, len(b.token_ids)) for b in batch])
-        await trio.sleep(STEP)
-        logits = np.zeros((len(batch), EOS + 1), np.float32)
-        for row, b in enumerate(batch):
-            last = b.token_ids[-1]
-            logits[row, EOS if last == ord("z") else (last + 1) % EOS] = 1.0
-        return logits
+from ._counting_lm import EOS, STEP, CountingLM, failures, oip_request
 
 
 class Harness:
@@ -286,17 +250,12 @@ async def test_the_stat_logger_every_five_seconds(make_harness, autojump_clock, 
     assert len(lines) == 3
 
 
-def _oip_request(prompt: bytes, **parameters):
-    tensor = InputTensor("text_input", datatype("BYTES"), (1,), np.array([prompt], dtype=object))
-    return InferenceRequest("counting", "", {"text_input": tensor}, parameters=parameters)
-
-
 async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
     h = await make_harness()
-    response = await h.runner.infer(_oip_request(b"a", max_tokens=3, n=2, temperature=0))
+    response = await h.runner.infer(oip_request(b"a", max_tokens=3, n=2, temperature=0))
     assert response.outputs[0].name == "text_output"
     assert response.outputs[0].data.tolist() == [b"bcd", b"bcd"]
-    ticket = h.runner.submit(_oip_request(b"a" * 20, max_tokens=30))
+    ticket = h.runner.submit(oip_request(b"a" * 20, max_tokens=30))
     await trio.sleep(2.5 * STEP)
     assert h.runner.kv_cache_state().used_blocks == 2
     ticket.withdraw()
@@ -305,16 +264,16 @@ async def test_oip_infer_and_withdraw(make_harness, autojump_clock):
     with pytest.raises(CancelledError):
         ticket.outcome()
     with pytest.raises(InvalidArgumentError, match="UTF-8"):
-        h.runner.submit(_oip_request(b"\xff"))
+        h.runner.submit(oip_request(b"\xff"))
     with pytest.raises(InvalidArgumentError, match="'max_tokens' must be an integer"):
-        h.runner.submit(_oip_request(b"a", max_tokens="many"))
+        h.runner.submit(oip_request(b"a", max_tokens="many"))
 
 
 async def test_a_request_withdrawn_before_its_admission_is_not_generated(
     make_harness, autojump_clock
 ):
     h = await make_harness()
-    ticket = h.runner.submit(_oip_request(b"a", max_tokens=3))
+    ticket = h.runner.submit(oip_request(b"a", max_tokens=3))
     ticket.withdraw()  # before the runner's task admits it to the engine
     await h.settled()
     stats = h.runner.inference_statistics()
@@ -346,7 +305,7 @@ async def test_a_failing_tokenizer_fails_its_request_not_the_engine(nursery, aut
         assert "".join([c.text async for c in stream]) == "xy"
     assert runner.kv_cache_state().used_blocks == 0
     # "d" is the third token: the request failed after three steps, as the model's.
-    assert _failures(runner) == ({"BACKEND": 1}, (1, 3 * round(STEP * 1e9)))
+    assert failures(runner) == ({"BACKEND": 1}, (1, 3 * round(STEP * 1e9)))
     assert runner.inference_statistics().success.count == 1
 
 
@@ -383,294 +342,3 @@ async def test_statistics_extension_figures(make_harness, autojump_clock):
     assert (stats.compute_input.ns, stats.compute_output.ns) == (0, 0)
     assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(1, 2)]
     assert (stats.fail.count, stats.fail.ns) == (1, ns)
-
-
-def _failures(runner: GenerativeRunner) -> tuple[dict[str, int], tuple[int, int]]:
-    """The runner's failures by reason (those that happened), and (fail count, fail ns)."""
-    stats = runner.inference_statistics()
-    reasons = {reason.value: n for reason, n in stats.failures.items() if n}
-    return reasons, (stats.fail.count, stats.fail.ns)
-
-
-class FailingStepLM(CountingLM):
-    """Its step fails on every batch that holds a "!"."""
-
-    async def step(self, batch: Sequence[StepSequence]):
-        logits = await super().step(batch)
-        if any(ord("!") in b.token_ids for b in batch):
-            raise RuntimeError("no !")
-        return logits
-
-
-class FailingEncodeLM(CountingLM):
-    async def encode(self, text):
-        if "!" in text:
-            raise ValueError("no !")
-        return await super().encode(text)
-
-
-async def _drain(runner: GenerativeRunner, request: GenerationRequest) -> None:
-    async with runner.generate(request) as stream:
-        async for _ in stream:
-            pass
-
-
-def _request(prompt: str, *, waited: float = 0.0, max_tokens: int = 3) -> GenerationRequest:
-    """A request for ``prompt`` that arrived ``waited`` s ago."""
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
-    return GenerationRequest(prompt, prompt, sampling, trio.current_time() - waited)
-
-
-async def test_a_failing_step_is_a_backend_failure(nursery, autojump_clock):
-    runner = GenerativeRunner(FailingStepLM(), "1")
-    await nursery.start(runner.run)
-    with pytest.raises(InternalError, match="no !"):
-        await _drain(runner, _request("a!", waited=0.004))
-    # Its end to end time: 4 ms before it reached the engine, then the one failed step.
-    assert _failures(runner) == ({"BACKEND": 1}, (1, 4_000_000 + round(STEP * 1e9)))
-    await _drain(runner, _request("a"))  # the engine goes on
-    assert runner.inference_statistics().success.count == 1
-
-
-async def test_a_prompt_the_tokenizer_fails_is_a_backend_failure(nursery, autojump_clock):
-    runner = GenerativeRunner(FailingEncodeLM(), "1")
-    await nursery.start(runner.run)
-    with pytest.raises(InvalidArgumentError, match="cannot tokenize the prompt: no !"):
-        await _drain(runner, _request("a!", waited=0.002))
-    assert _failures(runner) == ({"BACKEND": 1}, (1, 2_000_000))
-    assert runner.inference_statistics().success.count == 0
-
-
-async def test_requests_the_shutdown_ends_fail_as_other(autojump_clock):
-    runner = GenerativeRunner(CountingLM(), "1")
-    errors: list[Exception] = []
-
-    async def client(request: GenerationRequest) -> None:
-        try:
-            await _drain(runner, request)
-        except UnavailableError as exc:
-            errors.append(exc)
-
-    async with trio.open_nursery() as clients, trio.open_nursery() as engine:
-        await engine.start(runner.run)
-        clients.start_soon(client, _request("a", max_tokens=20))
-        clients.start_soon(client, _request("k", waited=0.001, max_tokens=20))
-        await trio.sleep(2.5 * STEP)  # both are in their third step
-        engine.cancel_scope.cancel()
-    assert [str(e) for e in errors] == ["server is shutting down"] * 2
-    assert _failures(runner) == ({"OTHER": 2}, (2, 2 * 30_000_000 + 1_000_000))
-
-
-async def test_generative_models_get_the_servers_histograms_and_failures(autojump_clock):
-    """Through the server: ``nv_inference_request_failure{reason}`` counts an LLM's
-    failures, and its latency histograms take ``--metrics-config`` buckets."""
-    config = ServerConfig(
-        models=[FailingStepLM()],
-        http_port=None,
-        grpc_port=None,
-        metrics=MetricsConfig(histogram_buckets_s=(0.02, 0.05)),
-    )
-    async with open_server(config) as server:
-        assert (
-            "".join(
-                [t async for t in server.generate("counting", "a", max_tokens=2, temperature=0)]
-            )
-            == "bc"
-        )
-        with pytest.raises(InternalError, match="no !"):
-            async for _ in server.generate("counting", "b!", max_tokens=2):
-                pass
-        assert server.registry is not None
-        samples = {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(generate_latest(server.registry).decode())
-            for s in family.samples
-        }
-    labels = (("model", "counting"), ("version", "1"))
-    failures = "nv_inference_request_failure"  # Triton's name: no _total
-    assert (
-        samples[(failures, (("model", "counting"), ("reason", "BACKEND"), ("version", "1")))] == 1
-    )
-    assert (
-        samples[(failures, (("model", "counting"), ("reason", "CANCELED"), ("version", "1")))] == 0
-    )
-    # The answered request took two steps (24 ms): above 20 ms, within 50 ms.
-    request = "trioserve_request_duration_seconds"
-    buckets = {
-        le: samples[(f"{request}_bucket", tuple(sorted((*labels, ("le", le)))))]
-        for le in ("0.02", "0.05", "+Inf")
-    }
-    assert buckets == {"0.02": 0, "0.05": 1, "+Inf": 1}
-    assert samples[(f"{request}_sum", labels)] == pytest.approx(2 * STEP)
-
-
-# --- per-request faults of the engine's own work: the request fails, alone --------------
-
-
-def _faulty_on_seed(function, seed=13):
-    """``function`` (the sampler's or the policy's), failing whenever it would touch a
-    request seeded ``seed``: a stand-in for a fault that one request's data triggers."""
-
-    def faulty(*args, **kwargs):
-        if any(
-            getattr(getattr(d, "params", None), "seed", None) == seed
-            for arg in args
-            if isinstance(arg, list)
-            for d in arg
-        ):
-            raise ValueError("a fault of this request's")
-        return function(*args, **kwargs)
-
-    return faulty
-
-
-async def _generate(runner: GenerativeRunner, prompt: str, **sampling) -> str:
-    request = GenerationRequest(
-        f"r{prompt}", prompt, SamplingParams(**sampling), trio.current_time()
-    )
-    async with runner.generate(request) as stream:
-        return "".join([c.text async for c in stream])
-
-
-async def test_a_sampling_fault_fails_its_request_and_the_batch_goes_on(
-    nursery, autojump_clock, monkeypatch
-):
-    from trioserve.scheduler import _engine
-
-    monkeypatch.setattr(_engine, "choose_tokens", _faulty_on_seed(_engine.choose_tokens))
-    runner = GenerativeRunner(CountingLM(), "1")
-    await nursery.start(runner.run)
-    texts: dict[str, object] = {}
-
-    async def run(name: str, **sampling) -> None:
-        try:
-            texts[name] = await _generate(runner, "a", max_tokens=4, **sampling)
-        except InternalError as exc:
-            texts[name] = exc
-
-    async with trio.open_nursery() as both:  # in the same steps
-        both.start_soon(partial(run, "faulty", seed=13))
-        both.start_soon(partial(run, "good", temperature=0))
-    assert texts["good"] == "bcde"
-    assert isinstance(texts["faulty"], InternalError)
-    assert "failed to sample" in texts["faulty"].message
-    assert await _generate(runner, "k", max_tokens=2, temperature=0) == "lm"
-    assert _failures(runner)[0] == {"OTHER": 1}
-    assert runner.inference_statistics().success.count == 2
-    assert runner.kv_cache_state().used_blocks == 0
-
-
-async def test_a_fault_applying_a_step_fails_its_requests_not_the_engine(
-    nursery, autojump_clock, monkeypatch
-):
-    runner = GenerativeRunner(CountingLM(), "1")
-    await nursery.start(runner.run)
-    policy = runner.engine.policy
-    computed = policy.computed
-
-    def faulty(seq, count):
-        if seq.owner.request.prompt == "!":
-            raise ValueError("a fault of this request's")
-        computed(seq, count)
-
-    monkeypatch.setattr(policy, "computed", faulty)
-    with pytest.raises(InternalError, match="failed to apply a step"):
-        await _generate(runner, "!", max_tokens=3)
-    assert await _generate(runner, "a", max_tokens=2, temperature=0) == "bc"
-    assert _failures(runner)[0] == {"OTHER": 1}
-    assert runner.kv_cache_state().used_blocks == 0
-
-
-async def test_a_fault_queueing_an_oip_request_fails_it_not_the_runner(
-    nursery, autojump_clock, monkeypatch
-):
-    """The runner admits OIP requests in a task of its own: a fault there once stopped
-    the runner's nursery, and the server with it."""
-    from trioserve.scheduler import _engine
-
-    def faulty(params, index, engine_rng):
-        if params.seed == 13:
-            raise ValueError("a fault of this request's")
-        return np.random.default_rng(0)
-
-    monkeypatch.setattr(_engine, "sample_generator", faulty)
-    runner = GenerativeRunner(CountingLM(), "1")
-    await nursery.start(runner.run)
-    with pytest.raises(InternalError, match="could not queue"):
-        await runner.infer(_oip_request(b"a", max_tokens=2, seed=13))
-    response = await runner.infer(_oip_request(b"a", max_tokens=2, temperature=0))
-    assert response.outputs[0].data.tolist() == [b"bc"]
-    assert _failures(runner)[0] == {"OTHER": 1}
-
-
-class SurrogateLM(CountingLM):
-    """Decodes "c" to a lone surrogate: text no UTF-8 response can carry."""
-
-    def decode(self, token_ids):
-        return super().decode(token_ids).replace("c", "\ud800")
-
-
-async def test_a_response_that_cannot_be_built_fails_its_request(nursery, autojump_clock):
-    runner = GenerativeRunner(SurrogateLM(), "1")
-    await nursery.start(runner.run)
-    with trio.fail_after(10):  # it once waited for ever: the engine thought it answered
-        with pytest.raises(InternalError, match="surrogate"):
-            await runner.infer(_oip_request(b"a", max_tokens=3, temperature=0))
-    response = await runner.infer(_oip_request(b"m", max_tokens=2, temperature=0))
-    assert response.outputs[0].data.tolist() == [b"no"]
-    assert _failures(runner)[0] == {"BACKEND": 1}
-    assert runner.inference_statistics().success.count == 1
-
-
-class DeviceGreedyLM(CountingLM):
-    """Chooses greedy tokens itself (``step_greedy``), as a model on a GPU does."""
-
-    def __init__(self, **settings):
-        super().__init__(**settings)
-        self.kinds: list[str] = []  # "logits" or "tokens", per step
-
-    @property
-    def greedy_on_device(self) -> bool:
-        return True
-
-    async def step(self, batch: Sequence[StepSequence]):
-        self.kinds.append("logits")
-        return await super().step(batch)
-
-    async def step_greedy(self, batch: Sequence[StepSequence]):
-        self.kinds.append("tokens")
-        logits = await super().step(batch)
-        return logits.argmax(axis=1).astype(np.int32)
-
-
-async def test_greedy_steps_take_tokens_from_the_model(nursery, autojump_clock):
-    model = DeviceGreedyLM()
-    runner = GenerativeRunner(model, "1")
-    await nursery.start(runner.run)
-    assert await _generate(runner, "a", max_tokens=4, temperature=0) == "bcde"
-    assert model.kinds == ["tokens"] * 4
-    # Penalties, logprobs and random draws need the logits: those steps return them.
-    model.kinds.clear()
-    assert await _generate(runner, "a", max_tokens=2, temperature=0, logprobs=1) == "bc"
-    assert await _generate(runner, "k", max_tokens=2, top_k=1, repetition_penalty=1.5) == "lm"
-    assert await _generate(runner, "a", max_tokens=2, temperature=1.0, seed=3) != ""
-    assert model.kinds == ["logits"] * 6
-    # One request that needs logits makes its whole step return them.
-    model.kinds.clear()
-    async with trio.open_nursery() as both:
-        both.start_soon(partial(_generate, runner, "a", max_tokens=3, temperature=0))
-        both.start_soon(partial(_generate, runner, "b", max_tokens=3, temperature=0, logprobs=0))
-    assert set(model.kinds) == {"logits"}
-
-
-class WrongTokensLM(DeviceGreedyLM):
-    async def step_greedy(self, batch: Sequence[StepSequence]):
-        return np.zeros((len(batch), 2), np.int32)  # logits-shaped: not tokens
-
-
-async def test_greedy_tokens_of_the_wrong_shape_fail_the_step(nursery, autojump_clock):
-    runner = GenerativeRunner(WrongTokensLM(), "1")
-    await nursery.start(runner.run)
-    with pytest.raises(InternalError, match=r"returned tokens of shape \(1, 2\) for a batch of 1"):
-        await _generate(runner, "a", max_tokens=2, temperature=0)
-    assert _failures(runner)[0] == {"BACKEND": 1}

@@ -7,8 +7,6 @@ Client calls block, so they run in threads; each test is bounded by ``trio.fail_
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from typing import Any
 
 import grpc
@@ -19,18 +17,14 @@ import trio
 import trio.testing
 import tritonclient.grpc as grpcclient
 from google.protobuf.json_format import ParseDict
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
-from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
+from tritonclient.grpc import model_config_pb2
 
 import trioserve
 from trioserve import (
-    DynamicBatching,
     GrpcLimits,
-    InferenceRequest,
     Model,
     Server,
     ServerConfig,
-    TensorSpec,
 )
 from trioserve._context import server_metadata
 from trioserve._model_config import model_config
@@ -38,166 +32,20 @@ from trioserve.grpc._generated import health_pb2
 from trioserve.grpc._grpclib import _listen
 from trioserve.models import reference_zoo
 
-# Every datatype of the protocol, each as an optional input echoed to its output.
-DATATYPES = [
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64", "BF16", "BYTES",
-]  # fmt: skip
-
-_MAX = 2**31 - 1  # tritonclient's own message limit
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", _MAX),
-    ("grpc.max_receive_message_length", _MAX),
-]
-
-
-def all_types_model() -> Model:
-    @trioserve.model(
-        name="all_types",
-        inputs=[TensorSpec(f"IN_{dt}", dt, [-1], optional=True) for dt in DATATYPES],
-        outputs=[TensorSpec(f"OUT_{dt}", dt, [-1]) for dt in DATATYPES],
-    )
-    def all_types(**inputs: Any) -> dict[str, Any]:
-        return {f"OUT_{name[3:]}": array for name, array in inputs.items()}
-
-    return all_types
-
-
-class Gate:
-    """The ``gated`` model: it records each batch, and the first one waits for ``release``.
-
-    With one instance busy on that first batch, later requests wait in the queue, where
-    a test can cancel them and watch them leave.
-    """
-
-    def __init__(self) -> None:
-        self.entered = trio.Event()
-        self.release = trio.Event()
-        self.batches: list[list[float]] = []
-
-    def model(self) -> Model:
-        @trioserve.model(
-            name="gated",
-            inputs=[TensorSpec("INPUT0", "FP32", [1])],
-            outputs=[TensorSpec("OUTPUT0", "FP32", [1])],
-            max_batch_size=8,
-            dynamic_batching=DynamicBatching(),
-        )
-        async def gated(INPUT0: np.ndarray[Any, Any]) -> dict[str, Any]:
-            self.batches.append(INPUT0.reshape(-1).tolist())
-            self.entered.set()
-            await self.release.wait()
-            return {"OUTPUT0": INPUT0}
-
-        return gated
-
-
-class Recorder(Model):
-    """Echoes INPUT0 and keeps every request it executed, parameters included."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            name="recorder",
-            inputs=[TensorSpec("INPUT0", "INT32", [1])],
-            outputs=[TensorSpec("OUTPUT0", "INT32", [1])],
-        )
-        self.requests: list[InferenceRequest] = []
-
-    def execute(self, requests: Sequence[InferenceRequest]) -> list[dict[str, Any]]:
-        self.requests.extend(requests)
-        return [{"OUTPUT0": r.inputs["INPUT0"].data} for r in requests]
-
-
-@pytest.fixture
-def gate() -> Gate:
-    return Gate()
-
-
-@pytest.fixture
-def recorder() -> Recorder:
-    return Recorder()
-
-
-@pytest.fixture
-def models(gate: Gate, recorder: Recorder) -> list[Model]:
-    return [*reference_zoo(), all_types_model(), gate.model(), recorder]
-
-
-@pytest.fixture
-async def server(nursery: trio.Nursery, models: list[Model], grpc_server: str) -> Server:
-    # http_port=None: these tests must not depend on the REST front end.
-    config = ServerConfig(models=models, http_port=None, grpc_port=0, grpc_server=grpc_server)
-    started: Server = await nursery.start(trioserve.serve, config)
-    return started
-
-
-@pytest.fixture
-def url(server: Server) -> str:
-    return f"127.0.0.1:{server.grpc_port}"
-
-
-@pytest.fixture
-def client(url: str) -> Iterator[grpcclient.InferenceServerClient]:
-    triton = grpcclient.InferenceServerClient(url)
-    yield triton
-    triton.close()
-
-
-@pytest.fixture
-def channel(url: str) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(url, options=CHANNEL_OPTIONS) as opened:
-        yield opened
-
-
-@pytest.fixture
-def stub(channel: grpc.Channel) -> service_pb2_grpc.GRPCInferenceServiceStub:
-    """tritonclient's own generated stub, for messages its high-level client never sends."""
-    return service_pb2_grpc.GRPCInferenceServiceStub(channel)
-
-
-TIMEOUT = 20  # seconds; generous for a loaded machine, still fails a hung test
-
-Client = grpcclient.InferenceServerClient
-
-
-async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Run a blocking client call in a thread; abandoned if the test times out."""
-    return await trio.to_thread.run_sync(partial(fn, *args, **kwargs), abandon_on_cancel=True)
-
-
-async def expect_error(status: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
-    """Call, expect tritonclient's exception with ``status``; return its message."""
-    with pytest.raises(InferenceServerException) as info:
-        await call(fn, *args, **kwargs)
-    assert info.value.status() == f"StatusCode.{status}", info.value
-    return str(info.value.message())
-
-
-async def expect_rpc_error(status: grpc.StatusCode, fn: Callable[..., Any], *args: Any) -> str:
-    with pytest.raises(grpc.RpcError) as info:
-        await call(fn, *args)
-    assert info.value.code() == status, info.value.details()
-    return str(info.value.details())
-
-
-async def wait_queued(server: Server, model: str, count: int) -> None:
-    await server.repository.get(model).wait_until(lambda stats: stats.queued == count)  # type: ignore[attr-defined]
-
-
-def infer_input(name: str, array: np.ndarray[Any, Any], datatype: str) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-    tensor.set_data_from_numpy(array)
-    return tensor
-
-
-def simple_inputs(rows: int) -> tuple[list[grpcclient.InferInput], np.ndarray[Any, Any]]:
-    a = np.arange(16 * rows, dtype=np.int32).reshape(rows, 16)
-    return [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", a * 3, "INT32")], a
-
-
-def gated_input(value: float) -> list[grpcclient.InferInput]:
-    return [infer_input("INPUT0", np.array([[value]], dtype=np.float32), "FP32")]
-
+from ._harness import (
+    DATATYPES,
+    TIMEOUT,
+    Client,
+    Gate,
+    Recorder,
+    call,
+    expect_error,
+    expect_rpc_error,
+    gated_input,
+    infer_input,
+    simple_inputs,
+    wait_queued,
+)
 
 # --- health, metadata, config --------------------------------------------------------
 
@@ -401,198 +249,6 @@ async def test_parameters_reach_the_model(client: Client, recorder: Recorder) ->
     }  # fmt: skip
     assert type(request.parameters["priority"]) is int
     assert (request.priority, request.timeout_us) == (3, 5_000_000)
-
-
-# --- hand-built requests: typed contents and malformed messages ----------------------
-
-# The typed contents field of each datatype that has one, and values that fill it.
-TYPED = {
-    "BOOL": ("bool_contents", [True, False]),
-    "UINT8": ("uint_contents", [0, 255]),
-    "UINT16": ("uint_contents", [0, 65535]),
-    "UINT32": ("uint_contents", [0, 2**32 - 1]),
-    "UINT64": ("uint64_contents", [0, 2**64 - 1]),
-    "INT8": ("int_contents", [-128, 127]),
-    "INT16": ("int_contents", [-(2**15), 2**15 - 1]),
-    "INT32": ("int_contents", [-(2**31), 2**31 - 1]),
-    "INT64": ("int64_contents", [-(2**63), 2**63 - 1]),
-    "FP32": ("fp32_contents", [0.5, -1.25]),
-    "FP64": ("fp64_contents", [0.1, -1e300]),
-    "BYTES": ("bytes_contents", [b"\x00", b"\xff\xfe"]),
-}
-
-
-def typed_input(
-    request: Any, datatype: str, values: list[Any], name: str | None = None, shape: Any = None
-) -> Any:
-    tensor = request.inputs.add(
-        name=name or f"IN_{datatype}",
-        datatype=datatype,
-        shape=[len(values)] if shape is None else shape,
-    )
-    field = TYPED[datatype][0] if datatype in TYPED else "fp32_contents"
-    getattr(tensor.contents, field).extend(values)
-    return tensor
-
-
-def raw_output(response: Any, name: str) -> list[Any]:
-    index = [o.name for o in response.outputs].index(name)
-    output, raw = response.outputs[index], response.raw_output_contents[index]
-    if output.datatype == "BYTES":
-        return deserialize_bytes_tensor(raw).tolist()  # type: ignore[no-any-return]
-    dtype = "?" if output.datatype == "BOOL" else output.datatype.lower().replace("fp", "float")
-    return np.frombuffer(raw, dtype=dtype).tolist()  # type: ignore[no-any-return]
-
-
-async def test_typed_contents(stub: Any) -> None:
-    request = service_pb2.ModelInferRequest(model_name="all_types", id="typed")
-    for dt, (_, values) in TYPED.items():
-        typed_input(request, dt, values)
-        request.outputs.add(name=f"OUT_{dt}")
-    with trio.fail_after(TIMEOUT):
-        response = await call(stub.ModelInfer, request)
-    assert response.id == "typed"
-    assert len(response.raw_output_contents) == len(TYPED)
-    for dt, (_, values) in TYPED.items():
-        got = raw_output(response, f"OUT_{dt}")
-        if dt == "FP32":
-            values = np.array(values, dtype=np.float32).tolist()
-        assert got == values, dt
-
-
-def _malformed() -> list[Any]:
-    def case(build: Callable[[Any], None], id: str, says: str) -> Any:
-        request = service_pb2.ModelInferRequest(model_name="all_types")
-        build(request)
-        return pytest.param(request, says, id=id)
-
-    def both(r: Any) -> None:
-        typed_input(r, "INT32", [1])
-        r.raw_input_contents.append(b"\x01\x00\x00\x00")
-
-    def raw_count(r: Any) -> None:
-        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1])
-        r.inputs.add(name="IN_INT8", datatype="INT8", shape=[1])
-        r.raw_input_contents.append(b"\x01\x00\x00\x00")
-
-    def wrong_field(r: Any) -> None:
-        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1]).contents.fp32_contents.append(1)
-
-    def raw_size(r: Any) -> None:
-        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[2])
-        r.raw_input_contents.append(b"\x01\x00\x00\x00")
-
-    def bad_bool(r: Any) -> None:
-        r.inputs.add(name="IN_BOOL", datatype="BOOL", shape=[1])
-        r.raw_input_contents.append(b"\x02")
-
-    def extra_raw(r: Any) -> None:
-        r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1])
-        r.raw_input_contents.extend([b"\x01\x00\x00\x00", b"\x02\x00\x00\x00"])
-
-    def negative_priority(r: Any) -> None:
-        typed_input(r, "INT32", [1])
-        r.parameters["priority"].int64_param = -1
-
-    def double_timeout(r: Any) -> None:
-        typed_input(r, "INT32", [1])
-        r.parameters["timeout"].double_param = 1.5
-
-    def empty_parameter(r: Any) -> None:
-        typed_input(r, "INT32", [1])
-        r.parameters["k"].SetInParent()  # an InferParameter with no value set
-
-    def duplicate(r: Any) -> None:
-        typed_input(r, "INT32", [1])
-        typed_input(r, "INT32", [2])
-
-    return [
-        case(lambda r: typed_input(r, "INT32", [1, 2], shape=[3]), "count-mismatch", "needs 3"),
-        case(
-            lambda r: typed_input(r, "FP16", [1.0]),
-            "fp16-typed",
-            "only be sent as raw_input_contents",
-        ),
-        case(lambda r: typed_input(r, "INT8", [300]), "int8-out-of-range", "out of range for INT8"),
-        case(lambda r: typed_input(r, "FP8", [1.0]), "bad-datatype", "invalid datatype 'FP8'"),
-        case(
-            lambda r: typed_input(r, "INT32", [1], shape=[-1]),
-            "negative-shape",
-            "non-negative integers",
-        ),
-        case(
-            lambda r: r.inputs.add(name="IN_INT32", datatype="INT32", shape=[1]),
-            "no-data",
-            "unable to find data for input tensor 'IN_INT32'",
-        ),
-        case(both, "raw-and-contents", "contents field must not be specified"),
-        case(raw_count, "raw-count", "unable to find data for input tensor 'IN_INT8'"),
-        case(wrong_field, "wrong-contents-field", "fp32_contents does not carry INT32"),
-        case(raw_size, "raw-size", "needs 8"),
-        case(bad_bool, "bad-bool", "BOOL data must be bytes 0 or 1"),
-        case(extra_raw, "extra-raw", "2 raw_input_contents for 1 inputs"),
-        case(negative_priority, "negative-priority", "expected value >= 0"),
-        case(double_timeout, "double-timeout", "'timeout' parameter"),
-        case(empty_parameter, "empty-parameter", "parameter 'k' has no value"),
-        case(duplicate, "duplicate-input", "appears twice"),
-    ]
-
-
-@pytest.mark.parametrize(("request_message", "says"), _malformed())
-async def test_malformed_request(
-    stub: Any, client: Client, request_message: Any, says: str
-) -> None:
-    with trio.fail_after(TIMEOUT):
-        message = await expect_rpc_error(
-            grpc.StatusCode.INVALID_ARGUMENT, stub.ModelInfer, request_message
-        )
-        assert says in message
-        assert await call(client.is_server_live)  # and the server carries on
-
-
-@pytest.mark.parametrize(
-    ("model", "version", "inputs", "outputs", "status"),
-    [
-        ("nope", "", "simple", None, "NOT_FOUND"),
-        ("simple", "9", "simple", None, "NOT_FOUND"),
-        ("simple", "", "unknown-input", None, "INVALID_ARGUMENT"),
-        ("simple", "", "wrong-shape", None, "INVALID_ARGUMENT"),
-        ("simple", "", "wrong-datatype", None, "INVALID_ARGUMENT"),
-        ("simple", "", "too-many-rows", None, "INVALID_ARGUMENT"),
-        ("simple", "", "simple", "NOPE", "INVALID_ARGUMENT"),
-        ("simple", "", "shared-memory", None, "NOT_FOUND"),  # no region called "region"
-    ],
-)
-async def test_infer_errors(
-    client: Client, model: str, version: str, inputs: str, outputs: str | None, status: str
-) -> None:
-    built, a = simple_inputs(9 if inputs == "too-many-rows" else 1)
-    if inputs == "unknown-input":
-        built.append(infer_input("INPUT9", a, "INT32"))
-    elif inputs == "wrong-shape":
-        built[0] = infer_input("INPUT0", a[:, :15], "INT32")
-    elif inputs == "wrong-datatype":
-        built[0] = infer_input("INPUT0", a.astype(np.float32), "FP32")
-    elif inputs == "shared-memory":
-        built[0].set_shared_memory("region", 64)
-    requested = [grpcclient.InferRequestedOutput(outputs)] if outputs else None
-    with trio.fail_after(TIMEOUT):
-        message = await expect_error(
-            status, client.infer, model, built, model_version=version, outputs=requested
-        )
-    if model == "nope":
-        assert message == "Request for unknown model: 'nope' is not found"
-    assert message
-
-
-async def test_trace_and_log_settings_answer(stub: Any) -> None:
-    with trio.fail_after(TIMEOUT):
-        trace = await call(stub.TraceSetting, service_pb2.TraceSettingRequest())
-        logs = await call(stub.LogSettings, service_pb2.LogSettingsRequest())
-    assert list(trace.settings["trace_level"].value) == ["OFF"]
-    assert trace.settings["trace_mode"].value == ["triton"]
-    assert logs.settings["log_verbose_level"].uint32_param == 0
-    assert logs.settings["log_format"].string_param == "default"
 
 
 # --- cancellation ----------------------------------------------------------------------
