@@ -1,7 +1,8 @@
 """Instructions the core process executes per forwarded inference, its link alone,
 counted by valgrind's callgrind: the core's per-request work bounds what any number of
-front-end workers can serve. Runs of one build differ by up to 2% (trio's scheduler
-shuffles its batches at random), so compare builds over several rounds.
+front-end workers can serve. Runs of one build usually differ by up to 2%, now and
+then by 10% (trio's scheduler shuffles its batches at random), so compare builds over
+several rounds.
 
     python tools/core_link_count.py /path/to/old/src src --rounds 2
     python tools/core_link_count.py src --per-frame 64
