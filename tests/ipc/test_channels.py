@@ -292,3 +292,63 @@ async def test_a_coalescing_send_under_a_cancelled_scope_still_writes_its_frame(
     finally:
         channel.close()
         peer.close()
+
+
+async def test_frames_larger_than_a_read_and_than_the_socket_buffer_arrive_whole() -> None:
+    """A frame bigger than one read (the receiver reads on without waiting) and bigger
+    than the socket's buffer (the sender waits for room, then writes the rest), with
+    descriptors riding on the first bytes and a small frame after it: all arrive whole,
+    in order."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = TrioChannel(ours)
+    peer = TrioChannel(theirs)
+    big = bytes(range(256)) * (4 * _frames.READ_BYTES // 256)
+    passed_read, passed_write = os.pipe()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.send, ("big", big), [passed_read])
+            received: list[tuple[object, list[int]]] = []
+            while not received:  # the sender is blocked until the peer reads
+                received += await peer.receive()
+            await channel.send(("small",))
+            while len(received) < 2:
+                received += await peer.receive()
+        (first, fds), (second, none) = received
+        assert first == ("big", big) and second == ("small",) and none == []
+        assert len(fds) == 1
+        os.write(passed_write, b"x")  # the descriptor that came is the pipe's read end
+        assert os.read(fds[0], 1) == b"x"
+        os.close(fds[0])
+    finally:
+        channel.close()
+        peer.close()
+        os.close(passed_read)
+        os.close(passed_write)
+
+
+async def test_a_full_read_reads_on_then_waits_when_nothing_follows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A read that fills its buffer may have left bytes in the socket: the next read
+    comes without a wait; when it finds nothing (the frame's rest is not sent yet), the
+    receiver waits for it."""
+    monkeypatch.setattr("trioserve.ipc._channels.READ_BYTES", 64)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = TrioChannel(ours)
+    data, _ = encode_frames([(("call", bytes(200)), [])])
+    received: list[tuple[object, list[int]]] = []
+
+    async def receive() -> None:
+        received.extend(await channel.receive())
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(receive)
+            theirs.send(data[:128])  # two full reads, then none: the receiver waits
+            await trio.testing.wait_all_tasks_blocked()
+            assert received == []
+            theirs.send(data[128:])
+        assert received == [(("call", bytes(200)), [])]
+    finally:
+        channel.close()
+        theirs.close()
