@@ -161,6 +161,22 @@ async def echo_app(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": json.dumps(info).encode()})
 
 
+class DisconnectWatch:
+    """An app that reads the body, says so (``started``), then waits for the client to
+    go away (``disconnected``): the disconnect contract, on any transport."""
+
+    def __init__(self) -> None:
+        self.started = trio.Event()
+        self.disconnected = trio.Event()
+
+    async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        self.started.set()
+        # The body is complete; this blocks until the client goes away.
+        if (await receive())["type"] == "http.disconnect":
+            self.disconnected.set()
+
+
 async def hello_app(scope: Scope, receive: Receive, send: Send) -> None:
     await start_response(send, 200, [(b"content-type", b"text/plain")])
     await send({"type": "http.response.body", "body": b"hello " + scope["path"].encode()})

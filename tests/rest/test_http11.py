@@ -18,6 +18,7 @@ from ._raw_http import (
     SERVERS,
     TIMEOUT,
     Client,
+    DisconnectWatch,
     Serve,
     echo_app,
     get,
@@ -321,22 +322,13 @@ async def test_app_returning_without_response_is_a_500(serve: Serve) -> None:
 
 
 async def test_client_disconnect_mid_request_reaches_receive(serve: Serve) -> None:
-    started = trio.Event()
-    disconnected = trio.Event()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        started.set()
-        # The body is complete; this blocks until the client goes away.
-        if (await receive())["type"] == "http.disconnect":
-            disconnected.set()
-
+    watch = DisconnectWatch()
     with trio.fail_after(TIMEOUT):
-        client = await Client.connect(await serve(app))
+        client = await Client.connect(await serve(watch.app))
         await client.send(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi")
-        await started.wait()
+        await watch.started.wait()
         await client.aclose()
-        await disconnected.wait()
+        await watch.disconnected.wait()
 
 
 async def test_client_disconnect_while_body_is_read(serve: Serve) -> None:

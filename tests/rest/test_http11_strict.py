@@ -27,6 +27,7 @@ from trioserve.rest._http11_parser import ChunkedDecoder, parse_head
 from ._raw_http import (
     TIMEOUT,
     Client,
+    DisconnectWatch,
     Serve,
     echo_app,
     get,
@@ -350,17 +351,9 @@ async def test_h2c_prior_knowledge_with_httpx(nursery: trio.Nursery) -> None:
 
 async def test_h2c_disconnect_reaches_app(nursery: trio.Nursery) -> None:
     """The same disconnect contract over HTTP/2, driven with the h2 library directly."""
-    started = trio.Event()
-    disconnected = trio.Event()
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await read_body(receive)
-        started.set()
-        if (await receive())["type"] == "http.disconnect":
-            disconnected.set()
-
+    watch = DisconnectWatch()
     with trio.fail_after(TIMEOUT):
-        port = await starter("hypercorn", nursery)(app)
+        port = await starter("hypercorn", nursery)(watch.app)
         stream = (await Client.connect(port)).stream  # closed by close_clients on failure
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         conn.initiate_connection()
@@ -370,9 +363,9 @@ async def test_h2c_disconnect_reaches_app(nursery: trio.Nursery) -> None:
             end_stream=True,
         )
         await stream.send_all(conn.data_to_send())
-        await started.wait()
+        await watch.started.wait()
         await stream.aclose()
-        await disconnected.wait()
+        await watch.disconnected.wait()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

@@ -41,6 +41,23 @@ class CountingLM(GenerativeModel):
         return logits
 
 
+class StepKindsLM(CountingLM):
+    """Notes what each step gave: "logits" from ``step``, and the kind a subclass's
+    device step (``step_greedy``, ``step_sample``) names through ``counted``."""
+
+    def __init__(self, **settings):
+        super().__init__(**settings)
+        self.kinds: list[str] = []  # per step
+
+    async def step(self, batch: Sequence[StepSequence]):
+        return await self.counted("logits", batch)
+
+    async def counted(self, kind: str, batch: Sequence[StepSequence]):
+        """The counting logits of ``batch``, its step noted as ``kind``."""
+        self.kinds.append(kind)
+        return await CountingLM.step(self, batch)
+
+
 def failures(runner: GenerativeRunner) -> tuple[dict[str, int], tuple[int, int]]:
     """The runner's failures by reason (those that happened), and (fail count, fail ns)."""
     stats = runner.inference_statistics()

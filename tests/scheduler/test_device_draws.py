@@ -15,30 +15,24 @@ from trioserve import DeviceDraw, InternalError, SampledTokens, StepSequence
 from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
 
-from ._counting_lm import CountingLM, failures, generated
+from ._counting_lm import StepKindsLM, failures, generated
 
 
-class DeviceDrawLM(CountingLM):
+class DeviceDrawLM(StepKindsLM):
     """Draws each token as the argmax of the counting logits, recording the draws; a
     step without any random draw would be greedy there too."""
 
     def __init__(self, **settings):
         super().__init__(**settings)
-        self.kinds: list[str] = []
         self.draws: list[list[DeviceDraw]] = []
 
     @property
     def sampling_on_device(self) -> bool:
         return True
 
-    async def step(self, batch: Sequence[StepSequence]):
-        self.kinds.append("logits")
-        return await super().step(batch)
-
     async def step_sample(self, batch: Sequence[StepSequence], draws: Sequence[DeviceDraw]):
-        self.kinds.append("draws")
         self.draws.append(list(draws))
-        logits = await super().step(batch)
+        logits = await self.counted("draws", batch)
         tokens = np.array([logits[d.row].argmax() for d in draws], np.int32)
         count = max([d.logprobs for d in draws], default=-1)
         if count < 0:

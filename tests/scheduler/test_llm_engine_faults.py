@@ -28,7 +28,7 @@ from trioserve._server import open_server
 from trioserve.scheduler import GenerationRequest, SamplingParams
 from trioserve.scheduler._generative_runner import GenerativeRunner
 
-from ._counting_lm import STEP, CountingLM, failures, generated, oip_request
+from ._counting_lm import STEP, CountingLM, StepKindsLM, failures, generated, oip_request
 
 
 class FailingStepLM(CountingLM):
@@ -253,24 +253,15 @@ async def test_a_response_that_cannot_be_built_fails_its_request(nursery, autoju
     assert runner.inference_statistics().success.count == 1
 
 
-class DeviceGreedyLM(CountingLM):
+class DeviceGreedyLM(StepKindsLM):
     """Chooses greedy tokens itself (``step_greedy``), as a model on a GPU does."""
-
-    def __init__(self, **settings):
-        super().__init__(**settings)
-        self.kinds: list[str] = []  # "logits" or "tokens", per step
 
     @property
     def greedy_on_device(self) -> bool:
         return True
 
-    async def step(self, batch: Sequence[StepSequence]):
-        self.kinds.append("logits")
-        return await super().step(batch)
-
     async def step_greedy(self, batch: Sequence[StepSequence]):
-        self.kinds.append("tokens")
-        logits = await super().step(batch)
+        logits = await self.counted("tokens", batch)
         return logits.argmax(axis=1).astype(np.int32)
 
 
