@@ -295,10 +295,9 @@ async def test_a_coalescing_send_under_a_cancelled_scope_still_writes_its_frame(
 
 
 async def test_frames_larger_than_a_read_and_than_the_socket_buffer_arrive_whole() -> None:
-    """A frame bigger than one read (the receiver reads on without waiting) and bigger
-    than the socket's buffer (the sender waits for room, then writes the rest), with
-    descriptors riding on the first bytes and a small frame after it: all arrive whole,
-    in order."""
+    """A frame bigger than the socket's buffer (the sender waits for room, then writes
+    the rest; the receiver puts it together from several reads), with descriptors riding
+    on the first bytes and a small frame after it: all arrive whole, in order."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     channel = TrioChannel(ours)
     peer = TrioChannel(theirs)

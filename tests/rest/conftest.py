@@ -1,5 +1,5 @@
-"""Fixtures of the HTTP server tests: an app started on either server, the raw clients
-closed after each test."""
+"""Fixtures of the HTTP server tests: an app started on either server, and the raw
+clients a test opened closed after it (for the modules that name ``close_clients``)."""
 
 from __future__ import annotations
 
