@@ -9,7 +9,8 @@ several rounds.
 
 In one process, the core's end of a worker's link (``WorkerLink``, the built-in
 ``simple`` model behind it) is fed frames of ``--per-frame`` INFERs, as a worker's
-coalesced writes carry them under load (about 6 at 8 connections, 60 at 64), and their
+coalesced writes carry them under load (about 6 at 8 connections, 60 at 64; alike ones
+merged into INFERS, as the worker merges them, where the build does), and their
 ANSWERs are read back; the cyclic collector is tuned as ``trioserve run`` tunes the
 core's (``_gc.tune``: rare young collections). Each build runs twice under callgrind,
 ``--warm-up`` frames and then 50 or 50 + ``--frames`` more; the difference of the two
@@ -45,7 +46,12 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
         (INFER, -call, "HTTP end point", "simple", "", "", {}, inputs, [], None, None)
         for call in range(1, per_frame + 1)
     ]
-    frame, _ = encode_frames([(message, []) for message in infers])
+    try:  # as the worker writes them: alike INFERs as one INFERS
+        from trioserve.workers._coalesce import grouped
+    except ImportError:  # a build before INFERS
+        frame, _ = encode_frames([(message, []) for message in infers])
+    else:
+        frame, _ = encode_frames(grouped([(message, []) for message in infers]))
 
     async def main() -> None:
         models = [model for model in reference_zoo() if model.name == "simple"]
@@ -62,7 +68,8 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
                 while answered < per_frame:
                     for message, _ in await answers.receive():
                         assert message[0] == ANSWER, message
-                        answered += len(message[1])
+                        for call, _, _ in message[1]:  # a tuple of calls: an OUTCOME of all
+                            answered += len(call) if type(call) is tuple else 1
             nursery.cancel_scope.cancel()
 
     trio.run(main)

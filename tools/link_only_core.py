@@ -21,17 +21,23 @@ from trioserve.workers._wire import OUTCOME
 _OUTPUTS = ("OUTPUT0", "OUTPUT1")  # simple's, for its inputs in order
 
 
-def _answer_all(self: LinkInferences, messages: list[tuple[Any, ...]]) -> None:
-    """``LinkInferences.submit_all``: each INFER of the frame answered at once, none
-    coalesced."""
-    for message in messages:
-        _answer_at_once(self, *message[1:])
+def _answer_rows(self: LinkInferences, message: tuple[Any, ...]) -> None:
+    """``LinkInferences.submit_rows``: an INFERS (alike INFERs) answered at once by one
+    OUTCOME of them all, its outputs the inputs' rows of all, as they came."""
+    _, calls, _, model, version, ids, _, inputs = message[:8]
+    tensors: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any]]] = [
+        (name, datatype, shape, joined, {})
+        for name, (_, datatype, shape, joined, _) in zip(_OUTPUTS, inputs, strict=False)
+    ]
+    outcome: tuple[Any, ...] = (OUTCOME, None, model, version or "1", ids, {}, tensors, None)
+    self._outcomes.append((calls, outcome, True))
+    self._wake_answerer()
 
 
 def _answer_at_once(self: LinkInferences, call: int, *message: Any) -> None:
-    """An INFER (``message``: its items after its call) answered in the same turn: the
-    ANSWER goes with the others of the frame (the answering task is woken, as a
-    finished inference wakes it)."""
+    """``LinkInferences.submit``: an INFER (``message``: its items after its call)
+    answered in the same turn: the ANSWER goes with the others of the frame (the
+    answering task is woken, as a finished inference wakes it)."""
     _, model, version, request_id, _, inputs = message[:6]
     blocks = [payload for *_, payload, _ in inputs if type(payload) is not bytes]
     if blocks:  # refused, and the worker may reuse them at once
@@ -49,5 +55,6 @@ def _answer_at_once(self: LinkInferences, call: int, *message: Any) -> None:
 
 
 if __name__ == "__main__":
-    LinkInferences.submit_all = _answer_all  # type: ignore[method-assign]
+    LinkInferences.submit = _answer_at_once  # type: ignore[method-assign,assignment]
+    LinkInferences.submit_rows = _answer_rows  # type: ignore[method-assign]
     main()

@@ -4,12 +4,14 @@ by a test: real socket pair, real frames."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import trio
 
 from trioserve.ipc import Arena, TrioChannel, encode_frames
+from trioserve.workers._coalesce import grouped, outcomes_of_rows
 from trioserve.workers._wire import ANSWER, INFER, OUTCOME
 
 
@@ -22,8 +24,9 @@ class Worker:
         self.arenas: list[Arena] = []  # closed with the link
 
     async def send_together(self, *messages: tuple[Any, ...]) -> None:
-        """``messages`` in one write: the core reads them all at once."""
-        data, _ = encode_frames([(message, []) for message in messages])
+        """``messages`` in one write, as a worker writes them (alike INFERs as one
+        INFERS): the core reads them all at once."""
+        data, _ = encode_frames(grouped([(message, []) for message in messages]))
         await trio.lowlevel.checkpoint()
         assert self.socket.send(data) == len(data)  # small: the empty socket takes it
 
@@ -35,7 +38,7 @@ class Worker:
         frames = []
         for message, _ in await self.channel.receive():
             assert message[0] == ANSWER
-            frames.append({call: item for call, item, last in message[1] if last})
+            frames.append(dict(_each_outcome(message[1])))
         return frames
 
     async def answers(self) -> list[tuple[int, float]]:
@@ -43,11 +46,22 @@ class Worker:
         answers = []
         for message, _ in await self.channel.receive():
             assert message[0] == ANSWER
-            for call, item, last in message[1]:
-                assert item[0] == OUTCOME and item[1] is None and last
+            for call, item in _each_outcome(message[1]):
+                assert item[0] == OUTCOME and item[1] is None
                 (_, _, _, data, _), *_ = item[6]
                 answers.append((call, float(np.frombuffer(data, np.float32)[0])))
         return answers
+
+
+def _each_outcome(items: list[tuple[Any, ...]]) -> Iterator[tuple[int, tuple[Any, ...]]]:
+    """An ANSWER's OUTCOMEs by call, as the worker takes them: an OUTCOME of several
+    INFERs cut into each one's."""
+    for call, item, last in items:
+        assert last
+        if type(call) is tuple:
+            yield from outcomes_of_rows(call, item)
+        else:
+            yield call, item
 
 
 def delay_infer(call: int, value: float, model: str = "delay", width: int = 1) -> tuple[Any, ...]:

@@ -1,6 +1,7 @@
-"""Alike INFERs of one frame queued as one request (``workers/_coalesce.py``), spoken to
-in process by a test playing the worker (real socket pair, real frames): each is
-answered with its own rows and counted as a request of its own."""
+"""Alike INFERs of one write, sent as one INFERS, queued as one request
+(``workers/_coalesce.py``), spoken to in process by a test playing the worker (real
+socket pair, real frames, merged and cut as a worker does): each is answered with its
+own rows and counted as a request of its own."""
 
 from __future__ import annotations
 
@@ -303,3 +304,13 @@ async def test_alike_inferences_the_model_refuses_are_refused_each_as_it_came(
     assert model_statistics(server, "pair").success.count == 2 + sum(
         outcome[1] is None for call, outcome in outcomes.items() if call in (-3, -4)
     )
+
+
+async def test_alike_inferences_to_a_model_not_served_are_each_refused(
+    autojump_clock: trio.abc.Clock, worker: Worker
+) -> None:
+    await worker.send_together(*[_infer(-call, model="absent") for call in range(1, 4)])
+    outcomes = await _outcomes(worker, 3)
+    for outcome in outcomes.values():
+        kind, message = outcome[1]
+        assert kind == "NOT_FOUND" and "absent" in message, message

@@ -59,8 +59,8 @@ def test_the_core_answers_with_the_inputs_and_refuses_large_ones(
 
 
 def test_inferences_sent_together_are_answered_with_their_inputs_too(served: Served) -> None:
-    """Many in flight at once reach the core in shared frames, where the real core would
-    coalesce alike ones: this core answers each at once all the same."""
+    """Many in flight at once reach the core in shared frames, alike ones merged into
+    INFERS: this core answers those at once too, each call with its own inputs."""
     count = 64
     answers: dict[int, Any] = {}
     answered = threading.Condition()

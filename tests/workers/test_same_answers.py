@@ -90,8 +90,8 @@ def test_connections_land_on_both_workers_and_statistics_sum(served: Served) -> 
 
 
 def test_requests_forwarded_together_each_get_their_own_answer(served: Served) -> None:
-    """Many requests in flight at once reach the core in shared frames (alike ones are
-    coalesced there into one request): each still gets its own rows and id, over gRPC
+    """Many requests in flight at once reach the core in shared frames (alike ones as
+    one INFERS, queued there as one request): each still gets its own rows and id, over gRPC
     (one connection, one worker) and HTTP (many), and counts as one in the statistics."""
     count = 48
     before = _inference_count(served, "simple")

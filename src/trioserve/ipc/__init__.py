@@ -10,7 +10,7 @@ them. ``Replies`` and ``PendingCalls`` match answers to the requests that await 
 from ._arena import ALIGNMENT, Arena, ArenaFull, Block, SegmentMap, anonymous_memory
 from ._blocking import BlockingChannel, LinkClosed, channel_pair
 from ._channels import TrioChannel
-from ._frames import FrameError, FrameReader, encode_frames
+from ._frames import FrameError, FrameReader, Outgoing, encode_frames
 from ._replies import Pending, PendingCalls, Replies
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "FrameError",
     "FrameReader",
     "LinkClosed",
+    "Outgoing",
     "Pending",
     "PendingCalls",
     "Replies",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import trio
@@ -31,7 +31,8 @@ class TrioChannel:
     go out together with the next write. ``coalesce``: a send that finds no write under way
     first lets the other ready tasks run, so that every frame of one turn of the event
     loop goes in one system call (for links that carry many small frames under load; it
-    costs a scheduling round per write).
+    costs a scheduling round per write). ``merge``: what the frames of one write become
+    before they are encoded (the owner's, which may merge some into one).
 
     It does its own non-blocking I/O on ``sock`` (a stdlib socket, made non-blocking),
     not through trio's socket wrapper: a link's peer answers every frame, so a read
@@ -39,10 +40,17 @@ class TrioChannel:
     (the wrapper tries the read first: a failed system call, an exception and a
     context manager, on both ends of the link, for every frame)."""
 
-    def __init__(self, sock: socket.socket, *, coalesce: bool = False) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        coalesce: bool = False,
+        merge: Callable[[list[Outgoing]], list[Outgoing]] | None = None,
+    ) -> None:
         sock.setblocking(False)
         self._socket = sock
         self.coalesce = coalesce
+        self._merge = merge
         self._reader = FrameReader()
         self._pending: list[Outgoing] = []
         self._writing = False
@@ -76,6 +84,8 @@ class TrioChannel:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             while self._pending:
                 batch, self._pending = self._pending, []
+                if self._merge is not None and len(batch) > 1:
+                    batch = self._merge(batch)
                 data, all_fds = encode_frames(batch)
                 self.frames_sent += len(batch)
                 self.writes += 1

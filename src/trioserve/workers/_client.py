@@ -13,6 +13,7 @@ import numpy as np
 import trio
 
 from ..ipc import Block, Pending, Replies, SegmentMap, TrioChannel
+from ._coalesce import outcomes_of_rows
 from ._input_blocks import InputBlocks
 from ._wire import (
     ANSWER,
@@ -85,7 +86,9 @@ class CoreClient:
             for block in message[2] if len(message) > 2 else ():
                 self.inputs.read_by_answer(block)  # before a FREE of it can come
             for call, item, last in message[1]:
-                if call < 0:
+                if type(call) is tuple:  # several INFERs' (``_coalesce.py``)
+                    self._resolve_rows(call, item)
+                elif call < 0:
                     pending = self._pending.pop(call, None)
                     if pending is not None:
                         pending.resolve(item)
@@ -102,6 +105,15 @@ class CoreClient:
             self.drain.set()
         else:
             logger.error("the core sent an unknown message kind %r", kind)
+
+    def _resolve_rows(self, calls: tuple[int, ...], outcome: Answer) -> None:
+        """The INFERs answered by one OUTCOME of them all, each with its own (those
+        withdrawn meanwhile have none to resolve; their rows are in the frame)."""
+        pending = self._pending
+        for call, own in outcomes_of_rows(calls, outcome):
+            waiting = pending.pop(call, None)
+            if waiting is not None:
+                waiting.resolve(own)
 
     def open(self) -> tuple[int, trio.MemoryReceiveChannel[Answer | BaseException]]:
         self.forwarded += 1

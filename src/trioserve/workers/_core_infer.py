@@ -1,13 +1,13 @@
 """The INFERs of one front-end worker's link, in the core: an inference the worker
 decoded costs no task. It is submitted as its frame is read
-(``InferencePipeline.submit``; alike ones together as one request where their model
-allows, ``_coalesce.py``), its ticket notes it as finished (``Ticket.when_finished``),
-and one task (``LinkInferences.run``) answers every inference finished since its last
-turn in one ANSWER frame, and gives the input blocks read meanwhile back in one FREE. A
-CANCEL withdraws an inference's ticket from its model's queue: it finishes, and is not
-answered (the worker dropped it); one of a coalesced request is only not answered, and
-the request is withdrawn once all of its are. When the link closes, what it has in
-flight is withdrawn.
+(``InferencePipeline.submit``; the alike ones of an INFERS together as one request
+where their model allows, ``_coalesce.py``), its ticket notes it as finished
+(``Ticket.when_finished``), and one task (``LinkInferences.run``) answers every
+inference finished since its last turn in one ANSWER frame, and gives the input blocks
+read meanwhile back in one FREE. A CANCEL withdraws an inference's ticket from its
+model's queue: it finishes, and is not answered (the worker dropped it); one of a
+coalesced request is only not answered, and the request is withdrawn once all of its
+are. When the link closes, what it has in flight is withdrawn.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from ..ipc import Block, LinkClosed, SegmentMap
 from ..metrics import FORMAT_HEADER
 from ..rest import load_report_header
 from ..scheduler import ModelRunner
-from ._coalesce import Infer, alike, inline_outputs, responses, rows_of, stacked
+from ._coalesce import Infers, each, inline_outputs, responses, rows_of, stacked
 from ._wire import (
     ANSWER,
     FREE,
     INLINE_BYTES,
+    NO_CALL,
     OUTCOME,
     Outbound,
     OutputPayload,
@@ -67,7 +68,8 @@ class LinkInferences:
         self._peer = peer
         self._inferences: dict[int, _Inference | _Coalesced] = {}  # each INFER in flight
         self._finished: list[_Inference | _Coalesced] = []  # for ``run``'s next turn
-        self._outcomes: list[tuple[int, tuple[Any, ...], bool]] = []  # its next ANSWER's
+        # Its next ANSWER's: (call, or the calls of an OUTCOME of several, item, last).
+        self._outcomes: list[tuple[int | tuple[int, ...], tuple[Any, ...], bool]] = []
         self._outcome_blocks: list[OutputPayload] = []
         self._returned: list[Block] = []  # the inputs its outcomes' outputs lie in
         self._read: list[Block] = []  # input blocks done with, for its next FREE
@@ -89,45 +91,47 @@ class LinkInferences:
             inference.submitted.ticket.withdraw()
         return True
 
-    def submit_all(self, messages: list[Infer]) -> None:
-        """Submit a frame's INFERs (``submit``), alike ones as one request where their
-        model allows it (``_coalesce.py``), in the order of their groups' firsts."""
-        if len(messages) == 1:  # a frame of one (light load): nothing to group, no key
-            self.submit(*messages[0][1:])
-            return
-        for group in alike(messages):
-            runner = self._coalescing(group[0]) if len(group) > 1 else None
-            count = _together(runner, group[0]) if runner else 1
-            for start in range(0, len(group), max(count, 1)):
-                members = group[start : start + count]
-                if runner is not None and len(members) > 1:
-                    self._submit_coalesced(runner, members)
-                else:
-                    for message in members:
-                        self.submit(*message[1:])
+    def submit_rows(self, message: Infers) -> None:
+        """Submit the INFERs of an INFERS (alike ones, ``_coalesce.py``): as requests of
+        at most a batch of their rows where their model stacks its batches' rows itself,
+        else each on its own (``submit``), in order."""
+        calls = message[1]
+        runner = self._coalescing(message[3], message[4])
+        step = max(_together(runner, message), 1) if runner is not None else len(calls)
+        for start in range(0, len(calls), step):
+            stop = min(start + step, len(calls))
+            if runner is None or stop - start < 2 or not self._submit_coalesced(
+                runner, message, start, stop
+            ):  # fmt: skip
+                for infer in each(message, start, stop):
+                    self.submit(*infer[1:])
 
-    def _coalescing(self, message: Infer) -> ModelRunner | None:
-        """The runner that may take alike INFERs as ``message`` as one request, if any."""
+    def _coalescing(self, model: str, version: str) -> ModelRunner | None:
+        """The runner that may take alike INFERs to ``model`` as one request, if any."""
         try:
-            served = self._context.repository.get(message[3], message[4])
+            served = self._context.repository.get(model, version)
         except Exception:  # each is refused on its own
             return None
         return self._context.pipeline.coalescing(served)
 
-    def _submit_coalesced(self, runner: ModelRunner, members: list[Infer]) -> None:
-        coalesced = _Coalesced(self, runner, members)
+    def _submit_coalesced(
+        self, runner: ModelRunner, message: Infers, start: int, stop: int
+    ) -> bool:
+        """Submit INFERs ``start`` to ``stop`` of ``message`` as one request; False if
+        it is refused (their shapes, the model unloading): each goes on its own then."""
+        coalesced = _Coalesced(self, runner, message, start, stop)
         try:
-            request = stacked(members)
+            request = stacked(message, start, stop)
             coalesced.submitted = self._context.pipeline.submit_coalesced(
-                runner, request, len(members)
+                runner, request, stop - start
             )
-        except Exception:  # refused (their shapes, the model unloading): each on its own
-            for message in members:
-                self.submit(*message[1:])
-            return
-        for member in members:
-            self._inferences[member[1]] = coalesced
+        except Exception:
+            return False
+        inferences = self._inferences
+        for call in message[1][start:stop]:
+            inferences[call] = coalesced
         coalesced.submitted.ticket.when_finished(coalesced.finished)
+        return True
 
     def submit(
         self,
@@ -209,33 +213,37 @@ class LinkInferences:
                 self._answer_inference(inference)
 
     def _answer_coalesced(self, coalesced: _Coalesced) -> None:
-        """Add the answer of each INFER of a coalesced request that is not withdrawn:
-        its rows of the outputs, or the request's error."""
-        answered = coalesced.answered()
-        for member in answered:
-            del self._inferences[member[1]]
+        """Answer the INFERs of a coalesced request that are not withdrawn: one OUTCOME
+        of them all with the outputs' rows of all (the worker cuts each one's), each its
+        rows on its own (outputs that do not ride in the frame), or the error."""
+        message, start, stop = coalesced.message, coalesced.start, coalesced.stop
+        calls, ids, report = message[1][start:stop], message[5][start:stop], message[9]
+        withdrawn = coalesced.withdrawn
+        answered = [call for call in calls if call not in withdrawn] if withdrawn else calls
+        for call in answered:
+            del self._inferences[call]
         try:
             response = coalesced.submitted.finish()
         except Exception as exc:
             error = _error(exc)
-            for member in answered:
-                self._add_failure(member[1], member[3], member[4], error)
+            for call in answered:
+                self._add_failure(call, message[3], message[4], error)
             return
         if response is None:  # withdrawn: none is answered
             return
-        runner, members, withdrawn = coalesced.runner, coalesced.members, coalesced.withdrawn
-        cut = inline_outputs(response, members)
-        if cut is not None:  # the usual: small outputs, in the frame
-            for member, tensors in zip(members, cut, strict=True):
-                if member[1] not in withdrawn:
-                    self._add_tensors(member[1], response, member[5], tensors, runner, member[9])
+        runner, rows = coalesced.runner, rows_of(message)
+        tensors = inline_outputs(response, stop - start, rows)
+        if tensors is not None:  # the usual: small outputs, in the frame
+            if withdrawn:  # their rows stay in the outputs, under no call
+                calls = tuple([NO_CALL if call in withdrawn else call for call in calls])
+            self._add_tensors(calls, response, ids, tensors, runner, report)
             return
-        for member, own in responses(response, members):
-            if member[1] not in withdrawn:
+        for call, own in zip(calls, responses(response, ids, rows), strict=True):
+            if call not in withdrawn:
                 try:  # packed in blocks: the arena may be full
-                    self._add_outcome(member[1], own, runner, member[9], None)
+                    self._add_outcome(call, own, runner, report, None)
                 except Exception as exc:
-                    self._add_failure(member[1], member[3], member[4], _error(exc))
+                    self._add_failure(call, message[3], message[4], _error(exc))
 
     def _answer_inference(self, inference: _Inference) -> None:
         """Add a finished inference's answer to the next ANSWER (none if withdrawn: the
@@ -286,15 +294,16 @@ class LinkInferences:
 
     def _add_tensors(
         self,
-        call: int,
+        call: int | tuple[int, ...],
         response: InferenceResponse,
-        request_id: str,
+        request_id: str | tuple[str, ...],
         tensors: list[WireTensor[Any]],
         served: ServedModel,
         report: tuple[str, Any] | None,
     ) -> None:
         """Add the OUTCOME of ``response`` (its model, version and parameters) with
-        ``tensors`` under ``request_id``, and the load report asked for, if any."""
+        ``tensors`` under ``request_id``, and the load report asked for, if any (the
+        calls and ids of several INFERs whose rows ``tensors`` hold, in order)."""
         outcome = (
             OUTCOME, None, response.model_name, response.model_version, request_id,
             response.parameters, tensors,
@@ -427,30 +436,34 @@ class _Inference(_InFlight):
 
 
 class _Coalesced(_InFlight):
-    """Alike INFERs in flight as one request (``_coalesce.py``)."""
+    """INFERs ``start`` to ``stop`` of an INFERS in flight as one request."""
 
-    __slots__ = ("members", "runner", "withdrawn")
+    __slots__ = ("message", "runner", "start", "stop", "withdrawn")
 
-    def __init__(self, inferences: LinkInferences, runner: ModelRunner, members: list[Infer]):
+    def __init__(
+        self,
+        inferences: LinkInferences,
+        runner: ModelRunner,
+        message: Infers,
+        start: int,
+        stop: int,
+    ) -> None:
         self.inferences = inferences
         self.runner = runner
-        self.members = members
+        self.message = message
+        self.start = start
+        self.stop = stop
         self.withdrawn: set[int] = set()  # the calls not to answer (their clients left)
 
     def withdraw(self, call: int) -> None:
         """INFER ``call`` is not answered; the request is withdrawn once none is."""
         self.withdrawn.add(call)
-        if len(self.withdrawn) == len(self.members):
+        if len(self.withdrawn) == self.stop - self.start:
             self.submitted.ticket.withdraw()
 
-    def answered(self) -> list[Infer]:
-        """Its INFERs still to answer."""
-        withdrawn = self.withdrawn
-        return [m for m in self.members if m[1] not in withdrawn] if withdrawn else self.members
 
-
-def _together(runner: ModelRunner, message: Infer) -> int:
-    """How many INFERs alike ``message`` go in one request: as many rows as the model's
+def _together(runner: ModelRunner, message: Infers) -> int:
+    """How many INFERs of an INFERS go in one request: as many rows as the model's
     largest preferred batch size holds, or its max batch size (0 or 1: each goes alone,
     and one too large is refused as it would be alone)."""
     policy = runner.policy

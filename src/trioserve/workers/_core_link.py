@@ -3,9 +3,10 @@ through the same code a single process runs (the REST app, the gRPC method table
 every connection, whichever worker took it, gets the same answer.
 
 An INFER (an inference the worker decoded) costs no task: ``_core_infer`` submits it as
-its frame is read and answers it with the others finished in the same turn. Every other
-call runs in a task of its own. A CANCEL from the worker (its client left) withdraws it, as
-a client's disconnect does in one process: an INFER's ticket is withdrawn from its
+its frame is read and answers it with the others finished in the same turn; so do the
+INFERs of an INFERS (alike ones the worker sent as one). Every other call runs in a task
+of its own. A CANCEL from the worker (its client left) withdraws it, as a client's
+disconnect does in one process: an INFER's ticket is withdrawn from its
 model's queue, any other call's cancel scope is cancelled. When the link dies (the
 worker exited), every call of that worker is withdrawn or cancelled; other workers'
 calls go on. A SCRAPE gets the server's metric families as collected, which the worker
@@ -48,6 +49,7 @@ from ._wire import (
     HALF_CLOSE,
     HTTP,
     INFER,
+    INFERS,
     MESSAGE,
     PULL,
     REPLY,
@@ -98,18 +100,15 @@ class WorkerLink:
                 calls.start_soon(self._inferences.run)
                 try:
                     while True:
-                        infers: list[tuple[Any, ...]] = []  # submitted together
                         for message, fds in frames:  # a SEGMENTS frame has descriptors
                             message = unwrap(message, fds, self.peer) if fds else message
-                            if message[0] == INFER:
-                                infers.append(message)
-                                continue
-                            if infers:  # before what follows them (a CANCEL of one)
-                                self._inferences.submit_all(infers)
-                                infers = []
-                            self._dispatch(calls, message)
-                        if infers:
-                            self._inferences.submit_all(infers)
+                            kind = message[0]
+                            if kind == INFER:
+                                self._inferences.submit(*message[1:])
+                            elif kind == INFERS:
+                                self._inferences.submit_rows(message)
+                            else:
+                                self._dispatch(calls, message)
                         frames = await self.channel.receive()
                 except LinkClosed:
                     calls.cancel_scope.cancel()  # the worker's clients are gone with it

@@ -7,6 +7,10 @@ the core answers under the same number.
 worker -> core:
     (INFER, call, endpoint, model, version, id, parameters, inputs, outputs, report,
      trace_context)                                      an inference the worker decoded
+    (INFERS, calls, endpoint, model, version, ids, parameters, inputs, outputs, report)
+                                                         alike INFERs of one write
+                                                         (``_coalesce.py``): each input
+                                                         with the rows of all, joined
     (HTTP, call, method, path, query, headers, body)     a REST request (body decompressed)
     (GRPC, call, path, metadata, message)                a unary gRPC call
     (GRPC_STREAM, call, path, metadata)                  a streaming call opens
@@ -31,7 +35,10 @@ An INFER is answered by one ``(OUTCOME, error, model, version, id, parameters, o
 report)``: its tensors as ``(name, datatype, shape, payload, parameters)`` (raw, as the
 binary extension and gRPC carry them), ``error`` as ``(kind, message)`` or None,
 ``report`` the load report asked for (``("http", format)`` or ``("grpc", format)`` in
-the INFER: a header, or trailers). An HTTP call is answered by ``(START, status,
+the INFER: a header, or trailers). The INFERs of an INFERS are answered each so, or
+several by one item whose call is the tuple of their calls and whose OUTCOME has the
+tuple of their ids and each output's rows of them all, under one's shape (a call
+withdrawn meanwhile is ``NO_CALL`` there). An HTTP call is answered by ``(START, status,
 headers, compressible, data, more)`` (the head with the first body chunk; a
 ``compressible`` body comes whole, and the worker compresses it as its client accepts),
 then ``(BODY, data, more)`` items while ``more``; a gRPC call by one ``(END, status, message, trailers, reply)`` (a unary call's
@@ -69,8 +76,9 @@ from .._tensor import Datatype
 from ..ipc import Arena, ArenaFull, Block, SegmentMap, TrioChannel
 
 HTTP, GRPC, GRPC_STREAM, MESSAGE, HALF_CLOSE, CANCEL, FREE, COUNTERS, READY = range(9)
-CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER, SCRAPE = range(9, 16)
+CONFIG, ANSWER, PULL, DRAIN, SEGMENTS, INFER, SCRAPE, INFERS = range(9, 17)
 START, BODY, REPLY, END, OUTCOME = range(5)
+NO_CALL = 0  # in the calls of an OUTCOME of several: one withdrawn, not answered
 
 INLINE_BYTES = 64 * 1024  # below this a copy into the frame costs less than a block
 _ARENA_BYTES = 64 * 1024 * 1024  # the first segment of each side's arena
