@@ -50,9 +50,14 @@ def test_alike_inferences_go_as_one_infers_in_the_place_of_the_first() -> None:
     for index, (name, datatype, shape, joined, params) in enumerate(inputs):
         assert (name, datatype, shape, params) == (*alike[0][7][index][:3], {})
         assert joined == b"".join(message[7][index][3] for message in alike)
-    # The core takes them apart as they were sent (no trace context: none was merged).
-    assert list(each(infers, 0, 3)) == alike
+    # The core takes them apart as they were sent (no trace context: none was merged),
+    # each with parameters of its own.
+    apart = list(each(infers, 0, 3))
+    assert apart == alike
     assert list(each(infers, 1, 2)) == [alike[1]]
+    apart[0][6]["priority"] = 2
+    apart[0][7][0][4]["kept"] = True
+    assert apart[1][6] == {} and apart[1][7][0][4] == {}
 
 
 def test_inferences_that_differ_or_cannot_be_stacked_go_as_they_are() -> None:

@@ -107,17 +107,19 @@ def rows_of(message: Infers) -> int:
 
 
 def each(message: Infers, start: int, stop: int) -> Iterator[Infer]:
-    """The INFERs ``start`` to ``stop`` of an INFERS, each as it was sent alone."""
+    """The INFERs ``start`` to ``stop`` of an INFERS, each as it was sent alone, with
+    parameters of its own (a model may change one request's without touching another's)."""
     _, calls, endpoint, model, version, ids, parameters, inputs, outputs, report = message
     sizes = [len(joined) // len(calls) for *_, joined, _ in inputs]
     for index in range(start, stop):
         own = [
-            (name, type_name, shape, joined[index * size : (index + 1) * size], params)
+            (name, type_name, shape, joined[index * size : (index + 1) * size], dict(params))
             for (name, type_name, shape, joined, params), size in zip(inputs, sizes, strict=True)
         ]  # fmt: skip
+        asked = [(name, dict(params)) for name, params in outputs]
         yield (
-            INFER, calls[index], endpoint, model, version, ids[index], parameters, own,
-            outputs, report, None,
+            INFER, calls[index], endpoint, model, version, ids[index], dict(parameters), own,
+            asked, report, None,
         )  # fmt: skip
 
 
