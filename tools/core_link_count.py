@@ -46,12 +46,14 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
         (INFER, -call, "HTTP end point", "simple", "", "", {}, inputs, [], None, None)
         for call in range(1, per_frame + 1)
     ]
+    written = [(message, []) for message in infers]
     try:  # as the worker writes them: alike INFERs as one INFERS
         from trioserve.workers._coalesce import grouped
-    except ImportError:  # a build before INFERS
-        frame, _ = encode_frames([(message, []) for message in infers])
+    except ImportError:  # a build before INFERS: as they are
+        pass
     else:
-        frame, _ = encode_frames(grouped([(message, []) for message in infers]))
+        written = grouped(written)
+    frame, _ = encode_frames(written)
 
     async def main() -> None:
         models = [model for model in reference_zoo() if model.name == "simple"]
