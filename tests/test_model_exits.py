@@ -372,6 +372,7 @@ def _wait_for(lines: Any, pattern: str) -> str:
 
 CTRL_C_SCRIPT = """
 import faulthandler
+import signal
 import numpy as np
 import trio
 from trioserve import Model, ServerConfig, TensorSpec, serve
@@ -395,6 +396,10 @@ async def main():
             print("answered:", exc, flush=True)
         await trio.sleep_forever()
 
+# Python's Ctrl-C handler, as a program run from a terminal has it: a process started
+# with SIGINT ignored keeps ignoring it (trio then leaves it alone), and in the middle of
+# the suite this one sometimes was (an ignored signal passes to a child).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 # Stuck rather than stopped: every thread's stack on stderr (the test shows it), exit.
 faulthandler.dump_traceback_later(20, exit=True)
 trio.run(main)
