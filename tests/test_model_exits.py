@@ -396,9 +396,9 @@ async def main():
             print("answered:", exc, flush=True)
         await trio.sleep_forever()
 
-# Python's Ctrl-C handler, as a program run from a terminal has it: a process started
-# with SIGINT ignored keeps ignoring it (trio then leaves it alone), and in the middle of
-# the suite this one sometimes was (an ignored signal passes to a child).
+# Python's Ctrl-C handler, as a program run from a terminal has it: in the middle of the
+# suite this one sometimes found SIGINT ignored before trio started (by what, not found;
+# an ignored signal passes to a child), and trio leaves an ignored SIGINT ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 # Stuck rather than stopped: every thread's stack on stderr (the test shows it), exit.
 faulthandler.dump_traceback_later(20, exit=True)
