@@ -89,6 +89,13 @@ class Ticket(Protocol):
         waiting; it runs where the outcome is set, so it must not raise."""
         ...
 
+    def after_batch(self, flush: Callable[[], object], /) -> bool:
+        """Inside ``when_finished``'s callback: call ``flush`` once every request of the
+        batch this one finished in has its outcome, in the same turn of the event loop
+        (once per batch, however many of its requests ask: a front end answers them
+        together). False, and no call, where this request finished on its own."""
+        ...
+
     def outcome(self) -> InferenceResponse:
         """The response, or the error raised, only once: the ticket hands the error over
         and keeps no reference to it. The error's traceback holds the frames that hold

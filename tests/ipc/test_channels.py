@@ -351,3 +351,38 @@ async def test_a_full_read_reads_on_then_waits_when_nothing_follows(
     finally:
         channel.close()
         theirs.close()
+
+
+async def test_write_now_writes_at_once_or_leaves_the_rest_for_flush_in_order() -> None:
+    """``write_now`` (for code that cannot wait) writes frames whole when the socket takes
+    them; when it takes only a part, the rest waits for ``flush`` and goes out before
+    any frame sent after it, and frames given while that write is under way go with it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    channel = TrioChannel(ours)
+    peer = TrioChannel(theirs)
+    big = bytes(range(256)) * (4 * _frames.READ_BYTES // 256)  # more than the buffer
+    received: list[object] = []
+
+    async def receive(count: int) -> None:
+        while len(received) < count:
+            received.extend(message for message, _ in await peer.receive())
+
+    try:
+        assert channel.write_now([("one",), ("two",)])
+        assert channel.writes == 1 and channel.frames_sent == 2
+        await receive(2)
+        assert not channel.write_now([("big", big)])  # the socket took a part of it
+        assert not channel.write_now([("after",)])  # queued behind the rest: flush
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(channel.flush)  # waits for room as the peer reads
+            await trio.testing.wait_all_tasks_blocked()
+            assert channel.write_now([("during",)])  # the write under way sends it
+            await channel.send(("sent",))  # so does a send: no write of its own
+            nursery.start_soon(receive, 6)
+        assert received == [("one",), ("two",), ("big", big), ("after",), ("during",), ("sent",)]
+        channel.close()
+        with pytest.raises(LinkClosed):
+            channel.write_now([("closed",)])
+    finally:
+        channel.close()
+        peer.close()

@@ -252,3 +252,32 @@ async def test_a_finished_request_is_freed_without_the_garbage_collector(nursery
         assert output() is None
     finally:
         gc.enable()
+
+
+async def test_after_batch_runs_once_when_every_request_of_the_batch_has_its_outcome(
+    autojump_clock,
+):
+    """Owners of several requests of one batch (a worker's link) ask, from each request's
+    callback, for one call once the batch's requests all have their outcomes: it comes
+    once, right as the batch ends; a request that finishes on its own gets no call."""
+    recorder = Recorder(max_batch_size=4, max_queue_delay_microseconds=2000)
+    asked: list[tuple[int, bool]] = []  # (request, whether a call will come)
+    flushes: list[tuple[float, list[bool]]] = []  # (when, each ticket finished)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorder.runner.run)
+        tickets = [recorder.runner.submit(request(i)) for i in range(4)]
+
+        def flush() -> None:
+            flushes.append((trio.current_time(), [t.finished for t in tickets]))
+
+        for i, ticket in enumerate(tickets):
+            ticket.when_finished(lambda i=i, t=ticket: asked.append((i, t.after_batch(flush))))
+        tickets[3].withdraw()  # before the batcher saw it
+        await trio.testing.wait_all_tasks_blocked()
+        assert asked == [(3, False)] and flushes == []
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert [ids for _, ids in recorder.executions] == [[0, 1, 2]]
+    assert sorted(asked) == [(0, True), (1, True), (2, True), (3, False)]
+    assert flushes == [(0.002 + COMPUTE_S, [True, True, True, True])]
+    assert [t.response.outputs[0].data.item() for t in tickets[:3]] == [0, 10, 20]

@@ -180,6 +180,38 @@ async def test_the_answers_of_one_batch_go_in_one_frame(
     assert [set(calls) for calls in frames] == [{-1}, {-2, -3}]
 
 
+class _Steps(trio.abc.Instrument):
+    """Counts the steps of the tasks whose name ends with ``name``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.name):
+            self.steps += 1
+
+
+async def test_a_batch_is_answered_as_it_ends_not_a_turn_later(
+    autojump_clock: trio.abc.Clock, gate: GatedModel, worker: Worker
+) -> None:
+    """The ANSWER of a batch's inferences is written in the turn the batch ends (from its
+    runner, ``Ticket.after_batch``), not by the link's answering task a turn later: under
+    load that is a turn of the core's event loop per frame."""
+    gate.release.set()
+    await worker.infer(-1, 1.0)
+    assert await worker.answers() == [(-1, 1.0)]  # (the answering task waits by now)
+    steps = _Steps("LinkInferences.run")
+    trio.lowlevel.add_instrument(steps)
+    try:
+        await worker.send_together(_infer(-2, 2.0), _infer(-3, 3.0))
+        answers = await worker.answers()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+    assert sorted(answers) == [(-3, 3.0), (-2, 2.0)]
+    assert steps.steps == 0
+
+
 async def test_the_input_blocks_of_refused_inferences_go_back_once(
     autojump_clock: trio.abc.Clock, gate: GatedModel, worker: Worker
 ) -> None:

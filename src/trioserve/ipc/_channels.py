@@ -32,7 +32,8 @@ class TrioChannel:
     first lets the other ready tasks run, so that every frame of one turn of the event
     loop goes in one system call (for links that carry many small frames under load; it
     costs a scheduling round per write). ``merge``: what the frames of one write become
-    before they are encoded (the owner's, which may merge some into one).
+    before they are encoded (the owner's, which may merge some into one). ``write_now``
+    writes frames from code that cannot wait (a callback), or leaves them for ``flush``.
 
     It does its own non-blocking I/O on ``sock`` (a stdlib socket, made non-blocking),
     not through trio's socket wrapper: a link's peer answers every frame, so a read
@@ -53,6 +54,7 @@ class TrioChannel:
         self._merge = merge
         self._reader = FrameReader()
         self._pending: list[Outgoing] = []
+        self._rest = b""  # the end of a frame ``write_now`` wrote in part
         self._writing = False
         self._closed = False
         self._drained = True  # the last read took all the socket held: wait first
@@ -72,6 +74,30 @@ class TrioChannel:
         if owned:
             self._owned.update(fds)
         self._pending.append((message, fds))
+        await self.flush()
+
+    def write_now(self, messages: list[Any]) -> bool:
+        """Write frames without descriptors at once, without waiting: True if the socket
+        took them all, or a write under way will send them; False if the caller must
+        ``flush`` (soon: the frames, or the end of them the socket did not take, wait
+        for it, and every later frame behind them)."""
+        if self._closed:
+            raise LinkClosed("the link is closed")
+        if self._writing or self._pending or self._rest:
+            self._pending += [(message, ()) for message in messages]
+            return self._writing
+        data, _ = self._encode([(message, ()) for message in messages])
+        try:
+            written = self._write_now(data)
+        except OSError as exc:
+            raise LinkClosed(f"the peer is gone: {exc}") from None
+        if written == len(data):
+            return True
+        self._rest = data[written:]
+        return False
+
+    async def flush(self) -> None:
+        """Write every frame waiting to go, unless a write under way is writing them."""
         if self._writing:
             return
         self._writing = True
@@ -82,13 +108,13 @@ class TrioChannel:
                 # schedule point that no cancellation interrupts, without the cost of a
                 # shielded scope.)
                 await trio.lowlevel.cancel_shielded_checkpoint()
+            if self._rest:  # what ``write_now`` could not write goes first
+                rest, self._rest = self._rest, b""
+                with trio.CancelScope(shield=True):
+                    await self._write(rest, [])
             while self._pending:
                 batch, self._pending = self._pending, []
-                if self._merge is not None and len(batch) > 1:
-                    batch = self._merge(batch)
-                data, all_fds = encode_frames(batch)
-                self.frames_sent += len(batch)
-                self.writes += 1
+                data, all_fds = self._encode(batch)
                 if not all_fds:
                     # Most frames fit the socket's buffer: written at once, they need
                     # neither a trip through the event loop nor a shielded scope.
@@ -107,6 +133,14 @@ class TrioChannel:
             raise LinkClosed(f"the peer is gone: {exc}") from None
         finally:
             self._writing = False
+
+    def _encode(self, batch: list[Outgoing]) -> tuple[bytes, list[int]]:
+        """The bytes of one write of ``batch``, and their descriptors."""
+        if self._merge is not None and len(batch) > 1:
+            batch = self._merge(batch)
+        self.frames_sent += len(batch)
+        self.writes += 1
+        return encode_frames(batch)
 
     def _close_owned(self, fds: Sequence[int]) -> None:
         if self._owned:

@@ -1,5 +1,5 @@
-"""What an execution of a batch gave the runner (``_runner.py``), and the checks and clock
-its worker thread uses."""
+"""What an execution of a batch gave the runner (``_runner.py``), made of the model's
+results, and the checks and clock its worker thread uses."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ from typing import NamedTuple
 import trio
 
 from .._errors import InferenceServerError, InternalError
-from .._model import Result
+from .._model import Model, Result
 from .._stats import ExecutionTimes
-from .._types import InferenceResponse
-from ._ticket import Ticket
+from .._types import InferenceRequest, InferenceResponse
+from ._responses import response_of
+from ._ticket import Ticket, model_error
 
 
 class Executed(NamedTuple):
@@ -33,3 +34,35 @@ def thread_clock() -> Callable[[], int]:
     """``now_ns`` for a worker thread, which cannot ask trio: the run's clock itself."""
     clock = trio.lowlevel.current_clock()
     return lambda: round(clock.current_time() * 1e9)
+
+
+def executed_batch(
+    model: Model,
+    version: str,
+    batch: list[Ticket],
+    dequeued_ns: int,
+    input_ready_ns: int,
+    results: Sequence[Result],
+    now: Callable[[], int],
+) -> Executed:
+    """The batch's responses (or each one's error) and its execution times."""
+    executed_ns = now()
+    responses = [
+        _response_or_error(model, version, ticket.request, result)
+        for ticket, result in zip(batch, results, strict=True)
+    ]
+    times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, now())
+    return Executed(batch, times, responses)
+
+
+def _response_or_error(
+    model: Model, version: str, request: InferenceRequest, result: Result
+) -> InferenceResponse | InferenceServerError:
+    """A result whose outputs do not fit the model's config fails its own request only,
+    not the others of its batch."""
+    if isinstance(result, InferenceServerError):
+        return result
+    try:
+        return response_of(model, version, request, result)
+    except Exception as exc:
+        return model_error(model.name, exc)

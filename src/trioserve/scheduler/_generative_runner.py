@@ -110,6 +110,9 @@ class _CollectedTicket:
         else:
             self._on_finished = callback
 
+    def after_batch(self, flush: Callable[[], object]) -> bool:
+        return False  # a generation finishes on its own
+
     def _set_done(self) -> None:
         self._done.set()
         callback, self._on_finished = self._on_finished, None

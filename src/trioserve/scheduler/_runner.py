@@ -19,9 +19,9 @@ is up again (``_stays_down``), unless every other instance is down too.
 
 Every request ends in ``_resolve``, exactly once: a response, or an error whose kind says
 why (model failure, full queue, timeout in queue, cancellation). ``_finish`` resolves a
-request and records its statistics (``_stats.py`` names the timestamps it uses); the
-requests an execution answers as its outputs are ready, the usual case, are resolved by
-``_complete``, which records their statistics together.
+request and records its statistics (``_stats.py`` names the timestamps it uses); those an
+execution answers, the usual case, are resolved by ``_complete``, which records their
+statistics together, then calls what their owners asked to run after (``after_batch``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from itertools import filterfalse
 from typing import ClassVar, cast
 
@@ -39,18 +40,17 @@ from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._load_facts import LoadFacts, QueueState
 from .._model import MODEL_INSTANCE, FunctionModel, Model, Result
 from .._model_code import model_failure, raise_failure
-from .._stats import ExecutionTimes, FailureReason, ModelStatistics, ModelStats
+from .._stats import FailureReason, ModelStatistics, ModelStats
 from .._types import InferenceRequest, InferenceResponse
 from .._validation import validate_request
 from ._batching import Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
-from ._executed import Executed, check_count, thread_clock
+from ._executed import Executed, check_count, executed_batch, thread_clock
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook, unload
 from ._policy import policy_for
-from ._responses import response_of
 from ._ticket import (
     FINISHED,
     REQUEST,
@@ -120,6 +120,10 @@ class ModelRunner:
         # What ``now_ns`` reads, asked directly for each arrival once the runner runs:
         # ``trio.current_time`` reaches it through two more Python calls.
         self._clock: Callable[[], float] = trio.current_time
+        self._executed = partial(executed_batch, model, version)  # (a batch, its times)
+        # While ``_complete`` finishes a batch's requests: what their owners asked to run
+        # once all have their outcomes (``after_batch``), each once.
+        self._after_batch: list[Callable[[], object]] | None = None
 
     @property
     def name(self) -> str:
@@ -453,22 +457,6 @@ class ModelRunner:
             dequeued_ns = now()
             token.run_sync_soon(self._complete_soon, executed)
 
-    def _executed(
-        self,
-        batch: list[Ticket],
-        dequeued_ns: int,
-        input_ready_ns: int,
-        results: Sequence[Result],
-        now: Callable[[], int],
-    ) -> Executed:
-        """The batch's responses (or each one's error) and its execution times."""
-        executed_ns = now()
-        responses = [
-            self._response_or_error(p.request, out) for p, out in zip(batch, results, strict=True)
-        ]
-        times = ExecutionTimes(dequeued_ns, input_ready_ns, executed_ns, now())
-        return Executed(batch, times, responses)
-
     def _complete_soon(self, executed: Executed) -> None:
         # Called by trio between tasks, where an exception would end the whole run.
         try:
@@ -478,8 +466,30 @@ class ModelRunner:
         except Exception:
             logger.exception("model %r: completing a batch failed", self.name)
 
+    def after_batch(self, flush: Callable[[], object]) -> bool:
+        """Inside a finished request's callback (``Ticket.when_finished``): call ``flush``
+        once every request of the batch it finished in has its outcome, in this turn of
+        the event loop, once however many of them ask. False, and no call, for a request
+        that finished on its own (withdrawn, timed out, refused, shut down)."""
+        waiting = self._after_batch
+        if waiting is None:
+            return False
+        if flush not in waiting:
+            waiting.append(flush)
+        return True
+
     def _complete(self, executed: Executed) -> None:
-        """Record an executed batch and hand each request its outcome."""
+        """Record an executed batch and hand each request its outcome; then call what
+        their owners asked to run after (``after_batch``)."""
+        self._after_batch = waiting = list[Callable[[], object]]()
+        try:
+            self._complete_batch(executed)
+        finally:
+            self._after_batch = None
+            for flush in waiting:
+                flush()
+
+    def _complete_batch(self, executed: Executed) -> None:
         batch, times, responses, error = executed
         if times is None or responses is None:
             assert error is not None
@@ -528,18 +538,6 @@ class ModelRunner:
             return await trio.to_thread.run_sync(self.model.execute, requests)
         except BaseException as exc:
             raise_failure(exc, self.name, "in execute")
-
-    def _response_or_error(
-        self, request: InferenceRequest, result: Result
-    ) -> InferenceResponse | InferenceServerError:
-        """A result whose outputs do not fit the model's config fails its own request
-        only, not the others of its batch."""
-        if isinstance(result, InferenceServerError):
-            return result
-        try:
-            return response_of(self.model, self.version, request, result)
-        except Exception as exc:
-            return model_error(self.name, exc)
 
     def _store_in_cache(self, key: bytes, lookup_ns: int, response: InferenceResponse) -> None:
         assert self._cache is not None

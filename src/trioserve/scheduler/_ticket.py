@@ -22,8 +22,10 @@ from ._decoupled import DecoupledResponses
 logger = logging.getLogger("trioserve.scheduler")
 
 
-class _Withdraws(Protocol):
+class _Runner(Protocol):
     def withdraw(self, ticket: Ticket) -> None: ...
+
+    def after_batch(self, flush: Callable[[], object]) -> bool: ...
 
 
 @dataclass(eq=False, slots=True)
@@ -39,7 +41,7 @@ class Ticket:
 
     request: InferenceRequest
     item: QueuedItem
-    runner: _Withdraws
+    runner: _Runner
     finished: bool = False
     response: InferenceResponse | None = None
     error: InferenceServerError | None = None
@@ -71,6 +73,12 @@ class Ticket:
             callback()
         else:
             self._on_finished = callback
+
+    def after_batch(self, flush: Callable[[], object]) -> bool:
+        """Inside ``when_finished``'s callback: call ``flush`` once every request of the
+        batch this one finished in has its outcome (once per batch, however many of
+        them ask); False, and no call, where this request finished on its own."""
+        return self.runner.after_batch(flush)
 
     def _resolve(
         self, response: InferenceResponse | None, error: InferenceServerError | None

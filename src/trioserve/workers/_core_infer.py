@@ -2,9 +2,12 @@
 decoded costs no task. It is submitted as its frame is read
 (``InferencePipeline.submit``; the alike ones of an INFERS together as one request
 where their model allows, ``_coalesce.py``), its ticket notes it as finished
-(``Ticket.when_finished``), and one task (``LinkInferences.run``) answers every
-inference finished since its last turn in one ANSWER frame, and gives the input blocks
-read meanwhile back in one FREE. A CANCEL withdraws an inference's ticket from its
+(``Ticket.when_finished``), and the inferences of one batch are answered in one ANSWER
+frame as the batch ends (``Ticket.after_batch``), in the same turn of the event loop,
+with the input blocks read meanwhile given back in one FREE. Where that cannot be done
+at once (a write under way, a payload in a block, an inference that finished on its
+own), one task (``LinkInferences.run``) answers every inference finished since its last
+turn. A CANCEL withdraws an inference's ticket from its
 model's queue: it finishes, and is not answered (the worker dropped it); one of a
 coalesced request is only not answered, and the request is withdrawn once all of its
 are. When the link closes, what it has in flight is withdrawn.
@@ -190,17 +193,45 @@ class LinkInferences:
                     return  # the worker is gone; its link withdraws the rest
 
     async def _send_answers(self) -> None:
+        await self._out.channel.flush()  # what ``_answer_now`` left to write
         self._answer_finished()
+        blocks, self._outcome_blocks = self._outcome_blocks, []
+        frames = self._take_frames()
+        for frame in frames[:-1]:
+            await self._out.send(frame)
+        if frames:
+            await self._out.send(frames[-1], *blocks)
+
+    def _answer_now(self) -> None:
+        """After a batch in which inferences of this link finished (in its runner's
+        turn): answer them now, rather than wake ``run`` for a turn of its own, where the
+        frame is written at once (its outputs all in it, no write under way)."""
+        if self._answerer is None:  # woken already, or writing: it answers these too
+            return
+        try:  # (inside the runner: what goes wrong here is the link's alone)
+            self._answer_finished()
+            # Blocks of the core's arena may need announcing, with their descriptors.
+            if not self._outcome_blocks and self._out.channel.write_now(self._take_frames()):
+                return
+        except LinkClosed:
+            pass  # ``run`` finds it closed too, and ends
+        except Exception:
+            logger.exception("answering a worker's inferences failed")
+        self._wake_answerer()
+
+    def _take_frames(self) -> list[tuple[Any, ...]]:
+        """The FREE of the input blocks read and the ANSWER of the outcomes, taken."""
+        frames: list[tuple[Any, ...]] = []
         freed, self._read = self._read, []
         outcomes, self._outcomes = self._outcomes, []
-        blocks, self._outcome_blocks = self._outcome_blocks, []
         returned, self._returned = self._returned, []
         if freed:
-            await self._out.send((FREE, freed))
+            frames.append((FREE, freed))
         if returned:  # the worker keeps them for the answers, whenever they are freed
-            await self._out.send((ANSWER, outcomes, returned), *blocks)
+            frames.append((ANSWER, outcomes, returned))
         elif outcomes:
-            await self._out.send((ANSWER, outcomes), *blocks)
+            frames.append((ANSWER, outcomes))
+        return frames
 
     def _answer_finished(self) -> None:
         # A method of its own: nothing of these inferences stays in the frame of the
@@ -386,11 +417,13 @@ class _InFlight:
     submitted: Submitted
 
     def finished(self) -> None:
-        """Its ticket has its outcome (called inside its model's runner): ``run``'s
-        next turn answers it."""
+        """Its ticket has its outcome (called inside its model's runner): answered as
+        its batch ends, else in ``run``'s next turn."""
         inferences = self.inferences
         inferences._finished.append(self)  # type: ignore[arg-type]  # a subclass
-        if inferences._answerer is not None:
+        if inferences._answerer is not None and not self.submitted.ticket.after_batch(
+            inferences._answer_now
+        ):
             inferences._wake_answerer()
 
 
