@@ -54,3 +54,20 @@ async def test_a_queued_item_survives_a_cancelled_get() -> None:
     with trio.CancelScope() as scope:
         scope.cancel()
         assert await handoff.get() == 9  # taken before the checkpoint, so returned
+
+
+async def test_waiting_says_whether_a_consumer_is_parked() -> None:
+    handoff = Handoff[int]()
+    got: list[int] = []
+
+    async def consume() -> None:
+        got.append(await handoff.get())
+
+    assert not handoff.waiting
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        assert handoff.waiting
+        handoff.put(7)
+        assert not handoff.waiting  # handed over: no longer waiting
+    assert got == [7]

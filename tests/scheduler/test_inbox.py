@@ -59,3 +59,32 @@ async def test_one_consumer_only() -> None:
         with pytest.raises(RuntimeError, match="one consuming task"):
             await inbox.take()
         inbox.put(0)
+
+
+async def test_sleeping_means_waiting_with_no_deadline_and_quiet_puts_wake_no_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``sleeping`` is true only while the consumer waits with no deadline; an item put
+    quietly stays for ``take_nowait`` (or the consumer's next take) and wakes no one."""
+    inbox = Inbox[int]()
+    taken: list[list[int]] = []
+
+    async def consume(deadline: float) -> None:
+        taken.append(await inbox.take(deadline))
+
+    assert not inbox.sleeping
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume, trio.current_time() + 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not inbox.sleeping  # a deadline: it wakes by itself
+    assert taken == [[]]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume, math.inf)
+        await trio.testing.wait_all_tasks_blocked()
+        assert inbox.sleeping
+        inbox.put_quietly(1)
+        await trio.sleep(5)
+        assert inbox.sleeping and taken == [[]]
+        assert inbox.take_nowait() == [1] and inbox.take_nowait() == []
+        inbox.put(2)
+    assert taken == [[], [2]] and not inbox.sleeping

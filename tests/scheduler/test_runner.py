@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import numpy as np
@@ -281,3 +282,33 @@ async def test_after_batch_runs_once_when_every_request_of_the_batch_has_its_out
     assert sorted(asked) == [(0, True), (1, True), (2, True), (3, False)]
     assert flushes == [(0.002 + COMPUTE_S, [True, True, True, True])]
     assert [t.response.outputs[0].data.item() for t in tickets[:3]] == [0, 10, 20]
+
+
+async def test_an_idle_instance_decides_in_the_batchers_stead(autojump_clock):
+    """Requests that find the batcher asleep with nothing timed and an instance idle are
+    batched by that instance as it next runs, as the batcher would have then (those of
+    one turn together), without a turn of the batcher's own; those that arrive while
+    every instance is busy wait for the batcher as before."""
+    recorder = Recorder(max_batch_size=4)
+    inbox = recorder.runner._inbox
+    take, woken = inbox.take, []
+
+    async def counted_take(deadline: float = math.inf) -> list[object]:
+        items = await take(deadline)
+        woken.append(items)  # the batcher's wake-ups
+        return items
+
+    inbox.take = counted_take  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorder.runner.run)
+        await trio.testing.wait_all_tasks_blocked()  # the instance waits for a batch
+        first = [recorder.runner.submit(request(i)) for i in range(3)]
+        await trio.testing.wait_all_tasks_blocked()
+        woken_while_idle = len(woken)
+        await trio.sleep(COMPUTE_S / 2)  # the instance is busy
+        later = [recorder.runner.submit(request(i)) for i in range(3, 5)]
+        await trio.sleep(COMPUTE_S * 3)
+        nursery.cancel_scope.cancel()
+    assert woken_while_idle == 0 and len(woken) == 1
+    assert recorder.executions == [(0.0, [0, 1, 2]), (COMPUTE_S, [3, 4])]
+    assert [t.response.outputs[0].data.item() for t in first + later] == [0, 10, 20, 30, 40]

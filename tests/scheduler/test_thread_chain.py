@@ -99,7 +99,7 @@ async def test_batches_prefetched_while_the_thread_works_run_in_that_same_call(t
     subject = ThreadModel()
     assert await _serve_three(subject) == [10, 20, 30]
     assert subject.executions == [[1], [2], [3]]
-    assert thread_calls == ["_execute_chain"]  # one trip to the thread for all three
+    assert thread_calls == ["execute_chain"]  # one trip to the thread for all three
     statistics = subject.runner.inference_statistics()
     assert (statistics.execution_count, statistics.success.count) == (3, 3)
 

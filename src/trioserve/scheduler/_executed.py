@@ -1,19 +1,22 @@
 """What an execution of a batch gave the runner (``_runner.py``), made of the model's
-results, and the checks and clock its worker thread uses."""
+results; a sync model's worker thread, which runs the batches prefetched for it back to
+back (``execute_chain``), and the checks and clock it uses."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import trio
 
 from .._errors import InferenceServerError, InternalError
 from .._model import Model, Result
+from .._model_code import model_failure
 from .._stats import ExecutionTimes
 from .._types import InferenceRequest, InferenceResponse
 from ._responses import response_of
-from ._ticket import Ticket, model_error
+from ._ticket import REQUEST, Ticket, model_error
 
 
 class Executed(NamedTuple):
@@ -66,3 +69,40 @@ def _response_or_error(
         return response_of(model, version, request, result)
     except Exception as exc:
         return model_error(model.name, exc)
+
+
+def execute_chain(
+    model: Model,
+    version: str,
+    prefetched: deque[list[Ticket]],
+    complete_soon: Callable[[Executed], object],
+    batch: list[Ticket],
+    dequeued_ns: int,
+    now: Callable[[], int],
+    token: trio.lowlevel.TrioToken,
+) -> Executed:
+    """In a worker thread: execute ``batch``, then each batch prefetched meanwhile, back
+    to back; every outcome but the last is completed by the event loop as soon as it can
+    (``complete_soon``), the last by the instance's task (the return value).
+
+    Taking the next batch here, not from the instance's task, is what keeps a busy model
+    busy under overload: the task would resume only after two turns of the event loop,
+    each as long as it takes to answer every ready connection.
+    """
+    while True:
+        input_ready_ns = now()
+        try:
+            results = cast(Sequence[Result], model.execute(list(map(REQUEST, batch))))
+            check_count(results, batch)
+            executed = executed_batch(
+                model, version, batch, dequeued_ns, input_ready_ns, results, now
+            )
+        except BaseException as exc:  # in a worker thread: always the model's
+            failure = model_failure(exc, model.name, "in execute")
+            executed = Executed(batch, error=model_error(model.name, failure))
+        try:
+            batch = prefetched.popleft()
+        except IndexError:
+            return executed
+        dequeued_ns = now()
+        token.run_sync_soon(complete_soon, executed)

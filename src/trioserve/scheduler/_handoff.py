@@ -31,6 +31,11 @@ class Handoff(Generic[T]):
         else:
             self._items.append(item)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a consumer is parked in ``get``."""
+        return bool(self._consumers)
+
     def take_nowait(self) -> T | None:
         """An item already handed over (e.g. by this consumer itself), without waiting."""
         return self._items.popleft() if self._items else None

@@ -21,9 +21,24 @@ class Inbox(Generic[T]):
     def __init__(self) -> None:
         self._items: list[T] = []
         self._consumer: trio.lowlevel.Task | None = None
+        self._forever = False  # the consumer waits with no deadline
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the consumer waits for an item with no deadline."""
+        return self._forever and self._consumer is not None
+
+    def put_quietly(self, item: T) -> None:
+        """Put ``item`` without waking the consumer (someone else takes it)."""
+        self._items.append(item)
+
+    def take_nowait(self) -> list[T]:
+        """Everything put so far, oldest first, without waiting."""
+        items, self._items = self._items, []
+        return items
 
     def put(self, item: T) -> None:
         """Never blocks."""
@@ -44,13 +59,13 @@ class Inbox(Generic[T]):
             if self._consumer is not None:
                 raise RuntimeError("Inbox.take is for one consuming task")
             self._consumer = trio.lowlevel.current_task()
+            self._forever = deadline == math.inf
             if deadline == math.inf:
                 await trio.lowlevel.wait_task_rescheduled(self._abort)
             else:
                 with trio.move_on_at(deadline):
                     await trio.lowlevel.wait_task_rescheduled(self._abort)
-        items, self._items = self._items, []
-        return items
+        return self.take_nowait()
 
     def _abort(self, _: object) -> trio.lowlevel.Abort:
         self._consumer = None

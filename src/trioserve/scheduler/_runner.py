@@ -9,7 +9,7 @@ while requests wait decides at once itself (``_dispatch``), then wakes the batch
 Under load, every turn of the event loop answers every ready connection, and each step
 from a finished execution to the next one waited for such a turn. So a sync model's
 worker thread runs back to back the full batches prefetched for it while it works
-(``_execute_chain``), and ``admit`` refuses what a full queue would refuse before the
+(``_executed.execute_chain``), and ``admit`` refuses what a full queue would refuse before the
 front end decodes it: at ten times the clients a model can serve, it still completes
 more than nine tenths of its peak (``tools/overload_bench.py``).
 
@@ -39,14 +39,14 @@ import trio
 from .._errors import CancelledError, InferenceServerError, UnavailableError
 from .._load_facts import LoadFacts, QueueState
 from .._model import MODEL_INSTANCE, FunctionModel, Model, Result
-from .._model_code import model_failure, raise_failure
+from .._model_code import raise_failure
 from .._stats import FailureReason, ModelStatistics, ModelStats
 from .._types import InferenceRequest, InferenceResponse
 from .._validation import validate_request
 from ._batching import Dispatch, QueuedItem, RequestQueue, Wait, decide
 from ._cache import ResponseCache, cache_key
 from ._clock import now_ns, ns_to_seconds
-from ._executed import Executed, check_count, executed_batch, thread_clock
+from ._executed import Executed, check_count, execute_chain, executed_batch, thread_clock
 from ._handoff import Handoff
 from ._inbox import Inbox
 from ._model_calls import call_hook, unload
@@ -70,7 +70,7 @@ class ModelRunner:
     """One model version's task tree and the front ends' way into it."""
 
     # Whether a sync model's worker thread runs prefetched batches back to back
-    # (_execute_chain); runners that execute their own way turn it off.
+    # (execute_chain); runners that execute their own way turn it off.
     _chains_batches: ClassVar[bool] = True
     # Whether any instance may run any batch (not so for sequences, kept to theirs).
     _instances_alike: ClassVar[bool] = True
@@ -101,6 +101,10 @@ class ModelRunner:
         self._inbox = Inbox[Ticket | Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
         self._batches = Handoff[tuple[list[Ticket], int]]()
+        # Whether an idle instance may decide in the batcher's stead (``_post``): not
+        # where a subclass's batch loop is its own.
+        self._instances_decide = type(self)._batch_loop is ModelRunner._batch_loop
+        self._deciding = False  # an instance was handed _DECIDE and has not run yet
         self._execute_is_async = False  # settled once the model is loaded
         self._idle = model.instance_count
         # Instances down (``Model.instance_down``), neither idle nor busy; only models
@@ -110,7 +114,7 @@ class ModelRunner:
         self._watches_instances = self._instances_alike and self._may_go_down
         self._queue = RequestQueue(self.policy.priority_levels)
         # Batches decided while every instance was busy, for the first worker thread that
-        # finishes to run next without a trip through the event loop (see _execute_chain).
+        # finishes to run next without a trip through the event loop (see execute_chain).
         self._prefetched: deque[list[Ticket]] = deque()
         self._threads_running = 0
         self._changes = trio.lowlevel.ParkingLot()  # woken whenever statistics() may change
@@ -187,8 +191,22 @@ class ModelRunner:
         item.payload = ticket
         if self._cache is not None and self._answer_from_cache(ticket):
             return ticket
-        self._inbox.put(ticket)
+        self._post(ticket)
         return ticket
+
+    def _post(self, ticket: Ticket) -> None:
+        """Queue ``ticket`` for the next decision. Where the batcher sleeps with nothing
+        timed and an instance is idle, that instance decides in its stead as it next
+        runs, as the batcher would have then, and runs the batch: a turn of the event
+        loop less per batch (a batcher's wake-up, then the instance's)."""
+        if self._deciding:
+            self._inbox.put_quietly(ticket)
+        elif self._instances_decide and self._inbox.sleeping and self._batches.waiting:
+            self._inbox.put_quietly(ticket)
+            self._deciding = True
+            self._batches.put(_DECIDE)
+        else:
+            self._inbox.put(ticket)
 
     def _answer_from_cache(self, ticket: Ticket) -> bool:
         """Finish ``ticket`` from the response cache if it holds the answer; on a miss,
@@ -337,6 +355,9 @@ class ModelRunner:
             handed = self._batches.take_nowait()
             batch, dequeued_ns = handed if handed is not None else await self._batches.get()
             del handed
+            if not batch:  # _DECIDE (``_post``): as the batcher, then take what it decided
+                self._decide_here()
+                continue
             if self._watches_instances and self._stays_down(index, batch, dequeued_ns):
                 del batch
                 await self._while_down(index)
@@ -357,6 +378,15 @@ class ModelRunner:
                 self._dispatch(now_ns())
                 if self._waiting():  # for the other instances, or a batch still forming
                     self._inbox.put(WAKE)
+
+    def _decide_here(self) -> None:
+        self._deciding = False
+        self._handle_all(self._inbox.take_nowait())
+        now = now_ns()
+        while isinstance(decision := self._dispatch(now), Dispatch):
+            pass  # (for the other idle instances too)
+        if decision.until_ns is not None:  # a batch forming, a timeout: the batcher waits
+            self._inbox.put(WAKE)
 
     def _stays_down(self, index: int, batch: list[Ticket], dequeued_ns: int) -> bool:
         """Whether instance ``index`` cannot run ``batch`` while another can: the batch
@@ -402,7 +432,8 @@ class ModelRunner:
                 try:
                     now = thread_clock()
                     executed = await trio.to_thread.run_sync(
-                        self._execute_chain, batch, dequeued_ns, now,
+                        execute_chain, self.model, self.version, self._prefetched,
+                        self._complete_soon, batch, dequeued_ns, now,
                         trio.lowlevel.current_trio_token(),
                     )  # fmt: skip
                 finally:
@@ -425,37 +456,6 @@ class ModelRunner:
         """Whether an executed request stays to run again (an iterative sequence's step)
         rather than end with this execution."""
         return False
-
-    def _execute_chain(
-        self,
-        batch: list[Ticket],
-        dequeued_ns: int,
-        now: Callable[[], int],
-        token: trio.lowlevel.TrioToken,
-    ) -> Executed:
-        """In a worker thread: execute ``batch``, then each batch prefetched meanwhile,
-        back to back; every outcome but the last is completed by the event loop as soon
-        as it can, the last by the instance's task (the return value).
-
-        Taking the next batch here, not from the instance's task, is what keeps a busy
-        model busy under overload: the task would resume only after two turns of the
-        event loop, each as long as it takes to answer every ready connection.
-        """
-        while True:
-            input_ready_ns = now()
-            try:
-                results = cast(Sequence[Result], self.model.execute(list(map(REQUEST, batch))))
-                check_count(results, batch)
-                executed = self._executed(batch, dequeued_ns, input_ready_ns, results, now)
-            except BaseException as exc:  # in a worker thread: always the model's
-                failure = model_failure(exc, self.name, "in execute")
-                executed = Executed(batch, error=model_error(self.name, failure))
-            try:
-                batch = self._prefetched.popleft()
-            except IndexError:
-                return executed
-            dequeued_ns = now()
-            token.run_sync_soon(self._complete_soon, executed)
 
     def _complete_soon(self, executed: Executed) -> None:
         # Called by trio between tasks, where an exception would end the whole run.
@@ -596,3 +596,4 @@ class ModelRunner:
 # the event loop puts the next one there while the thread runs that one, a turn of the
 # loop later; a second covers turns longer than an execution.
 _PREFETCH_DEPTH = 2
+_DECIDE: tuple[list[Ticket], int] = ([], 0)  # an instance's batch: decide, then take one
