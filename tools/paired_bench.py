@@ -10,6 +10,10 @@ new side only, to measure what a setting costs::
 
     python tools/paired_bench.py src src --new-flag=--trace-config=level=TIMESTAMPS
 
+and ``--old-flag`` to the old side only; both, to compare two builds run the same way
+(``--old-flag=--workers=1 --new-flag=--workers=1``: the forwarded path). A server's CPU
+is that of all its processes (its workers and model processes too).
+
 The machine's speed drifts (a shared virtual machine: by a third from minute to minute),
 so throughput measured in turns compares the moments as much as the builds. Here both
 servers run at once, pinned to the same core, each under its own wrk (HTTP JSON,
@@ -18,7 +22,7 @@ moments alike. ``--mode big-shm`` sends ``bench.py``'s 16 MiB ``identity_fp32`` 
 trip through system shared memory instead, each server with regions of its own;
 ``--mode grpc`` sends ModelInfer of ``simple`` by h2load (``--connections`` connections,
 one call at a time on each); ``--mode generate-stream`` posts ``tiny_lm``'s
-``generate_stream`` (8 tokens, server-sent events) by wrk. Each server's CPU time (user + system, from ``/proc/PID/stat``) divided by
+``generate_stream`` (8 tokens, server-sent events) by wrk. Each server's CPU time (user + system, from ``/proc/PID/stat``, its processes') divided by
 the requests it answered is its cost per request; the ratio of the two costs is the
 figure to read. Two copies of one build give a ratio within about 2% of 1.
 
@@ -44,10 +48,10 @@ from bench import (
     _free_port,
     _wait_ready,
     big_regions,
+    cpu_seconds,
     grpc_request,
     http_body,
     model_of,
-    process_cpu_seconds,
 )
 
 MODES = ("http-json", "big-shm", "grpc", "generate-stream")
@@ -134,13 +138,13 @@ def _round(sides: list[Side], args: argparse.Namespace, tmp: Path) -> list[float
         if args.mode == "big-shm":
             for _, port, _ in servers:
                 stack.enter_context(big_regions(f"127.0.0.1:{port}"))
-        before = [process_cpu_seconds(process.pid) for process, _, _ in servers]
+        before = [cpu_seconds(process.pid) for process, _, _ in servers]
         loads = [
             subprocess.Popen(_load(args, tmp, port, grpc_port), stdout=subprocess.PIPE, text=True)
             for _, port, grpc_port in servers
         ]
         outputs = [load.communicate()[0] for load in loads]
-        after = [process_cpu_seconds(process.pid) for process, _, _ in servers]
+        after = [cpu_seconds(process.pid) for process, _, _ in servers]
     return [
         1e6 * (end - start) / _answered(output)
         for output, start, end in zip(outputs, before, after, strict=True)
@@ -177,12 +181,19 @@ def main() -> None:
         metavar="FLAG",
         help="a trioserve run flag for the new side only (repeatable)",
     )
+    parser.add_argument(
+        "--old-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="a trioserve run flag for the old side only (repeatable)",
+    )
     parser.add_argument("--server-cpus", default="0")
     parser.add_argument("--client-cpus", default="1")
     parser.add_argument("--old-python", default=sys.executable, help="the old side's interpreter")
     parser.add_argument("--new-python", default=sys.executable, help="the new side's interpreter")
     args = parser.parse_args()
-    old: Side = (args.old, args.old_python, [])
+    old: Side = (args.old, args.old_python, args.old_flag)
     new: Side = (args.new, args.new_python, args.new_flag)
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
