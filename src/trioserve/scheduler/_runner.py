@@ -4,13 +4,15 @@ A front end calls ``ModelRunner.infer``, which validates the request, puts it in
 runner's inbox and waits for its outcome. The batcher task (``run``) owns the queue; it
 applies ``decide`` from ``_batching`` and hands each batch straight to an idle instance
 task (one per model instance, ``instance_count`` of them). An instance that comes free
-while requests wait decides at once itself (``_dispatch``), then wakes the batcher.
+while requests wait decides at once itself (``_dispatch``), then wakes the batcher; a
+request that finds the batcher asleep and an instance idle wakes that instance to decide
+instead (``_post``).
 
 Under load, every turn of the event loop answers every ready connection, and each step
 from a finished execution to the next one waited for such a turn. So a sync model's
 worker thread runs back to back the full batches prefetched for it while it works
-(``_executed.execute_chain``), and ``admit`` refuses what a full queue would refuse before the
-front end decodes it: at ten times the clients a model can serve, it still completes
+(``_executed.execute_chain``), and ``admit`` refuses what a full queue would refuse
+before the front end decodes it: at ten times the clients a model can serve, it still completes
 more than nine tenths of its peak (``tools/overload_bench.py``).
 
 An instance the model says is down (``Model.instance_down``: a process restarting or
@@ -101,8 +103,7 @@ class ModelRunner:
         self._inbox = Inbox[Ticket | Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
         self._batches = Handoff[tuple[list[Ticket], int]]()
-        # Whether an idle instance may decide in the batcher's stead (``_post``): not
-        # where a subclass's batch loop is its own.
+        # An idle instance may decide for the batcher (``_post``), not for a loop of its own.
         self._instances_decide = type(self)._batch_loop is ModelRunner._batch_loop
         self._deciding = False  # an instance was handed _DECIDE and has not run yet
         self._execute_is_async = False  # settled once the model is loaded
