@@ -284,21 +284,27 @@ async def test_after_batch_runs_once_when_every_request_of_the_batch_has_its_out
     assert [t.response.outputs[0].data.item() for t in tickets[:3]] == [0, 10, 20]
 
 
+def _wake_ups(runner: ModelRunner) -> list[list[object]]:
+    """What the batcher's task takes from its inbox each time it wakes, from now on."""
+    inbox = runner._inbox
+    take, woken = inbox.take, []
+
+    async def counted_take(deadline: float = math.inf) -> list[object]:
+        items = await take(deadline)
+        woken.append(items)
+        return items
+
+    inbox.take = counted_take  # type: ignore[method-assign]
+    return woken
+
+
 async def test_an_idle_instance_decides_in_the_batchers_stead(autojump_clock):
     """Requests that find the batcher asleep with nothing timed and an instance idle are
     batched by that instance as it next runs, as the batcher would have then (those of
     one turn together), without a turn of the batcher's own; those that arrive while
     every instance is busy wait for the batcher as before."""
     recorder = Recorder(max_batch_size=4)
-    inbox = recorder.runner._inbox
-    take, woken = inbox.take, []
-
-    async def counted_take(deadline: float = math.inf) -> list[object]:
-        items = await take(deadline)
-        woken.append(items)  # the batcher's wake-ups
-        return items
-
-    inbox.take = counted_take  # type: ignore[method-assign]
+    woken = _wake_ups(recorder.runner)
     async with trio.open_nursery() as nursery:
         await nursery.start(recorder.runner.run)
         await trio.testing.wait_all_tasks_blocked()  # the instance waits for a batch
@@ -312,3 +318,20 @@ async def test_an_idle_instance_decides_in_the_batchers_stead(autojump_clock):
     assert woken_while_idle == 0 and len(woken) == 1
     assert recorder.executions == [(0.0, [0, 1, 2]), (COMPUTE_S, [3, 4])]
     assert [t.response.outputs[0].data.item() for t in first + later] == [0, 10, 20, 30, 40]
+
+
+async def test_with_a_queue_delay_the_batcher_decides_and_times_it(autojump_clock):
+    """Where a batch waits out a queue delay, the batcher decides (it times the delay): a
+    request that finds an instance idle wakes the batcher, not the instance."""
+    recorder = Recorder(max_batch_size=4, max_queue_delay_microseconds=2000)
+    woken = _wake_ups(recorder.runner)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(recorder.runner.run)
+        await trio.testing.wait_all_tasks_blocked()  # the instance waits for a batch
+        ticket = recorder.runner.submit(request(7))
+        await trio.testing.wait_all_tasks_blocked()
+        assert woken == [[ticket]] and recorder.executions == []  # the batcher took it
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert recorder.executions == [(0.002, [7])]
+    assert ticket.response is not None and ticket.response.outputs[0].data.item() == 70

@@ -103,8 +103,11 @@ class ModelRunner:
         self._inbox = Inbox[Ticket | Withdraw | None]()
         # Batches go to the model instances' tasks; ``_idle`` counts instances waiting.
         self._batches = Handoff[tuple[list[Ticket], int]]()
-        # An idle instance may decide for the batcher (``_post``), not for a loop of its own.
-        self._instances_decide = type(self)._batch_loop is ModelRunner._batch_loop
+        # An idle instance may decide for the batcher (``_post``) where no batch waits out a
+        # queue delay (the batcher times it) and the batch loop is this class's.
+        self._instances_decide = not self.policy.max_queue_delay_ns and (
+            type(self)._batch_loop is ModelRunner._batch_loop
+        )
         self._deciding = False  # an instance was handed _DECIDE and has not run yet
         self._execute_is_async = False  # settled once the model is loaded
         self._idle = model.instance_count
@@ -196,10 +199,9 @@ class ModelRunner:
         return ticket
 
     def _post(self, ticket: Ticket) -> None:
-        """Queue ``ticket`` for the next decision. Where the batcher sleeps with nothing
-        timed and an instance is idle, that instance decides in its stead as it next
-        runs, as the batcher would have then, and runs the batch: a turn of the event
-        loop less per batch (a batcher's wake-up, then the instance's)."""
+        """Queue ``ticket`` for the next decision: where the batcher sleeps with nothing
+        timed and an instance is idle, that instance decides as it next runs, as the
+        batcher would have then, and runs the batch (one wake-up instead of two)."""
         if self._deciding:
             self._inbox.put_quietly(ticket)
         elif self._instances_decide and self._inbox.sleeping and self._batches.waiting:
@@ -468,10 +470,9 @@ class ModelRunner:
             logger.exception("model %r: completing a batch failed", self.name)
 
     def after_batch(self, flush: Callable[[], object]) -> bool:
-        """Inside a finished request's callback (``Ticket.when_finished``): call ``flush``
-        once every request of the batch it finished in has its outcome, in this turn of
-        the event loop, once however many of them ask. False, and no call, for a request
-        that finished on its own (withdrawn, timed out, refused, shut down)."""
+        """Inside a finished request's callback: call ``flush`` once, as every request of
+        its batch has its outcome (this turn), however many ask. False, and no call, for
+        one that finished on its own (withdrawn, timed out, refused, shut down)."""
         waiting = self._after_batch
         if waiting is None:
             return False
@@ -480,8 +481,7 @@ class ModelRunner:
         return True
 
     def _complete(self, executed: Executed) -> None:
-        """Record an executed batch and hand each request its outcome; then call what
-        their owners asked to run after (``after_batch``)."""
+        """Record an executed batch, then call what its requests' owners asked (``after_batch``)."""
         self._after_batch = waiting = list[Callable[[], object]]()
         try:
             self._complete_batch(executed)
