@@ -211,8 +211,10 @@ class LinkInferences:
         try:  # (inside the runner: what goes wrong here is the link's alone)
             self._answer_finished()
             # Blocks of the core's arena may need announcing, with their descriptors.
-            if not self._outcome_blocks and self._out.channel.write_now(self._take_frames()):
-                return
+            if not self._outcome_blocks:
+                frames = self._take_frames()  # (none: every one withdrawn, or off the loop)
+                if not frames or self._out.channel.write_now(frames):
+                    return
         except LinkClosed:
             pass  # ``run`` finds it closed too, and ends
         except Exception:
