@@ -28,17 +28,12 @@ import subprocess
 import sys
 
 
-def _serve(per_frame: int, frames: int, warm_up: int) -> None:
-    """The measured run (``--serve``): the link, fed ``warm_up`` then ``frames`` frames."""
+def infers_frame(per_frame: int) -> bytes:
+    """One frame of ``per_frame`` INFERs of ``simple``, as a worker writes them."""
     import numpy as np
-    import trio
 
-    from trioserve import _gc
-    from trioserve.ipc import TrioChannel, channel_pair, encode_frames
-    from trioserve.models import reference_zoo
-    from trioserve.testing import open_test_server
-    from trioserve.workers._core_link import WorkerLink
-    from trioserve.workers._wire import ANSWER, INFER
+    from trioserve.ipc import encode_frames
+    from trioserve.workers._wire import INFER
 
     data = np.arange(16, dtype=np.int32).reshape(1, 16).tobytes()
     inputs = [(name, "INT32", (1, 16), data, {}) for name in ("INPUT0", "INPUT1")]
@@ -53,7 +48,30 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
         pass
     else:
         written = grouped(written)
-    frame, _ = encode_frames(written)
+    return encode_frames(written)[0]
+
+
+def answered_in(message: tuple[object, ...]) -> int:
+    """How many INFERs an ANSWER message answers (a tuple of calls: an OUTCOME of all)."""
+    from trioserve.workers._wire import ANSWER
+
+    assert message[0] == ANSWER, message
+    calls = message[1]
+    assert isinstance(calls, list)
+    return sum(len(call) if type(call) is tuple else 1 for call, _, _ in calls)
+
+
+def _serve(per_frame: int, frames: int, warm_up: int) -> None:
+    """The measured run (``--serve``): the link, fed ``warm_up`` then ``frames`` frames."""
+    import trio
+
+    from trioserve import _gc
+    from trioserve.ipc import TrioChannel, channel_pair
+    from trioserve.models import reference_zoo
+    from trioserve.testing import open_test_server
+    from trioserve.workers._core_link import WorkerLink
+
+    frame = infers_frame(per_frame)
 
     async def main() -> None:
         models = [model for model in reference_zoo() if model.name == "simple"]
@@ -69,9 +87,7 @@ def _serve(per_frame: int, frames: int, warm_up: int) -> None:
                 answered = 0
                 while answered < per_frame:
                     for message, _ in await answers.receive():
-                        assert message[0] == ANSWER, message
-                        for call, _, _ in message[1]:  # a tuple of calls: an OUTCOME of all
-                            answered += len(call) if type(call) is tuple else 1
+                        answered += answered_in(message)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
