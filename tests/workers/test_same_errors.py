@@ -1,0 +1,131 @@
+"""Bad inference requests get the answer one process gives, status and message, through
+``--workers 2``: the worker decodes them (the fast path) and the core validates them, or
+the worker refuses them itself, and either way the client cannot tell."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from ._served import TIMEOUT, Served
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[Served, Served]]:
+    one = Served(workers=0)
+    try:
+        two = Served(workers=2)
+        try:
+            yield one, two
+        finally:
+            assert two.stop() == 0
+    finally:
+        assert one.stop() == 0
+    # Refused, every one: no process logged an error of its own.
+    errors = [line for line in one.log + two.log if " ERROR " in line]
+    assert not errors, "".join(errors)
+
+
+def _tensor(name: str, shape: tuple[int, ...] = (1, 16), datatype: str = "INT32", **kw: Any) -> Any:
+    return {"name": name, "shape": list(shape), "datatype": datatype, "data": list(range(16)), **kw}
+
+
+_BOTH = [_tensor("INPUT0"), _tensor("INPUT1")]
+_NINE = [_tensor(f"INPUT{i}", (9, 16), data=list(range(144))) for i in (0, 1)]
+_BINARY_HEAD = json.dumps({"inputs": [
+    {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}},
+    {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 60}},
+]}).encode()  # fmt: skip
+
+# (model, body, Inference-Header-Content-Length or None)
+REST_CASES: dict[str, tuple[str, bytes, int | None]] = {
+    "malformed JSON": ("simple", b"{not json", None),
+    "no inputs": ("simple", json.dumps({"inputs": []}).encode(), None),
+    "an input missing": ("simple", json.dumps({"inputs": _BOTH[:1]}).encode(), None),
+    "wrong datatype": ("simple", json.dumps({"inputs": [_BOTH[0], _tensor("INPUT1", datatype="FP32")]}).encode(), None),
+    "wrong shape": ("simple", json.dumps({"inputs": [_BOTH[0], _tensor("INPUT1", (1, 8), data=list(range(8)))]}).encode(), None),
+    "too few elements": ("simple", json.dumps({"inputs": [_BOTH[0], _tensor("INPUT1", data=list(range(15)))]}).encode(), None),
+    "strings for INT32": ("simple", json.dumps({"inputs": [_BOTH[0], _tensor("INPUT1", data=["a"] * 16)]}).encode(), None),
+    "out of range": ("simple", json.dumps({"inputs": [_BOTH[0], _tensor("INPUT1", data=[2**40] * 16)]}).encode(), None),
+    "unknown output": ("simple", json.dumps({"inputs": _BOTH, "outputs": [{"name": "NOPE"}]}).encode(), None),
+    "unknown input": ("simple", json.dumps({"inputs": [*_BOTH, _tensor("INPUT2")]}).encode(), None),
+    "batch too large": ("simple", json.dumps({"inputs": _NINE}).encode(), None),
+    "unknown model": ("nosuch", json.dumps({"inputs": _BOTH}).encode(), None),
+    "bad priority": ("simple", json.dumps({"inputs": _BOTH, "parameters": {"priority": "x"}}).encode(), None),
+    "negative timeout": ("simple", json.dumps({"inputs": _BOTH, "parameters": {"timeout": -1}}).encode(), None),
+    "id not a string": ("simple", json.dumps({"id": 5, "inputs": _BOTH}).encode(), None),
+    "classification": ("simple", json.dumps({"inputs": _BOTH, "outputs": [{"name": "OUTPUT0", "parameters": {"classification": 2}}]}).encode(), None),
+    "binary data past the body": ("simple", json.dumps({"inputs": [_BOTH[0], {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": 64}}]}).encode(), None),
+    "binary data too short": ("simple", _BINARY_HEAD + bytes(124), len(_BINARY_HEAD)),
+    "header length past the body": ("simple", _BINARY_HEAD + bytes(124), 99999),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(REST_CASES))
+def test_a_bad_rest_request_is_refused_as_one_process_refuses_it(
+    servers: tuple[Served, Served], case: str
+) -> None:
+    model, body, header_length = REST_CASES[case]
+    headers = (
+        {} if header_length is None else {"Inference-Header-Content-Length": str(header_length)}
+    )
+    answers = []
+    for served in servers:
+        reply = httpx.post(
+            f"http://{served.url}/v2/models/{model}/infer", content=body, headers=headers,
+            timeout=TIMEOUT,
+        )  # fmt: skip
+        answers.append((reply.status_code, reply.json()))
+    assert answers[0][0] >= 400 and "error" in answers[0][1], answers[0]
+    assert answers[1] == answers[0]
+
+
+def _request(
+    model: str = "simple",
+    shapes: tuple[tuple[int, ...], ...] = ((1, 16), (1, 16)),
+    datatypes: tuple[str, ...] = ("INT32", "INT32"),
+    raws: list[bytes] | None = None,
+    outputs: tuple[str, ...] = (),
+) -> Any:
+    request = service_pb2.ModelInferRequest(model_name=model)
+    for index, (shape, datatype) in enumerate(zip(shapes, datatypes, strict=True)):
+        tensor = request.inputs.add()
+        tensor.name, tensor.datatype = f"INPUT{index}", datatype
+        tensor.shape.extend(shape)
+    one = np.arange(16, dtype=np.int32).tobytes()
+    request.raw_input_contents.extend([one] * len(shapes) if raws is None else raws)
+    for name in outputs:
+        request.outputs.add().name = name
+    return request
+
+
+GRPC_CASES: dict[str, Any] = {
+    "unknown model": _request(model="nosuch"),
+    "wrong datatype": _request(datatypes=("INT32", "FP32")),
+    "an input missing": _request(shapes=((1, 16),), datatypes=("INT32",)),
+    "raw contents missing": _request(raws=[bytes(64)]),
+    "raw contents too short": _request(raws=[bytes(64), bytes(60)]),
+    "unknown output": _request(outputs=("NOPE",)),
+    "batch too large": _request(shapes=((9, 16), (9, 16)), raws=[bytes(576)] * 2),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPC_CASES))
+def test_a_bad_grpc_request_is_refused_as_one_process_refuses_it(
+    servers: tuple[Served, Served], case: str
+) -> None:
+    answers = []
+    for served in servers:
+        with grpc.insecure_channel(served.grpc_url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ModelInfer(GRPC_CASES[case], timeout=TIMEOUT)
+        answers.append((refused.value.code(), refused.value.details()))
+    assert answers[1] == answers[0]
