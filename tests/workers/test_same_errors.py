@@ -1,6 +1,8 @@
-"""Bad inference requests get the answer one process gives, status and message, through
-``--workers 2``: the worker decodes them (the fast path) and the core validates them, or
-the worker refuses them itself, and either way the client cannot tell."""
+"""Bad requests get the answer one process gives, status and message, through
+``--workers 2``: inference requests that the worker decodes (the fast path) and the core
+validates, or that the worker refuses itself, and requests to the other endpoints, which
+the worker forwards as they came or refuses itself (routes, methods, encodings); either
+way the client cannot tell."""
 
 from __future__ import annotations
 
@@ -128,4 +130,58 @@ def test_a_bad_grpc_request_is_refused_as_one_process_refuses_it(
             with pytest.raises(grpc.RpcError) as refused:
                 stub.ModelInfer(GRPC_CASES[case], timeout=TIMEOUT)
         answers.append((refused.value.code(), refused.value.details()))
+    assert answers[1] == answers[0]
+
+
+_SHM_INPUT = {
+    "name": "INPUT0", "shape": [1, 16], "datatype": "INT32",
+    "parameters": {"shared_memory_region": "nosuch", "shared_memory_byte_size": 64},
+}  # fmt: skip
+_OCTETS = {"Content-Type": "application/octet-stream"}
+
+# (method, path, body, headers): what the worker forwards as it came, or refuses itself.
+OTHER_CASES: list[tuple[str, str, bytes, dict[str, str]]] = [
+    ("GET", "/v2/models/nosuch", b"", {}),
+    ("GET", "/v2/models/nosuch/config", b"", {}),
+    ("GET", "/v2/models/nosuch/stats", b"", {}),
+    ("GET", "/v2/models/simple/versions/7", b"", {}),
+    ("POST", "/v2/systemsharedmemory/region/r1/register", b'{"key": "/nope", "offset": 0, "byte_size": 64}', {}),
+    ("POST", "/v2/systemsharedmemory/region/r1/register", b'{"key": 5}', {}),
+    ("POST", "/v2/models/simple/infer", json.dumps({"inputs": [_SHM_INPUT, _BOTH[1]]}).encode(), {}),
+    ("POST", "/v2/models/simple/infer", bytes(64), _OCTETS),
+    ("POST", "/v2/repository/models/nosuch/load", b"", {}),
+    ("POST", "/v2/repository/models/simple/unload", b'{"parameters": {"unload_dependents": "x"}}', {}),
+    ("POST", "/v2/repository/index", b"{bad", {}),
+    ("POST", "/v2/models/tiny_lm/generate", b'{"text_input": "hi", "parameters": {"temperature": -1}}', {}),
+    ("POST", "/v2/models/tiny_lm/generate", b'{"parameters": {"max_tokens": 2}}', {}),
+    ("POST", "/v2/models/simple/generate", b'{"text_input": "hi"}', {}),
+    ("POST", "/v1/chat/completions", b'{"model": "tiny_lm"}', {}),
+    ("POST", "/v1/chat/completions", b'{"model": "nosuch", "messages": [{"role": "user", "content": "hi"}]}', {}),
+    ("POST", "/v1/completions", b'{"model": "tiny_lm", "prompt": "hi", "n": 0}', {}),
+    ("POST", "/v2/trace/setting", b'{"trace_rate": "x"}', {}),
+    ("POST", "/v2/logging", b'{"log_verbose_level": "x"}', {}),
+    ("GET", "/v2/nothing/here", b"", {}),
+    ("GET", "/v2/models/simple/infer", b"", {}),
+    ("DELETE", "/v2", b"", {}),
+    ("POST", "/v2/models/simple/infer", b"{}", {"Content-Encoding": "gzip"}),
+    ("POST", "/v2/models/simple/infer", b"{}", {"Content-Encoding": "zstd-nope"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    OTHER_CASES,
+    ids=[f"{method} {path} {index}" for index, (method, path, _, _) in enumerate(OTHER_CASES)],
+)
+def test_a_bad_request_to_another_endpoint_is_refused_as_one_process_refuses_it(
+    servers: tuple[Served, Served], case: tuple[str, str, bytes, dict[str, str]]
+) -> None:
+    method, path, body, headers = case
+    answers = []
+    for served in servers:
+        reply = httpx.request(
+            method, f"http://{served.url}{path}", content=body, headers=headers, timeout=TIMEOUT
+        )
+        answers.append((reply.status_code, reply.text))
+    assert answers[0][0] >= 400 and "error" in answers[0][1], answers[0]
     assert answers[1] == answers[0]
