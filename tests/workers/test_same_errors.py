@@ -108,28 +108,54 @@ def _request(
     return request
 
 
-GRPC_CASES: dict[str, Any] = {
-    "unknown model": _request(model="nosuch"),
-    "wrong datatype": _request(datatypes=("INT32", "FP32")),
-    "an input missing": _request(shapes=((1, 16),), datatypes=("INT32",)),
-    "raw contents missing": _request(raws=[bytes(64)]),
-    "raw contents too short": _request(raws=[bytes(64), bytes(60)]),
-    "unknown output": _request(outputs=("NOPE",)),
-    "batch too large": _request(shapes=((9, 16), (9, 16)), raws=[bytes(576)] * 2),
-}
+_Setting = service_pb2.TraceSettingRequest.SettingValue
+_LogSetting = service_pb2.LogSettingsRequest.SettingValue
+
+# (method, request): ModelInfer's the worker decodes, the others it forwards as they came.
+GRPC_CASES: dict[str, tuple[str, Any]] = {
+    "unknown model": ("ModelInfer", _request(model="nosuch")),
+    "wrong datatype": ("ModelInfer", _request(datatypes=("INT32", "FP32"))),
+    "an input missing": ("ModelInfer", _request(shapes=((1, 16),), datatypes=("INT32",))),
+    "raw contents missing": ("ModelInfer", _request(raws=[bytes(64)])),
+    "raw contents too short": ("ModelInfer", _request(raws=[bytes(64), bytes(60)])),
+    "unknown output": ("ModelInfer", _request(outputs=("NOPE",))),
+    "batch too large": ("ModelInfer", _request(shapes=((9, 16), (9, 16)), raws=[bytes(576)] * 2)),
+    "metadata of an unknown model": ("ModelMetadata", service_pb2.ModelMetadataRequest(name="nosuch")),
+    "config of an unknown model": ("ModelConfig", service_pb2.ModelConfigRequest(name="nosuch")),
+    "statistics of an unknown model": ("ModelStatistics", service_pb2.ModelStatisticsRequest(name="nosuch")),
+    "a region that is not there": ("SystemSharedMemoryRegister", service_pb2.SystemSharedMemoryRegisterRequest(name="r1", key="/nope", byte_size=64)),
+    "status of an unknown region": ("SystemSharedMemoryStatus", service_pb2.SystemSharedMemoryStatusRequest(name="nosuch")),
+    "a load without model control": ("RepositoryModelLoad", service_pb2.RepositoryModelLoadRequest(model_name="nosuch")),
+    "a bad trace setting": ("TraceSetting", service_pb2.TraceSettingRequest(settings={"trace_rate": _Setting(value=["x"])})),
+    "a bad log setting": ("LogSettings", service_pb2.LogSettingsRequest(settings={"log_verbose_level": _LogSetting(string_param="x")})),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(GRPC_CASES))
 def test_a_bad_grpc_request_is_refused_as_one_process_refuses_it(
     servers: tuple[Served, Served], case: str
 ) -> None:
+    method, request = GRPC_CASES[case]
     answers = []
     for served in servers:
         with grpc.insecure_channel(served.grpc_url) as channel:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
-                stub.ModelInfer(GRPC_CASES[case], timeout=TIMEOUT)
+                getattr(stub, method)(request, timeout=TIMEOUT)
         answers.append((refused.value.code(), refused.value.details()))
+    assert answers[1] == answers[0]
+
+
+def test_a_bad_request_on_a_stream_is_answered_as_one_process_answers_it(
+    servers: tuple[Served, Served],
+) -> None:
+    answers = []
+    for served in servers:
+        with grpc.insecure_channel(served.grpc_url) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            replies = stub.ModelStreamInfer(iter([_request(model="nosuch")]), timeout=TIMEOUT)
+            answers.append([reply.error_message for reply in replies])
+    assert answers[0] == ["Request for unknown model: 'nosuch' is not found"]
     assert answers[1] == answers[0]
 
 
