@@ -86,21 +86,27 @@ def _run(
     frame = infers_frame(per_frame)
     pid = os.fork()
     if pid == 0:  # the worker
+        status = 1
         try:
             core_end.close()
+            os.close(started)  # the core's alone: it closing unstarted is an end of file
             os.sched_setaffinity(0, {worker_cpu})
-            os.read(wait_start, 1)
-            _worker(worker_end, frame, per_frame, frames, work_s, rows)
+            if os.read(wait_start, 1):
+                _worker(worker_end, frame, per_frame, frames, work_s, rows)
+            status = 0
         finally:
-            os._exit(0)
+            os._exit(status)
     worker_end.close()
+    os.close(wait_start)
     os.sched_setaffinity(0, {core_cpu})
     try:
-        return _core(core_end, started)
+        spent = _core(core_end, started)
     finally:
-        os.waitpid(pid, 0)
-        for fd in (wait_start, started):
-            os.close(fd)
+        os.close(started)  # a core that failed before its start lets the worker go
+        _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise SystemExit(f"the worker process failed (wait status {status})")
+    return spent
 
 
 def main() -> None:
